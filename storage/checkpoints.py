@@ -1,0 +1,135 @@
+"""Checkpoint folders in the object store: naming, commit, validation, listing, retention.
+
+Layout: ``{root}/runs/{run}/checkpoints/step-00001200/`` holding the DCP files of every
+rank, ``train_state.json``, and ``commit.json`` written last by rank 0. A folder is
+valid only when ``commit.json`` exists, parses, and every file it lists is present with
+its size (and, on a deep check, its sha256). A new attempt never writes into a folder
+that already exists: it takes ``step-00001200.a1``, ``.a2`` ...
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+from storage.manifest import Verdict, describe_files, read_manifest, verify_files
+from storage.store import Store, join
+
+COMMIT_FILE = "commit.json"
+KEEP_MARKER = "keep"
+FORMAT = "stoker-checkpoint/1"
+_NAME = re.compile(r"^step-(\d{8})(?:\.a(\d+))?$")
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """One checkpoint folder of a run."""
+
+    step: int
+    attempt: int
+    key: str  # relative to the store root
+    url: str
+
+    @property
+    def name(self) -> str:
+        return self.key.rstrip("/").rsplit("/", 1)[-1]
+
+
+def run_key(run_name: str) -> str:
+    return join("runs", run_name)
+
+
+def checkpoints_key(run_name: str) -> str:
+    return join("runs", run_name, "checkpoints")
+
+
+def checkpoint_name(step: int, attempt: int = 0) -> str:
+    return f"step-{step:08d}" + (f".a{attempt}" if attempt else "")
+
+
+def list_checkpoints(store: Store, run_name: str) -> list[CheckpointRef]:
+    """Every checkpoint folder of a run, newest first (by step, then attempt)."""
+    base = checkpoints_key(run_name)
+    refs = []
+    for name in store.listdir(base):
+        m = _NAME.match(name)
+        if m:
+            key = join(base, name)
+            refs.append(CheckpointRef(int(m.group(1)), int(m.group(2) or 0), key, store.url(key)))
+    return sorted(refs, key=lambda r: (r.step, r.attempt), reverse=True)
+
+
+def new_checkpoint_key(store: Store, run_name: str, step: int) -> str:
+    """A folder for a new checkpoint at `step` that no earlier attempt has written into."""
+    base = checkpoints_key(run_name)
+    taken = set(store.listdir(base))
+    attempt = 0
+    while checkpoint_name(step, attempt) in taken:
+        attempt += 1
+    return join(base, checkpoint_name(step, attempt))
+
+
+def commit_checkpoint(store: Store, key: str, meta: dict) -> dict:
+    """Write the commit manifest last: the listed files with size and sha256, plus meta."""
+    files = describe_files(store, key)
+    files.pop(COMMIT_FILE, None)
+    files.pop(KEEP_MARKER, None)
+    manifest = {"format": FORMAT, "committed_at": time.time(), **meta, "files": files}
+    store.write_json(join(key, COMMIT_FILE), manifest)
+    return manifest
+
+
+def validate_checkpoint(store: Store, key: str, deep: bool = False) -> Verdict:
+    """Is this checkpoint folder complete and intact? Deep also verifies every checksum."""
+    manifest, reason = read_manifest(store, join(key, COMMIT_FILE))
+    if manifest is None:
+        return Verdict(False, reason)
+    if manifest.get("format") != FORMAT:
+        return Verdict(False, f"unknown checkpoint format {manifest.get('format')!r}", manifest)
+    if ".metadata" not in manifest["files"]:
+        return Verdict(False, "manifest lists no DCP .metadata file", manifest)
+    problem = verify_files(store, key, manifest["files"], deep)
+    if problem:
+        return Verdict(False, problem, manifest)
+    return Verdict(True, "", manifest)
+
+
+@dataclass
+class ResumeChoice:
+    """The newest valid checkpoint (or None) and every newer one skipped, with the reason."""
+
+    checkpoint: CheckpointRef | None
+    manifest: dict
+    skipped: list[tuple[CheckpointRef, str]]
+
+
+def find_latest_valid(store: Store, run_name: str) -> ResumeChoice:
+    """Walk checkpoints newest first; the first that passes a deep check wins."""
+    skipped = []
+    for ref in list_checkpoints(store, run_name):
+        verdict = validate_checkpoint(store, ref.key, deep=True)
+        if verdict:
+            return ResumeChoice(ref, verdict.manifest, skipped)
+        skipped.append((ref, verdict.reason))
+    return ResumeChoice(None, {}, skipped)
+
+
+def prune_checkpoints(store: Store, run_name: str, keep_latest_k: int) -> list[str]:
+    """Delete committed checkpoints beyond the newest K (and any uncommitted folder older
+    than the newest committed one), sparing folders marked to keep. Returns deleted keys."""
+    assert keep_latest_k >= 2, "keep at least two: the newest may still be uploading"
+    refs = list_checkpoints(store, run_name)
+    committed = [r for r in refs if store.exists(join(r.key, COMMIT_FILE))]
+    if len(committed) <= keep_latest_k:
+        return []
+    keep = {r.key for r in committed[:keep_latest_k]}
+    oldest_kept = committed[keep_latest_k - 1]
+    deleted = []
+    for ref in refs:
+        if ref.key in keep or store.exists(join(ref.key, KEEP_MARKER)):
+            continue
+        if (ref.step, ref.attempt) < (oldest_kept.step, oldest_kept.attempt):
+            store.rm(ref.key)
+            deleted.append(ref.key)
+    return deleted

@@ -1,0 +1,62 @@
+"""File manifests: every file of a folder with its size and checksum, written last.
+
+A folder (shard set or checkpoint) counts only when its manifest exists and every file
+it lists is present with the listed size and, on a deep check, the listed checksum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from storage.store import Store, join
+
+
+@dataclass
+class Verdict:
+    """Whether a folder is valid, and if not, why."""
+
+    valid: bool
+    reason: str = ""
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return self.valid
+
+
+def describe_files(store: Store, folder: str, names: list[str] | None = None) -> dict[str, dict]:
+    """{name: {size, sha256}} for the given names (default: every file under folder)."""
+    if names is None:
+        names = sorted(store.walk_files(folder))
+    return {
+        name: {"size": store.size(join(folder, name)), "sha256": store.sha256(join(folder, name))}
+        for name in names
+    }
+
+
+def verify_files(store: Store, folder: str, files: dict[str, dict], deep: bool) -> str:
+    """Return '' when every listed file matches, else the first problem found."""
+    present = store.walk_files(folder)
+    for name, entry in sorted(files.items()):
+        if name not in present:
+            return f"listed file {name} is missing"
+        if present[name] != entry["size"]:
+            return f"{name} has {present[name]} bytes, manifest says {entry['size']}"
+    if deep:
+        for name, entry in sorted(files.items()):
+            if store.sha256(join(folder, name)) != entry["sha256"]:
+                return f"{name} fails its sha256 checksum"
+    return ""
+
+
+def read_manifest(store: Store, key: str) -> tuple[dict | None, str]:
+    """Parse a manifest; returns (manifest, '') or (None, reason)."""
+    if not store.exists(key):
+        return None, "no manifest (never committed or still being written)"
+    try:
+        manifest = store.read_json(key)
+    except (ValueError, UnicodeDecodeError) as err:
+        return None, f"manifest is not valid JSON ({err})"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return None, "manifest has no 'files' table"
+    return manifest, ""

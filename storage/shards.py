@@ -1,0 +1,102 @@
+"""Shard sets: tokenized data under ``{root}/shards/{cache-key}/``, manifest last.
+
+The cache key hashes the raw data's content fingerprint, the tokenizer file's hash,
+every parameter that changes the output, and a format version, never paths or worker
+counts. A shard set counts only when ``manifest.json`` exists and its files match it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+
+from storage.manifest import Verdict, read_manifest, verify_files
+from storage.store import Store, join
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def shard_cache_key(source_fingerprint: str, tokenizer_sha256: str, params: dict) -> str:
+    """Same inputs, same key: the content of everything that shapes the shards."""
+    payload = {
+        "format_version": FORMAT_VERSION,
+        "source": source_fingerprint,
+        "tokenizer": tokenizer_sha256,
+        "params": params,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def shard_set_key(cache_key: str) -> str:
+    return join("shards", cache_key)
+
+
+def validate_shard_set(store: Store, cache_key: str, deep: bool = False) -> Verdict:
+    """A shard set is valid when its manifest exists and every listed file matches."""
+    folder = shard_set_key(cache_key)
+    manifest, reason = read_manifest(store, join(folder, MANIFEST))
+    if manifest is None:
+        return Verdict(False, reason)
+    if manifest.get("cache_key") != cache_key or manifest.get("format_version") != FORMAT_VERSION:
+        return Verdict(False, "manifest belongs to another key or format version", manifest)
+    problem = verify_files(store, folder, manifest["files"], deep)
+    return Verdict(not problem, problem, manifest)
+
+
+def staging_key(cache_key: str) -> str:
+    """A private folder to build a shard set in before it is published."""
+    return join("shards", f".tmp-{cache_key}-{uuid.uuid4().hex[:8]}")
+
+
+def publish_shard_set(store: Store, staging: str, cache_key: str, manifest: dict) -> bool:
+    """Publish a built shard set. Local: write the manifest into staging, then rename the
+    folder into place (atomic). Object stores: copy files, manifest last. Returns False
+    when another writer published the same key first (this copy is then discarded)."""
+    final = shard_set_key(cache_key)
+    if validate_shard_set(store, cache_key):
+        store.rm(staging)
+        return False
+    if store.is_local:
+        store.write_json(join(staging, MANIFEST), manifest)
+        if store.exists(final):  # an invalid leftover (damaged or half-written) goes away
+            store.rm(final)
+        try:
+            store.rename(staging, final)
+        except OSError:  # a concurrent writer renamed first
+            store.rm(staging)
+            return False
+        return True
+    store.rm(join(final, MANIFEST))
+    for name in manifest["files"]:
+        store.copy(join(staging, name), join(final, name))
+    store.write_json(join(final, MANIFEST), manifest)
+    store.rm(staging)
+    return True
+
+
+def materialize(store: Store, cache_key: str, cache_dir: str) -> str:
+    """A local folder holding the shard set (the store folder itself when local; a
+    verified download into cache_dir otherwise)."""
+    folder = shard_set_key(cache_key)
+    if store.is_local:
+        return store.local_path(folder)
+    local = os.path.join(cache_dir, "shards", cache_key)
+    if os.path.exists(os.path.join(local, MANIFEST)):
+        return local
+    tmp = f"{local}.tmp-{uuid.uuid4().hex[:8]}"
+    manifest = store.read_json(join(folder, MANIFEST))
+    for name in manifest["files"]:
+        store.get_file(join(folder, name), os.path.join(tmp, name))
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    try:
+        os.replace(tmp, local)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return local

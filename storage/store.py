@@ -1,0 +1,201 @@
+"""The one fsspec-based layer: an object-store root URL and the few primitives built on it.
+
+URIs stay ``str`` (``pathlib.Path`` collapses the ``//`` of ``s3://``). Every other
+module in storage/ builds on ``Store``; nothing outside storage/ touches fsspec.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from typing import Any, Iterator
+
+import fsspec
+from fsspec.core import url_to_fs
+
+CHUNK = 8 * 1024 * 1024
+
+
+def join(base: str, *parts: str) -> str:
+    """Join URL parts with '/', keeping the scheme's '//' intact."""
+    out = base.rstrip("/")
+    for p in parts:
+        p = str(p).strip("/")
+        if p:
+            out = f"{out}/{p}"
+    return out
+
+
+def normalize_root(root: str) -> str:
+    """Turn a bare absolute path into a file:// URL; leave URLs alone."""
+    if "://" not in root:
+        return "file://" + os.path.abspath(os.path.expanduser(root))
+    return root.rstrip("/")
+
+
+class Store:
+    """An object-store root (``file://``, ``s3://``, ``memory://`` ...) with simple primitives.
+
+    Paths given to the methods are relative keys under the root or full URLs.
+    """
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None):
+        self.root = normalize_root(root)
+        self.storage_options = dict(storage_options or {})
+        self.fs, self._root_path = url_to_fs(self.root, **self.storage_options)
+        self.protocol = self.root.split("://", 1)[0]
+
+    # ---- naming --------------------------------------------------------------------
+    @property
+    def is_local(self) -> bool:
+        return self.protocol in ("file", "local")
+
+    def url(self, *parts: str) -> str:
+        return join(self.root, *parts)
+
+    def _path(self, key: str) -> str:
+        if "://" in key:
+            if not key.startswith(self.root):
+                raise ValueError(f"{key!r} is outside the store root {self.root!r}")
+            key = key[len(self.root):]
+        return join(self._root_path, key) if key.strip("/") else self._root_path
+
+    def local_path(self, key: str = "") -> str:
+        """The local filesystem path of a key (local stores only)."""
+        if not self.is_local:
+            raise ValueError(f"{self.root} is not a local store")
+        return self._path(key)
+
+    # ---- primitives ----------------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return self.fs.exists(self._path(key))
+
+    def size(self, key: str) -> int:
+        return int(self.fs.size(self._path(key)))
+
+    def open(self, key: str, mode: str = "rb"):
+        if "w" in mode and self.is_local:
+            self.fs.makedirs(os.path.dirname(self._path(key)), exist_ok=True)
+        return self.fs.open(self._path(key), mode)
+
+    def read_bytes(self, key: str) -> bytes:
+        return self.fs.cat_file(self._path(key))
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        """Write a whole object atomically: tmp + rename on local disks, one PUT elsewhere."""
+        path = self._path(key)
+        if self.is_local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        else:
+            self.fs.pipe_file(path, data)
+
+    def read_json(self, key: str) -> Any:
+        return json.loads(self.read_bytes(key))
+
+    def write_json(self, key: str, obj: Any) -> None:
+        self.write_bytes(key, json.dumps(obj, indent=2, sort_keys=True).encode())
+
+    def append_text(self, key: str, text: str) -> None:
+        """Append to a text object (read-modify-write where the store cannot append)."""
+        if self.is_local:
+            path = self._path(key)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "a") as f:
+                f.write(text)
+            return
+        old = self.read_bytes(key) if self.exists(key) else b""
+        self.write_bytes(key, old + text.encode())
+
+    def put_file(self, local_path: str, key: str) -> None:
+        path = self._path(key)
+        if self.is_local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.fs.put_file(local_path, path)
+
+    def get_file(self, key: str, local_path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(local_path)), exist_ok=True)
+        self.fs.get_file(self._path(key), local_path)
+
+    def listdir(self, key: str = "") -> list[str]:
+        """Names (not paths) directly under a key; empty when it does not exist."""
+        path = self._path(key)
+        try:
+            entries = self.fs.ls(path, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        base = path.rstrip("/")
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != base)
+
+    def walk_files(self, key: str) -> dict[str, int]:
+        """Every file under a key as {relative name: size}."""
+        base = self._path(key).rstrip("/")
+        try:
+            found = self.fs.find(base, detail=True, withdirs=False)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for path, info in found.items():
+            rel = path[len(base):].lstrip("/") if path.startswith(base) else path
+            if rel:
+                out[rel] = int(info.get("size") or 0)
+        return out
+
+    def copy(self, src: str, dst: str) -> None:
+        """Copy one object within the store."""
+        if self.is_local:
+            os.makedirs(os.path.dirname(self._path(dst)), exist_ok=True)
+        self.fs.copy(self._path(src), self._path(dst))
+
+    def rm(self, key: str, recursive: bool = True) -> None:
+        path = self._path(key)
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=recursive)
+
+    def rename(self, src: str, dst: str) -> None:
+        """Move a folder (atomic on a local disk)."""
+        if self.is_local:
+            os.replace(self._path(src), self._path(dst))
+        else:
+            self.fs.mv(self._path(src), self._path(dst), recursive=True)
+
+    # ---- content ---------------------------------------------------------------------
+    def iter_chunks(self, key: str) -> Iterator[bytes]:
+        with self.fs.open(self._path(key), "rb") as f:
+            while True:
+                block = f.read(CHUNK)
+                if not block:
+                    return
+                yield block
+
+    def sha256(self, key: str) -> str:
+        h = hashlib.sha256()
+        for block in self.iter_chunks(key):
+            h.update(block)
+        return h.hexdigest()
+
+    def child(self, key: str) -> "Store":
+        """A Store rooted at a sub-key, sharing the options."""
+        return Store(self.url(key), self.storage_options)
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(CHUNK)
+            if not block:
+                return h.hexdigest()
+            h.update(block)
+
+
+def open_url(url: str, mode: str = "rb", **storage_options: Any):
+    """Open any fsspec URL (used for sources outside the store root)."""
+    return fsspec.open(url, mode, **storage_options).open()

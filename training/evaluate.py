@@ -1,0 +1,66 @@
+"""Evaluate one committed checkpoint in its own process: ``python -m training.evaluate``.
+
+Loads only the model tensors from the checkpoint (never unpickles anything) and prints
+one JSON line with the validation loss and perplexity over the whole validation split
+(capped by --max-windows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import torch
+
+from storage.checkpoints import validate_checkpoint
+from storage.shards import materialize
+from storage.store import Store
+from training.checkpoint import load_checkpoint
+from training.data import TokenStream, eval_offsets, get_batch
+from training.model import GPT
+from training.train import read_config
+
+
+@torch.no_grad()
+def evaluate_checkpoint(cfg, store: Store, checkpoint_key: str, shard_dir: str,
+                        max_windows: int = 256, batch_size: int = 16) -> dict:
+    verdict = validate_checkpoint(store, checkpoint_key, deep=True)
+    if not verdict:
+        raise ValueError(f"checkpoint {checkpoint_key} is not valid: {verdict.reason}")
+    val = TokenStream(shard_dir, "val")
+    torch.manual_seed(0)
+    model = GPT(cfg.model, val.vocab_size)
+    load_checkpoint(store, checkpoint_key, model=model)
+    model.eval()
+    T = cfg.model.block_size
+    offsets = eval_offsets(val.num_tokens, T, min(max_windows, max(1, val.num_tokens // T)))
+    total, count = 0.0, 0
+    for i in range(0, len(offsets), batch_size):
+        x, y = get_batch(val, T, offsets[i : i + batch_size])
+        _, loss = model(x, y)
+        total += float(loss) * len(x)
+        count += len(x)
+    loss = total / count
+    return {"checkpoint": store.url(checkpoint_key), "step": verdict.manifest["step"],
+            "val_loss": loss, "val_ppl": math.exp(min(loss, 50)), "windows": count}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Evaluate a stoker checkpoint.")
+    p.add_argument("--config", required=True)
+    p.add_argument("--checkpoint", required=True, help="checkpoint key under the store root")
+    p.add_argument("--shards", required=True)
+    p.add_argument("--max-windows", type=int, default=256)
+    p.add_argument("--cache-dir", default=os.environ.get("STOKER_CACHE", os.path.expanduser("~/.cache/stoker")))
+    args = p.parse_args(argv)
+    cfg = read_config(args.config)
+    store = Store(cfg.storage.root, cfg.storage.storage_options)
+    shard_dir = materialize(store, args.shards.rsplit("/", 1)[-1], args.cache_dir)
+    result = evaluate_checkpoint(cfg, store, args.checkpoint, shard_dir, args.max_windows)
+    print("STOKER_EVAL " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

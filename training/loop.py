@@ -1,0 +1,207 @@
+"""The training loop every rank runs: DDP, AdamW, warmup+cosine, accumulation, clipping,
+periodic evaluation and checkpoints. Plain torch; no orchestrator."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from storage.checkpoints import run_key
+from storage.store import Store, join
+from training.checkpoint import load_checkpoint, save_checkpoint
+from training.config import RunConfig
+from training.data import TokenStream, eval_offsets, get_batch, train_batch
+from training.model import GPT, param_groups
+
+METRIC_PREFIX = "STOKER_METRIC "
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Rank facts, worked out once."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_dist(self) -> bool:
+        return self.world_size > 1 or (dist.is_available() and dist.is_initialized())
+
+
+def setup_distributed(cfg: RunConfig) -> RankInfo:
+    """Join the process group torchrun prepared (or run alone without one)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and cfg.launch.backend != "gloo"
+    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if "MASTER_ADDR" in os.environ and not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        dist.init_process_group(backend=backend)
+    if device.type == "cpu":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    return RankInfo(rank, local_rank, world, device)
+
+
+def lr_multiplier(step: int, cfg: RunConfig) -> float:
+    """Linear warm-up to 1, then cosine decay to min_lr/lr at max_steps."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return (step + 1) / (t.warmup_steps + 1)
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+    floor = t.min_lr / t.lr
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class MetricsLog:
+    """Rank 0's JSON-lines metrics: printed at once (the launcher streams them to the
+    orchestrator's log) and appended to {run}/metrics.jsonl in the store on flush."""
+
+    def __init__(self, store: Store, run_name: str, enabled: bool):
+        self.store, self.key, self.enabled, self.pending = store, join(run_key(run_name), "metrics.jsonl"), enabled, []
+
+    def log(self, **record) -> None:
+        if not self.enabled:
+            return
+        record = {"time": time.time(), **record}
+        line = json.dumps(record, sort_keys=True)
+        print(METRIC_PREFIX + line, flush=True)
+        self.pending.append(line + "\n")
+
+    def flush(self) -> None:
+        if self.pending:
+            self.store.append_text(self.key, "".join(self.pending))
+            self.pending = []
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, ranks: RankInfo, shard_dir: str, store: Store,
+                 shard_key: str = ""):
+        self.cfg, self.ranks, self.store, self.shard_key = cfg, ranks, store, shard_key
+        self.run_name = cfg.resolved_run_name()
+        if cfg.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.train_data = TokenStream(shard_dir, "train")
+        self.val_data = TokenStream(shard_dir, "val")
+        torch.manual_seed(cfg.train.seed)  # same init on every rank
+        self.raw_model = GPT(cfg.model, self.train_data.vocab_size).to(ranks.device)
+        self.model = DDP(self.raw_model) if ranks.is_dist else self.raw_model
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(param_groups(self.raw_model, t.weight_decay), lr=t.lr,
+                                           betas=(t.beta1, t.beta2), foreach=False)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_multiplier(s, cfg))
+        torch.manual_seed(t.seed + 1 + ranks.rank)  # per-rank stream (dropout)
+        self.step, self.tokens_seen = 0, 0
+        self.metrics = MetricsLog(store, self.run_name, ranks.is_rank_zero)
+
+    # ---- state ---------------------------------------------------------------------
+    def resume(self, checkpoint_key: str) -> None:
+        state = load_checkpoint(self.store, checkpoint_key, model=self.raw_model,
+                                optimizer=self.optimizer, scheduler=self.scheduler,
+                                rank=self.ranks.rank)
+        self.step, self.tokens_seen = state.step, state.tokens_seen
+        self.metrics.log(event="resumed", step=self.step, checkpoint=self.store.url(checkpoint_key))
+
+    def save(self) -> None:
+        meta = {"config_hash": self.cfg.identity_hash(), "model_hash": self.cfg.model_hash(),
+                "shard_key": self.shard_key, "run_name": self.run_name}
+        key, seconds = save_checkpoint(
+            self.store, self.run_name, model=self.raw_model, optimizer=self.optimizer,
+            scheduler=self.scheduler, step=self.step, tokens_seen=self.tokens_seen,
+            seed=self.cfg.train.seed, rank=self.ranks.rank, world_size=self.ranks.world_size,
+            meta=meta, keep_latest_k=self.cfg.checkpoint.keep_latest_k)
+        self.metrics.log(event="checkpoint", step=self.step, uri=self.store.url(key),
+                         seconds=round(seconds, 3))
+        self.metrics.flush()
+
+    # ---- steps ---------------------------------------------------------------------
+    def train_step(self) -> float:
+        """One optimizer step over grad_accum micro-batches; returns the mean loss."""
+        cfg, r = self.cfg, self.ranks
+        accum = cfg.grad_accum_steps
+        self.model.train()
+        total = torch.zeros((), dtype=torch.float64)
+        for micro in range(accum):
+            x, y = train_batch(self.train_data, cfg.model.block_size, cfg.train.micro_batch_size,
+                               cfg.train.seed, self.step, r.rank, micro)
+            x, y = x.to(r.device), y.to(r.device)
+            # DDP all-reduces gradients only on the last micro-batch (group: world)
+            sync = nullcontext() if (micro == accum - 1 or not r.is_dist) else self.model.no_sync()
+            with sync:
+                _, loss = self.model(x, y)
+                (loss / accum).backward()
+            total += loss.detach().double().cpu()
+        if cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.train.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += cfg.train.global_batch_size * cfg.model.block_size
+        mean = total / accum
+        if r.is_dist:
+            dist.all_reduce(mean)  # group: world; report the loss averaged over all ranks
+            mean /= r.world_size
+        return float(mean)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over fixed windows, split across ranks."""
+        cfg, r = self.cfg, self.ranks
+        micro, T = cfg.train.micro_batch_size, cfg.model.block_size
+        offsets = eval_offsets(self.val_data.num_tokens, T, cfg.eval.num_batches * micro * r.world_size)
+        mine = offsets[r.rank :: r.world_size]
+        self.raw_model.eval()
+        sums = torch.zeros(2, dtype=torch.float64)
+        for i in range(0, len(mine), micro):
+            x, y = get_batch(self.val_data, T, mine[i : i + micro])
+            _, loss = self.raw_model(x.to(r.device), y.to(r.device))
+            sums += torch.tensor([float(loss) * len(x), len(x)], dtype=torch.float64)
+        if r.is_dist:
+            dist.all_reduce(sums)  # group: world; sum loss and window counts over ranks
+        return float(sums[0] / sums[1])
+
+    def fit(self) -> dict:
+        cfg = self.cfg
+        t_start = time.time()
+        if self.step == 0:
+            val = self.evaluate()
+            self.metrics.log(event="eval", step=0, val_loss=val, val_ppl=math.exp(min(val, 50)))
+        last_val = None
+        while self.step < cfg.train.max_steps:
+            t0 = time.perf_counter()
+            loss = self.train_step()
+            dt = time.perf_counter() - t0
+            s = self.step
+            if s % cfg.train.log_interval == 0 or s == 1 or s == cfg.train.max_steps:
+                self.metrics.log(event="train", step=s, loss=loss, lr=self.scheduler.get_last_lr()[0],
+                                 step_seconds=round(dt, 4), tokens_seen=self.tokens_seen)
+            if s % cfg.eval.interval_steps == 0 or s == cfg.train.max_steps:
+                last_val = self.evaluate()
+                self.metrics.log(event="eval", step=s, val_loss=last_val,
+                                 val_ppl=math.exp(min(last_val, 50)))
+            if s % cfg.checkpoint.interval_steps == 0 or s == cfg.train.max_steps:
+                self.save()
+        self.metrics.log(event="done", step=self.step, seconds=round(time.time() - t_start, 3),
+                         val_loss=last_val)
+        self.metrics.flush()
+        sys.stdout.flush()
+        return {"step": self.step, "val_loss": last_val}

@@ -1,0 +1,53 @@
+"""Entry point of every rank: ``torchrun ... -m training.train --config <run>/config.json``.
+
+Parse, build, train, close. No orchestrator is imported here or below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch.distributed as dist
+
+from storage.shards import materialize
+from storage.store import Store
+from training.config import RunConfig
+from training.loop import Trainer, setup_distributed
+
+
+def read_config(url: str) -> RunConfig:
+    """Read config.json from any URL the store can reach (storage options from env)."""
+    store_root, _, name = url.rpartition("/")
+    options = json.loads(os.environ.get("STOKER_STORAGE_OPTIONS", "{}"))
+    return RunConfig.model_validate_json(Store(store_root, options).read_bytes(name)).check()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Train one rank of a stoker run.")
+    p.add_argument("--config", required=True, help="URL or path of the run's config.json")
+    p.add_argument("--shards", required=True, help="shard-set key under the store root (shards/<key>)")
+    p.add_argument("--resume-from", default=None, help="checkpoint key under the store root")
+    p.add_argument("--cache-dir", default=os.environ.get("STOKER_CACHE", os.path.expanduser("~/.cache/stoker")))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cfg = read_config(args.config)
+    ranks = setup_distributed(cfg)
+    try:
+        store = Store(cfg.storage.root, cfg.storage.storage_options)
+        shard_dir = materialize(store, args.shards.rsplit("/", 1)[-1], args.cache_dir)
+        trainer = Trainer(cfg, ranks, shard_dir, store, shard_key=args.shards.rsplit("/", 1)[-1])
+        if args.resume_from:
+            trainer.resume(args.resume_from)
+        trainer.fit()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
