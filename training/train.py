@@ -14,7 +14,26 @@ import torch.distributed as dist
 from storage.shards import materialize
 from storage.store import Store
 from training.config import RunConfig
-from training.loop import Trainer, setup_distributed
+from training.loop import METRIC_PREFIX, Trainer, setup_distributed
+
+_TRANSIENT_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError",
+                    "RendezvousTimeoutError", "EndpointConnectionError", "ClientError"}
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Can a retry help? Lost peers, network and storage blips: yes. Bugs, bad config,
+    out-of-memory on the same config: no."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    return any(t.__name__ in _TRANSIENT_TYPES for t in type(exc).__mro__)
+
+
+def report_failure(exc: BaseException) -> None:
+    """Tell the launcher why this rank failed, as one JSON line."""
+    record = {"event": "failure", "rank": int(os.environ.get("RANK", "0")),
+              "type": type(exc).__name__, "message": str(exc)[:800],
+              "transient": is_transient(exc)}
+    print(METRIC_PREFIX + json.dumps(record), flush=True)
 
 
 def read_config(url: str) -> RunConfig:
@@ -35,15 +54,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    cfg = read_config(args.config)
-    ranks = setup_distributed(cfg)
+    shard_key = args.shards.rstrip("/").rsplit("/", 1)[-1]
     try:
+        cfg = read_config(args.config)
+        ranks = setup_distributed(cfg)
         store = Store(cfg.storage.root, cfg.storage.storage_options)
-        shard_dir = materialize(store, args.shards.rsplit("/", 1)[-1], args.cache_dir)
-        trainer = Trainer(cfg, ranks, shard_dir, store, shard_key=args.shards.rsplit("/", 1)[-1])
+        trainer = Trainer(cfg, ranks, materialize(store, shard_key, args.cache_dir), store, shard_key)
         if args.resume_from:
             trainer.resume(args.resume_from)
         trainer.fit()
+    except Exception as exc:
+        report_failure(exc)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,17 @@
+"""Evaluate any committed checkpoint of a run, as a flow of its own."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from tasks.evaluate import evaluate_checkpoint
+from tasks.results import EvalResult
+from tasks.training import checkpoint_inputs
+
+
+@flow(name="evaluate-checkpoint")
+def evaluate_checkpoint_flow(checkpoint_uri: str, storage_options: dict | None = None) -> EvalResult:
+    """Validation loss and perplexity of the checkpoint at `checkpoint_uri`
+    (``{root}/runs/{run}/checkpoints/step-...``), using the run's own config and shards."""
+    config, config_url, checkpoint_key, shard_key = checkpoint_inputs(checkpoint_uri, storage_options or {})
+    return evaluate_checkpoint(config, config_url, checkpoint_key, shard_key)

@@ -1,0 +1,43 @@
+"""The DAG of a pretraining run. Thin: task calls only; the work lives in tasks/ and below.
+
+    from flows.pipeline import train_pipeline
+    result = train_pipeline(config)   # a PipelineResult
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from tasks.data import download_dataset, tokenize_and_shard, train_tokenizer
+from tasks.data_prep import ShardInfo
+from tasks.evaluate import evaluate_checkpoint
+from tasks.report import report
+from tasks.results import PipelineResult
+from tasks.training import (
+    find_resume_checkpoint,
+    launch_training,
+    validate_config,
+    write_run_config,
+)
+from training.config import DataConfig, RunConfig, StorageConfig, TokenizerConfig
+
+
+@flow(name="prepare-data", log_prints=True)
+def prepare_data(data: DataConfig, tokenizer: TokenizerConfig, storage: StorageConfig) -> ShardInfo:
+    """Download -> tokenizer -> tokenize and shard; each step is a no-op when its output exists."""
+    dataset = download_dataset(data, storage)
+    tok = train_tokenizer(dataset, tokenizer, storage)
+    return tokenize_and_shard(dataset, tok, data, storage)
+
+
+@flow(name="train-pipeline", log_prints=True)
+def train_pipeline(config: RunConfig | None = None) -> PipelineResult:
+    """Prepare data, resume or start training on a torchrun gang, evaluate, report."""
+    config = validate_config(config or RunConfig())
+    shards = prepare_data(config.data, config.tokenizer, config.storage)
+    config_url = write_run_config(config, shards)
+    resume = find_resume_checkpoint(config)
+    training = launch_training.with_options(retries=config.launch.max_attempts - 1)(
+        config, config_url, shards, resume)
+    evaluation = evaluate_checkpoint(config, config_url, training.final_checkpoint_key, shards.key)
+    return report(config, shards, resume, training, evaluation)

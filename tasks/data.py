@@ -1,0 +1,53 @@
+"""Prefect tasks of the data stage: one job each, policy on the decorator.
+
+Caching is by content in the object store (the shard-set manifest is the truth), so the
+Prefect result cache is off: a deleted store can never be masked by a stale cache entry.
+"""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from storage.store import Store
+from tasks import data_prep
+from tasks.policy import BACKOFF, JITTER, retry_if_transient
+from training.config import DataConfig, StorageConfig, TokenizerConfig
+
+
+def _store(storage: StorageConfig) -> Store:
+    return Store(storage.root, storage.storage_options)
+
+
+@task(name="download_dataset", retries=3, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
+      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
+def download_dataset(data: DataConfig, storage: StorageConfig) -> data_prep.DatasetInfo:
+    """Copy the raw source into {root}/datasets/{fingerprint}/ (no copy when present)."""
+    info = data_prep.download_dataset(data, _store(storage))
+    get_run_logger().info(
+        "dataset %s: %d documents, %.1f MB (%s)", info.fingerprint, info.num_docs,
+        info.num_bytes / 1e6, "already in the store" if info.cache_hit else "downloaded")
+    return info
+
+
+@task(name="train_tokenizer", retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
+      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
+def train_tokenizer(dataset: data_prep.DatasetInfo, tokenizer: TokenizerConfig,
+                    storage: StorageConfig) -> data_prep.TokenizerInfo:
+    """Train a byte-level BPE on the corpus, or load the given tokenizer.json."""
+    info = data_prep.train_tokenizer(dataset, tokenizer, _store(storage))
+    get_run_logger().info("tokenizer %s: vocab %d (%s)", info.sha256[:12], info.vocab_size,
+                          "cached" if info.cache_hit else "trained/loaded")
+    return info
+
+
+@task(name="tokenize_and_shard", retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
+      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
+def tokenize_and_shard(dataset: data_prep.DatasetInfo, tokenizer: data_prep.TokenizerInfo,
+                       data: DataConfig, storage: StorageConfig) -> data_prep.ShardInfo:
+    """Tokenize once into shards keyed by content; a valid shard set is reused as is."""
+    info = data_prep.tokenize_and_shard(dataset, tokenizer, data, _store(storage))
+    get_run_logger().info(
+        "shards %s: %d train / %d val tokens (%s)", info.cache_key, info.num_train_tokens,
+        info.num_val_tokens, "cache hit, no tokenization" if info.cache_hit else "tokenized")
+    return info

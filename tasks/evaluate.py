@@ -1,0 +1,53 @@
+"""Evaluate a committed checkpoint in a separate process (training/evaluate.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.launcher import PROJECT_ROOT, child_env
+from tasks.policy import BACKOFF, JITTER, retry_if_transient
+from tasks.results import EvalResult
+from training.config import RunConfig
+
+EVAL_PREFIX = "STOKER_EVAL "
+
+
+def run_evaluation(config: RunConfig, config_url: str, checkpoint_key: str, shard_key: str,
+                   timeout: float = 1800) -> EvalResult:
+    """Run `python -m training.evaluate` in its own process group; parse its JSON line."""
+    t0 = time.monotonic()
+    cmd = [sys.executable, "-m", "training.evaluate", "--config", config_url,
+           "--checkpoint", checkpoint_key, "--shards", shard_key]
+    proc = subprocess.Popen(cmd, env=child_env(config), cwd=PROJECT_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = [ln for ln in out.splitlines() if ln.startswith(EVAL_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"evaluation of {checkpoint_key} failed (exit {proc.returncode}):\n{err[-3000:]}")
+    record = json.loads(lines[-1][len(EVAL_PREFIX):])
+    return EvalResult(checkpoint_uri=record["checkpoint"], step=record["step"],
+                      val_loss=record["val_loss"], val_ppl=record["val_ppl"],
+                      windows=record["windows"], seconds=time.monotonic() - t0)
+
+
+@task(name="evaluate_checkpoint", retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
+      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
+def evaluate_checkpoint(config: RunConfig, config_url: str, checkpoint_key: str,
+                        shard_key: str) -> EvalResult:
+    """Validation loss and perplexity of one committed checkpoint, from a fresh process."""
+    result = run_evaluation(config, config_url, checkpoint_key, shard_key)
+    get_run_logger().info("evaluated %s: validation loss %.4f, perplexity %.1f (%d windows, %.1fs)",
+                          result.checkpoint_uri, result.val_loss, result.val_ppl, result.windows,
+                          result.seconds)
+    return result

@@ -1,0 +1,64 @@
+"""The final report: a markdown artifact, a checkpoint table, and the typed result."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from storage.checkpoints import checkpoints_key, run_key
+from storage.store import Store, join
+from tasks.data_prep import ShardInfo
+from tasks.results import EvalResult, PipelineResult, ResumePoint, TrainingResult
+from training.config import RunConfig
+
+
+@task(name="report", cache_policy=NO_CACHE, persist_result=False)
+def report(config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: TrainingResult,
+           evaluation: EvalResult | None) -> PipelineResult:
+    """Summarize the run for the UI (artifacts) and for the caller (PipelineResult)."""
+    store = Store(config.storage.root, config.storage.storage_options)
+    run = config.resolved_run_name()
+    last_val = evaluation.val_loss if evaluation else (training.val_losses[-1][1] if training.val_losses else None)
+    result = PipelineResult(
+        run_name=run,
+        run_uri=store.url(run_key(run)),
+        final_step=training.final_step,
+        final_checkpoint_uri=training.final_checkpoint_uri,
+        last_val_loss=last_val,
+        shard_cache_key=shards.cache_key,
+        shard_uri=shards.url,
+        data_cache_hit=shards.cache_hit,
+        resumed_from_step=resume.step,
+        metrics_uri=store.url(join(run_key(run), "metrics.jsonl")),
+        val_losses=training.val_losses,
+        first_train_loss=training.train_losses[0][1] if training.train_losses else None,
+        last_train_loss=training.train_losses[-1][1] if training.train_losses else None,
+    )
+    rows = [{"step": c["step"], "uri": c["uri"], "save_seconds": c["seconds"]} for c in training.checkpoints]
+    if rows:
+        create_table_artifact(rows, key=f"checkpoints-{_slug(run)}", description=f"checkpoints of {run}")
+    evals = "\n".join(f"| {s} | {v:.4f} |" for s, v in training.val_losses) or "| - | - |"
+    final = (f"{evaluation.val_loss:.4f} (perplexity {evaluation.val_ppl:.1f}, step {evaluation.step})"
+             if evaluation else "n/a")
+    create_markdown_artifact(
+        key=f"run-report-{_slug(run)}",
+        description=f"summary of {run}",
+        markdown=f"""# {run}
+- steps: {resume.step} -> {training.final_step} (attempts: {training.attempts})
+- final checkpoint: `{training.final_checkpoint_uri}`
+- final validation loss: {final}
+- shards: `{shards.url}` ({'cache hit' if shards.cache_hit else 'tokenized'}; {shards.num_train_tokens} train tokens)
+- checkpoints: `{store.url(checkpoints_key(run))}`
+- metrics: `{result.metrics_uri}`
+
+| step | validation loss |
+|---|---|
+{evals}
+""",
+    )
+    return result
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower())

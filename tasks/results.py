@@ -1,0 +1,53 @@
+"""Typed results the tasks hand to each other and the flow returns."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class ResumePoint(BaseModel):
+    """The newest valid checkpoint of a run (or none) and what was skipped on the way."""
+
+    checkpoint_key: str | None = None
+    checkpoint_uri: str | None = None
+    step: int = 0
+    skipped: list[str] = Field(default_factory=list, description="'<uri>: <reason>' per invalid one")
+
+
+class TrainingResult(BaseModel):
+    final_step: int
+    final_checkpoint_key: str | None
+    final_checkpoint_uri: str | None
+    resumed_from_step: int
+    attempts: int
+    seconds: float
+    train_losses: list[tuple[int, float]] = Field(default_factory=list)
+    val_losses: list[tuple[int, float]] = Field(default_factory=list)
+    checkpoints: list[dict] = Field(default_factory=list)
+
+
+class EvalResult(BaseModel):
+    checkpoint_uri: str
+    step: int
+    val_loss: float
+    val_ppl: float
+    windows: int
+    seconds: float
+
+
+class PipelineResult(BaseModel):
+    """What train_pipeline returns to a notebook or script."""
+
+    run_name: str
+    run_uri: str
+    final_step: int
+    final_checkpoint_uri: str | None
+    last_val_loss: float | None
+    shard_cache_key: str
+    shard_uri: str
+    data_cache_hit: bool
+    resumed_from_step: int
+    metrics_uri: str
+    val_losses: list[tuple[int, float]] = Field(default_factory=list)
+    first_train_loss: float | None = None
+    last_train_loss: float | None = None
