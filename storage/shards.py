@@ -58,7 +58,7 @@ def publish_shard_set(store: Store, staging: str, cache_key: str, manifest: dict
     folder into place (atomic). Object stores: copy files, manifest last. Returns False
     when another writer published the same key first (this copy is then discarded)."""
     final = shard_set_key(cache_key)
-    if validate_shard_set(store, cache_key):
+    if validate_shard_set(store, cache_key, deep=True):  # someone else published an intact copy
         store.rm(staging)
         return False
     if store.is_local:

@@ -160,11 +160,13 @@ class Store:
             self.fs.rm(path, recursive=recursive)
 
     def rename(self, src: str, dst: str) -> None:
-        """Move a folder (atomic on a local disk)."""
+        """Move a folder (atomic on a local disk; file by file on object stores)."""
         if self.is_local:
             os.replace(self._path(src), self._path(dst))
-        else:
-            self.fs.mv(self._path(src), self._path(dst), recursive=True)
+            return
+        for rel in self.walk_files(src):  # object stores have no folders: copy, then delete
+            self.copy(join(src, rel), join(dst, rel))
+        self.rm(src)
 
     # ---- content ---------------------------------------------------------------------
     def iter_chunks(self, key: str) -> Iterator[bytes]:

@@ -277,7 +277,7 @@ def tokenize_and_shard(
               "dtype": dtype.str, "eot": EOT}
     cache_key = shard_cache_key(dataset.fingerprint, tokenizer.sha256, params)
     final = shard_set_key(cache_key)
-    existing = validate_shard_set(store, cache_key)
+    existing = validate_shard_set(store, cache_key, deep=True)  # a damaged set is rebuilt
     if existing:
         return _shard_info(store, cache_key, existing.manifest, cache_hit=True)
 

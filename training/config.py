@@ -54,7 +54,7 @@ class DataConfig(_Section):
     )
     text_field: str = Field("text", description="Field holding the text in JSON-lines records.")
     max_bytes: int = Field(
-        4_000_000,
+        3_000_000,
         description="Cap on raw bytes taken from the source (0 = no cap). Keeps the built-in "
         "corpus small enough for a CPU run.",
     )
@@ -141,7 +141,7 @@ class ModelConfig(_Section):
 
 class TrainConfig(_Section):
     seed: int = Field(1337, description="Seed of the model init and of the data order.")
-    max_steps: int = Field(300, description="Optimizer steps to train in total (across resumes).")
+    max_steps: int = Field(500, description="Optimizer steps to train in total (across resumes).")
     global_batch_size: int = Field(
         16, description="Sequences per optimizer step across all ranks."
     )

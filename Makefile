@@ -1,0 +1,26 @@
+# Two commands on a fresh machine:  make run   |   make test
+PY ?= python3
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export DO_NOT_TRACK ?= 1
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
+export GLOO_SOCKET_IFNAME ?= lo
+
+.PHONY: run test bench setup setup-test
+
+setup:
+	PYTHON=$(PY) bash scripts/setup.sh
+
+setup-test:
+	PYTHON=$(PY) bash scripts/setup.sh test
+
+## The whole pipeline on embedded defaults (embedded Prefect server, ./stoker-data, built-in corpus, tiny GPT on CPU)
+run: setup
+	$(PY) -m flows.cli run $(ARGS)
+
+## The whole test suite
+test: setup-test
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## Benchmarks: each prints a ratio against a baseline measured in the same run
+bench: setup
+	$(PY) -m benchmarks.run_all

@@ -1,0 +1,144 @@
+"""Shared fixtures: a session-wide Prefect test server, a real S3 endpoint (moto_server on
+127.0.0.1), tiny configs and a prepared tiny shard set."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+# Prefect reads its settings at import: set them before any test module imports it.
+_PREFECT_HOME = tempfile.mkdtemp(prefix="stoker-prefect-home-")
+os.environ.update({
+    "PREFECT_HOME": _PREFECT_HOME,
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    "PREFECT_LOGGING_LEVEL": "INFO",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "STOKER_CACHE": os.path.join(_PREFECT_HOME, "cache"),
+})
+os.environ.pop("PREFECT_API_URL", None)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_PREFECT_HOME, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One real Prefect server (prefect_test_harness) for the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MotoServer:
+    """A real S3 endpoint over HTTP on 127.0.0.1 that a test can stop and restart."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
+        self.proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("moto_server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"})
+    server = MotoServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_root(s3_server):
+    """A fresh bucket on the S3 endpoint: (root URL, storage options)."""
+    import uuid
+
+    import s3fs
+
+    bucket = f"stoker-{uuid.uuid4().hex[:12]}"
+    options = {"endpoint_url": s3_server.url, "skip_instance_cache": True}
+    s3fs.S3FileSystem(**options).mkdir(bucket)
+    return f"s3://{bucket}/root", options
+
+
+def tiny_dict(root: str, **sections) -> dict:
+    """The smallest config that still trains: ~300 KB of stdlib text, a 2-layer GPT."""
+    base = {
+        "storage": {"root": root},
+        "data": {"max_bytes": 300_000, "val_fraction": 0.1},
+        "tokenizer": {"vocab_size": 384},
+        "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
+        "train": {"max_steps": 8, "warmup_steps": 2, "log_interval": 1, "global_batch_size": 8,
+                  "micro_batch_size": 2, "lr": 1e-2, "min_lr": 1e-3},
+        "checkpoint": {"interval_steps": 4},
+        "eval": {"interval_steps": 4, "num_batches": 2},
+        "launch": {"nproc_per_node": 2, "timeout_seconds": 300, "max_attempts": 1},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            base.setdefault(section, {}).update(values)
+        else:
+            base[section] = values
+    return base
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    from training.config import load_config
+
+    def make(**sections):
+        return load_config(tiny_dict("file://" + str(tmp_path / "store"), **sections))
+
+    return make
+
+
+def prepare_shards(cfg):
+    """Run the data stage with the plain functions (no Prefect); return (store, ShardInfo)."""
+    from storage.store import Store
+    from tasks import data_prep
+
+    store = Store(cfg.storage.root, cfg.storage.storage_options)
+    dataset = data_prep.download_dataset(cfg.data, store)
+    tokenizer = data_prep.train_tokenizer(dataset, cfg.tokenizer, store)
+    return store, data_prep.tokenize_and_shard(dataset, tokenizer, cfg.data, store)

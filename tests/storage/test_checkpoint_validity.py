@@ -1,0 +1,93 @@
+import pytest
+
+from storage.checkpoints import (
+    COMMIT_FILE,
+    KEEP_MARKER,
+    commit_checkpoint,
+    find_latest_valid,
+    list_checkpoints,
+    new_checkpoint_key,
+    prune_checkpoints,
+    validate_checkpoint,
+)
+from storage.store import Store, join
+
+
+def _fake_checkpoint(store, run, step, commit=True):
+    key = new_checkpoint_key(store, run, step)
+    store.write_bytes(join(key, ".metadata"), b"meta" * 10)
+    store.write_bytes(join(key, "__0_0.distcp"), bytes(range(256)) * 4)
+    store.write_bytes(join(key, "__1_0.distcp"), bytes(range(256)) * 4)
+    if commit:
+        commit_checkpoint(store, key, {"step": step, "world_size": 2})
+    return key
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return Store("file://" + str(tmp_path))
+    root, options = request.getfixturevalue("s3_root")
+    return Store(root, options)
+
+
+def _damage(store, key, how):
+    shard = join(key, "__1_0.distcp")
+    data = store.read_bytes(shard)
+    if how == "no manifest":
+        store.rm(join(key, COMMIT_FILE))
+    elif how == "truncated shard":
+        store.write_bytes(shard, data[: len(data) // 2])
+    elif how == "flipped byte":
+        store.write_bytes(shard, data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    elif how == "listed file missing":
+        store.rm(shard)
+    elif how == "manifest not json":
+        store.write_bytes(join(key, COMMIT_FILE), b"{not json")
+
+
+DAMAGE = ["no manifest", "truncated shard", "flipped byte", "listed file missing", "manifest not json"]
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_damaged_checkpoint_is_invalid_and_resume_takes_the_previous(store, how):
+    _fake_checkpoint(store, "r", 10)
+    newest = _fake_checkpoint(store, "r", 20)
+    assert validate_checkpoint(store, newest, deep=True)
+    _damage(store, newest, how)
+    verdict = validate_checkpoint(store, newest, deep=True)
+    assert not verdict and verdict.reason
+    choice = find_latest_valid(store, "r")
+    assert choice.checkpoint.step == 10
+    assert [ref.step for ref, _ in choice.skipped] == [20]
+
+
+def test_flipped_byte_needs_the_deep_check(store):
+    key = _fake_checkpoint(store, "r", 5)
+    _damage(store, key, "flipped byte")
+    assert validate_checkpoint(store, key, deep=False)  # sizes still match
+    assert "checksum" in validate_checkpoint(store, key, deep=True).reason
+
+
+def test_resume_skips_checkpoint_without_commit_marker(store):
+    _fake_checkpoint(store, "r", 1)
+    _fake_checkpoint(store, "r", 2, commit=False)
+    choice = find_latest_valid(store, "r")
+    assert choice.checkpoint.step == 1 and "no manifest" in choice.skipped[0][1]
+    assert find_latest_valid(store, "other-run").checkpoint is None
+
+
+def test_newest_first_and_attempt_suffix(store):
+    _fake_checkpoint(store, "r", 3, commit=False)
+    _fake_checkpoint(store, "r", 3)  # a retry of step 3 takes a new folder
+    _fake_checkpoint(store, "r", 12)
+    assert [r.name for r in list_checkpoints(store, "r")] == [
+        "step-00000012", "step-00000003.a1", "step-00000003"]
+
+
+def test_retention_keeps_k_committed_and_marked(store):
+    keys = [_fake_checkpoint(store, "r", s) for s in (1, 2, 3, 4)]
+    store.write_bytes(join(keys[0], KEEP_MARKER), b"")
+    deleted = prune_checkpoints(store, "r", keep_latest_k=2)
+    assert deleted == [keys[1]]
+    assert [r.step for r in list_checkpoints(store, "r")] == [4, 3, 1]

@@ -1,0 +1,100 @@
+import json
+import os
+
+import numpy as np
+import pytest
+
+from storage.shards import validate_shard_set
+from storage.store import Store
+from tasks import data_prep
+from tasks.data_prep import DataError
+from training.config import DataConfig, TokenizerConfig
+
+
+@pytest.fixture
+def store(tmp_path):
+    return Store("file://" + str(tmp_path / "store"))
+
+
+def _prepare(store, data=None, tok=None):
+    data = data or DataConfig(max_bytes=200_000, val_fraction=0.1)
+    tok = tok or TokenizerConfig(vocab_size=300)
+    ds = data_prep.download_dataset(data, store)
+    tk = data_prep.train_tokenizer(ds, tok, store)
+    return ds, tk, data_prep.tokenize_and_shard(ds, tk, data, store)
+
+
+def test_shards_hold_every_document_with_end_of_text(store):
+    ds, tk, shards = _prepare(store)
+    folder = store.local_path(shards.key)
+    manifest = json.loads(open(os.path.join(folder, "manifest.json")).read())
+    assert manifest["dtype"] == "<u2" and manifest["vocab_size"] == tk.vocab_size
+    docs = 0
+    for split in ("train", "val"):
+        for name in manifest["splits"][split]:
+            tokens = np.fromfile(os.path.join(folder, name), dtype="<u2")
+            ends = np.fromfile(os.path.join(folder, name.replace(".bin", ".idx")), dtype="<u8")
+            assert len(tokens) == manifest["files"][name]["tokens"] == ends[-1]
+            assert (tokens[ends - 1] == tk.eot_id).all()  # every document ends in EOT
+            docs += len(ends)
+    assert docs == ds.num_docs
+    assert shards.num_val_tokens > 0 and shards.num_train_tokens > 5 * shards.num_val_tokens
+
+
+def test_second_preparation_does_no_tokenization(store):
+    _, _, first = _prepare(store)
+    folder = store.local_path(first.key)
+    mtimes = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
+    ds, tk, second = _prepare(store)
+    assert (ds.cache_hit, tk.cache_hit, second.cache_hit) == (True, True, True)
+    assert second.cache_key == first.cache_key
+    assert mtimes == {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
+
+
+def test_cache_key_ignores_where_the_data_came_from(store, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "corpus.txt").write_text("hello world, a small corpus.\n\n" * 400)
+    _, _, sa = _prepare(store, DataConfig(source=str(a), val_fraction=0.2))
+    _, _, sb = _prepare(store, DataConfig(source=str(b / "*.txt"), val_fraction=0.2))
+    assert sa.cache_key == sb.cache_key and sb.cache_hit
+
+
+def test_damaged_shard_under_a_manifest_is_rebuilt(store):
+    _, _, first = _prepare(store)
+    path = os.path.join(store.local_path(first.key), "train-00000.bin")
+    data = bytearray(open(path, "rb").read())
+    data[10] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    assert not validate_shard_set(store, first.cache_key, deep=True)
+    _, _, again = _prepare(store)
+    assert not again.cache_hit and validate_shard_set(store, first.cache_key, deep=True)
+
+
+def test_jsonl_text_field_and_a_missing_field(store, tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(json.dumps({"body": f"document number {i} " * 20}) for i in range(200)))
+    ds = data_prep.download_dataset(DataConfig(source=str(good), text_field="body"), store)
+    assert ds.num_docs == 200
+    with pytest.raises(DataError, match="data.text_field.*'text'"):
+        data_prep.download_dataset(DataConfig(source=str(good)), store)
+    assert store.listdir("datasets") == [ds.fingerprint]  # nothing half-written
+
+
+def test_bad_sources_fail_clearly_and_write_nothing(store, tmp_path):
+    (tmp_path / "empty.txt").write_text("   \n")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(DataError, match="no non-empty document"):
+        data_prep.download_dataset(DataConfig(source=str(tmp_path / "empty.txt")), store)
+    with pytest.raises(DataError, match="not UTF-8"):
+        data_prep.download_dataset(DataConfig(source=str(tmp_path / "binary.txt")), store)
+    assert not store.exists("datasets")
+
+
+def test_too_few_documents_for_a_validation_split_leaves_no_staging(store, tmp_path):
+    (tmp_path / "one.txt").write_text("only one short document")
+    data = DataConfig(source=str(tmp_path / "one.txt"), val_fraction=0.01)
+    with pytest.raises(DataError, match="split got no document"):
+        _prepare(store, data)
+    assert store.listdir("shards") == []

@@ -1,0 +1,65 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tasks.launcher import GangResult, classify, kill_gang, run_gang
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie has exited; only its parent has not reaped it yet
+        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_kill_gang_takes_the_agent_and_its_children(tmp_path):
+    pidfile = tmp_path / "child.pid"
+    code = (f"import subprocess,time; p=subprocess.Popen(['sleep','300']); "
+            f"open({str(pidfile)!r},'w').write(str(p.pid)); time.sleep(300)")
+    agent = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    deadline = time.monotonic() + 20
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    kill_gang([agent], grace=2)
+    assert not _alive(agent.pid) and not _alive(child)
+
+
+def test_run_gang_streams_rank_prefixed_lines_and_metrics():
+    script = ("print('[default0]:hello'); print('[default1]:STOKER_METRIC {\"event\": \"train\", \"step\": 1}');"
+              "print('plain agent line')")
+    lines, metrics = [], []
+    res = run_gang([[sys.executable, "-c", script]] * 2, dict(os.environ), 2, lines.append,
+                   metrics.append, timeout=30)
+    assert res.reason == "completed" and res.returncodes == [0, 0]
+    assert "[rank 0] hello" in lines and "[rank 2] hello" in lines and "[node 1] plain agent line" in lines
+    assert metrics == [{"event": "train", "step": 1}] * 2
+
+
+def test_one_dead_agent_stops_the_gang():
+    fast_fail = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    t0 = time.monotonic()
+    res = run_gang([fast_fail, sleeper], dict(os.environ), 1, lambda s: None, lambda m: None, timeout=100)
+    assert res.reason == "failed" and time.monotonic() - t0 < 60
+
+
+def test_classification_rank_error_is_permanent_signal_is_transient():
+    bug = GangResult([1], "failed", 1.0, metrics=[
+        {"event": "failure", "rank": 1, "type": "DistBackendError", "message": "peer gone", "transient": True},
+        {"event": "failure", "rank": 0, "type": "ZeroDivisionError", "message": "boom", "transient": False}])
+    err = classify(bug)
+    assert not err.transient and "ZeroDivisionError" in str(err)
+    killed = GangResult([1], "failed", 1.0, tail=["exitcode  : -9 (pid: 12)",
+                                                  "traceback : Signal 9 (SIGKILL) received by PID 12"])
+    assert classify(killed).transient
+    assert classify(GangResult([-signal.SIGKILL], "failed", 1.0)).transient
+    assert classify(GangResult([None], "timeout", 5.0)).transient
+    assert not classify(GangResult([1], "failed", 1.0, tail=["Traceback", "KeyError: 'x'"])).transient
