@@ -167,8 +167,9 @@ def run_gang(cmds: list[list[str]], env: dict[str, str], nproc_per_node: int,
                 except ValueError:
                     record = None
                 if record is not None:
-                    metrics.append(record)
-                    on_metric(record)
+                    if record.get("event") != "step":  # per-step heartbeats are not kept
+                        metrics.append(record)
+                        on_metric(record)
                     continue
             on_line(text)
         if reason == "completed":

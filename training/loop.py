@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -20,9 +21,39 @@ from storage.store import Store, join
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import RunConfig
 from training.data import TokenStream, eval_offsets, get_batch, train_batch
+from training.faults import maybe_inject
 from training.model import GPT, param_groups
 
 METRIC_PREFIX = "STOKER_METRIC "
+STOP_GRACE_SECONDS = float(os.environ.get("STOKER_STOP_GRACE_SECONDS", "15"))
+
+
+class Preempted(Exception):
+    """The ranks were asked to stop (SIGTERM: a cancel, a preemption). Transient."""
+
+
+class StopRequest:
+    """SIGTERM sets a flag; the ranks agree at a step boundary to stop together."""
+
+    def __init__(self):
+        self.flag, self.since = False, None
+        signal.signal(signal.SIGTERM, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.flag, self.since = True, time.monotonic()
+
+    def agreed(self, is_dist: bool) -> bool:
+        if not is_dist:
+            return self.flag
+        t = torch.tensor([1 if self.flag else 0])
+        # group: world; a stop must happen at the same step on every rank, or the others hang
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if t.item() and self.since is None:
+            self.since = time.monotonic()
+        return bool(t.item())
+
+    def seconds_left(self) -> float:
+        return STOP_GRACE_SECONDS - (time.monotonic() - (self.since or time.monotonic()))
 
 
 @dataclass(frozen=True)
@@ -85,6 +116,11 @@ class MetricsLog:
         print(METRIC_PREFIX + line, flush=True)
         self.pending.append(line + "\n")
 
+    def heartbeat(self, step: int) -> None:
+        """A line per step for the launcher's hang watchdog (not stored)."""
+        if self.enabled:
+            print(METRIC_PREFIX + json.dumps({"event": "step", "step": step}), flush=True)
+
     def flush(self) -> None:
         if self.pending:
             self.store.append_text(self.key, "".join(self.pending))
@@ -110,7 +146,9 @@ class Trainer:
             self.optimizer, lambda s: lr_multiplier(s, cfg))
         torch.manual_seed(t.seed + 1 + ranks.rank)  # per-rank stream (dropout)
         self.step, self.tokens_seen = 0, 0
+        self.last_saved_step, self.last_save_seconds = -1, 0.0
         self.metrics = MetricsLog(store, self.run_name, ranks.is_rank_zero)
+        self.stop = StopRequest()
 
     # ---- state ---------------------------------------------------------------------
     def resume(self, checkpoint_key: str) -> None:
@@ -118,6 +156,7 @@ class Trainer:
                                 optimizer=self.optimizer, scheduler=self.scheduler,
                                 rank=self.ranks.rank)
         self.step, self.tokens_seen = state.step, state.tokens_seen
+        self.last_saved_step = self.step
         self.metrics.log(event="resumed", step=self.step, checkpoint=self.store.url(checkpoint_key))
 
     def save(self) -> None:
@@ -128,6 +167,7 @@ class Trainer:
             scheduler=self.scheduler, step=self.step, tokens_seen=self.tokens_seen,
             seed=self.cfg.train.seed, rank=self.ranks.rank, world_size=self.ranks.world_size,
             meta=meta, keep_latest_k=self.cfg.checkpoint.keep_latest_k)
+        self.last_saved_step, self.last_save_seconds = self.step, seconds
         self.metrics.log(event="checkpoint", step=self.step, uri=self.store.url(key),
                          seconds=round(seconds, 3))
         self.metrics.flush()
@@ -162,6 +202,15 @@ class Trainer:
             mean /= r.world_size
         return float(mean)
 
+    def _stop_early(self) -> None:
+        """Asked to stop: checkpoint first when it fits in the grace period, then leave."""
+        fits = self.last_save_seconds * 2 + 1 < self.stop.seconds_left()
+        if self.step != self.last_saved_step and fits:
+            self.save()
+        self.metrics.log(event="stopped", step=self.step, saved=self.last_saved_step == self.step)
+        self.metrics.flush()
+        raise Preempted(f"stopped by SIGTERM at step {self.step}")
+
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over fixed windows, split across ranks."""
@@ -187,10 +236,14 @@ class Trainer:
             self.metrics.log(event="eval", step=0, val_loss=val, val_ppl=math.exp(min(val, 50)))
         last_val = None
         while self.step < cfg.train.max_steps:
+            if self.stop.agreed(self.ranks.is_dist):
+                self._stop_early()
+            maybe_inject(self.ranks.rank, self.step + 1)
             t0 = time.perf_counter()
             loss = self.train_step()
             dt = time.perf_counter() - t0
             s = self.step
+            self.metrics.heartbeat(s)
             if s % cfg.train.log_interval == 0 or s == 1 or s == cfg.train.max_steps:
                 self.metrics.log(event="train", step=s, loss=loss, lr=self.scheduler.get_last_lr()[0],
                                  step_seconds=round(dt, 4), tokens_seen=self.tokens_seen)

@@ -16,7 +16,7 @@ from storage.store import Store
 from training.config import RunConfig
 from training.loop import METRIC_PREFIX, Trainer, setup_distributed
 
-_TRANSIENT_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError",
+_TRANSIENT_TYPES = {"Preempted", "DistBackendError", "DistNetworkError", "DistStoreError",
                     "RendezvousTimeoutError", "EndpointConnectionError", "ClientError"}
 
 

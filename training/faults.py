@@ -1,0 +1,44 @@
+"""Fault injection for tests and drills, off unless STOKER_FAULT is set.
+
+STOKER_FAULT="kill:rank=1:step=5"   the rank SIGKILLs itself when it reaches that step
+STOKER_FAULT="hang:rank=1:step=5"   the rank stops stepping (sleeps) at that step
+STOKER_FAULT="raise:rank=0:step=3"  the rank raises RuntimeError at that step
+A fault fires once: it creates STOKER_FAULT_ONCE (a file path) and never fires while that
+file exists, so the retried run goes through.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+def _parse(spec: str) -> tuple[str, int, int]:
+    kind, *fields = spec.split(":")
+    values = dict(f.split("=", 1) for f in fields)
+    return kind, int(values.get("rank", 0)), int(values.get("step", 0))
+
+
+def maybe_inject(rank: int, step: int) -> None:
+    """Called by the loop before each step."""
+    spec = os.environ.get("STOKER_FAULT")
+    if not spec:
+        return
+    kind, fault_rank, fault_step = _parse(spec)
+    if rank != fault_rank or step != fault_step:
+        return
+    once = os.environ.get("STOKER_FAULT_ONCE")
+    if once:
+        if os.path.exists(once):
+            return
+        open(once, "w").write(spec)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "hang":
+        while True:
+            time.sleep(3600)
+    elif kind == "raise":
+        raise RuntimeError(f"injected fault at step {step} on rank {rank}")
+    else:
+        raise ValueError(f"STOKER_FAULT: unknown fault kind {kind!r} (kill, hang or raise)")
