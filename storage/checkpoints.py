@@ -18,6 +18,7 @@ from storage.store import Store, join
 
 COMMIT_FILE = "commit.json"
 KEEP_MARKER = "keep"
+RANKS_DIR = "_ranks"  # per-rank upload receipts: {rank}.json with that rank's files
 FORMAT = "stoker-checkpoint/1"
 _NAME = re.compile(r"^step-(\d{8})(?:\.a(\d+))?$")
 
@@ -60,21 +61,27 @@ def list_checkpoints(store: Store, run_name: str) -> list[CheckpointRef]:
     return sorted(refs, key=lambda r: (r.step, r.attempt), reverse=True)
 
 
-def new_checkpoint_key(store: Store, run_name: str, step: int) -> str:
-    """A folder for a new checkpoint at `step` that no earlier attempt has written into."""
+def new_checkpoint_key(store: Store, run_name: str, step: int, taken: set[str] | None = None) -> str:
+    """A folder for a new checkpoint at `step` that no earlier attempt has written into.
+
+    `taken` (names already used, kept by the caller) avoids listing the store again."""
     base = checkpoints_key(run_name)
-    taken = set(store.listdir(base))
+    taken = set(store.listdir(base)) if taken is None else taken
     attempt = 0
     while checkpoint_name(step, attempt) in taken:
         attempt += 1
     return join(base, checkpoint_name(step, attempt))
 
 
-def commit_checkpoint(store: Store, key: str, meta: dict) -> dict:
-    """Write the commit manifest last: the listed files with size and sha256, plus meta."""
-    files = describe_files(store, key)
-    files.pop(COMMIT_FILE, None)
-    files.pop(KEEP_MARKER, None)
+def commit_checkpoint(store: Store, key: str, meta: dict, files: dict[str, dict] | None = None) -> dict:
+    """Write the commit manifest last: every file with size and sha256, plus meta.
+
+    `files` comes from the ranks (checksummed locally before upload, so committing never
+    reads the data back); without it, the folder is listed and hashed in the store."""
+    if files is None:
+        files = describe_files(store, key)
+        for name in [n for n in files if n in (COMMIT_FILE, KEEP_MARKER) or n.startswith(RANKS_DIR + "/")]:
+            files.pop(name)
     manifest = {"format": FORMAT, "committed_at": time.time(), **meta, "files": files}
     store.write_json(join(key, COMMIT_FILE), manifest)
     return manifest
@@ -133,3 +140,7 @@ def prune_checkpoints(store: Store, run_name: str, keep_latest_k: int) -> list[s
             store.rm(ref.key)
             deleted.append(ref.key)
     return deleted
+
+
+def rank_receipt_key(key: str, rank: int) -> str:
+    return join(key, RANKS_DIR, f"rank-{rank:05d}.json")

@@ -1,8 +1,17 @@
 """Launch helpers (no Prefect): start a gang of torchrun agents, stream their output with
-rank prefixes, kill every process group on any exit path, and say why the run ended.
+rank prefixes, watch for hangs, kill every process of the gang on any exit path, and say why
+the run ended.
 
-Each agent is its own session (``start_new_session=True``), so killing its process group
-takes the agent and every rank it started; a plain child would survive a cancelled flow.
+Each agent is its own session (``start_new_session=True``), and torchrun starts every rank
+in a session of its own too, so no single process group holds the gang. Every process of a
+gang carries ``STOKER_GANG_ID`` in its environment (inherited by the ranks and anything they
+start); the kill finds them by it in ``/proc``, even after an agent died and its ranks were
+reparented.
+
+Stopping fits inside the orchestrator's grace: Prefect's runner sends the flow-run process
+SIGTERM and SIGKILLs it 30 s later. The gang gets SIGTERM, `GRACE_SECONDS` (20 s), then
+SIGKILL; the ranks are told to finish their stop checkpoint `RANK_STOP_MARGIN_SECONDS` before
+that (``STOKER_STOP_GRACE_SECONDS``).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -24,7 +34,11 @@ from training.config import RunConfig
 from training.loop import METRIC_PREFIX
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRACE_SECONDS = 10.0
+GRACE_SECONDS = 20.0  # SIGTERM -> SIGKILL; plus KILL_WAIT_SECONDS, inside Prefect's 30 s
+KILL_WAIT_SECONDS = 5.0
+RANK_STOP_MARGIN_SECONDS = 8.0  # ranks end their stop checkpoint this long before the SIGKILL
+HANG_GRACE_SECONDS = 5.0  # a hung collective cannot reach a step boundary: no stop checkpoint
+GANG_ENV = "STOKER_GANG_ID"
 _RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
 _TRANSIENT_PATTERNS = [
     re.compile(p)
@@ -49,10 +63,14 @@ class TrainingFailed(RuntimeError):
 @dataclass
 class GangResult:
     returncodes: list[int]
-    reason: str  # completed | failed | timeout
+    reason: str  # completed | failed | timeout | hang
     seconds: float
     metrics: list[dict] = field(default_factory=list)
     tail: list[str] = field(default_factory=list)
+    last_step: int | None = None  # the last step rank 0 reported finished
+    hang_timeout: float = 0.0
+    gang_id: str = ""
+    pids: list[int] = field(default_factory=list)  # the agents'
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -89,7 +107,17 @@ def child_env(cfg: RunConfig) -> dict[str, str]:
     if cfg.launch.rdzv_host in ("127.0.0.1", "localhost"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.pop("PREFECT__FLOW_RUN_ID", None)
+    env["STOKER_STOP_GRACE_SECONDS"] = str(_rank_stop_grace(env.get("STOKER_STOP_GRACE_SECONDS")))
     return env
+
+
+def _rank_stop_grace(requested: str | None) -> float:
+    """The ranks' stop budget: what was asked for, but never past the launcher's grace."""
+    ceiling = GRACE_SECONDS - RANK_STOP_MARGIN_SECONDS
+    try:
+        return min(float(requested), ceiling) if requested else ceiling
+    except ValueError:
+        return ceiling
 
 
 def _pump(node: int, stream, out: "queue.Queue[tuple[int, str | None]]") -> None:
@@ -98,24 +126,61 @@ def _pump(node: int, stream, out: "queue.Queue[tuple[int, str | None]]") -> None
     out.put((node, None))
 
 
-def kill_gang(procs: list[subprocess.Popen], grace: float = GRACE_SECONDS) -> None:
-    """SIGTERM every agent's process group, then SIGKILL what is left after `grace`."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def gang_pids(gang_id: str | None) -> list[int]:
+    """Live processes whose environment carries this gang's id (Linux /proc; elsewhere
+    none are found and only the agents' process groups are killed)."""
+    if not gang_id:
+        return []
+    needle, pids = f"{GANG_ENV}={gang_id}".encode(), []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):  # a zombie's reads empty
+                    pids.append(int(name))
+        except OSError:
+            continue
+    return pids
+
+
+def kill_gang(procs: list[subprocess.Popen], grace: float = GRACE_SECONDS,
+              gang_id: str | None = None) -> None:
+    """SIGTERM every agent's process group and every process carrying `gang_id`, then
+    SIGKILL what is left after `grace`. The ranks get the SIGTERM directly (not only through
+    their agent), so they can stop at a step boundary and checkpoint."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, KILL_WAIT_SECONDS)):
+        if not _gang_alive(procs, gang_id):
+            break
         for p in procs:
-            try:
-                os.killpg(p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 5.0)
-        while time.monotonic() < deadline and any(_group_alive(p.pid) for p in procs):
-            for p in procs:
-                p.poll()
+            _signal(os.killpg, p.pid, sig)
+        for pid in gang_pids(gang_id):
+            _signal(os.kill, pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and _gang_alive(procs, gang_id):
             time.sleep(0.1)
     for p in procs:
         try:
             p.wait(timeout=1)
         except subprocess.TimeoutExpired:
             pass
+
+
+def _signal(send: Callable[[int, int], None], pid: int, sig: int) -> None:
+    try:
+        send(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _gang_alive(procs: list[subprocess.Popen], gang_id: str | None) -> bool:
+    for p in procs:
+        p.poll()  # reap an exited agent, or its group would look alive
+    return any(_group_alive(p.pid) for p in procs) or bool(gang_pids(gang_id))
 
 
 def _group_alive(pgid: int) -> bool:
@@ -130,13 +195,22 @@ def _group_alive(pgid: int) -> bool:
 
 def run_gang(cmds: list[list[str]], env: dict[str, str], nproc_per_node: int,
              on_line: Callable[[str], None], on_metric: Callable[[dict], None],
-             timeout: float) -> GangResult:
-    """Run the agents to the end, streaming '[rank N] ...' lines; always kill the groups."""
+             timeout: float, hang_timeout: float = 0.0, grace: float = GRACE_SECONDS) -> GangResult:
+    """Run the agents to the end, streaming '[rank N] ...' lines; always kill the gang.
+
+    Hang watchdog (`hang_timeout` > 0): armed at rank 0's first metric record (after
+    start-up), then fed by its per-step heartbeats; when no step finishes for
+    `hang_timeout` seconds the gang is killed and the run ends with reason "hang"."""
     t0 = time.monotonic()
     lines: "queue.Queue[tuple[int, str | None]]" = queue.Queue()
     procs: list[subprocess.Popen] = []
     metrics: list[dict] = []
     tail: list[str] = []
+    gang_id = uuid.uuid4().hex
+    env = {**env, GANG_ENV: gang_id}
+    last_beat: float | None = None  # when the last step finished (None: not armed yet)
+    last_step: int | None = None
+    reason = "completed"
     try:
         for node, cmd in enumerate(cmds):
             p = subprocess.Popen(cmd, env=env, cwd=PROJECT_ROOT, stdout=subprocess.PIPE,
@@ -144,10 +218,14 @@ def run_gang(cmds: list[list[str]], env: dict[str, str], nproc_per_node: int,
                                  start_new_session=True)
             procs.append(p)
             threading.Thread(target=_pump, args=(node, p.stdout, lines), daemon=True).start()
-        open_streams, reason = len(procs), "completed"
+        open_streams = len(procs)
         while open_streams:
-            if time.monotonic() - t0 > timeout:
+            now = time.monotonic()
+            if now - t0 > timeout:
                 reason = "timeout"
+                break
+            if hang_timeout > 0 and last_beat is not None and now - last_beat > hang_timeout:
+                reason = "hang"
                 break
             try:
                 node, line = lines.get(timeout=0.5)
@@ -167,9 +245,13 @@ def run_gang(cmds: list[list[str]], env: dict[str, str], nproc_per_node: int,
                 except ValueError:
                     record = None
                 if record is not None:
-                    if record.get("event") != "step":  # per-step heartbeats are not kept
-                        metrics.append(record)
-                        on_metric(record)
+                    if record.get("event") == "step":  # heartbeats feed the watchdog only
+                        last_beat, last_step = time.monotonic(), record.get("step")
+                        continue
+                    if last_beat is None:
+                        last_beat = time.monotonic()  # start-up is over: arm the watchdog
+                    metrics.append(record)
+                    on_metric(record)
                     continue
             on_line(text)
         if reason == "completed":
@@ -178,7 +260,7 @@ def run_gang(cmds: list[list[str]], env: dict[str, str], nproc_per_node: int,
             if any(p.returncode != 0 for p in procs):
                 reason = "failed"
     finally:
-        kill_gang(procs)
+        kill_gang(procs, HANG_GRACE_SECONDS if reason == "hang" else grace, gang_id)
     while True:  # drain what the pumps read before the kill
         try:
             node, line = lines.get_nowait()
@@ -186,7 +268,9 @@ def run_gang(cmds: list[list[str]], env: dict[str, str], nproc_per_node: int,
             break
         if line is not None:
             tail = (tail + [_prefixed(node, line, nproc_per_node)])[-60:]
-    return GangResult([p.returncode for p in procs], reason, time.monotonic() - t0, metrics, tail)
+    return GangResult([p.returncode for p in procs], reason, time.monotonic() - t0, metrics, tail,
+                      last_step=last_step, hang_timeout=hang_timeout, gang_id=gang_id,
+                      pids=[p.pid for p in procs])
 
 
 def _prefixed(node: int, line: str, nproc_per_node: int) -> str:
@@ -202,7 +286,8 @@ def classify(result: GangResult) -> TrainingFailed:
     A rank that raised reports {"event": "failure", "transient": ...}. Any permanent report
     (a bug, a bad config, out of memory) makes the whole failure permanent, since peers of
     a crashed rank only see lost connections. Otherwise a signal, a lost peer, a network or
-    storage error, or a time-out is transient."""
+    storage error, a time-out or a hang (no step finished within the watchdog's limit) is
+    transient."""
     text = "\n".join(result.tail)
     reports = [m for m in result.metrics if m.get("event") == "failure"]
     permanent = [m for m in reports if not m.get("transient")]
@@ -215,6 +300,13 @@ def classify(result: GangResult) -> TrainingFailed:
     if result.reason == "timeout":
         return TrainingFailed(f"training exceeded its time limit after {result.seconds:.0f}s",
                               transient=True, reason="timeout")
+    if result.reason == "hang":
+        seen = "none yet" if result.last_step is None else f"step {result.last_step}"
+        return TrainingFailed(
+            f"training hung: no step finished for {result.hang_timeout:.0f}s (last step seen: "
+            f"{seen}); the gang was killed (a stuck collective or a frozen rank). Retrying from "
+            "the newest valid checkpoint.\n" + "\n".join(result.tail[-15:]),
+            transient=True, reason="hang")
     if reports or any(rc is not None and rc < 0 for rc in result.returncodes) or any(
         p.search(text) for p in _TRANSIENT_PATTERNS
     ):

@@ -20,6 +20,7 @@ def report(config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: 
     store = Store(config.storage.root, config.storage.storage_options)
     run = config.resolved_run_name()
     last_val = evaluation.val_loss if evaluation else (training.val_losses[-1][1] if training.val_losses else None)
+    rows = checkpoint_rows(training, evaluation)
     result = PipelineResult(
         run_name=run,
         run_uri=store.url(run_key(run)),
@@ -34,10 +35,11 @@ def report(config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: 
         val_losses=training.val_losses,
         first_train_loss=training.train_losses[0][1] if training.train_losses else None,
         last_train_loss=training.train_losses[-1][1] if training.train_losses else None,
+        checkpoints=rows,
     )
-    rows = [{"step": c["step"], "uri": c["uri"], "save_seconds": c["seconds"]} for c in training.checkpoints]
     if rows:
-        create_table_artifact(rows, key=f"checkpoints-{_slug(run)}", description=f"checkpoints of {run}")
+        create_table_artifact(rows, key=f"checkpoints-{_slug(run)}",
+                              description=f"committed checkpoints of {run}, evaluated one by one")
     evals = "\n".join(f"| {s} | {v:.4f} |" for s, v in training.val_losses) or "| - | - |"
     final = (f"{evaluation.val_loss:.4f} (perplexity {evaluation.val_ppl:.1f}, step {evaluation.step})"
              if evaluation else "n/a")
@@ -58,6 +60,16 @@ def report(config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: 
 """,
     )
     return result
+
+
+def checkpoint_rows(training: TrainingResult, final: EvalResult | None) -> list[dict]:
+    """One row per committed checkpoint: step, URI, size, upload seconds, validation loss."""
+    losses = {e.checkpoint_uri: e.val_loss for e in training.evaluations}
+    if final is not None:
+        losses[final.checkpoint_uri] = final.val_loss
+    return [{"step": c["step"], "uri": c["uri"], "size_mb": round((c.get("bytes") or 0) / 1e6, 3),
+             "upload_seconds": c.get("upload_seconds"), "val_loss": losses.get(c["uri"])}
+            for c in training.checkpoints]
 
 
 def _slug(name: str) -> str:

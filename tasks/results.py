@@ -14,6 +14,15 @@ class ResumePoint(BaseModel):
     skipped: list[str] = Field(default_factory=list, description="'<uri>: <reason>' per invalid one")
 
 
+class EvalResult(BaseModel):
+    checkpoint_uri: str
+    step: int
+    val_loss: float
+    val_ppl: float
+    windows: int
+    seconds: float
+
+
 class TrainingResult(BaseModel):
     final_step: int
     final_checkpoint_key: str | None
@@ -24,15 +33,8 @@ class TrainingResult(BaseModel):
     train_losses: list[tuple[int, float]] = Field(default_factory=list)
     val_losses: list[tuple[int, float]] = Field(default_factory=list)
     checkpoints: list[dict] = Field(default_factory=list)
-
-
-class EvalResult(BaseModel):
-    checkpoint_uri: str
-    step: int
-    val_loss: float
-    val_ppl: float
-    windows: int
-    seconds: float
+    failed_checkpoints: list[int] = Field(default_factory=list)
+    evaluations: list[EvalResult] = Field(default_factory=list)
 
 
 class PipelineResult(BaseModel):
@@ -51,3 +53,5 @@ class PipelineResult(BaseModel):
     val_losses: list[tuple[int, float]] = Field(default_factory=list)
     first_train_loss: float | None = None
     last_train_loss: float | None = None
+    checkpoints: list[dict] = Field(
+        default_factory=list, description="step, uri, size_mb, upload_seconds, val_loss per checkpoint")

@@ -11,7 +11,9 @@ from prefect.runtime import task_run
 from storage.checkpoints import find_latest_valid, run_key
 from storage.store import Store, join
 from tasks.data_prep import ShardInfo
+from tasks.evaluate import evaluate_checkpoint
 from tasks.launcher import child_env, classify, free_port, run_gang, torchrun_commands
+from tasks.monitor import TrainingMonitor
 from tasks.policy import BACKOFF, JITTER, retry_if_transient
 from tasks.results import ResumePoint, TrainingResult
 from training.config import ConfigError, RunConfig
@@ -90,40 +92,27 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo,
     progress = create_progress_artifact(
         progress=100.0 * resume.step / cfg.train.max_steps, key="training-progress",
         description=f"steps of {cfg.resolved_run_name()}")
-    state = {"last_pct": -1}
     result = TrainingResult(final_step=resume.step, final_checkpoint_key=resume.checkpoint_key,
                             final_checkpoint_uri=resume.checkpoint_uri,
                             resumed_from_step=resume.step, attempts=attempt, seconds=0.0)
 
-    def on_metric(m: dict) -> None:
-        event, step = m.get("event"), m.get("step", 0)
-        if event == "train":
-            result.train_losses.append((step, m["loss"]))
-            logger.info("step %d/%d  loss %.4f  lr %.2e  %.0f ms/step", step, cfg.train.max_steps,
-                        m["loss"], m["lr"], 1000 * m["step_seconds"])
-            pct = int(100 * step / cfg.train.max_steps)
-            if pct != state["last_pct"]:
-                update_progress_artifact(progress, progress=float(pct))
-                state["last_pct"] = pct
-        elif event == "eval":
-            result.val_losses.append((step, m["val_loss"]))
-            logger.info("step %d  validation loss %.4f  (perplexity %.1f)", step, m["val_loss"], m["val_ppl"])
-        elif event == "checkpoint":
-            key = m["uri"][len(_store(cfg).root):].lstrip("/")
-            result.final_step, result.final_checkpoint_key, result.final_checkpoint_uri = step, key, m["uri"]
-            result.checkpoints.append({"step": step, "uri": m["uri"], "seconds": m["seconds"]})
-            logger.info("checkpoint committed: %s (%.2fs)", m["uri"], m["seconds"])
-        elif event == "failure":
-            logger.error("rank %s failed: %s: %s", m.get("rank"), m.get("type"), m.get("message"))
-        elif event == "resumed":
-            logger.info("ranks resumed at step %d from %s", step, m["checkpoint"])
+    def evaluate_while_training(key: str, step: int):
+        return evaluate_checkpoint.submit(cfg, config_url, key, shards.key)
 
+    monitor = TrainingMonitor(
+        result, cfg.train.max_steps, _store(cfg).root, logger,
+        on_progress=lambda pct: update_progress_artifact(progress, progress=pct),
+        on_commit=evaluate_while_training if cfg.eval.per_checkpoint_enabled else None)
     cmds = torchrun_commands(cfg, config_url, shards.key, resume.checkpoint_key,
                              free_port(cfg.launch.rdzv_host))
     logger.info("launching %d node(s) x %d rank(s): %s", cfg.launch.num_nodes,
                 cfg.launch.nproc_per_node, " ".join(cmds[0][2:]))
-    gang = run_gang(cmds, child_env(cfg), cfg.launch.nproc_per_node, on_line=logger.info,
-                    on_metric=on_metric, timeout=cfg.launch.timeout_seconds)
+    try:
+        gang = run_gang(cmds, child_env(cfg), cfg.launch.nproc_per_node, on_line=logger.info,
+                        on_metric=monitor, timeout=cfg.launch.timeout_seconds,
+                        hang_timeout=cfg.launch.hang_timeout_seconds)
+    finally:
+        monitor.collect_evaluations()
     result.seconds = gang.seconds
     if gang.reason != "completed":
         raise classify(gang)

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import shutil
+import threading
 import time
 from dataclasses import dataclass
 
@@ -21,8 +24,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from storage.checkpoints import commit_checkpoint, new_checkpoint_key, prune_checkpoints
-from storage.store import Store, join
+from storage.checkpoints import (
+    commit_checkpoint,
+    list_checkpoints,
+    new_checkpoint_key,
+    prune_checkpoints,
+    rank_receipt_key,
+)
+from storage.store import Store, join, sha256_file
 
 TRAIN_STATE = "train_state.json"
 
@@ -97,14 +106,6 @@ def _scalar_state(optimizer: torch.optim.Optimizer, scheduler, step: int, tokens
             "sampler": {"kind": "pure(seed, step, rank)", "seed": seed, "next_step": step}}
 
 
-def _writer(store: Store, key: str):
-    if store.is_local:
-        return dcp.FileSystemWriter(store.local_path(key))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    return FsspecWriter(store.url(key), **store.storage_options)
-
-
 def _reader(store: Store, key: str):
     if store.is_local:
         return dcp.FileSystemReader(store.local_path(key))
@@ -122,25 +123,152 @@ def _broadcast_str(value: str | None, is_dist: bool) -> str:
     return box[0]
 
 
+def with_retries(fn, *, what: str, deadline: float, on_retry=None):
+    """Call fn until it succeeds or the deadline passes; backoff 0.5 s doubling to 8 s."""
+    delay, attempt = 0.5, 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except Exception as err:  # storage errors come in many types (OSError, botocore, aiohttp)
+            if time.monotonic() + delay > deadline:
+                raise RuntimeError(f"{what} failed after {attempt} attempts: {err!r}") from err
+            if on_retry:
+                on_retry(attempt, err)
+            time.sleep(delay + random.Random(attempt).random() * delay * 0.25)
+            delay = min(delay * 2, 8.0)
+
+
+class CheckpointWriter:
+    """One per rank. save() stages the DCP files on local disk (a collective; the only part
+    training waits for), then a background thread uploads this rank's files with retries,
+    checksummed locally, and writes a receipt. Rank 0's thread then waits for every rank's
+    receipt and writes commit.json last. One save in flight: the next save, and close(),
+    wait for the previous one. Nothing here touches the store from the training thread,
+    so a storage outage delays checkpoints but never stops training."""
+
+    def __init__(self, store: Store, run_name: str, *, rank: int, world_size: int,
+                 staging_root: str, keep_latest_k: int, upload_timeout: float,
+                 commit_timeout: float, async_enabled: bool, on_event=None, after_commit=None):
+        self.store, self.run_name, self.rank, self.world_size = store, run_name, rank, world_size
+        self.staging_root, self.keep_latest_k = staging_root, keep_latest_k
+        self.upload_timeout, self.commit_timeout = upload_timeout, commit_timeout
+        self.async_enabled = async_enabled
+        self.on_event = on_event or (lambda **kw: None)
+        self.after_commit = after_commit or (lambda: None)
+        self.is_dist = dist.is_available() and dist.is_initialized()
+        self.thread: threading.Thread | None = None
+        self.failures: list[str] = []
+        # folder names already used, read once; later names are derived without listing
+        self.taken = ({r.name for r in list_checkpoints(store, run_name)} if rank == 0 else set())
+
+    def save(self, state: dict[str, torch.Tensor], scalars: dict, step: int, meta: dict) -> str:
+        self.wait()
+        t0 = time.perf_counter()
+        key = None
+        if self.rank == 0:
+            key = new_checkpoint_key(self.store, self.run_name, step, taken=self.taken)
+            self.taken.add(key.rsplit("/", 1)[-1])
+        key = _broadcast_str(key, self.is_dist)
+        local = self.store.local_path(key) if self.store.is_local else os.path.join(self.staging_root, key)
+        os.makedirs(local, exist_ok=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(local))  # collective; .metadata last
+        mine = sorted(n for n in os.listdir(local) if n.startswith(f"__{self.rank}_"))
+        if self.rank == 0:
+            with open(os.path.join(local, TRAIN_STATE), "w") as f:
+                json.dump(scalars, f, indent=2, sort_keys=True)
+            mine += [".metadata", TRAIN_STATE]
+        staged = time.perf_counter() - t0
+        job = (key, local, mine, step, meta, staged)
+        if self.async_enabled:
+            self.thread = threading.Thread(target=self._finish, args=job, daemon=True,
+                                           name=f"ckpt-upload-{step}")
+            self.thread.start()
+        else:
+            self._finish(*job)
+            if self.is_dist:
+                dist.barrier()  # group: world; synchronous mode: no rank runs ahead of the commit
+        return key
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+    def close(self) -> None:
+        self.wait()
+
+    # ---- background part -------------------------------------------------------------
+    def _finish(self, key, local, names, step, meta, staged_seconds) -> None:
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.upload_timeout
+        try:
+            files = {}
+            for name in names:
+                path = os.path.join(local, name)
+                files[name] = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
+                if not self.store.is_local:
+                    with_retries(lambda: self.store.put_file(path, join(key, name)),
+                                 what=f"upload of {name}", deadline=deadline,
+                                 on_retry=lambda n, e: self.on_event(event="upload_retry", step=step,
+                                                                     rank=self.rank, attempt=n, error=repr(e)[:200]))
+            upload_seconds = time.perf_counter() - t0
+            receipt = {"rank": self.rank, "files": files, "upload_seconds": upload_seconds}
+            with_retries(lambda: self.store.write_json(rank_receipt_key(key, self.rank), receipt),
+                         what="upload receipt", deadline=deadline)
+            if not self.store.is_local and self.rank != 0:  # rank 0 clears the folder after commit
+                for name in names:
+                    os.remove(os.path.join(local, name))
+            if self.rank == 0:
+                self._commit(key, local, step, meta, staged_seconds, t0)
+        except Exception as err:
+            self.failures.append(f"step {step}: {err}")
+            self.on_event(event="checkpoint_failed", step=step, rank=self.rank, error=str(err)[:500])
+
+    def _commit(self, key, local, step, meta, staged_seconds, t0) -> None:
+        deadline = time.monotonic() + self.commit_timeout
+        receipts = {}
+        while len(receipts) < self.world_size:
+            for r in range(self.world_size):
+                if r not in receipts and self.store.exists(rank_receipt_key(key, r)):
+                    receipts[r] = self.store.read_json(rank_receipt_key(key, r))
+            if len(receipts) < self.world_size:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(receipts))
+                    raise RuntimeError(f"ranks {missing} never reported their upload; not committed")
+                time.sleep(0.2)
+        files = {name: entry for rec in receipts.values() for name, entry in rec["files"].items()}
+        upload_seconds = max(rec["upload_seconds"] for rec in receipts.values())
+        manifest = with_retries(
+            lambda: commit_checkpoint(self.store, key, {
+                "step": step, "world_size": self.world_size, **meta,
+                "upload_seconds": upload_seconds}, files=files),
+            what="commit manifest", deadline=deadline)
+        with_retries(lambda: prune_checkpoints(self.store, self.run_name, self.keep_latest_k),
+                     what="retention", deadline=deadline)
+        if not self.store.is_local:
+            shutil.rmtree(local, ignore_errors=True)
+        self.on_event(event="checkpoint", step=step, uri=self.store.url(key),
+                      bytes=sum(e["size"] for e in manifest["files"].values()),
+                      stage_seconds=round(staged_seconds, 3), upload_seconds=round(upload_seconds, 3),
+                      commit_seconds=round(time.perf_counter() - t0, 3))
+        self.after_commit()
+
+
 def save_checkpoint(store: Store, run_name: str, *, model, optimizer, scheduler, step: int,
                     tokens_seen: int, seed: int, rank: int, world_size: int, meta: dict,
-                    keep_latest_k: int) -> tuple[str, float]:
-    """Save every rank's state into a new step folder, then commit it from rank 0.
-
-    Returns (checkpoint key, seconds spent)."""
+                    keep_latest_k: int, staging_root: str | None = None) -> tuple[str, float]:
+    """Save and commit synchronously (tests, tools). Returns (checkpoint key, seconds)."""
     t0 = time.perf_counter()
-    is_dist = dist.is_available() and dist.is_initialized()
-    key = _broadcast_str(new_checkpoint_key(store, run_name, step) if rank == 0 else None, is_dist)
+    writer = CheckpointWriter(store, run_name, rank=rank, world_size=world_size,
+                              staging_root=staging_root or os.path.join(os.path.expanduser("~/.cache/stoker"), "staging"),
+                              keep_latest_k=keep_latest_k, upload_timeout=300, commit_timeout=300,
+                              async_enabled=False)
     state = {**model_optim_tensors(model, optimizer), **rng_state_tensors(rank)}
-    dcp.save(state, storage_writer=_writer(store, key))  # collective; .metadata after all ranks
-    if rank == 0:
-        store.write_json(join(key, TRAIN_STATE),
-                         _scalar_state(optimizer, scheduler, step, tokens_seen, seed))
-        commit_checkpoint(store, key, {"step": step, "world_size": world_size,
-                                       "tokens_seen": tokens_seen, **meta})
-        prune_checkpoints(store, run_name, keep_latest_k)
-    if is_dist:
-        dist.barrier()  # group: world; no rank races ahead of an uncommitted checkpoint
+    key = writer.save(state, _scalar_state(optimizer, scheduler, step, tokens_seen, seed), step,
+                      {"tokens_seen": tokens_seen, **meta})
+    if writer.failures:
+        raise RuntimeError(f"checkpoint at step {step} was not committed: {writer.failures[-1]}")
     return key, time.perf_counter() - t0
 
 

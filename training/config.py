@@ -191,6 +191,18 @@ class CheckpointConfig(_Section):
     keep_latest_k: int = Field(
         2, description="Committed checkpoints to keep; at least 2, as the newest may still be uploading."
     )
+    async_enabled: bool = Field(
+        True, description="Upload in the background while training goes on (False: the step "
+        "waits for save, upload and commit)."
+    )
+    upload_timeout_seconds: float = Field(
+        900.0, description="How long one rank keeps retrying (with backoff) its upload of one "
+        "checkpoint before the checkpoint is given up (reported, never committed)."
+    )
+    commit_timeout_seconds: float = Field(
+        1200.0, description="How long rank 0 waits for every rank's upload receipt before it "
+        "gives the checkpoint up."
+    )
 
     def problems(self, prefix: str) -> list[str]:
         out = []
@@ -198,12 +210,21 @@ class CheckpointConfig(_Section):
             out.append(f"{prefix}.interval_steps: must be >= 1 (got {self.interval_steps}).")
         if self.keep_latest_k < 2:
             out.append(f"{prefix}.keep_latest_k: must be >= 2 (got {self.keep_latest_k}).")
+        if self.upload_timeout_seconds <= 0:
+            out.append(f"{prefix}.upload_timeout_seconds: must be > 0 (got {self.upload_timeout_seconds}).")
+        if self.commit_timeout_seconds < self.upload_timeout_seconds:
+            out.append(f"{prefix}.commit_timeout_seconds: must be >= upload_timeout_seconds "
+                       f"({self.commit_timeout_seconds} < {self.upload_timeout_seconds}).")
         return out
 
 
 class EvalConfig(_Section):
     interval_steps: int = Field(100, description="Steps between validation-loss evaluations.")
     num_batches: int = Field(8, description="Validation batches (of micro_batch_size per rank) per evaluation.")
+    per_checkpoint_enabled: bool = Field(
+        True, description="Evaluate every committed checkpoint in its own task run (a separate "
+        "process) while training goes on."
+    )
 
     def problems(self, prefix: str) -> list[str]:
         out = []
@@ -226,6 +247,15 @@ class LaunchConfig(_Section):
     rdzv_host: str = Field("127.0.0.1", description="Host of the c10d rendezvous endpoint.")
     timeout_seconds: int = Field(3600, description="Wall-clock limit of one training launch.")
     max_attempts: int = Field(2, description="Launch attempts; each retry resumes from the newest valid checkpoint.")
+    hang_timeout_seconds: int = Field(
+        300,
+        description="Hang watchdog: when no training step finishes for this long (rank 0 "
+        "reports each one), the gang is killed and the launch fails as transient (retried from "
+        "the newest valid checkpoint). Armed at rank 0's first report, so start-up (rendezvous, "
+        "loading shards and the checkpoint, the step-0 evaluation) counts only against "
+        "timeout_seconds. Keep it above the slowest step plus an evaluation and a checkpoint "
+        "save. 0 turns the watchdog off.",
+    )
 
     @property
     def world_size(self) -> int:
@@ -241,6 +271,11 @@ class LaunchConfig(_Section):
             out.append(f"{prefix}.timeout_seconds: must be >= 10 (got {self.timeout_seconds}).")
         if self.max_attempts < 1:
             out.append(f"{prefix}.max_attempts: must be >= 1 (got {self.max_attempts}).")
+        if self.hang_timeout_seconds != 0 and self.hang_timeout_seconds < 5:
+            out.append(
+                f"{prefix}.hang_timeout_seconds: must be 0 (watchdog off) or >= 5 (got "
+                f"{self.hang_timeout_seconds}); give more than the slowest step plus an "
+                "evaluation and a checkpoint save, e.g. 300.")
         return out
 
 

@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -18,7 +19,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from storage.checkpoints import run_key
 from storage.store import Store, join
-from training.checkpoint import load_checkpoint, save_checkpoint
+from training.checkpoint import (
+    CheckpointWriter,
+    _scalar_state,
+    load_checkpoint,
+    model_optim_tensors,
+    rng_state_tensors,
+)
 from training.config import RunConfig
 from training.data import TokenStream, eval_offsets, get_batch, train_batch
 from training.faults import maybe_inject
@@ -102,19 +109,29 @@ def lr_multiplier(step: int, cfg: RunConfig) -> float:
 
 
 class MetricsLog:
-    """Rank 0's JSON-lines metrics: printed at once (the launcher streams them to the
-    orchestrator's log) and appended to {run}/metrics.jsonl in the store on flush."""
+    """JSON-lines metrics: printed at once (the launcher streams them into the orchestrator's
+    log); rank 0 also keeps them for {run}/metrics.jsonl, appended on flush (after each
+    checkpoint commit, from the upload thread, and at the end)."""
 
-    def __init__(self, store: Store, run_name: str, enabled: bool):
-        self.store, self.key, self.enabled, self.pending = store, join(run_key(run_name), "metrics.jsonl"), enabled, []
+    def __init__(self, store: Store, run_name: str, rank: int):
+        self.store, self.key = store, join(run_key(run_name), "metrics.jsonl")
+        self.rank, self.enabled = rank, rank == 0
+        self.pending: list[str] = []
+        self.lock = threading.Lock()
 
     def log(self, **record) -> None:
-        if not self.enabled:
-            return
+        """A rank-0 metric (others stay silent: every rank holds the same numbers)."""
+        if self.enabled:
+            self.event(**record)
+
+    def event(self, **record) -> None:
+        """Something any rank has to say (an upload retry, a failure)."""
         record = {"time": time.time(), **record}
         line = json.dumps(record, sort_keys=True)
         print(METRIC_PREFIX + line, flush=True)
-        self.pending.append(line + "\n")
+        if self.enabled:
+            with self.lock:
+                self.pending.append(line + "\n")
 
     def heartbeat(self, step: int) -> None:
         """A line per step for the launcher's hang watchdog (not stored)."""
@@ -122,14 +139,20 @@ class MetricsLog:
             print(METRIC_PREFIX + json.dumps({"event": "step", "step": step}), flush=True)
 
     def flush(self) -> None:
-        if self.pending:
-            self.store.append_text(self.key, "".join(self.pending))
-            self.pending = []
+        """Best effort: on a storage error the lines stay pending for the next flush."""
+        with self.lock:
+            if not self.pending:
+                return
+            try:
+                self.store.append_text(self.key, "".join(self.pending))
+                self.pending = []
+            except Exception as err:  # never let a metrics write stop training
+                print(f"metrics flush failed, will retry: {err!r}", file=sys.stderr, flush=True)
 
 
 class Trainer:
     def __init__(self, cfg: RunConfig, ranks: RankInfo, shard_dir: str, store: Store,
-                 shard_key: str = ""):
+                 shard_key: str = "", cache_dir: str = "/tmp/stoker-cache"):
         self.cfg, self.ranks, self.store, self.shard_key = cfg, ranks, store, shard_key
         self.run_name = cfg.resolved_run_name()
         if cfg.train.deterministic:
@@ -147,8 +170,15 @@ class Trainer:
         torch.manual_seed(t.seed + 1 + ranks.rank)  # per-rank stream (dropout)
         self.step, self.tokens_seen = 0, 0
         self.last_saved_step, self.last_save_seconds = -1, 0.0
-        self.metrics = MetricsLog(store, self.run_name, ranks.is_rank_zero)
+        self.metrics = MetricsLog(store, self.run_name, ranks.rank)
         self.stop = StopRequest()
+        c = cfg.checkpoint
+        self.writer = CheckpointWriter(
+            store, self.run_name, rank=ranks.rank, world_size=ranks.world_size,
+            staging_root=os.path.join(cache_dir, "staging"), keep_latest_k=c.keep_latest_k,
+            upload_timeout=c.upload_timeout_seconds, commit_timeout=c.commit_timeout_seconds,
+            async_enabled=c.async_enabled, on_event=self.metrics.event,
+            after_commit=self.metrics.flush)
 
     # ---- state ---------------------------------------------------------------------
     def resume(self, checkpoint_key: str) -> None:
@@ -160,17 +190,19 @@ class Trainer:
         self.metrics.log(event="resumed", step=self.step, checkpoint=self.store.url(checkpoint_key))
 
     def save(self) -> None:
+        """Stage this step's state; upload and commit go on in the background."""
+        t0 = time.perf_counter()
         meta = {"config_hash": self.cfg.identity_hash(), "model_hash": self.cfg.model_hash(),
-                "shard_key": self.shard_key, "run_name": self.run_name}
-        key, seconds = save_checkpoint(
-            self.store, self.run_name, model=self.raw_model, optimizer=self.optimizer,
-            scheduler=self.scheduler, step=self.step, tokens_seen=self.tokens_seen,
-            seed=self.cfg.train.seed, rank=self.ranks.rank, world_size=self.ranks.world_size,
-            meta=meta, keep_latest_k=self.cfg.checkpoint.keep_latest_k)
-        self.last_saved_step, self.last_save_seconds = self.step, seconds
-        self.metrics.log(event="checkpoint", step=self.step, uri=self.store.url(key),
-                         seconds=round(seconds, 3))
-        self.metrics.flush()
+                "shard_key": self.shard_key, "run_name": self.run_name,
+                "tokens_seen": self.tokens_seen}
+        state = {**model_optim_tensors(self.raw_model, self.optimizer),
+                 **rng_state_tensors(self.ranks.rank)}
+        scalars = _scalar_state(self.optimizer, self.scheduler, self.step, self.tokens_seen,
+                                self.cfg.train.seed)
+        key = self.writer.save(state, scalars, self.step, meta)
+        self.last_saved_step, self.last_save_seconds = self.step, time.perf_counter() - t0
+        self.metrics.log(event="checkpoint_staged", step=self.step, key=key,
+                         seconds=round(self.last_save_seconds, 3))
 
     # ---- steps ---------------------------------------------------------------------
     def train_step(self) -> float:
@@ -207,6 +239,7 @@ class Trainer:
         fits = self.last_save_seconds * 2 + 1 < self.stop.seconds_left()
         if self.step != self.last_saved_step and fits:
             self.save()
+        self.writer.close()
         self.metrics.log(event="stopped", step=self.step, saved=self.last_saved_step == self.step)
         self.metrics.flush()
         raise Preempted(f"stopped by SIGTERM at step {self.step}")
@@ -229,6 +262,14 @@ class Trainer:
         return float(sums[0] / sums[1])
 
     def fit(self) -> dict:
+        try:
+            return self._fit()
+        finally:
+            self.writer.close()  # the last upload and commit finish before the process ends
+            self.metrics.flush()
+            sys.stdout.flush()
+
+    def _fit(self) -> dict:
         cfg = self.cfg
         t_start = time.time()
         if self.step == 0:
@@ -253,8 +294,9 @@ class Trainer:
                                  val_ppl=math.exp(min(last_val, 50)))
             if s % cfg.checkpoint.interval_steps == 0 or s == cfg.train.max_steps:
                 self.save()
+        self.writer.close()
+        if self.writer.failures:
+            self.metrics.log(event="checkpoint_warning", step=self.step, failures=self.writer.failures)
         self.metrics.log(event="done", step=self.step, seconds=round(time.time() - t_start, 3),
                          val_loss=last_val)
-        self.metrics.flush()
-        sys.stdout.flush()
         return {"step": self.step, "val_loss": last_val}

@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = read_config(args.config)
         ranks = setup_distributed(cfg)
         store = Store(cfg.storage.root, cfg.storage.storage_options)
-        trainer = Trainer(cfg, ranks, materialize(store, shard_key, args.cache_dir), store, shard_key)
+        trainer = Trainer(cfg, ranks, materialize(store, shard_key, args.cache_dir), store, shard_key,
+                          cache_dir=args.cache_dir)
         if args.resume_from:
             trainer.resume(args.resume_from)
         trainer.fit()

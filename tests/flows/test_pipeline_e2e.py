@@ -30,6 +30,9 @@ def test_pipeline_trains_resumes_and_hits_the_data_cache(prefect_server, tmp_pat
     assert first.val_losses[-1][1] < first.val_losses[0][1]  # the loss fell
     assert first.last_train_loss < first.first_train_loss
     assert first.last_val_loss is not None
+    # every committed checkpoint was evaluated in its own task run (step 4 while training went on)
+    assert [(c["step"], c["val_loss"] is not None) for c in first.checkpoints] == [(4, True), (8, True)]
+    assert first.checkpoints[-1]["val_loss"] == pytest.approx(first.last_val_loss)
 
     store = Store(root)
     ckpt_key = list_checkpoints(store, "e2e")[0].key
