@@ -69,8 +69,14 @@ class Store:
         return self._path(key)
 
     # ---- primitives ----------------------------------------------------------------
-    def exists(self, key: str) -> bool:
-        return self.fs.exists(self._path(key))
+    def exists(self, key: str, refresh: bool = False) -> bool:
+        """Does the key exist? refresh=True drops cached listings first (another process
+        may have written it since)."""
+        path = self._path(key)
+        if refresh and not self.is_local:
+            self.fs.invalidate_cache(path)
+            self.fs.invalidate_cache(path.rsplit("/", 1)[0])
+        return self.fs.exists(path)
 
     def size(self, key: str) -> int:
         return int(self.fs.size(self._path(key)))
@@ -201,3 +207,63 @@ def sha256_file(path: str) -> str:
 def open_url(url: str, mode: str = "rb", **storage_options: Any):
     """Open any fsspec URL (used for sources outside the store root)."""
     return fsspec.open(url, mode, **storage_options).open()
+
+
+# ---- sources outside the store root, and a local build lock (appended) -------------------
+def _has_magic(url: str) -> bool:
+    path = url.split("://", 1)[-1]
+    if url.startswith(("http://", "https://")):
+        return "*" in path  # '?' starts a query string there, not a glob
+    return any(c in path for c in "*?[")
+
+
+def expand_url(url: str, **storage_options: Any) -> list[tuple[str, dict]]:
+    """The objects a source URL names, as sorted ``(url, info)`` pairs: one object, every
+    object under a folder, or a glob's matches. Listings are read fresh (the filesystem's
+    listing cache is dropped first), so sizes, ETags and VersionIds describe what is there
+    now. Raises FileNotFoundError when nothing is at a non-glob URL."""
+    fs, path = url_to_fs(url, **storage_options)
+    fs.invalidate_cache()
+    if _has_magic(url):
+        found = fs.glob(path, detail=True)
+    else:
+        info = fs.info(path)
+        if info.get("type") != "directory":
+            return [(url, dict(info))]
+        found = fs.find(path, detail=True, withdirs=False)
+    return [(fs.unstrip_protocol(p), dict(info)) for p, info in sorted(found.items())
+            if info.get("type") != "directory"]
+
+
+def fetch_url(url: str, local_path: str, **storage_options: Any) -> None:
+    """Download one object (streamed, never held in memory) to a local file."""
+    fs, path = url_to_fs(url, **storage_options)
+    os.makedirs(os.path.dirname(os.path.abspath(local_path)), exist_ok=True)
+    fs.get_file(path, local_path)
+
+
+def build_lock(store: Store, key: str):
+    """Hold an exclusive lock on building ``key`` in a local store, so two runs on this host
+    do the work once (the second then finds the first one's result). A no-op on object
+    stores, where writers of the same key publish identical bytes, manifest last. The lock
+    file lives in the temp folder, never in the store, and dies with its holder."""
+    import contextlib
+    import fcntl
+    import tempfile
+
+    @contextlib.contextmanager
+    def held():
+        if not store.is_local:
+            yield
+            return
+        folder = os.path.join(tempfile.gettempdir(), "stoker-locks")
+        os.makedirs(folder, exist_ok=True)
+        name = hashlib.sha256(store.local_path(key).encode()).hexdigest()[:32]
+        with open(os.path.join(folder, f"{name}.lock"), "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    return held()

@@ -142,3 +142,90 @@ def prepare_shards(cfg):
     dataset = data_prep.download_dataset(cfg.data, store)
     tokenizer = data_prep.train_tokenizer(dataset, cfg.tokenizer, store)
     return store, data_prep.tokenize_and_shard(dataset, tokenizer, cfg.data, store)
+
+
+# ---- process scans (Linux /proc), for tests that check nothing of a run is left --------
+class Proc:
+    """One live process as /proc shows it; `start` (clock ticks after boot) tells a reused
+    pid from the process once recorded under it."""
+
+    def __init__(self, pid: int, ppid: int, pgid: int, sid: int, start: int, cmdline: str):
+        self.pid, self.ppid, self.pgid, self.sid, self.start, self.cmdline = pid, ppid, pgid, sid, start, cmdline
+
+    def __repr__(self) -> str:
+        return f"Proc(pid={self.pid}, pgid={self.pgid}, sid={self.sid}, {self.cmdline[:160]!r})"
+
+
+def read_proc(pid: int) -> Proc | None:
+    """The process, or None when it is gone or a zombie (it has exited; only not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # fields from the 3rd (state) on
+    if fields[0] in ("Z", "X"):
+        return None
+    return Proc(pid, int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]), cmdline)
+
+
+def live_processes() -> dict[int, Proc]:
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            proc = read_proc(int(name))
+            if proc is not None:
+                out[proc.pid] = proc
+    return out
+
+
+def descendants(root: int, procs: dict[int, Proc] | None = None) -> dict[int, Proc]:
+    """Every live process below `root` in the parent tree (not `root` itself)."""
+    procs = live_processes() if procs is None else procs
+    children: dict[int, list[int]] = {}
+    for p in procs.values():
+        children.setdefault(p.ppid, []).append(p.pid)
+    out, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out[pid] = procs[pid]
+            todo.extend(children.get(pid, []))
+    return out
+
+
+class GangWatch:
+    """Records the processes of one training run while it runs (call `record()` often): every
+    process whose command line names the run's config (torchrun agents, ranks, evaluations)
+    and everything below them. `leftovers()` then lists what is left: a recorded process
+    still alive (same pid and start time), anything in a recorded process group or session,
+    anything naming the config."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+        self.seen: dict[int, Proc] = {}
+
+    def record(self, *_args) -> None:
+        procs = live_processes()
+        for proc in procs.values():
+            if self.marker in proc.cmdline:
+                self.seen.setdefault(proc.pid, proc)
+        for pid in list(self.seen):
+            for child in descendants(pid, procs).values():
+                self.seen.setdefault(child.pid, child)
+
+    def groups(self) -> set[int]:
+        """Process groups and sessions of the run (never the test's own)."""
+        ids = {p.pgid for p in self.seen.values()} | {p.sid for p in self.seen.values()}
+        return ids - {os.getpgid(0), os.getsid(0)}
+
+    def leftovers(self) -> list[Proc]:
+        groups, left = self.groups(), []
+        for proc in live_processes().values():
+            was = self.seen.get(proc.pid)
+            if ((was is not None and was.start == proc.start) or proc.pgid in groups
+                    or proc.sid in groups or self.marker in proc.cmdline):
+                left.append(proc)
+        return left

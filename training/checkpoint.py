@@ -230,8 +230,11 @@ class CheckpointWriter:
         receipts = {}
         while len(receipts) < self.world_size:
             for r in range(self.world_size):
-                if r not in receipts and self.store.exists(rank_receipt_key(key, r)):
-                    receipts[r] = self.store.read_json(rank_receipt_key(key, r))
+                try:
+                    if r not in receipts and self.store.exists(rank_receipt_key(key, r), refresh=True):
+                        receipts[r] = self.store.read_json(rank_receipt_key(key, r))
+                except Exception:  # storage blinking: ask again until the deadline
+                    pass
             if len(receipts) < self.world_size:
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.world_size)) - set(receipts))

@@ -49,10 +49,35 @@ class DataConfig(_Section):
     source: str = Field(
         BUILTIN_SOURCE,
         description="Where the raw text comes from: 'builtin:stdlib' (the Python standard "
-        "library's own sources, always present), a local file, folder or glob of .txt/.jsonl "
-        "files, or any fsspec URL.",
+        "library's own sources, always present); a local file, folder or glob of text "
+        "(.txt/.md/.py), JSON lines (.jsonl/.json, see text_field) or Parquet files, optionally "
+        ".gz/.bz2/.xz; any fsspec URL to one object, a folder or a glob (s3://bucket/data/*.jsonl, "
+        "https://host/corpus.txt; see storage_options); or 'hf:NAME' for a Hugging Face dataset "
+        "(a Hub name or a local dataset folder; see hf_name, hf_split, hf_revision).",
     )
-    text_field: str = Field("text", description="Field holding the text in JSON-lines records.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec options for a URL source (e.g. {'endpoint_url': ...} for an "
+        "S3-compatible store, {'anon': true} for a public bucket); credentials best come from "
+        "the environment.",
+    )
+    text_field: str = Field(
+        "text", description="Field (JSON lines) or column (Parquet, Hugging Face) holding the text."
+    )
+    hf_name: str | None = Field(
+        None, description="Hugging Face dataset configuration (subset) name, if it has several."
+    )
+    hf_split: str = Field("train", description="Hugging Face dataset split to read.")
+    hf_revision: str | None = Field(
+        None,
+        description="Hub branch, tag or commit of an 'hf:' dataset (default: main). It is "
+        "resolved to a commit sha, which is the dataset's fingerprint.",
+    )
+    on_decode_error: Literal["fail", "skip"] = Field(
+        "fail",
+        description="A source file that is not UTF-8 text: 'fail' stops with its name, 'skip' "
+        "leaves it out and counts it.",
+    )
     max_bytes: int = Field(
         3_000_000,
         description="Cap on raw bytes taken from the source (0 = no cap). Keeps the built-in "
@@ -62,23 +87,62 @@ class DataConfig(_Section):
         0.05, description="Fraction of documents held out for validation, chosen by document hash."
     )
     shard_tokens: int = Field(
-        2_000_000, description="Maximum tokens per shard file."
+        2_000_000, description="Tokens per shard file (a file is closed after the document that reaches it)."
+    )
+    token_dtype: Literal["auto", "uint16", "uint32"] = Field(
+        "auto",
+        description="Token id type of the shard files: 'auto' is uint16 while the vocabulary "
+        "fits (<= 65536 ids), else uint32.",
+    )
+    num_workers: int = Field(
+        2,
+        description="Tokenizer worker processes. Each owns fixed slices of the corpus, so the "
+        "shard files are byte-identical whatever this is.",
     )
 
     def problems(self, prefix: str) -> list[str]:
         out = []
-        if not self.source.strip():
+        source = self.source.strip()
+        is_hf, is_url = source.startswith("hf:"), "://" in source
+        if not source:
             out.append(f"{prefix}.source: is empty; use 'builtin:stdlib' or a path/URL to text data.")
-        elif "://" not in self.source and not self.source.startswith("builtin:"):
+        elif is_hf:
+            name = source[3:].strip()
+            if not name:
+                out.append(f"{prefix}.source: 'hf:' needs a dataset, e.g. 'hf:wikitext' or 'hf:/path/to/folder'.")
+            elif name.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(name)):
+                out.append(
+                    f"{prefix}.source: no local dataset folder {name!r}; give an existing folder "
+                    "or a Hub name such as 'hf:wikitext'."
+                )
+        elif source.startswith("builtin:"):
+            if source != BUILTIN_SOURCE:
+                out.append(f"{prefix}.source: unknown built-in corpus {source!r}; use {BUILTIN_SOURCE!r}.")
+        elif not is_url or source.startswith("file://"):
             import glob
 
-            if not glob.glob(os.path.expanduser(self.source)):
+            path = source[len("file://"):] if is_url else source
+            if not glob.glob(os.path.expanduser(path)):
                 out.append(
                     f"{prefix}.source: no file matches {self.source!r}; give an existing file, "
                     "folder or glob, or use 'builtin:stdlib'."
                 )
-        elif self.source.startswith("builtin:") and self.source != BUILTIN_SOURCE:
-            out.append(f"{prefix}.source: unknown built-in corpus {self.source!r}; use {BUILTIN_SOURCE!r}.")
+        if self.storage_options and not (is_url or is_hf):
+            out.append(
+                f"{prefix}.storage_options: only used with a URL source, and {self.source!r} is "
+                "not one; remove them or give data.source as a URL."
+            )
+        if not is_hf:
+            for name in ("hf_name", "hf_revision"):
+                if getattr(self, name):
+                    out.append(
+                        f"{prefix}.{name}: only applies to 'hf:' sources; remove it or set "
+                        f"{prefix}.source to 'hf:NAME'."
+                    )
+        if not self.hf_split.strip():
+            out.append(f"{prefix}.hf_split: is empty; use a split such as 'train'.")
+        if not self.text_field.strip():
+            out.append(f"{prefix}.text_field: is empty; name the field that holds the text, e.g. 'text'.")
         if self.max_bytes < 0:
             out.append(f"{prefix}.max_bytes: must be >= 0 (got {self.max_bytes}); use 0 for no cap.")
         if not 0.0 < self.val_fraction < 0.5:
@@ -87,6 +151,11 @@ class DataConfig(_Section):
             )
         if self.shard_tokens < 1024:
             out.append(f"{prefix}.shard_tokens: must be >= 1024 (got {self.shard_tokens}).")
+        if not 1 <= self.num_workers <= 256:
+            out.append(
+                f"{prefix}.num_workers: must be in [1, 256] (got {self.num_workers}); use about "
+                "the number of CPU cores."
+            )
         return out
 
 
@@ -96,9 +165,15 @@ class TokenizerConfig(_Section):
         description="A tokenizer.json to load instead of training one (local path or URL).",
     )
     vocab_size: int = Field(
-        2048, description="Vocabulary size of the byte-level BPE trained on the corpus."
+        2048,
+        description="Vocabulary size of the byte-level BPE trained on the corpus; with 'path', "
+        "at least the loaded tokenizer's size (it sizes the model's embedding).",
     )
     min_frequency: int = Field(2, description="Minimum pair frequency for a BPE merge.")
+    eot_token: str = Field(
+        "<|endoftext|>",
+        description="End-of-text special token that ends every document in the shards.",
+    )
 
     def problems(self, prefix: str) -> list[str]:
         out = []
@@ -111,6 +186,8 @@ class TokenizerConfig(_Section):
             out.append(f"{prefix}.vocab_size: too large for uint32 token ids ({self.vocab_size}).")
         if self.min_frequency < 1:
             out.append(f"{prefix}.min_frequency: must be >= 1 (got {self.min_frequency}).")
+        if not self.eot_token:
+            out.append(f"{prefix}.eot_token: is empty; use the tokenizer's end-of-text token, e.g. '<|endoftext|>'.")
         if self.path and "://" not in self.path and not Path(self.path).expanduser().is_file():
             out.append(f"{prefix}.path: {self.path!r} is not a file; give a tokenizer.json or leave it empty to train one.")
         return out

@@ -1,0 +1,111 @@
+"""The hang watchdog with real torchrun ranks (gloo on CPU): a rank that stops stepping is
+found, the whole gang is killed, the failure is transient, and a retry resumes and finishes."""
+
+import os
+
+from storage.checkpoints import find_latest_valid
+from tasks.launcher import (
+    GANG_ENV,
+    GangResult,
+    child_env,
+    classify,
+    free_port,
+    gang_pids,
+    run_gang,
+    torchrun_commands,
+)
+from tests.conftest import GangWatch, prepare_shards
+
+
+def _launch(cfg, config_url, shard_key, resume_key, env, watch):
+    cmds = torchrun_commands(cfg, config_url, shard_key, resume_key, free_port())
+    lines = []
+
+    def on_line(text):
+        lines.append(text)
+        watch.record()
+
+    return run_gang(cmds, env, cfg.launch.nproc_per_node, on_line=on_line,
+                    on_metric=watch.record, timeout=240,
+                    hang_timeout=cfg.launch.hang_timeout_seconds), lines
+
+
+def test_hung_rank_is_killed_with_its_gang_and_the_retry_resumes(tiny_config, tmp_path):
+    cfg = tiny_config(run_name="hang", train={"max_steps": 6}, checkpoint={"interval_steps": 2},
+                      eval={"interval_steps": 100}, launch={"hang_timeout_seconds": 8})
+    store, shards = prepare_shards(cfg)
+    store.write_bytes("runs/hang/config.json", cfg.to_json().encode())
+    config_url = store.url("runs/hang/config.json")
+    env = {**child_env(cfg), "STOKER_FAULT": "hang:rank=1:step=3",
+           "STOKER_FAULT_ONCE": str(tmp_path / "fault-fired")}
+
+    watch = GangWatch(config_url)
+    hung, lines = _launch(cfg, config_url, shards.key, None, env, watch)
+    assert hung.reason == "hang", "\n".join(hung.tail)
+    assert (tmp_path / "fault-fired").exists()  # rank 1 did stop stepping
+    err = classify(hung)
+    assert err.transient and err.reason == "hang"
+    assert "last step seen: step 2" in str(err)  # rank 1 froze before step 3
+
+    # the whole gang is gone: agent and ranks (each rank is a session of its own)
+    ranks = [p for p in watch.seen.values() if "torch.distributed.run" not in p.cmdline
+             and "training.train" in p.cmdline]
+    assert len(ranks) == 2 and all(pid in watch.seen for pid in hung.pids)
+    assert watch.leftovers() == []
+    assert gang_pids(hung.gang_id) == []
+
+    # the retry (same environment; the fault fires once) resumes from the newest valid
+    # checkpoint and runs to the end
+    choice = find_latest_valid(store, "hang")
+    resume_key = choice.checkpoint.key if choice.checkpoint else None
+    watch = GangWatch(config_url)
+    retry, _ = _launch(cfg, config_url, shards.key, resume_key, env, watch)
+    assert retry.reason == "completed", "\n".join(retry.tail)
+    events = {m["event"]: m for m in retry.metrics}
+    assert events["done"]["step"] == 6
+    if resume_key:
+        assert events["resumed"]["step"] == choice.checkpoint.step
+    assert watch.leftovers() == []
+
+
+def test_watchdog_waits_for_start_up_and_stays_off_at_zero():
+    import sys
+
+    # a silent start-up longer than the hang limit, then steps: not a hang (armed late)
+    script = ("import json,time; time.sleep(3); P='STOKER_METRIC '; "
+              "print(P+json.dumps({'event':'eval','step':0}), flush=True); "
+              "[print(P+json.dumps({'event':'step','step':s}), flush=True) for s in range(1,6)]")
+    env = dict(os.environ)
+    res = run_gang([[sys.executable, "-c", script]], env, 1, lambda s: None, lambda m: None,
+                   timeout=60, hang_timeout=2)
+    assert res.reason == "completed" and res.last_step == 5
+    # a gang that reports once and then goes silent: a hang; with 0 the watchdog is off
+    silent = ("import json,time; print('STOKER_METRIC '+json.dumps({'event':'eval','step':0}),"
+              " flush=True); time.sleep(4)")
+    res = run_gang([[sys.executable, "-c", silent]], env, 1, lambda s: None, lambda m: None,
+                   timeout=60, hang_timeout=1)
+    assert res.reason == "hang" and res.last_step is None
+    assert "last step seen: none yet" in str(classify(res))
+    res = run_gang([[sys.executable, "-c", silent]], env, 1, lambda s: None, lambda m: None,
+                   timeout=60, hang_timeout=0)
+    assert res.reason == "completed"
+
+
+def test_classify_hang_is_transient_and_names_the_last_step():
+    err = classify(GangResult([-9, -9], "hang", 30.0, last_step=41, hang_timeout=20))
+    assert err.transient and err.reason == "hang"
+    assert "no step finished for 20s" in str(err) and "last step seen: step 41" in str(err)
+
+
+def test_child_env_keeps_the_ranks_stop_budget_inside_the_launcher_grace(tiny_config, monkeypatch):
+    from tasks.launcher import GRACE_SECONDS, RANK_STOP_MARGIN_SECONDS
+
+    assert GRACE_SECONDS + 5 < 30  # SIGTERM grace plus the SIGKILL wait fit Prefect's 30 s
+    cfg = tiny_config()
+    monkeypatch.delenv("STOKER_STOP_GRACE_SECONDS", raising=False)
+    assert float(child_env(cfg)["STOKER_STOP_GRACE_SECONDS"]) == GRACE_SECONDS - RANK_STOP_MARGIN_SECONDS
+    monkeypatch.setenv("STOKER_STOP_GRACE_SECONDS", "600")
+    assert float(child_env(cfg)["STOKER_STOP_GRACE_SECONDS"]) < GRACE_SECONDS
+    monkeypatch.setenv("STOKER_STOP_GRACE_SECONDS", "3")
+    assert float(child_env(cfg)["STOKER_STOP_GRACE_SECONDS"]) == 3
+    assert GANG_ENV not in child_env(cfg)  # each launch gets its own id, in run_gang
