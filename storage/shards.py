@@ -16,7 +16,9 @@ import uuid
 from storage.manifest import Verdict, read_manifest, verify_files
 from storage.store import Store, join
 
-FORMAT_VERSION = 1
+# 2: per-file token/doc counts, byte sizes and checksums for .bin, .idx and tokenizer.json;
+#    eot_id and the resolved dtype in the key's parameters
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -53,25 +55,45 @@ def staging_key(cache_key: str) -> str:
     return join("shards", f".tmp-{cache_key}-{uuid.uuid4().hex[:8]}")
 
 
+def clear_stale_staging(store: Store, cache_key: str) -> None:
+    """Remove staging folders of this key left by dead builds. Only safe while holding the
+    key's build lock (storage.store.build_lock), i.e. on local stores."""
+    assert store.is_local, "object stores have no build lock: a staging folder may be live"
+    for name in store.listdir("shards"):
+        if name.startswith(f".tmp-{cache_key}-") or name.startswith(f".trash-{cache_key}-"):
+            store.rm(join("shards", name))
+
+
 def publish_shard_set(store: Store, staging: str, cache_key: str, manifest: dict) -> bool:
     """Publish a built shard set. Local: write the manifest into staging, then rename the
-    folder into place (atomic). Object stores: copy files, manifest last. Returns False
-    when another writer published the same key first (this copy is then discarded)."""
+    folder into place (atomic; an invalid leftover is first moved aside). Object stores:
+    copy the files, manifest last. Returns False when another writer published an intact
+    copy of the same key first (this copy is then discarded).
+
+    Concurrent writers of one key build byte-identical files and manifests, so on object
+    stores an identical manifest already in place is left alone rather than deleted."""
     final = shard_set_key(cache_key)
     if validate_shard_set(store, cache_key, deep=True):  # someone else published an intact copy
         store.rm(staging)
         return False
     if store.is_local:
         store.write_json(join(staging, MANIFEST), manifest)
-        if store.exists(final):  # an invalid leftover (damaged or half-written) goes away
-            store.rm(final)
+        if store.exists(final):  # an invalid leftover (damaged or half-written): move it aside
+            trash = join("shards", f".trash-{cache_key}-{uuid.uuid4().hex[:8]}")
+            try:
+                store.rename(final, trash)
+            except OSError:  # gone meanwhile
+                pass
+            store.rm(trash)
         try:
             store.rename(staging, final)
         except OSError:  # a concurrent writer renamed first
             store.rm(staging)
             return False
         return True
-    store.rm(join(final, MANIFEST))
+    old, _ = read_manifest(store, join(final, MANIFEST))
+    if old is not None and old != manifest:  # readers must not trust it while files change
+        store.rm(join(final, MANIFEST))
     for name in manifest["files"]:
         store.copy(join(staging, name), join(final, name))
     store.write_json(join(final, MANIFEST), manifest)

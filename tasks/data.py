@@ -22,11 +22,18 @@ def _store(storage: StorageConfig) -> Store:
 @task(name="download_dataset", retries=3, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
       retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
 def download_dataset(data: DataConfig, storage: StorageConfig) -> data_prep.DatasetInfo:
-    """Copy the raw source into {root}/datasets/{fingerprint}/ (no copy when present)."""
+    """Copy the raw source into {root}/datasets/{fingerprint}/ (no copy when present).
+
+    Transient network failures are retried inside (with backoff) and then by this task;
+    a missing object, a wrong field or undecodable data fails at once (DataError)."""
     info = data_prep.download_dataset(data, _store(storage))
-    get_run_logger().info(
+    logger = get_run_logger()
+    logger.info(
         "dataset %s: %d documents, %.1f MB (%s)", info.fingerprint, info.num_docs,
-        info.num_bytes / 1e6, "already in the store" if info.cache_hit else "downloaded")
+        info.num_bytes / 1e6, "already in the store, nothing downloaded" if info.cache_hit else "downloaded")
+    if info.num_skipped_files:
+        logger.warning("%d source file(s) skipped as not UTF-8 text (data.on_decode_error='skip')",
+                       info.num_skipped_files)
     return info
 
 
@@ -45,9 +52,11 @@ def train_tokenizer(dataset: data_prep.DatasetInfo, tokenizer: TokenizerConfig,
       retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
 def tokenize_and_shard(dataset: data_prep.DatasetInfo, tokenizer: data_prep.TokenizerInfo,
                        data: DataConfig, storage: StorageConfig) -> data_prep.ShardInfo:
-    """Tokenize once into shards keyed by content; a valid shard set is reused as is."""
+    """Tokenize once into shards keyed by content; a valid shard set is reused as is.
+    data.num_workers worker processes share the work; the bytes do not depend on it."""
     info = data_prep.tokenize_and_shard(dataset, tokenizer, data, _store(storage))
     get_run_logger().info(
-        "shards %s: %d train / %d val tokens (%s)", info.cache_key, info.num_train_tokens,
-        info.num_val_tokens, "cache hit, no tokenization" if info.cache_hit else "tokenized")
+        "shards %s: %d train / %d val tokens, %s (%s)", info.cache_key, info.num_train_tokens,
+        info.num_val_tokens, info.dtype,
+        "cache hit, no tokenization" if info.cache_hit else f"tokenized, up to {data.num_workers} workers")
     return info

@@ -2,42 +2,50 @@
 
 Each function is idempotent against the object store: it first looks for its committed
 output and does no work when it is there. The Prefect tasks in tasks/data.py wrap them.
+Sources live in tasks/sources.py, the multi-process tokenizer in tasks/sharding.py.
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
+import logging
 import os
 import shutil
-import sysconfig
 import tempfile
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
 import numpy as np
 
+from storage.manifest import read_manifest, verify_files
 from storage.shards import (
     FORMAT_VERSION,
     TOKENIZER_FILE,
+    clear_stale_staging,
     publish_shard_set,
     shard_cache_key,
     shard_set_key,
     staging_key,
     validate_shard_set,
 )
-from storage.store import Store, join, open_url, sha256_file
-from training.config import BUILTIN_SOURCE, DataConfig, TokenizerConfig
+from storage.store import Store, build_lock, fetch_url, join, sha256_file
+from tasks.sharding import PARTITION_BYTES, SPLITS, build_shards, partition_jobs
+from tasks.sources import (  # noqa: F401  (DataError and SourceUnreachable are re-exported)
+    DataError,
+    SourceUnreachable,
+    resolve_source,
+    with_retries,
+    write_corpus,
+)
+from training.config import DataConfig, TokenizerConfig
 
-EOT = "<|endoftext|>"
+log = logging.getLogger("stoker.data")
+EOT = "<|endoftext|>"  # the default TokenizerConfig.eot_token
 CORPUS_FILE = "corpus.jsonl"
-BATCH_DOCS = 512
-DOC_CHARS = 4000
-
-
-class DataError(ValueError):
-    """Bad data input (empty source, undecodable file, missing field); never retried."""
+INFO_FILE = "info.json"
+TRAIN_BATCH_DOCS = 1000
 
 
 @dataclass
@@ -47,6 +55,7 @@ class DatasetInfo:
     num_docs: int
     num_bytes: int
     cache_hit: bool
+    num_skipped_files: int = 0  # files left out as not UTF-8 (data.on_decode_error='skip')
 
 
 @dataclass
@@ -73,108 +82,67 @@ class ShardInfo:
         return asdict(self)
 
 
-# ---- sources -----------------------------------------------------------------------
-def _source_files(source: str) -> list[str]:
-    if source == BUILTIN_SOURCE:
-        return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-    if "://" in source:
-        return [source]
-    path = os.path.expanduser(source)
-    if os.path.isdir(path):
-        return sorted(
-            p for p in glob.glob(os.path.join(path, "**", "*"), recursive=True)
-            if p.endswith((".txt", ".jsonl", ".md", ".py"))
-        )
-    return sorted(glob.glob(path))
+# ---- download ------------------------------------------------------------------------
+def _committed_dataset(store: Store, key: str) -> dict | None:
+    """info.json of a dataset folder whose corpus is present with the listed size."""
+    info, _ = read_manifest(store, join(key, INFO_FILE))
+    if info is None or verify_files(store, key, info["files"], deep=False):
+        return None
+    return info
 
 
-def _docs_of(name: str, raw: bytes, text_field: str) -> Iterator[str]:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(f"data.source: {name} is not UTF-8 text ({err}); remove or convert it.") from None
-    if name.endswith(".jsonl"):
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if text_field not in record:
-                raise DataError(
-                    f"data.text_field: {name} line {lineno} has no field {text_field!r} "
-                    f"(fields: {sorted(record)}); set data.text_field to the right one."
-                )
-            yield str(record[text_field])
-    else:
-        yield from _pack_paragraphs(text)
-
-
-def _pack_paragraphs(text: str, target: int = DOC_CHARS) -> Iterator[str]:
-    """Plain text becomes documents of about `target` characters, cut at blank lines, so
-    that one big file still yields many documents for the hash-chosen validation split."""
-    parts: list[str] = []
-    size = 0
-    for para in text.split("\n\n"):
-        parts.append(para)
-        size += len(para) + 2
-        if size >= target:
-            yield "\n\n".join(parts)
-            parts, size = [], 0
-    if parts:
-        yield "\n\n".join(parts)
-
-
-def iter_source_docs(cfg: DataConfig) -> Iterator[str]:
-    """Documents of the configured source, in a fixed order, up to max_bytes."""
-    files = _source_files(cfg.source)
-    if not files:
-        raise DataError(f"data.source: {cfg.source!r} matches no file.")
-    taken = 0
-    for name in files:
-        if "://" in name:
-            with open_url(name) as f:
-                raw = f.read()
-        else:
-            with open(name, "rb") as f:
-                raw = f.read()
-        for doc in _docs_of(name, raw, cfg.text_field):
-            if not doc.strip():
-                continue
-            size = len(doc.encode())
-            if cfg.max_bytes and taken + size > cfg.max_bytes and taken > 0:
-                return
-            taken += size
-            yield doc
+def _dataset_info(info: dict, key: str, cache_hit: bool) -> DatasetInfo:
+    return DatasetInfo(info["fingerprint"], key, info["num_docs"], info["num_bytes"], cache_hit,
+                       info.get("num_skipped_files", 0))
 
 
 def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
-    """Copy the source into {root}/datasets/{fingerprint}/ (info.json last).
+    """Copy the source into {root}/datasets/{fingerprint}/corpus.jsonl (info.json last).
 
-    The fingerprint is a hash of the documents' content, so the same data lands in the
-    same folder whatever path it came from; a second call finds it and copies nothing."""
-    h = hashlib.sha256()
-    tmp = tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False, encoding="utf-8")
-    num_docs = num_bytes = 0
+    The fingerprint comes first, from content hashes (local files), ETag/VersionId + size
+    (object stores, HTTP) or the resolved revision (Hugging Face); when its folder is
+    already committed nothing is downloaded. Failures leave nothing in the store."""
+    with tempfile.TemporaryDirectory(prefix="stoker-download-") as work:
+        source = resolve_source(cfg, work)
+        key = join("datasets", source.fingerprint)
+        info = _committed_dataset(store, key)
+        if info is not None:
+            return _dataset_info(info, key, cache_hit=True)
+        with build_lock(store, key):  # a concurrent run on this host waits, then finds ours
+            info = _committed_dataset(store, key)
+            if info is not None:
+                return _dataset_info(info, key, cache_hit=True)
+            corpus = os.path.join(work, CORPUS_FILE)
+            stats = write_corpus(source, cfg, corpus)
+            if stats.num_docs == 0:
+                skipped = f" ({len(stats.skipped)} file(s) skipped as not UTF-8)" if stats.skipped else ""
+                raise DataError(f"data.source: {cfg.source!r} holds no non-empty document{skipped}; "
+                                "point it at text data.")
+            if stats.skipped:
+                log.warning("%d file(s) of %s skipped as not UTF-8 text", len(stats.skipped), cfg.source)
+            info = {"source": cfg.source, "fingerprint": source.fingerprint,
+                    "fingerprint_inputs": source.fingerprint_inputs, "num_docs": stats.num_docs,
+                    "num_bytes": stats.num_bytes, "num_skipped_files": len(stats.skipped),
+                    "skipped_files": stats.skipped[:100],
+                    "files": {CORPUS_FILE: {"size": os.path.getsize(corpus), "sha256": sha256_file(corpus)}}}
+            _publish_dataset(store, key, corpus, info)
+            return _dataset_info(info, key, cache_hit=False)
+
+
+def _publish_dataset(store: Store, key: str, corpus: str, info: dict) -> None:
+    if not store.is_local:  # one PUT per object; info.json last
+        store.put_file(corpus, join(key, CORPUS_FILE))
+        store.write_json(join(key, INFO_FILE), info)
+        return
+    staging = join("datasets", f".tmp-{info['fingerprint']}-{uuid.uuid4().hex[:8]}")
     try:
-        with tmp:
-            for doc in iter_source_docs(cfg):
-                line = json.dumps({"text": doc}, ensure_ascii=False) + "\n"
-                h.update(line.encode())
-                tmp.write(line)
-                num_docs += 1
-                num_bytes += len(doc.encode())
-        if num_docs == 0:
-            raise DataError(f"data.source: {cfg.source!r} holds no non-empty document.")
-        fingerprint = h.hexdigest()[:24]
-        key = join("datasets", fingerprint)
-        if store.exists(join(key, "info.json")):
-            return DatasetInfo(fingerprint, key, num_docs, num_bytes, cache_hit=True)
-        store.put_file(tmp.name, join(key, CORPUS_FILE))
-        info = {"source": cfg.source, "num_docs": num_docs, "num_bytes": num_bytes,
-                "fingerprint": fingerprint}
-        store.write_json(join(key, "info.json"), info)
-        return DatasetInfo(fingerprint, key, num_docs, num_bytes, cache_hit=False)
-    finally:
-        os.unlink(tmp.name)
+        store.put_file(corpus, join(staging, CORPUS_FILE))
+        store.write_json(join(staging, INFO_FILE), info)
+        store.rm(key)  # an uncommitted leftover (we hold the lock, and it did not validate)
+        store.rename(staging, key)
+    except BaseException:
+        store.rm(staging)
+        raise
 
 
 def iter_corpus(store: Store, dataset: DatasetInfo) -> Iterator[str]:
@@ -183,171 +151,177 @@ def iter_corpus(store: Store, dataset: DatasetInfo) -> Iterator[str]:
             yield json.loads(line)["text"]
 
 
+def _corpus_batches(store: Store, dataset: DatasetInfo) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for doc in iter_corpus(store, dataset):
+        batch.append(doc)
+        if len(batch) >= TRAIN_BATCH_DOCS:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
 # ---- tokenizer ---------------------------------------------------------------------
+def _train_bpe(store: Store, dataset: DatasetInfo, cfg: TokenizerConfig, local: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        special_tokens=[cfg.eot_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus_batches(store, dataset), trainer=trainer, length=dataset.num_docs)
+    tok.save(local)
+
+
+def _fetch_tokenizer(path: str, local: str) -> None:
+    if "://" in path:
+        with_retries(path, lambda: fetch_url(path, local), field_name="tokenizer.path")
+    else:
+        shutil.copyfile(os.path.expanduser(path), local)
+
+
 def train_tokenizer(dataset: DatasetInfo, cfg: TokenizerConfig, store: Store) -> TokenizerInfo:
     """Train a byte-level BPE on the corpus (or load cfg.path); stored under tokenizers/."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, TOKENIZER_FILE)
         if cfg.path:
-            if "://" in cfg.path:
-                with open_url(cfg.path) as src, open(local, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-            else:
-                shutil.copyfile(os.path.expanduser(cfg.path), local)
+            _fetch_tokenizer(cfg.path, local)
             cache_hit = False
         else:
             recipe = hashlib.sha256(
-                json.dumps([dataset.fingerprint, cfg.vocab_size, cfg.min_frequency, EOT]).encode()
+                json.dumps([dataset.fingerprint, cfg.vocab_size, cfg.min_frequency, cfg.eot_token]).encode()
             ).hexdigest()[:24]
             cached = join("tokenizers", recipe, TOKENIZER_FILE)
             cache_hit = store.exists(cached)
             if cache_hit:
                 store.get_file(cached, local)
             else:
-                tok = Tokenizer(models.BPE())
-                tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-                tok.decoder = decoders.ByteLevel()
-                trainer = trainers.BpeTrainer(
-                    vocab_size=cfg.vocab_size,
-                    min_frequency=cfg.min_frequency,
-                    special_tokens=[EOT],
-                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                    show_progress=False,
-                )
-                tok.train_from_iterator(iter_corpus(store, dataset), trainer=trainer)
-                tok.save(local)
+                _train_bpe(store, dataset, cfg, local)
                 store.put_file(local, cached)
-        tok = Tokenizer.from_file(local)
-        eot_id = tok.token_to_id(EOT)
+        try:
+            tok = Tokenizer.from_file(local)
+        except Exception as err:
+            raise DataError(f"tokenizer.path: {cfg.path!r} is not a tokenizers JSON file ({err}).") from None
+        eot_id = tok.token_to_id(cfg.eot_token)
         if eot_id is None:
-            raise DataError(f"tokenizer.path: the tokenizer has no {EOT!r} token; add it as a special token.")
+            raise DataError(f"tokenizer.eot_token: the tokenizer has no {cfg.eot_token!r} token; add it "
+                            "as a special token, or set tokenizer.eot_token to its end-of-text token.")
+        vocab_size = tok.get_vocab_size()
+        if vocab_size > cfg.vocab_size:
+            raise DataError(f"tokenizer.vocab_size: the tokenizer has {vocab_size} ids but the config "
+                            f"says {cfg.vocab_size}, which sizes the model's embedding; set "
+                            f"tokenizer.vocab_size >= {vocab_size}.")
         digest = sha256_file(local)
         key = join("tokenizers", "by-hash", digest[:24], TOKENIZER_FILE)
         if not store.exists(key):
             store.put_file(local, key)
-        return TokenizerInfo(digest, key, tok.get_vocab_size(), eot_id, cache_hit)
+        return TokenizerInfo(digest, key, vocab_size, eot_id, cache_hit)
 
 
 # ---- tokenize and shard --------------------------------------------------------------
-def _is_val(doc: str, val_fraction: float) -> bool:
-    """Stable split by document content hash (same across reruns and worker counts)."""
-    digest = hashlib.blake2b(doc.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < val_fraction
-
-
-class _ShardWriter:
-    def __init__(self, folder: str, split: str, dtype: np.dtype, shard_tokens: int):
-        self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
-        self.index, self.count, self.f, self.ends = 0, 0, None, []
-        self.files: dict[str, dict] = {}
-
-    def _name(self, ext: str) -> str:
-        return f"{self.split}-{self.index:05d}.{ext}"
-
-    def write(self, ids: list[int]) -> None:
-        if self.f is None:
-            self.f = open(os.path.join(self.folder, self._name("bin")), "wb")
-        arr = np.asarray(ids, dtype=self.dtype)
-        self.f.write(arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes())
-        self.count += len(ids)
-        self.ends.append(self.count)
-        if self.count >= self.shard_tokens:
-            self.close()
-
-    def close(self) -> None:
-        if self.f is None:
-            return
-        self.f.close()
-        np.asarray(self.ends, dtype="<u8").tofile(os.path.join(self.folder, self._name("idx")))
-        self.files[self._name("bin")] = {"tokens": self.count}
-        self.files[self._name("idx")] = {"docs": len(self.ends)}
-        self.index, self.count, self.f, self.ends = self.index + 1, 0, None, []
+def token_dtype(choice: str, vocab_size: int) -> np.dtype:
+    """The little-endian dtype of the shard files for data.token_dtype and a vocabulary."""
+    if choice == "auto":
+        return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+    if choice == "uint16" and vocab_size > 2**16:
+        raise DataError(f"data.token_dtype: uint16 holds token ids below 65536, but the tokenizer has "
+                        f"{vocab_size} ids; set data.token_dtype to 'uint32' or 'auto'.")
+    return np.dtype("<u2" if choice == "uint16" else "<u4")
 
 
 def tokenize_and_shard(
-    dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig, store: Store
+    dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig, store: Store,
+    partition_bytes: int = PARTITION_BYTES,
 ) -> ShardInfo:
     """Tokenize the corpus once into flat little-endian token files, manifest last.
 
-    Returns at once (cache_hit=True) when a valid shard set with the same key exists."""
-    dtype = np.dtype("<u2") if tokenizer.vocab_size <= 2**16 else np.dtype("<u4")
+    Returns at once (cache_hit=True) when a valid shard set with the same key exists; a
+    damaged one is rebuilt. The key and the bytes do not depend on cfg.num_workers or
+    partition_bytes."""
+    dtype = token_dtype(cfg.token_dtype, tokenizer.vocab_size)  # before any work
     params = {"val_fraction": cfg.val_fraction, "shard_tokens": cfg.shard_tokens,
-              "dtype": dtype.str, "eot": EOT}
+              "dtype": dtype.str, "eot_id": tokenizer.eot_id}
     cache_key = shard_cache_key(dataset.fingerprint, tokenizer.sha256, params)
-    final = shard_set_key(cache_key)
-    existing = validate_shard_set(store, cache_key, deep=True)  # a damaged set is rebuilt
+    existing = validate_shard_set(store, cache_key, deep=True)
     if existing:
         return _shard_info(store, cache_key, existing.manifest, cache_hit=True)
-
-    with tempfile.TemporaryDirectory() as tmp:
+    with build_lock(store, shard_set_key(cache_key)):  # same key on this host: built once
+        existing = validate_shard_set(store, cache_key, deep=True)
+        if existing:
+            return _shard_info(store, cache_key, existing.manifest, cache_hit=True)
+        if store.is_local:
+            clear_stale_staging(store, cache_key)
+        inputs = {"source_fingerprint": dataset.fingerprint, "tokenizer_sha256": tokenizer.sha256,
+                  "params": params}
         staging = staging_key(cache_key)
-        build = store.local_path(staging) if store.is_local else os.path.join(tmp, "build")
-        os.makedirs(build, exist_ok=True)
         try:
-            store.get_file(tokenizer.key, os.path.join(build, TOKENIZER_FILE))
-            files = _write_shards(store, dataset, tokenizer, cfg, build, dtype)
-            for name, entry in files.items():
-                path = os.path.join(build, name)
-                entry.update(size=os.path.getsize(path), sha256=sha256_file(path))
-                if not store.is_local:
-                    store.put_file(path, join(staging, name))
+            manifest = _build(dataset, tokenizer, cfg, store, staging, dtype, partition_bytes)
         except BaseException:
             store.rm(staging)  # nothing half-written survives a failure
             raise
-        bins = sorted(n for n in files if n.endswith(".bin"))
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "cache_key": cache_key,
-            "inputs": {"source_fingerprint": dataset.fingerprint,
-                       "tokenizer_sha256": tokenizer.sha256, "params": params},
-            "dtype": dtype.str,
-            "vocab_size": tokenizer.vocab_size,
-            "eot_id": tokenizer.eot_id,
-            "splits": {s: [n for n in bins if n.startswith(s + "-")] for s in ("train", "val")},
-            "num_tokens": {s: sum(files[n]["tokens"] for n in bins if n.startswith(s + "-"))
-                           for s in ("train", "val")},
-            "files": files,
-        }
+        manifest.update(cache_key=cache_key, inputs=inputs)
         published = publish_shard_set(store, staging, cache_key, manifest)
     verdict = validate_shard_set(store, cache_key)
-    assert verdict, f"shard set {final} did not validate after publishing: {verdict.reason}"
+    if not verdict:
+        raise OSError(f"shard set {store.url(shard_set_key(cache_key))} did not validate after "
+                      f"publishing: {verdict.reason}")
     return _shard_info(store, cache_key, verdict.manifest, cache_hit=not published)
 
 
-def _write_shards(
-    store: Store, dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig, build: str,
-    dtype: np.dtype,
-) -> dict[str, dict]:
-    """Stream the corpus through the tokenizer into per-split shard files under `build`."""
-    from tokenizers import Tokenizer
+def _build(dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig, store: Store,
+           staging: str, dtype: np.dtype, partition_bytes: int) -> dict:
+    """Build the shard set into `staging`; return its manifest (without key and inputs)."""
+    with tempfile.TemporaryDirectory(prefix="stoker-shards-") as tmp:
+        build = store.local_path(staging) if store.is_local else os.path.join(tmp, "build")
+        os.makedirs(build, exist_ok=True)
+        local_tok = os.path.join(build, TOKENIZER_FILE)
+        store.get_file(tokenizer.key, local_tok)
+        if store.is_local:
+            corpus = store.local_path(join(dataset.key, CORPUS_FILE))
+        else:
+            corpus = os.path.join(tmp, CORPUS_FILE)
+            store.get_file(join(dataset.key, CORPUS_FILE), corpus)
 
-    tok = Tokenizer.from_file(os.path.join(build, TOKENIZER_FILE))
-    writers = {s: _ShardWriter(build, s, dtype, cfg.shard_tokens) for s in ("train", "val")}
-    batch: list[str] = []
+        def on_close(name: str, path: str) -> None:
+            if not store.is_local:  # upload each finished file, so local disk holds one
+                store.put_file(path, join(staging, name))
+                os.remove(path)
 
-    def flush() -> None:
-        for doc, enc in zip(batch, tok.encode_batch_fast(batch)):
-            split = "val" if _is_val(doc, cfg.val_fraction) else "train"
-            writers[split].write(enc.ids + [tokenizer.eot_id])
-        batch.clear()
-
-    for doc in iter_corpus(store, dataset):
-        batch.append(doc)
-        if len(batch) >= BATCH_DOCS:
-            flush()
-    flush()
-    files: dict[str, dict] = {TOKENIZER_FILE: {}}
-    for split, w in writers.items():
-        w.close()
-        if not w.files:
-            raise DataError(
-                f"data.val_fraction: the {split} split got no document "
-                f"({dataset.num_docs} documents in all); use more data or change val_fraction."
-            )
-        files.update(w.files)
-    return files
+        parts = os.path.join(tmp, "parts")
+        os.makedirs(parts)
+        jobs = partition_jobs(corpus, partition_bytes, parts, tokenizer=local_tok, eot_id=tokenizer.eot_id,
+                              dtype=dtype.str, val_fraction=cfg.val_fraction)
+        by_split = build_shards(jobs, build, cfg.shard_tokens, cfg.num_workers, tmp, on_close)
+        for split in SPLITS:
+            if not by_split[split]:
+                raise DataError(
+                    f"data.val_fraction: the {split} split got no document "
+                    f"({dataset.num_docs} documents in all); use more data or change val_fraction."
+                )
+        files = {TOKENIZER_FILE: {"size": os.path.getsize(local_tok), "sha256": sha256_file(local_tok)}}
+        on_close(TOKENIZER_FILE, local_tok)
+        for split_files in by_split.values():
+            files.update(split_files)
+    bins = {s: sorted(n for n in by_split[s] if n.endswith(".bin")) for s in SPLITS}
+    return {
+        "format_version": FORMAT_VERSION,
+        "dtype": dtype.str,
+        "vocab_size": tokenizer.vocab_size,
+        "eot_id": tokenizer.eot_id,
+        "splits": bins,
+        "num_tokens": {s: sum(files[n]["tokens"] for n in bins[s]) for s in SPLITS},
+        "num_docs": {s: sum(files[n]["docs"] for n in bins[s]) for s in SPLITS},
+        "files": files,
+    }
 
 
 def _shard_info(store: Store, cache_key: str, manifest: dict, cache_hit: bool) -> ShardInfo:

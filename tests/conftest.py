@@ -229,3 +229,86 @@ class GangWatch:
                     or proc.sid in groups or self.marker in proc.cmdline):
                 left.append(proc)
         return left
+
+
+class FlakyHTTPServer:
+    """Serves the files of a folder over real HTTP on 127.0.0.1, with ETag headers. It answers
+    503 to its first `fail_first` requests (only `fail_method` ones when set), and logs every
+    request as (method, path, status)."""
+
+    def __init__(self, folder: str):
+        import hashlib
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.folder, self.fail_first, self.fail_method, self.etag = folder, 0, None, True
+        self.log: list[tuple[str, str, int]] = []
+        lock, server = threading.Lock(), self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, body: bool) -> None:
+                path = os.path.join(server.folder, self.path.split("?", 1)[0].lstrip("/"))
+                with lock:
+                    failing = server.fail_first > 0 and server.fail_method in (None, self.command)
+                    if failing:
+                        server.fail_first -= 1
+                    status = 503 if failing else 200 if os.path.isfile(path) else 404
+                    server.log.append((self.command, self.path, status))
+                if status != 200:
+                    self.send_response(status)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                with open(path, "rb") as f:
+                    data = f.read()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                if server.etag:
+                    self.send_header("ETag", '"%s"' % hashlib.sha256(data).hexdigest()[:16])
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+            def do_GET(self):
+                self._answer(body=True)
+
+            def do_HEAD(self):
+                self._answer(body=False)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{name}"
+
+    def requests(self, method: str | None = None) -> list[tuple[str, str, int]]:
+        return [r for r in self.log if method in (None, r[0])]
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join()
+
+
+@pytest.fixture
+def http_server(tmp_path):
+    """A FlakyHTTPServer on 127.0.0.1 serving tmp_path/'www'; stopped after the test."""
+    folder = tmp_path / "www"
+    folder.mkdir()
+    server = FlakyHTTPServer(str(folder))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fast_retries(monkeypatch):
+    """In-task download retries without the real backoff delays (same attempt count)."""
+    from tasks import sources
+
+    monkeypatch.setattr(sources, "RETRY_BASE_DELAY", 0.01)
+    monkeypatch.setattr(sources, "RETRY_MAX_DELAY", 0.05)

@@ -139,6 +139,13 @@ def with_retries(fn, *, what: str, deadline: float, on_retry=None):
             delay = min(delay * 2, 8.0)
 
 
+def _pin_upload_thread() -> None:
+    """STOKER_UPLOAD_CPUS="1" or "2,3": keep this upload thread off the training cores."""
+    cpus = os.environ.get("STOKER_UPLOAD_CPUS")
+    if cpus and hasattr(os, "sched_setaffinity") and threading.current_thread() is not threading.main_thread():
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+
+
 class CheckpointWriter:
     """One per rank. save() stages the DCP files on local disk (a collective; the only part
     training waits for), then a background thread uploads this rank's files with retries,
@@ -200,6 +207,7 @@ class CheckpointWriter:
 
     # ---- background part -------------------------------------------------------------
     def _finish(self, key, local, names, step, meta, staged_seconds) -> None:
+        _pin_upload_thread()
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.upload_timeout
         try:

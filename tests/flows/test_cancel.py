@@ -1,0 +1,149 @@
+"""Cancelling a flow run through Prefect, the real way: the train_pipeline flow is served by a
+runner (`flow.serve` in a subprocess, against the session's Prefect server), a flow run of it
+trains on a real torchrun gang, the test asks the API to cancel it (as the UI or
+`prefect flow-run cancel` do), and then checks that no process of the run is left, that the
+run ends Cancelled, and that the newest checkpoint is valid."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from storage.checkpoints import find_latest_valid, list_checkpoints
+from storage.store import Store
+from tests.conftest import ROOT, GangWatch, descendants, read_proc, tiny_dict
+from training.config import load_config
+
+pytestmark = pytest.mark.e2e
+
+# A deployment with an entrypoint, as `prefect deploy` makes: the runner starts each flow run
+# as `python -m prefect.engine`, which imports flows/pipeline.py. (`train_pipeline.serve()`
+# would instead cloudpickle the flow by value, and the nested prepare_data flow then cannot
+# resolve its string annotations: "`Prepare_DataModel` is not fully defined".)
+SERVE = ("import prefect; from flows.pipeline import train_pipeline; "
+         "prefect.serve(train_pipeline.to_deployment(name='cancel-test'), "
+         "print_starting_message=False, limit=1)")
+
+
+def _wait(what, check, deadline_s, proc=None, log=None):
+    """Poll `check` until it returns something truthy; the deadline only stops a hang."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the serving process exited ({proc.returncode}) while waiting for {what}:\n"
+                        + _tail(log))
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting for {what}:\n" + _tail(log))
+        time.sleep(0.5)
+
+
+def _tail(log) -> str:
+    return log.read_text()[-6000:] if log is not None and log.exists() else ""
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the serving process's group (the runner shuts down), then SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_server, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.settings import PREFECT_API_URL
+    from prefect.states import Cancelling
+
+    root = "file://" + str(tmp_path / "store")
+    cfg = load_config(tiny_dict(
+        root, run_name="cancel", train={"max_steps": 100_000}, checkpoint={"interval_steps": 200},
+        eval={"interval_steps": 100_000}, launch={"timeout_seconds": 600}))
+    config_marker = f"{tmp_path}/store/runs/cancel/config.json"  # on every rank's command line
+    store = Store(root)
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
+           "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PYTHONPATH": ROOT}
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "-c", SERVE], cwd=ROOT, env=env, stdout=out,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    watch = GangWatch(config_marker)
+    try:
+        with get_client(sync_client=True) as client:
+            def deployment():
+                try:
+                    return client.read_deployment_by_name("train-pipeline/cancel-test")
+                except Exception:  # not registered yet
+                    return None
+
+            dep = _wait("the deployment", deployment, 180, server, log)
+            run = client.create_flow_run_from_deployment(
+                dep.id, parameters={"config": cfg.model_dump(mode="json")})
+
+            # wait until the gang trains and has committed a checkpoint: mid-training
+            def training():
+                watch.record()
+                state = client.read_flow_run(run.id).state
+                if state is not None and state.is_final():
+                    pytest.fail(f"the flow run ended before the cancel: {state!r}\n" + _tail(log))
+                ranks = [p for p in watch.seen.values() if "torch.distributed.run" not in p.cmdline
+                         and "training.train" in p.cmdline and read_proc(p.pid)]
+                return len(ranks) == 2 and list_checkpoints(store, "cancel")
+
+            _wait("training with a committed checkpoint", training, 300, server, log)
+            agents = [p for p in watch.seen.values() if "torch.distributed.run" in p.cmdline]
+            assert len(agents) == 1
+            flow_run_proc = read_proc(agents[0].ppid)  # the runner's flow-run process
+            assert flow_run_proc is not None and flow_run_proc.pid in descendants(server.pid)
+
+            client.set_flow_run_state(run.id, Cancelling(message="cancel test"))
+
+            # the runner SIGTERMs the flow-run process; the run ends once that process is gone
+            def ended():
+                watch.record()
+                state = client.read_flow_run(run.id).state
+                now = read_proc(flow_run_proc.pid)
+                gone = now is None or now.start != flow_run_proc.start
+                return state if state is not None and state.is_final() and gone else None
+
+            final = _wait("the flow run to end", ended, 180, server, log)
+            assert final.type == StateType.CANCELLED, f"{final!r}\n" + _tail(log)
+
+        # nothing of the run is left: agents, ranks (each in a session of its own), their
+        # children, anything naming the run's config
+        assert len([p for p in watch.seen.values() if "training.train" in p.cmdline]) >= 3
+        assert watch.leftovers() == []
+        under_runner = [p for p in descendants(server.pid).values()
+                        if p.pid == flow_run_proc.pid or config_marker in p.cmdline]
+        assert under_runner == []
+
+        # the ranks stopped at a step boundary; the newest checkpoint is valid, and it is the
+        # one written on the way out when it fit into the grace period
+        records = [json.loads(line) for line in store.read_bytes("runs/cancel/metrics.jsonl").splitlines()]
+        stopped = [r for r in records if r["event"] == "stopped"]
+        assert len(stopped) == 1, records[-5:]
+        newest = list_checkpoints(store, "cancel")[0]
+        choice = find_latest_valid(store, "cancel")
+        assert choice.checkpoint is not None and choice.checkpoint.key == newest.key
+        if stopped[0]["saved"]:
+            assert newest.step == stopped[0]["step"]
+    finally:
+        _stop(server)
+        for proc in watch.leftovers():  # only if the test failed: leave nothing running
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
