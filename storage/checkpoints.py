@@ -9,12 +9,18 @@ that already exists: it takes ``step-00001200.a1``, ``.a2`` ...
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import os
 import re
+import shutil
 import time
+import uuid
 from dataclasses import dataclass
 
 from storage.manifest import Verdict, describe_files, read_manifest, verify_files
-from storage.store import Store, join
+from storage.store import Store, join, sha256_file
 
 COMMIT_FILE = "commit.json"
 KEEP_MARKER = "keep"
@@ -111,11 +117,19 @@ class ResumeChoice:
     skipped: list[tuple[CheckpointRef, str]]
 
 
-def find_latest_valid(store: Store, run_name: str) -> ResumeChoice:
-    """Walk checkpoints newest first; the first that passes a deep check wins."""
+def find_latest_valid(store: Store, run_name: str, cache_dir: str | None = None) -> ResumeChoice:
+    """Walk checkpoints newest first; the first that passes a deep check wins.
+
+    With a remote store and a cache_dir, the deep check of the candidate is its download
+    into the local cache (rehydrate), so the bytes are read once, not twice."""
     skipped = []
     for ref in list_checkpoints(store, run_name):
-        verdict = validate_checkpoint(store, ref.key, deep=True)
+        verdict = validate_checkpoint(store, ref.key, deep=store.is_local or cache_dir is None)
+        if verdict and cache_dir is not None and not store.is_local:
+            try:
+                rehydrate(store, ref.key, cache_dir)
+            except ValueError as err:
+                verdict = Verdict(False, str(err).split(": ", 1)[-1], verdict.manifest)
         if verdict:
             return ResumeChoice(ref, verdict.manifest, skipped)
         skipped.append((ref, verdict.reason))
@@ -144,3 +158,48 @@ def prune_checkpoints(store: Store, run_name: str, keep_latest_k: int) -> list[s
 
 def rank_receipt_key(key: str, rank: int) -> str:
     return join(key, RANKS_DIR, f"rank-{rank:05d}.json")
+
+
+def local_checkpoint_dir(cache_dir: str, store: Store, key: str) -> str:
+    """Where a remote checkpoint is rehydrated on this host (keyed by store root and key)."""
+    tag = hashlib.sha256(store.root.encode()).hexdigest()[:12]
+    return os.path.join(cache_dir, "checkpoints", tag, key)
+
+
+def rehydrate(store: Store, key: str, cache_dir: str) -> str:
+    """A verified local copy of a committed checkpoint; returns its folder.
+
+    Local stores are read in place (after a deep check). Remote ones are downloaded file by
+    file into a temporary folder, every file checked against the manifest's size and sha256
+    as it lands, then renamed into place with commit.json last; a host-wide lock makes one
+    rank download while the others wait and reuse it. Raises ValueError when the checkpoint
+    is invalid (nothing of it is kept)."""
+    if store.is_local:
+        verdict = validate_checkpoint(store, key, deep=True)
+        if not verdict:
+            raise ValueError(f"checkpoint {store.url(key)} is not valid: {verdict.reason}")
+        return store.local_path(key)
+    final = local_checkpoint_dir(cache_dir, store, key)
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    with open(final + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one rank per host downloads; the rest wait
+        if os.path.exists(os.path.join(final, COMMIT_FILE)):
+            return final
+        manifest, reason = read_manifest(store, join(key, COMMIT_FILE))
+        if manifest is None:
+            raise ValueError(f"checkpoint {store.url(key)} is not valid: {reason}")
+        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            for name, entry in sorted(manifest["files"].items()):
+                path = os.path.join(tmp, name)
+                store.get_file(join(key, name), path)
+                if os.path.getsize(path) != entry["size"] or sha256_file(path) != entry["sha256"]:
+                    raise ValueError(f"checkpoint {store.url(key)} is not valid: {name} does not "
+                                     "match its manifest entry")
+            with open(os.path.join(tmp, COMMIT_FILE), "w") as f:
+                json.dump(manifest, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -194,6 +194,11 @@ class Store:
         return Store(self.url(key), self.storage_options)
 
 
+def default_cache_dir() -> str:
+    """This host's cache for shards and checkpoints read from remote stores."""
+    return os.environ.get("STOKER_CACHE", os.path.expanduser("~/.cache/stoker"))
+
+
 def sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -78,9 +78,22 @@ def _status_of(err: BaseException) -> int | None:
     return None
 
 
+def _is_transport_error(err: BaseException) -> bool:
+    if any(c.__module__.startswith("aiohttp") and c.__name__ == "ClientError" for c in type(err).__mro__):
+        return True  # refused or dropped connections, truncated bodies
+    if isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    return isinstance(err, (ConnectionError, TimeoutError, OSError))
+
+
 def _classify(err: BaseException) -> str:
     """'missing', 'denied', 'rejected' (permanent), 'transient', or 'other' (re-raised)."""
     status = _status_of(err)
+    root = err
+    while root.__cause__ is not None:
+        root = root.__cause__
+    if status is None and root is not err and _is_transport_error(root):
+        return "transient"  # fsspec's HTTP info() reports even a refused connection as FileNotFoundError
     if status is not None:
         if status in (404, 410):
             return "missing"
@@ -96,17 +109,18 @@ def _classify(err: BaseException) -> str:
         return "denied"
     if isinstance(err, (IsADirectoryError, NotADirectoryError)):
         return "rejected"
-    if isinstance(err, (ConnectionError, TimeoutError, OSError)):
-        return "transient"
-    if any(c.__module__.startswith("aiohttp") and c.__name__ == "ClientError" for c in type(err).__mro__):
-        return "transient"  # dropped connections, truncated bodies
-    return "other"
+    return "transient" if _is_transport_error(err) else "other"
 
 
 def _describe(err: BaseException) -> str:
+    """The HTTP status, or the innermost cause (fsspec wraps failures in FileNotFoundError)."""
     status = _status_of(err)
-    text = f"{type(err).__name__}: {err}"
-    return f"HTTP {status} ({text})" if status else text
+    if status:
+        return f"HTTP {status}"
+    root = err
+    while root.__cause__ is not None:
+        root = root.__cause__
+    return f"{type(root).__name__}: {root}"
 
 
 def with_retries(what: str, fn: Callable[[], T], field_name: str = "data.source") -> T:

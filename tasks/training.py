@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 
 from storage.checkpoints import find_latest_valid, run_key
-from storage.store import Store, join
+from storage.store import Store, default_cache_dir, join
 from tasks.data_prep import ShardInfo
 from tasks.evaluate import evaluate_checkpoint
 from tasks.launcher import child_env, classify, free_port, run_gang, torchrun_commands
@@ -61,7 +61,7 @@ def find_resume_checkpoint(config: RunConfig) -> ResumePoint:
 
 def _resume_point(config: RunConfig) -> ResumePoint:
     store, logger = _store(config), get_run_logger()
-    choice = find_latest_valid(store, config.resolved_run_name())
+    choice = find_latest_valid(store, config.resolved_run_name(), cache_dir=default_cache_dir())
     skipped = [f"{ref.url}: {reason}" for ref, reason in choice.skipped]
     for line in skipped:
         logger.warning("skipping invalid checkpoint %s", line)

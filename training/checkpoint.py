@@ -31,7 +31,7 @@ from storage.checkpoints import (
     prune_checkpoints,
     rank_receipt_key,
 )
-from storage.store import Store, join, sha256_file
+from storage.store import Store, default_cache_dir, join, sha256_file
 
 TRAIN_STATE = "train_state.json"
 
@@ -104,14 +104,6 @@ def _scalar_state(optimizer: torch.optim.Optimizer, scheduler, step: int, tokens
     return {"step": step, "tokens_seen": tokens_seen, "scheduler": sched,
             "param_groups": json.loads(json.dumps(groups)),
             "sampler": {"kind": "pure(seed, step, rank)", "seed": seed, "next_step": step}}
-
-
-def _reader(store: Store, key: str):
-    if store.is_local:
-        return dcp.FileSystemReader(store.local_path(key))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    return FsspecReader(store.url(key), **store.storage_options)
 
 
 def _broadcast_str(value: str | None, is_dist: bool) -> str:
@@ -272,7 +264,7 @@ def save_checkpoint(store: Store, run_name: str, *, model, optimizer, scheduler,
     """Save and commit synchronously (tests, tools). Returns (checkpoint key, seconds)."""
     t0 = time.perf_counter()
     writer = CheckpointWriter(store, run_name, rank=rank, world_size=world_size,
-                              staging_root=staging_root or os.path.join(os.path.expanduser("~/.cache/stoker"), "staging"),
+                              staging_root=staging_root or os.path.join(default_cache_dir(), "staging"),
                               keep_latest_k=keep_latest_k, upload_timeout=300, commit_timeout=300,
                               async_enabled=False)
     state = {**model_optim_tensors(model, optimizer), **rng_state_tensors(rank)}
@@ -283,11 +275,13 @@ def save_checkpoint(store: Store, run_name: str, *, model, optimizer, scheduler,
     return key, time.perf_counter() - t0
 
 
-def load_checkpoint(store: Store, key: str, *, model, optimizer=None, scheduler=None,
+def load_checkpoint(folder: str, *, model, optimizer=None, scheduler=None,
                     rank: int = 0) -> TrainState | None:
-    """Load a committed checkpoint in place. Only tensors are read; any non-tensor entry
-    among the requested keys is refused rather than unpickled."""
-    reader = _reader(store, key)
+    """Load a checkpoint from a local folder (see storage.checkpoints.rehydrate) in place.
+
+    Only tensors are read; any non-tensor entry among the requested keys is refused rather
+    than unpickled. Without an optimizer only the model is loaded."""
+    reader = dcp.FileSystemReader(folder)
     if optimizer is None:
         state = {f"model.{n}": p.detach() for n, p in model.named_parameters()}
     else:
@@ -295,20 +289,25 @@ def load_checkpoint(store: Store, key: str, *, model, optimizer=None, scheduler=
     saved = reader.read_metadata().state_dict_metadata
     missing = sorted(k for k in state if k not in saved)
     if missing:
-        raise ValueError(f"checkpoint {key} lacks {len(missing)} entries, e.g. {missing[:3]}; "
+        raise ValueError(f"checkpoint {folder} lacks {len(missing)} entries, e.g. {missing[:3]}; "
                          "it was written by another model or world size")
     unsafe = sorted(k for k in state if not isinstance(saved[k], TensorStorageMetadata))
     if unsafe:
-        raise ValueError(f"checkpoint {key} holds non-tensor entries {unsafe[:3]}; refusing to unpickle")
+        raise ValueError(f"checkpoint {folder} holds non-tensor entries {unsafe[:3]}; refusing to unpickle")
     with torch.no_grad():
-        dcp.load(state, storage_reader=_reader(store, key))
+        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=not _is_dist())
     if optimizer is None:
         return None
     restore_rng_state(state, rank)
-    scalars = store.read_json(join(key, TRAIN_STATE))
+    with open(os.path.join(folder, TRAIN_STATE)) as f:
+        scalars = json.load(f)
     for group, saved_group in zip(optimizer.param_groups, scalars["param_groups"]):
         group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved_group.items()})
     if scheduler is not None:
         scheduler.load_state_dict({**scalars["scheduler"], "lr_lambdas": [None] * len(optimizer.param_groups)})
     return TrainState(scalars["step"], scalars["tokens_seen"], scalars["scheduler"],
                       scalars["param_groups"], scalars["sampler"])
+
+
+def _is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()

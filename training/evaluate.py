@@ -14,9 +14,9 @@ import os
 
 import torch
 
-from storage.checkpoints import validate_checkpoint
+from storage.checkpoints import COMMIT_FILE, rehydrate
 from storage.shards import materialize
-from storage.store import Store
+from storage.store import Store, default_cache_dir
 from training.checkpoint import load_checkpoint
 from training.data import TokenStream, eval_offsets, get_batch
 from training.model import GPT
@@ -24,15 +24,15 @@ from training.train import read_config
 
 
 @torch.no_grad()
-def evaluate_checkpoint(cfg, store: Store, checkpoint_key: str, shard_dir: str,
+def evaluate_checkpoint(cfg, store: Store, checkpoint_key: str, shard_dir: str, cache_dir: str,
                         max_windows: int = 256, batch_size: int = 16) -> dict:
-    verdict = validate_checkpoint(store, checkpoint_key, deep=True)
-    if not verdict:
-        raise ValueError(f"checkpoint {checkpoint_key} is not valid: {verdict.reason}")
+    folder = rehydrate(store, checkpoint_key, cache_dir)  # verified against its manifest
+    with open(os.path.join(folder, COMMIT_FILE)) as f:
+        manifest = json.load(f)
     val = TokenStream(shard_dir, "val")
     torch.manual_seed(0)
     model = GPT(cfg.model, val.vocab_size)
-    load_checkpoint(store, checkpoint_key, model=model)
+    load_checkpoint(folder, model=model)
     model.eval()
     T = cfg.model.block_size
     offsets = eval_offsets(val.num_tokens, T, min(max_windows, max(1, val.num_tokens // T)))
@@ -43,7 +43,7 @@ def evaluate_checkpoint(cfg, store: Store, checkpoint_key: str, shard_dir: str,
         total += float(loss) * len(x)
         count += len(x)
     loss = total / count
-    return {"checkpoint": store.url(checkpoint_key), "step": verdict.manifest["step"],
+    return {"checkpoint": store.url(checkpoint_key), "step": manifest["step"],
             "val_loss": loss, "val_ppl": math.exp(min(loss, 50)), "windows": count}
 
 
@@ -53,12 +53,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoint key under the store root")
     p.add_argument("--shards", required=True)
     p.add_argument("--max-windows", type=int, default=256)
-    p.add_argument("--cache-dir", default=os.environ.get("STOKER_CACHE", os.path.expanduser("~/.cache/stoker")))
+    p.add_argument("--cache-dir", default=default_cache_dir())
     args = p.parse_args(argv)
     cfg = read_config(args.config)
     store = Store(cfg.storage.root, cfg.storage.storage_options)
     shard_dir = materialize(store, args.shards.rsplit("/", 1)[-1], args.cache_dir)
-    result = evaluate_checkpoint(cfg, store, args.checkpoint, shard_dir, args.max_windows)
+    result = evaluate_checkpoint(cfg, store, args.checkpoint, shard_dir, args.cache_dir, args.max_windows)
     print("STOKER_EVAL " + json.dumps(result), flush=True)
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from storage.checkpoints import run_key
+from storage.checkpoints import rehydrate, run_key
 from storage.store import Store, join
 from training.checkpoint import (
     CheckpointWriter,
@@ -154,6 +154,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, ranks: RankInfo, shard_dir: str, store: Store,
                  shard_key: str = "", cache_dir: str = "/tmp/stoker-cache"):
         self.cfg, self.ranks, self.store, self.shard_key = cfg, ranks, store, shard_key
+        self.cache_dir = cache_dir
         self.run_name = cfg.resolved_run_name()
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -182,9 +183,9 @@ class Trainer:
 
     # ---- state ---------------------------------------------------------------------
     def resume(self, checkpoint_key: str) -> None:
-        state = load_checkpoint(self.store, checkpoint_key, model=self.raw_model,
-                                optimizer=self.optimizer, scheduler=self.scheduler,
-                                rank=self.ranks.rank)
+        folder = rehydrate(self.store, checkpoint_key, self.cache_dir)
+        state = load_checkpoint(folder, model=self.raw_model, optimizer=self.optimizer,
+                                scheduler=self.scheduler, rank=self.ranks.rank)
         self.step, self.tokens_seen = state.step, state.tokens_seen
         self.last_saved_step = self.step
         self.metrics.log(event="resumed", step=self.step, checkpoint=self.store.url(checkpoint_key))

@@ -12,7 +12,7 @@ import os
 import torch.distributed as dist
 
 from storage.shards import materialize
-from storage.store import Store
+from storage.store import Store, default_cache_dir
 from training.config import RunConfig
 from training.loop import METRIC_PREFIX, Trainer, setup_distributed
 
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="URL or path of the run's config.json")
     p.add_argument("--shards", required=True, help="shard-set key under the store root (shards/<key>)")
     p.add_argument("--resume-from", default=None, help="checkpoint key under the store root")
-    p.add_argument("--cache-dir", default=os.environ.get("STOKER_CACHE", os.path.expanduser("~/.cache/stoker")))
+    p.add_argument("--cache-dir", default=default_cache_dir())
     return p.parse_args(argv)
 
 

@@ -101,7 +101,7 @@ def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_ser
                     pytest.fail(f"the flow run ended before the cancel: {state!r}\n" + _tail(log))
                 ranks = [p for p in watch.seen.values() if "torch.distributed.run" not in p.cmdline
                          and "training.train" in p.cmdline and read_proc(p.pid)]
-                return len(ranks) == 2 and list_checkpoints(store, "cancel")
+                return len(ranks) == 2 and find_latest_valid(store, "cancel").checkpoint
 
             _wait("training with a committed checkpoint", training, 300, server, log)
             agents = [p for p in watch.seen.values() if "torch.distributed.run" in p.cmdline]

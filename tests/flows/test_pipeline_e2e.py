@@ -40,7 +40,7 @@ def test_pipeline_trains_resumes_and_hits_the_data_cache(prefect_server, tmp_pat
     assert validate_checkpoint(store, ckpt_key, deep=True)
     model = GPT(cfg.model, cfg.tokenizer.vocab_size)
     before = model.wte.weight.detach().clone()
-    load_checkpoint(store, ckpt_key, model=model)  # a committed checkpoint loads
+    load_checkpoint(store.local_path(ckpt_key), model=model)  # a committed checkpoint loads
     assert not torch.equal(before, model.wte.weight)
     records = [json.loads(line) for line in store.read_bytes("runs/e2e/metrics.jsonl").splitlines()]
     assert [r["step"] for r in records if r["event"] == "eval"] == [0, 4, 8]

@@ -1,7 +1,10 @@
+import os
+
 import pytest
 
 from storage.checkpoints import (
     COMMIT_FILE,
+    rehydrate,
     KEEP_MARKER,
     commit_checkpoint,
     find_latest_valid,
@@ -44,9 +47,13 @@ def _damage(store, key, how):
         store.rm(shard)
     elif how == "manifest not json":
         store.write_bytes(join(key, COMMIT_FILE), b"{not json")
+    elif how == "upload stopped halfway":
+        store.rm(join(key, COMMIT_FILE))
+        store.write_bytes(shard, data[: len(data) // 3])
 
 
-DAMAGE = ["no manifest", "truncated shard", "flipped byte", "listed file missing", "manifest not json"]
+DAMAGE = ["no manifest", "truncated shard", "flipped byte", "listed file missing", "manifest not json",
+          "upload stopped halfway"]
 
 
 @pytest.mark.parametrize("how", DAMAGE)
@@ -91,3 +98,22 @@ def test_retention_keeps_k_committed_and_marked(store):
     deleted = prune_checkpoints(store, "r", keep_latest_k=2)
     assert deleted == [keys[1]]
     assert [r.step for r in list_checkpoints(store, "r")] == [4, 3, 1]
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_resume_with_a_local_cache_downloads_only_a_valid_checkpoint(s3_root, tmp_path, how):
+    root, options = s3_root
+    store = Store(root, options)
+    _fake_checkpoint(store, "r", 10)
+    newest = _fake_checkpoint(store, "r", 20)
+    _damage(store, newest, how)
+    cache = str(tmp_path / "cache")
+    choice = find_latest_valid(store, "r", cache_dir=cache)
+    assert choice.checkpoint.step == 10 and [r.step for r, _ in choice.skipped] == [20]
+    local = rehydrate(store, choice.checkpoint.key, cache)  # already there: no second download
+    assert sorted(os.listdir(local)) == sorted([".metadata", "__0_0.distcp", "__1_0.distcp", COMMIT_FILE])
+    with pytest.raises(ValueError, match="not valid"):
+        rehydrate(store, newest, cache)
+    leftovers = [p for p in os.listdir(os.path.dirname(local))
+                 if ".tmp-" in p or (p.startswith("step-00000020") and not p.endswith(".lock"))]
+    assert leftovers == []  # nothing of the damaged one is kept

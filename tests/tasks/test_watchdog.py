@@ -17,17 +17,13 @@ from tasks.launcher import (
 from tests.conftest import GangWatch, prepare_shards
 
 
-def _launch(cfg, config_url, shard_key, resume_key, env, watch):
+def _launch(cfg, config_url, shard_key, resume_key, env, watch) -> GangResult:
+    """run_gang as launch_training calls it; every line and metric also records the
+    processes of the run."""
     cmds = torchrun_commands(cfg, config_url, shard_key, resume_key, free_port())
-    lines = []
-
-    def on_line(text):
-        lines.append(text)
-        watch.record()
-
-    return run_gang(cmds, env, cfg.launch.nproc_per_node, on_line=on_line,
+    return run_gang(cmds, env, cfg.launch.nproc_per_node, on_line=watch.record,
                     on_metric=watch.record, timeout=240,
-                    hang_timeout=cfg.launch.hang_timeout_seconds), lines
+                    hang_timeout=cfg.launch.hang_timeout_seconds)
 
 
 def test_hung_rank_is_killed_with_its_gang_and_the_retry_resumes(tiny_config, tmp_path):
@@ -40,7 +36,7 @@ def test_hung_rank_is_killed_with_its_gang_and_the_retry_resumes(tiny_config, tm
            "STOKER_FAULT_ONCE": str(tmp_path / "fault-fired")}
 
     watch = GangWatch(config_url)
-    hung, lines = _launch(cfg, config_url, shards.key, None, env, watch)
+    hung = _launch(cfg, config_url, shards.key, None, env, watch)
     assert hung.reason == "hang", "\n".join(hung.tail)
     assert (tmp_path / "fault-fired").exists()  # rank 1 did stop stepping
     err = classify(hung)
@@ -57,14 +53,12 @@ def test_hung_rank_is_killed_with_its_gang_and_the_retry_resumes(tiny_config, tm
     # the retry (same environment; the fault fires once) resumes from the newest valid
     # checkpoint and runs to the end
     choice = find_latest_valid(store, "hang")
-    resume_key = choice.checkpoint.key if choice.checkpoint else None
+    assert choice.checkpoint is not None and choice.checkpoint.step == 2
     watch = GangWatch(config_url)
-    retry, _ = _launch(cfg, config_url, shards.key, resume_key, env, watch)
+    retry = _launch(cfg, config_url, shards.key, choice.checkpoint.key, env, watch)
     assert retry.reason == "completed", "\n".join(retry.tail)
     events = {m["event"]: m for m in retry.metrics}
-    assert events["done"]["step"] == 6
-    if resume_key:
-        assert events["resumed"]["step"] == choice.checkpoint.step
+    assert events["resumed"]["step"] == 2 and events["done"]["step"] == 6
     assert watch.leftovers() == []
 
 

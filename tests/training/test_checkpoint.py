@@ -51,7 +51,7 @@ def test_checkpoint_round_trip_restores_every_tensor_and_rng(tmp_path):
     expected = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     fresh, fopt, fsched = _build(seed=123)
-    state = load_checkpoint(store, key, model=fresh, optimizer=fopt, scheduler=fsched, rank=0)
+    state = load_checkpoint(store.local_path(key), model=fresh, optimizer=fopt, scheduler=fsched, rank=0)
     assert (state.step, state.tokens_seen) == (3, 48)
     got_rng = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(got_rng[0], expected_rng[0])
@@ -81,4 +81,4 @@ def test_load_refuses_a_checkpoint_with_pickled_entries(tmp_path):
     state["model.wte.weight"] = "pickled object"  # a non-tensor where a tensor belongs
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "bad")))
     with pytest.raises(ValueError, match="non-tensor"):
-        load_checkpoint(store, "bad", model=_build()[0])
+        load_checkpoint(str(tmp_path / "bad"), model=_build()[0])
