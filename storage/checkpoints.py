@@ -192,7 +192,11 @@ def rehydrate(store: Store, key: str, cache_dir: str) -> str:
         try:
             for name, entry in sorted(manifest["files"].items()):
                 path = os.path.join(tmp, name)
-                store.get_file(join(key, name), path)
+                try:
+                    store.get_file(join(key, name), path)
+                except FileNotFoundError:
+                    raise ValueError(f"checkpoint {store.url(key)} is not valid: listed file "
+                                     f"{name} is missing") from None
                 if os.path.getsize(path) != entry["size"] or sha256_file(path) != entry["sha256"]:
                     raise ValueError(f"checkpoint {store.url(key)} is not valid: {name} does not "
                                      "match its manifest entry")

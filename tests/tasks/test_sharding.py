@@ -71,8 +71,8 @@ def test_shards_decode_back_to_every_document_in_order(prepared):
             assert entry["tokens"] == len(tokens) == ends[-1] and entry["docs"] == len(ends)
             assert entry["size"] == os.path.getsize(os.path.join(folder, name))
             assert (tokens[ends - 1] == tk.eot_id).all()
-            starts = np.concatenate([[0], ends[:-1]])
-            decoded[split] += [tok.decode(tokens[s:e - 1].tolist()) for s, e in zip(starts, ends)]
+            starts = np.concatenate([np.zeros(1, ends.dtype), ends[:-1]])
+            decoded[split] += [tok.decode(tokens[s:e - 1].tolist()) for s, e in zip(starts.tolist(), ends.tolist())]
     docs = list(data_prep.iter_corpus(store, ds))
     expected_val = [d for d in docs if sharding.is_val(d, DATA.val_fraction)]
     assert decoded["val"] == expected_val and decoded["train"] == [d for d in docs if d not in expected_val]
@@ -110,7 +110,7 @@ def _big_vocab_tokenizer(path, extra):
 
 
 def test_vocab_too_large_for_uint16_fails_before_work_and_auto_uses_uint32(store, tmp_path):
-    (tmp_path / "c.txt").write_text("some text for the corpus.\n\n" * 2000)
+    (tmp_path / "c.txt").write_text("".join(f"document {i}: some text for the corpus.\n\n" * 40 for i in range(60)))
     vocab = _big_vocab_tokenizer(tmp_path / "big.json", 70_000)
     data = DataConfig(source=str(tmp_path / "c.txt"), val_fraction=0.2, token_dtype="uint16")
     ds = data_prep.download_dataset(data, store)
@@ -207,11 +207,12 @@ def test_shards_on_an_object_store_match_the_local_ones(prepared, s3_root):
 
 
 def test_a_failing_worker_stops_the_build_with_a_transient_error(tmp_path, prepared):
-    _, _, tk = prepared
-    missing = str(tmp_path / "no-such-corpus.jsonl")
-    jobs = [sharding.PartitionJob(k, missing, k * 10, k * 10 + 10, str(tmp_path / "t.json"), 0, "<u2", 0.1,
-                                  str(tmp_path / f"p-{k}")) for k in range(2)]
-    with pytest.raises(ChildProcessError, match=r"tokenizer worker 0, partition 0: .*Error") as err:
+    store, _, tk = prepared
+    store.get_file(tk.key, str(tmp_path / "tokenizer.json"))
+    missing = str(tmp_path / "no-such-corpus.jsonl")  # the workers' open() fails: an OSError
+    jobs = [sharding.PartitionJob(k, missing, k * 10, k * 10 + 10, str(tmp_path / "tokenizer.json"), 0, "<u2",
+                                  0.1, str(tmp_path / f"p-{k}")) for k in range(2)]
+    with pytest.raises(ChildProcessError, match=r"tokenizer worker 0, partition 0: FileNotFoundError") as err:
         sharding.build_shards(jobs, str(tmp_path), 1024, num_workers=2, work_dir=str(tmp_path))
     assert is_transient(err.value)
 
