@@ -74,6 +74,10 @@ def print_summary(result) -> None:
               f"{result.last_train_loss:.4f} (last)")
     for step, loss in result.val_losses:
         print(f"  validation loss at step {step:>6}: {loss:.4f}")
+    if result.num_attempts > 1:
+        print(f"attempts: {result.num_attempts}, steps lost to failures: {result.steps_lost}")
+    if result.goodput is not None:
+        print(f"goodput (useful training time / total time): {result.goodput:.2f}")
     if result.last_val_loss is not None:
         print(f"final checkpoint validation loss: {result.last_val_loss:.4f}")
     print(f"shards ({'cache hit' if result.data_cache_hit else 'tokenized now'}): {result.shard_uri}")

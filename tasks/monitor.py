@@ -3,6 +3,7 @@ for each committed checkpoint, an evaluation submitted while training goes on.""
 
 from __future__ import annotations
 
+import statistics
 from typing import Callable
 
 from tasks.results import EvalResult, TrainingResult
@@ -16,6 +17,7 @@ class TrainingMonitor:
         self.result, self.max_steps, self.root, self.logger = result, max_steps, store_root, logger
         self.on_progress, self.on_commit = on_progress, on_commit
         self.last_pct = -1
+        self.step_seconds: list[float] = []
         self.evaluations: list[tuple[int, object]] = []  # (step, future)
 
     def __call__(self, m: dict) -> None:
@@ -25,6 +27,7 @@ class TrainingMonitor:
 
     def _on_train(self, m: dict, step: int) -> None:
         self.result.train_losses.append((step, m["loss"]))
+        self.step_seconds.append(m["step_seconds"])
         self.logger.info("step %d/%d  loss %.4f  lr %.2e  %.0f ms/step", step, self.max_steps,
                          m["loss"], m["lr"], 1000 * m["step_seconds"])
         pct = int(100 * step / self.max_steps)
@@ -69,6 +72,9 @@ class TrainingMonitor:
 
     def _on_stopped(self, m: dict, step: int) -> None:
         self.logger.warning("ranks stopped at step %d (checkpoint written: %s)", step, m.get("saved"))
+
+    def median_step_seconds(self) -> float | None:
+        return statistics.median(self.step_seconds) if self.step_seconds else None
 
     def collect_evaluations(self, timeout: float = 600) -> None:
         """Wait for the evaluations submitted during training; a failed one is logged."""

@@ -36,6 +36,10 @@ def report(config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: 
         first_train_loss=training.train_losses[0][1] if training.train_losses else None,
         last_train_loss=training.train_losses[-1][1] if training.train_losses else None,
         checkpoints=rows,
+        attempts=training.attempt_log,
+        num_attempts=len(training.attempt_log),
+        steps_lost=sum(a.get("steps_lost", 0) for a in training.attempt_log),
+        goodput=training.goodput,
     )
     if rows:
         create_table_artifact(rows, key=f"checkpoints-{_slug(run)}",
@@ -47,7 +51,9 @@ def report(config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: 
         key=f"run-report-{_slug(run)}",
         description=f"summary of {run}",
         markdown=f"""# {run}
-- steps: {resume.step} -> {training.final_step} (attempts: {training.attempts})
+- steps: {resume.step} -> {training.final_step}
+- attempts: {result.num_attempts}, steps lost to failures: {result.steps_lost}, goodput: {result.goodput}
+{_attempt_lines(training.attempt_log)}
 - final checkpoint: `{training.final_checkpoint_uri}`
 - final validation loss: {final}
 - shards: `{shards.url}` ({'cache hit' if shards.cache_hit else 'tokenized'}; {shards.num_train_tokens} train tokens)
@@ -70,6 +76,12 @@ def checkpoint_rows(training: TrainingResult, final: EvalResult | None) -> list[
     return [{"step": c["step"], "uri": c["uri"], "size_mb": round((c.get("bytes") or 0) / 1e6, 3),
              "upload_seconds": c.get("upload_seconds"), "val_loss": losses.get(c["uri"])}
             for c in training.checkpoints]
+
+
+def _attempt_lines(attempts: list[dict]) -> str:
+    return "\n".join(
+        f"  - attempt {a['attempt']}: steps {a['resumed_from_step']} -> {a['reached_step']}, "
+        f"{a['outcome']}, {a.get('steps_lost', 0)} step(s) lost" for a in attempts)
 
 
 def _slug(name: str) -> str:

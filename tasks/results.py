@@ -35,6 +35,8 @@ class TrainingResult(BaseModel):
     checkpoints: list[dict] = Field(default_factory=list)
     failed_checkpoints: list[int] = Field(default_factory=list)
     evaluations: list[EvalResult] = Field(default_factory=list)
+    attempt_log: list[dict] = Field(default_factory=list, description="one record per launch attempt")
+    goodput: float | None = None
 
 
 class PipelineResult(BaseModel):
@@ -55,3 +57,7 @@ class PipelineResult(BaseModel):
     last_train_loss: float | None = None
     checkpoints: list[dict] = Field(
         default_factory=list, description="step, uri, size_mb, upload_seconds, val_loss per checkpoint")
+    attempts: list[dict] = Field(default_factory=list, description="launch attempts, with steps lost")
+    num_attempts: int = 0
+    steps_lost: int = 0
+    goodput: float | None = Field(None, description="useful training time / total time of all attempts")

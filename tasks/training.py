@@ -3,13 +3,16 @@ point, launch the gang. The torch side lives in training/ and knows nothing of P
 
 from __future__ import annotations
 
+import time
+
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.runtime import task_run
+from prefect.runtime import flow_run, task_run
 
 from storage.checkpoints import find_latest_valid, run_key
 from storage.store import Store, default_cache_dir, join
+from tasks.attempts import read_attempts, record_attempt, summarize
 from tasks.data_prep import ShardInfo
 from tasks.evaluate import evaluate_checkpoint
 from tasks.launcher import child_env, classify, free_port, run_gang, torchrun_commands
@@ -107,15 +110,27 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo,
                              free_port(cfg.launch.rdzv_host))
     logger.info("launching %d node(s) x %d rank(s): %s", cfg.launch.num_nodes,
                 cfg.launch.nproc_per_node, " ".join(cmds[0][2:]))
+    started_at = time.time()
     try:
         gang = run_gang(cmds, child_env(cfg), cfg.launch.nproc_per_node, on_line=logger.info,
                         on_metric=monitor, timeout=cfg.launch.timeout_seconds,
                         hang_timeout=cfg.launch.hang_timeout_seconds)
     finally:
         monitor.collect_evaluations()
-    result.seconds = gang.seconds
-    if gang.reason != "completed":
-        raise classify(gang)
+    failure = None if gang.reason == "completed" else classify(gang)
+    store, run = _store(cfg), cfg.resolved_run_name()
+    record_attempt(store, run, flow_run_id=str(flow_run.id), attempt=attempt, started_at=started_at,
+                   resumed_from_step=resume.step, reached_step=gang.last_step or resume.step,
+                   committed_step=result.final_step,
+                   outcome=failure.reason if failure else "completed",
+                   median_step_seconds=monitor.median_step_seconds())
+    if failure is not None:
+        raise failure
+    attempts = read_attempts(store, run, str(flow_run.id))
+    summary = summarize(attempts, result.final_step)
+    result.seconds, result.attempt_log, result.goodput = gang.seconds, summary["attempts"], summary["goodput"]
+    logger.info("training done: %d attempt(s), %d step(s) lost, goodput %s", summary["num_attempts"],
+                summary["steps_lost"], summary["goodput"])
     update_progress_artifact(progress, progress=100.0)
     return result
 

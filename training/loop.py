@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import signal
 import sys
 import threading
@@ -13,6 +14,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -168,7 +170,11 @@ class Trainer:
                                            betas=(t.beta1, t.beta2), foreach=False)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_multiplier(s, cfg))
-        torch.manual_seed(t.seed + 1 + ranks.rank)  # per-rank stream (dropout)
+        # per-rank streams (dropout, anything drawing from numpy or random): every RNG is
+        # a function of (seed, rank) and is saved and restored with each checkpoint
+        torch.manual_seed(t.seed + 1 + ranks.rank)
+        np.random.seed((t.seed + 1 + ranks.rank) % 2**32)
+        random.seed(t.seed + 1 + ranks.rank)
         self.step, self.tokens_seen = 0, 0
         self.last_saved_step, self.last_save_seconds = -1, 0.0
         self.metrics = MetricsLog(store, self.run_name, ranks.rank)

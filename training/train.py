@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 import torch.distributed as dist
 
@@ -20,12 +21,20 @@ _TRANSIENT_TYPES = {"Preempted", "DistBackendError", "DistNetworkError", "DistSt
                     "RendezvousTimeoutError", "EndpointConnectionError", "ClientError"}
 
 
+_LOST_PEER = re.compile(
+    r"Connection (reset|closed) by peer|Broken pipe|gloo/transport|NCCL (error|communicator)|"
+    r"ProcessGroup\w* .*(timed out|aborted)|Socket Timeout", re.IGNORECASE)
+
+
 def is_transient(exc: BaseException) -> bool:
     """Can a retry help? Lost peers, network and storage blips: yes. Bugs, bad config,
     out-of-memory on the same config: no."""
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
-    return any(t.__name__ in _TRANSIENT_TYPES for t in type(exc).__mro__)
+    if any(t.__name__ in _TRANSIENT_TYPES for t in type(exc).__mro__):
+        return True
+    # a collective whose peer died surfaces as a plain RuntimeError from gloo/NCCL
+    return isinstance(exc, RuntimeError) and bool(_LOST_PEER.search(str(exc)))
 
 
 def report_failure(exc: BaseException) -> None:

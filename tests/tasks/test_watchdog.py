@@ -2,19 +2,26 @@
 found, the whole gang is killed, the failure is transient, and a retry resumes and finishes."""
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 from storage.checkpoints import find_latest_valid
 from tasks.launcher import (
     GANG_ENV,
+    GRACE_SECONDS,
+    RANK_STOP_MARGIN_SECONDS,
     GangResult,
     child_env,
     classify,
     free_port,
     gang_pids,
+    kill_gang,
     run_gang,
     torchrun_commands,
 )
-from tests.conftest import GangWatch, prepare_shards
+from tests.conftest import GangWatch, prepare_shards, read_proc
 
 
 def _launch(cfg, config_url, shard_key, resume_key, env, watch) -> GangResult:
@@ -62,9 +69,7 @@ def test_hung_rank_is_killed_with_its_gang_and_the_retry_resumes(tiny_config, tm
     assert watch.leftovers() == []
 
 
-def test_watchdog_waits_for_start_up_and_stays_off_at_zero():
-    import sys
-
+def test_watchdog_arms_after_start_up_fires_on_silence_and_is_off_at_zero():
     # a silent start-up longer than the hang limit, then steps: not a hang (armed late)
     script = ("import json,time; time.sleep(3); P='STOKER_METRIC '; "
               "print(P+json.dumps({'event':'eval','step':0}), flush=True); "
@@ -92,8 +97,6 @@ def test_classify_hang_is_transient_and_names_the_last_step():
 
 
 def test_child_env_keeps_the_ranks_stop_budget_inside_the_launcher_grace(tiny_config, monkeypatch):
-    from tasks.launcher import GRACE_SECONDS, RANK_STOP_MARGIN_SECONDS
-
     assert GRACE_SECONDS + 5 < 30  # SIGTERM grace plus the SIGKILL wait fit Prefect's 30 s
     cfg = tiny_config()
     monkeypatch.delenv("STOKER_STOP_GRACE_SECONDS", raising=False)
@@ -103,3 +106,26 @@ def test_child_env_keeps_the_ranks_stop_budget_inside_the_launcher_grace(tiny_co
     monkeypatch.setenv("STOKER_STOP_GRACE_SECONDS", "3")
     assert float(child_env(cfg)["STOKER_STOP_GRACE_SECONDS"]) == 3
     assert GANG_ENV not in child_env(cfg)  # each launch gets its own id, in run_gang
+
+
+def test_kill_gang_finds_ranks_in_their_own_sessions_after_the_agent_died(tmp_path):
+    """torchrun starts each rank with start_new_session=True: the agent's process group does
+    not hold it, and once the agent is gone it is reparented. The gang id finds it."""
+    pidfile = tmp_path / "rank.pid"
+    code = (f"import subprocess,time; p=subprocess.Popen(['sleep','300'], start_new_session=True); "
+            f"open({str(pidfile)!r},'w').write(str(p.pid)); time.sleep(300)")
+    env = {**os.environ, GANG_ENV: "test-gang-" + tmp_path.name}
+    agent = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline, "the agent did not start its rank"
+        time.sleep(0.05)
+    rank = read_proc(int(pidfile.read_text()))
+    assert rank is not None and rank.sid == rank.pid  # a session of its own
+    os.kill(agent.pid, signal.SIGKILL)  # the agent dies first; the rank is orphaned
+    agent.wait()
+    assert gang_pids(env[GANG_ENV]) == [rank.pid]
+    kill_gang([agent], grace=2, gang_id=env[GANG_ENV])
+    now = read_proc(rank.pid)
+    assert now is None or now.start != rank.start
+    assert gang_pids(env[GANG_ENV]) == []

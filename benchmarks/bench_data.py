@@ -1,0 +1,220 @@
+"""Data stage benchmark: ratios against baselines measured in the same run, same corpus, same
+cores. Every measurement runs in its own child process, so peak RSS and CPU time are its own.
+
+    python -m benchmarks.bench_data            (or: make bench)
+
+1. tokenize_and_shard tokens per CPU-second / raw tokenizer.encode_batch_fast      goal >= 0.85
+2. the same / datasets.Dataset.map(batched=True) with the same tokenizer           goal >= 1.3
+3. wall time of a cache-hit rerun of the whole data stage                          goal < 2 s
+4. peak RSS of the data stage on a corpus 10x larger / on the 1x corpus           goal <= 1.2
+
+CPU seconds are user+sys of the process and of its waited-for children (the tokenizer
+workers), so a ratio compares work, not how many cores each side happened to use. Token
+counts exclude the end-of-text ids the shards add.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import resource
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+SMALL_BYTES = 5_000_000
+SCALE = 10
+VOCAB = 2048
+BATCH = 512
+
+
+def _cpu() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _peak_rss_mb() -> dict:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"main_mb": own.ru_maxrss / 1024, "worker_mb": kids.ru_maxrss / 1024}
+
+
+def _write_corpus(path: str, target_bytes: int) -> None:
+    """Python standard library sources, one file per JSON-lines document, cycled (with a
+    distinct first line per copy) until the corpus reaches target_bytes."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True))
+    files = [f for f in files if "site-packages" not in f]
+    written, copy = 0, 0
+    with open(path, "w", encoding="utf-8") as out:
+        while written < target_bytes:
+            for name in files:
+                with open(name, encoding="utf-8", errors="replace") as f:
+                    text = f"# copy {copy} of {os.path.basename(name)}\n" + f.read()
+                if not text.strip():
+                    continue
+                line = json.dumps({"text": text}, ensure_ascii=False) + "\n"
+                out.write(line)
+                written += len(line.encode())
+                if written >= target_bytes:
+                    return
+            copy += 1
+
+
+# ---- children --------------------------------------------------------------------------
+def child_prepare(work: str, corpus: str) -> dict:
+    """Download the 1x corpus and train the tokenizer every other measurement uses."""
+    from storage.store import Store
+    from tasks import data_prep
+    from training.config import DataConfig, TokenizerConfig
+
+    store = Store(os.path.join(work, "store-prepare"))
+    ds = data_prep.download_dataset(DataConfig(source=corpus, max_bytes=0), store)
+    tk = data_prep.train_tokenizer(ds, TokenizerConfig(vocab_size=VOCAB), store)
+    path = os.path.join(work, "tokenizer.json")
+    store.get_file(tk.key, path)
+    return {"tokenizer": path}
+
+
+def child_stage(work: str, corpus: str, tokenizer: str, name: str) -> dict:
+    """The data stage (download, load tokenizer, tokenize+shard) into a fresh store, then
+    the same three calls again (a cache hit)."""
+    from storage.store import Store
+    from tasks import data_prep
+    from training.config import DataConfig, TokenizerConfig
+
+    data = DataConfig(source=corpus, max_bytes=0, num_workers=2, shard_tokens=10_000_000)
+    tok_cfg = TokenizerConfig(path=tokenizer, vocab_size=VOCAB)
+    store = Store(os.path.join(work, f"store-{name}"))
+    start = time.perf_counter()
+    ds = data_prep.download_dataset(data, store)
+    tk = data_prep.train_tokenizer(ds, tok_cfg, store)
+    cpu0, wall0 = _cpu(), time.perf_counter()
+    shards = data_prep.tokenize_and_shard(ds, tk, data, store)
+    cpu, wall = _cpu() - cpu0, time.perf_counter() - wall0
+    total_wall = time.perf_counter() - start
+    rss = _peak_rss_mb()  # before the rerun, which reads little
+    rerun0 = time.perf_counter()
+    hits = (data_prep.download_dataset(data, store).cache_hit,
+            data_prep.train_tokenizer(ds, tok_cfg, store).cache_hit is False,  # loaded from path
+            data_prep.tokenize_and_shard(ds, tk, data, store).cache_hit)
+    rerun = time.perf_counter() - rerun0
+    manifest = store.read_json(f"{shards.key}/manifest.json")
+    docs = sum(manifest["num_docs"].values())
+    tokens = shards.num_train_tokens + shards.num_val_tokens - docs
+    return {"tokens": tokens, "docs": docs, "cpu_s": cpu, "wall_s": wall, "stage_wall_s": total_wall,
+            "rerun_wall_s": rerun, "rerun_hits": all(hits), "corpus_key": f"{ds.key}/corpus.jsonl",
+            "store": store.root, **rss}
+
+
+def child_rerun(work: str, corpus: str, tokenizer: str, name: str) -> dict:
+    """A cache-hit rerun in a fresh interpreter: imports included."""
+    start = time.perf_counter()
+    from storage.store import Store
+    from tasks import data_prep
+    from training.config import DataConfig, TokenizerConfig
+
+    data = DataConfig(source=corpus, max_bytes=0, num_workers=2, shard_tokens=10_000_000)
+    store = Store(os.path.join(work, f"store-{name}"))
+    ds = data_prep.download_dataset(data, store)
+    tk = data_prep.train_tokenizer(ds, TokenizerConfig(path=tokenizer, vocab_size=VOCAB), store)
+    shards = data_prep.tokenize_and_shard(ds, tk, data, store)
+    return {"wall_s": time.perf_counter() - start, "hit": ds.cache_hit and shards.cache_hit}
+
+
+def _load_docs(corpus_jsonl: str) -> list[str]:
+    with open(corpus_jsonl, "rb") as f:
+        return [json.loads(line)["text"] for line in f]
+
+
+def child_raw(work: str, corpus_jsonl: str, tokenizer: str) -> dict:
+    """Baseline: encode_batch_fast over the same documents, already in memory."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer)
+    docs = _load_docs(corpus_jsonl)
+    cpu0, wall0, tokens = _cpu(), time.perf_counter(), 0
+    for i in range(0, len(docs), BATCH):
+        tokens += sum(len(e) for e in tok.encode_batch_fast(docs[i:i + BATCH]))
+    return {"tokens": tokens, "cpu_s": _cpu() - cpu0, "wall_s": time.perf_counter() - wall0}
+
+
+def child_map(work: str, corpus_jsonl: str, tokenizer: str) -> dict:
+    """Baseline: datasets.Dataset.map(batched=True) with the same tokenizer (cache file on)."""
+    import datasets
+    from tokenizers import Tokenizer
+
+    datasets.disable_progress_bars()
+    tok = Tokenizer.from_file(tokenizer)
+    ds = datasets.Dataset.from_dict({"text": _load_docs(corpus_jsonl)})
+
+    def encode(batch):
+        return {"ids": [e.ids for e in tok.encode_batch_fast(batch["text"])]}
+
+    cache = os.path.join(work, "map-cache.arrow")
+    cpu0, wall0 = _cpu(), time.perf_counter()
+    out = ds.map(encode, batched=True, remove_columns=["text"], cache_file_name=cache)
+    cpu, wall = _cpu() - cpu0, time.perf_counter() - wall0
+    tokens = sum(len(ids) for ids in out["ids"])
+    return {"tokens": tokens, "cpu_s": cpu, "wall_s": wall}
+
+
+CHILDREN = {"prepare": child_prepare, "stage": child_stage, "rerun": child_rerun, "raw": child_raw,
+            "map": child_map}
+
+
+def _run_child(kind: str, *args: str) -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_data", "--child", kind, *args],
+                          cwd=root, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark child {kind} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _line(label: str, value: float, goal: str, met: bool, unit: str = "") -> None:
+    print(f"  {label:<62} {value:8.2f}{unit:<2} goal {goal:<7} {'MET' if met else 'NOT MET'}", flush=True)
+
+
+def main() -> None:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    with tempfile.TemporaryDirectory(prefix="stoker-bench-data-") as work:
+        small, large = os.path.join(work, "small.jsonl"), os.path.join(work, "large.jsonl")
+        _write_corpus(small, SMALL_BYTES)
+        _write_corpus(large, SMALL_BYTES * SCALE)
+        print(f"corpus: Python stdlib sources, {os.path.getsize(small) / 1e6:.1f} MB and "
+              f"{os.path.getsize(large) / 1e6:.1f} MB of JSON lines; {cores} cores; num_workers=2", flush=True)
+        tokenizer = _run_child("prepare", work, small)["tokenizer"]
+        one = _run_child("stage", work, small, tokenizer, "1x")
+        ten = _run_child("stage", work, large, tokenizer, "10x")
+        fresh = _run_child("rerun", work, large, tokenizer, "10x")
+        corpus_jsonl = os.path.join(ten["store"].removeprefix("file://"), ten["corpus_key"])
+        raw = _run_child("raw", work, corpus_jsonl, tokenizer)
+        mapped = _run_child("map", work, corpus_jsonl, tokenizer)
+
+    assert raw["tokens"] == ten["tokens"] == mapped["tokens"], (raw["tokens"], ten["tokens"], mapped["tokens"])
+    rate = {k: r["tokens"] / r["cpu_s"] for k, r in (("ours", ten), ("raw", raw), ("map", mapped))}
+    print(f"  tokens: {ten['tokens']:,} in {ten['docs']:,} documents (10x corpus)")
+    print(f"  tokenize+shard {rate['ours'] / 1e6:.2f} M tok/CPU-s ({ten['cpu_s']:.1f} CPU-s, {ten['wall_s']:.1f} s wall); "
+          f"encode_batch_fast {rate['raw'] / 1e6:.2f} M ({raw['cpu_s']:.1f} CPU-s, {raw['wall_s']:.1f} s wall); "
+          f"Dataset.map {rate['map'] / 1e6:.2f} M ({mapped['cpu_s']:.1f} CPU-s, {mapped['wall_s']:.1f} s wall)")
+    print(f"  cache-hit rerun: {ten['rerun_wall_s']:.2f} s in-process, {fresh['wall_s']:.2f} s in a fresh "
+          f"interpreter (imports included); all hits: {ten['rerun_hits'] and fresh['hit']}")
+    print(f"  peak RSS 1x: main {one['main_mb']:.0f} MB, largest worker {one['worker_mb']:.0f} MB; "
+          f"10x: main {ten['main_mb']:.0f} MB, largest worker {ten['worker_mb']:.0f} MB")
+    r1 = rate["ours"] / rate["raw"]
+    r2 = rate["ours"] / rate["map"]
+    peak = max(ten["main_mb"], ten["worker_mb"]) / max(one["main_mb"], one["worker_mb"])
+    _line("tokenize+shard tok/CPU-s / raw encode_batch_fast", r1, ">= 0.85", r1 >= 0.85)
+    _line("tokenize+shard tok/CPU-s / datasets.Dataset.map(batched=True)", r2, ">= 1.3", r2 >= 1.3)
+    _line("cache-hit rerun wall time, fresh interpreter", fresh["wall_s"], "< 2", fresh["wall_s"] < 2, " s")
+    _line("peak RSS, 10x corpus / 1x corpus", peak, "<= 1.2", peak <= 1.2)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        print(json.dumps(CHILDREN[sys.argv[2]](*sys.argv[3:])))
+    else:
+        main()
