@@ -29,11 +29,16 @@ SMALL_BYTES = 5_000_000
 SCALE = 10
 VOCAB = 2048
 BATCH = 512
+REPEATS = 2
+
+
+def _cpu_split() -> tuple[float, float]:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
 
 
 def _cpu() -> float:
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return sum(_cpu_split())
 
 
 def _peak_rss_mb() -> dict:
@@ -42,24 +47,30 @@ def _peak_rss_mb() -> dict:
 
 
 def _write_corpus(path: str, target_bytes: int) -> None:
-    """Python standard library sources, one file per JSON-lines document, cycled (with a
-    distinct first line per copy) until the corpus reaches target_bytes."""
+    """Python standard library sources, one file per JSON-lines document, up to target_bytes."""
     files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True))
-    files = [f for f in files if "site-packages" not in f]
-    written, copy = 0, 0
+    written = 0
     with open(path, "w", encoding="utf-8") as out:
-        while written < target_bytes:
-            for name in files:
-                with open(name, encoding="utf-8", errors="replace") as f:
-                    text = f"# copy {copy} of {os.path.basename(name)}\n" + f.read()
-                if not text.strip():
-                    continue
+        for name in (f for f in files if "site-packages" not in f):
+            with open(name, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+            if text.strip():
                 line = json.dumps({"text": text}, ensure_ascii=False) + "\n"
                 out.write(line)
                 written += len(line.encode())
                 if written >= target_bytes:
                     return
-            copy += 1
+
+
+def _scale_corpus(src: str, dst: str, copies: int) -> None:
+    """`copies` copies of a corpus, each document given a first line naming its copy: the
+    same distribution of document sizes, and no two documents alike."""
+    with open(dst, "w", encoding="utf-8") as out:
+        for copy in range(copies):
+            with open(src, encoding="utf-8") as f:
+                for line in f:
+                    text = f"# copy {copy}\n" + json.loads(line)["text"]
+                    out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
 
 
 # ---- children --------------------------------------------------------------------------
@@ -90,9 +101,10 @@ def child_stage(work: str, corpus: str, tokenizer: str, name: str) -> dict:
     start = time.perf_counter()
     ds = data_prep.download_dataset(data, store)
     tk = data_prep.train_tokenizer(ds, tok_cfg, store)
-    cpu0, wall0 = _cpu(), time.perf_counter()
+    (own0, kids0), wall0 = _cpu_split(), time.perf_counter()
     shards = data_prep.tokenize_and_shard(ds, tk, data, store)
-    cpu, wall = _cpu() - cpu0, time.perf_counter() - wall0
+    (own1, kids1), wall = _cpu_split(), time.perf_counter() - wall0
+    cpu, main_cpu = own1 + kids1 - own0 - kids0, own1 - own0
     total_wall = time.perf_counter() - start
     rss = _peak_rss_mb()  # before the rerun, which reads little
     rerun0 = time.perf_counter()
@@ -103,7 +115,8 @@ def child_stage(work: str, corpus: str, tokenizer: str, name: str) -> dict:
     manifest = store.read_json(f"{shards.key}/manifest.json")
     docs = sum(manifest["num_docs"].values())
     tokens = shards.num_train_tokens + shards.num_val_tokens - docs
-    return {"tokens": tokens, "docs": docs, "cpu_s": cpu, "wall_s": wall, "stage_wall_s": total_wall,
+    return {"tokens": tokens, "docs": docs, "cpu_s": cpu, "main_cpu_s": main_cpu, "wall_s": wall,
+            "stage_wall_s": total_wall,
             "rerun_wall_s": rerun, "rerun_hits": all(hits), "corpus_key": f"{ds.key}/corpus.jsonl",
             "store": store.root, **rss}
 
@@ -183,32 +196,44 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="stoker-bench-data-") as work:
         small, large = os.path.join(work, "small.jsonl"), os.path.join(work, "large.jsonl")
         _write_corpus(small, SMALL_BYTES)
-        _write_corpus(large, SMALL_BYTES * SCALE)
-        print(f"corpus: Python stdlib sources, {os.path.getsize(small) / 1e6:.1f} MB and "
-              f"{os.path.getsize(large) / 1e6:.1f} MB of JSON lines; {cores} cores; num_workers=2", flush=True)
+        _scale_corpus(small, large, SCALE)
+        print(f"corpus: Python stdlib sources as JSON lines, {os.path.getsize(small) / 1e6:.1f} MB (1x) and "
+              f"{SCALE} copies of it, {os.path.getsize(large) / 1e6:.1f} MB (10x); {cores} cores; "
+              "num_workers=2", flush=True)
         tokenizer = _run_child("prepare", work, small)["tokenizer"]
         one = _run_child("stage", work, small, tokenizer, "1x")
-        ten = _run_child("stage", work, large, tokenizer, "10x")
-        fresh = _run_child("rerun", work, large, tokenizer, "10x")
-        corpus_jsonl = os.path.join(ten["store"].removeprefix("file://"), ten["corpus_key"])
-        raw = _run_child("raw", work, corpus_jsonl, tokenizer)
-        mapped = _run_child("map", work, corpus_jsonl, tokenizer)
+        runs: dict[str, list[dict]] = {"ours": [], "raw": [], "map": []}
+        for rep in range(REPEATS):  # interleaved, best of each: this machine is shared and noisy
+            runs["ours"].append(_run_child("stage", work, large, tokenizer, f"10x-{rep}"))
+            corpus_jsonl = os.path.join(runs["ours"][0]["store"].removeprefix("file://"), runs["ours"][0]["corpus_key"])
+            runs["raw"].append(_run_child("raw", work, corpus_jsonl, tokenizer))
+            runs["map"].append(_run_child("map", work, corpus_jsonl, tokenizer))
+        fresh = _run_child("rerun", work, large, tokenizer, "10x-0")
 
+    best = {k: min(v, key=lambda r: r["cpu_s"]) for k, v in runs.items()}
+    ten, raw, mapped = best["ours"], best["raw"], best["map"]
     assert raw["tokens"] == ten["tokens"] == mapped["tokens"], (raw["tokens"], ten["tokens"], mapped["tokens"])
-    rate = {k: r["tokens"] / r["cpu_s"] for k, r in (("ours", ten), ("raw", raw), ("map", mapped))}
-    print(f"  tokens: {ten['tokens']:,} in {ten['docs']:,} documents (10x corpus)")
-    print(f"  tokenize+shard {rate['ours'] / 1e6:.2f} M tok/CPU-s ({ten['cpu_s']:.1f} CPU-s, {ten['wall_s']:.1f} s wall); "
-          f"encode_batch_fast {rate['raw'] / 1e6:.2f} M ({raw['cpu_s']:.1f} CPU-s, {raw['wall_s']:.1f} s wall); "
-          f"Dataset.map {rate['map'] / 1e6:.2f} M ({mapped['cpu_s']:.1f} CPU-s, {mapped['wall_s']:.1f} s wall)")
+    rate = {k: r["tokens"] / r["cpu_s"] for k, r in best.items()}
+    print(f"  tokens: {ten['tokens']:,} in {ten['docs']:,} documents (10x corpus); best of {REPEATS} runs each:")
+    print(f"  tokenize+shard  {rate['ours'] / 1e6:.2f} M tok/CPU-s ({ten['cpu_s']:.1f} CPU-s: "
+          f"{ten['main_cpu_s']:.1f} main + {ten['cpu_s'] - ten['main_cpu_s']:.1f} workers; {ten['wall_s']:.1f} s wall)")
+    print(f"  encode_batch_fast {rate['raw'] / 1e6:.2f} M tok/CPU-s ({raw['cpu_s']:.1f} CPU-s, {raw['wall_s']:.1f} s wall)")
+    print(f"  Dataset.map       {rate['map'] / 1e6:.2f} M tok/CPU-s ({mapped['cpu_s']:.1f} CPU-s, {mapped['wall_s']:.1f} s wall)")
+    print(f"  (all runs, M tok/CPU-s: " + "; ".join(
+        f"{k} " + ", ".join(f"{r['tokens'] / r['cpu_s'] / 1e6:.2f}" for r in v) for k, v in runs.items()) + ")")
     print(f"  cache-hit rerun: {ten['rerun_wall_s']:.2f} s in-process, {fresh['wall_s']:.2f} s in a fresh "
           f"interpreter (imports included); all hits: {ten['rerun_hits'] and fresh['hit']}")
+    peak10 = max(max(r["main_mb"], r["worker_mb"]) for r in runs["ours"])
     print(f"  peak RSS 1x: main {one['main_mb']:.0f} MB, largest worker {one['worker_mb']:.0f} MB; "
-          f"10x: main {ten['main_mb']:.0f} MB, largest worker {ten['worker_mb']:.0f} MB")
+          f"10x (worst run): main {max(r['main_mb'] for r in runs['ours']):.0f} MB, "
+          f"largest worker {max(r['worker_mb'] for r in runs['ours']):.0f} MB")
     r1 = rate["ours"] / rate["raw"]
     r2 = rate["ours"] / rate["map"]
-    peak = max(ten["main_mb"], ten["worker_mb"]) / max(one["main_mb"], one["worker_mb"])
+    peak = peak10 / max(one["main_mb"], one["worker_mb"])
     _line("tokenize+shard tok/CPU-s / raw encode_batch_fast", r1, ">= 0.85", r1 >= 0.85)
     _line("tokenize+shard tok/CPU-s / datasets.Dataset.map(batched=True)", r2, ">= 1.3", r2 >= 1.3)
+    print(f"    (bound: no pipeline doing the same tokenization beats raw; raw / Dataset.map here is "
+          f"{rate['raw'] / rate['map']:.2f})")
     _line("cache-hit rerun wall time, fresh interpreter", fresh["wall_s"], "< 2", fresh["wall_s"] < 2, " s")
     _line("peak RSS, 10x corpus / 1x corpus", peak, "<= 1.2", peak <= 1.2)
 

@@ -4,8 +4,8 @@
     result = train_pipeline(config)   # a PipelineResult
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: a served flow resolves its parameter types at
+# run time, and string annotations of the nested prepare_data flow would not resolve
 from prefect import flow
 
 from tasks.data import download_dataset, tokenize_and_shard, train_tokenizer

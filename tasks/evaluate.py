@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +18,18 @@ from tasks.results import EvalResult
 from training.config import RunConfig
 
 EVAL_PREFIX = "STOKER_EVAL "
+_LIVE: set[subprocess.Popen] = set()  # evaluation processes running now, in this process
+
+
+def kill_running_evaluations() -> int:
+    """Kill every evaluation process this process started (on cancel); returns how many."""
+    procs = list(_LIVE)
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(procs)
 
 
 def run_evaluation(config: RunConfig, config_url: str, checkpoint_key: str, shard_key: str,
@@ -26,11 +40,13 @@ def run_evaluation(config: RunConfig, config_url: str, checkpoint_key: str, shar
            "--checkpoint", checkpoint_key, "--shards", shard_key]
     proc = subprocess.Popen(cmd, env=child_env(config), cwd=PROJECT_ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _LIVE.add(proc)
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
+        _LIVE.discard(proc)
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     lines = [ln for ln in out.splitlines() if ln.startswith(EVAL_PREFIX)]
     if proc.returncode != 0 or not lines:

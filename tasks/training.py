@@ -14,7 +14,7 @@ from storage.checkpoints import find_latest_valid, run_key
 from storage.store import Store, default_cache_dir, join
 from tasks.attempts import read_attempts, record_attempt, summarize
 from tasks.data_prep import ShardInfo
-from tasks.evaluate import evaluate_checkpoint
+from tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
 from tasks.launcher import child_env, classify, free_port, run_gang, torchrun_commands
 from tasks.monitor import TrainingMonitor
 from tasks.policy import BACKOFF, JITTER, retry_if_transient
@@ -115,8 +115,10 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo,
         gang = run_gang(cmds, child_env(cfg), cfg.launch.nproc_per_node, on_line=logger.info,
                         on_metric=monitor, timeout=cfg.launch.timeout_seconds,
                         hang_timeout=cfg.launch.hang_timeout_seconds)
-    finally:
-        monitor.collect_evaluations()
+    except BaseException:  # cancelled (Prefect's TerminationSignal) or crashed: leave nothing behind
+        kill_running_evaluations()
+        raise
+    monitor.collect_evaluations()
     failure = None if gang.reason == "completed" else classify(gang)
     store, run = _store(cfg), cfg.resolved_run_name()
     record_attempt(store, run, flow_run_id=str(flow_run.id), attempt=attempt, started_at=started_at,

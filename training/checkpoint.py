@@ -158,6 +158,7 @@ class CheckpointWriter:
         self.is_dist = dist.is_available() and dist.is_initialized()
         self.thread: threading.Thread | None = None
         self.failures: list[str] = []
+        self.last_finish_seconds = 0.0  # upload (+ commit on rank 0) of the last checkpoint
         # folder names already used, read once; later names are derived without listing
         self.taken = ({r.name for r in list_checkpoints(store, run_name)} if rank == 0 else set())
 
@@ -189,13 +190,15 @@ class CheckpointWriter:
                 dist.barrier()  # group: world; synchronous mode: no rank runs ahead of the commit
         return key
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         if self.thread is not None:
-            self.thread.join()
-            self.thread = None
+            self.thread.join(timeout)
+            if not self.thread.is_alive():
+                self.thread = None
 
-    def close(self) -> None:
-        self.wait()
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for the upload in flight (at most `timeout` seconds when given)."""
+        self.wait(timeout)
 
     # ---- background part -------------------------------------------------------------
     def _finish(self, key, local, names, step, meta, staged_seconds) -> None:
@@ -221,6 +224,7 @@ class CheckpointWriter:
                     os.remove(os.path.join(local, name))
             if self.rank == 0:
                 self._commit(key, local, step, meta, staged_seconds, t0)
+            self.last_finish_seconds = time.perf_counter() - t0
         except Exception as err:
             self.failures.append(f"step {step}: {err}")
             self.on_event(event="checkpoint_failed", step=step, rank=self.rank, error=str(err)[:500])

@@ -35,6 +35,7 @@ from training.model import GPT, param_groups
 
 METRIC_PREFIX = "STOKER_METRIC "
 STOP_GRACE_SECONDS = float(os.environ.get("STOKER_STOP_GRACE_SECONDS", "15"))
+FAILED_UPLOAD_WAIT_SECONDS = 10.0
 
 
 class Preempted(Exception):
@@ -243,7 +244,10 @@ class Trainer:
 
     def _stop_early(self) -> None:
         """Asked to stop: checkpoint first when it fits in the grace period, then leave."""
-        fits = self.last_save_seconds * 2 + 1 < self.stop.seconds_left()
+        # a stop checkpoint must be staged, uploaded and committed inside the grace period;
+        # estimate from the last one, with a margin
+        expected = self.last_save_seconds + self.writer.last_finish_seconds
+        fits = expected * 1.5 + 1 < self.stop.seconds_left()
         if self.step != self.last_saved_step and fits:
             self.save()
         self.writer.close()
@@ -269,10 +273,15 @@ class Trainer:
         return float(sums[0] / sums[1])
 
     def fit(self) -> dict:
+        failed = True
         try:
-            return self._fit()
+            result = self._fit()
+            failed = False
+            return result
         finally:
-            self.writer.close()  # the last upload and commit finish before the process ends
+            # the last upload and commit finish before the process ends; after a failure a
+            # peer may be gone for good (its receipt will never come), so wait only a little
+            self.writer.close(timeout=FAILED_UPLOAD_WAIT_SECONDS if failed else None)
             self.metrics.flush()
             sys.stdout.flush()
 

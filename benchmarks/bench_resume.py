@@ -1,0 +1,102 @@
+"""Failure to first resumed step, against a real S3 endpoint (moto_server on 127.0.0.1).
+
+A rank is SIGKILLed mid-run; the time until the first step of the resumed gang is split
+into detection (failure -> gang reaped), validation (listing + manifests + sizes),
+rehydration (verified download of the chosen checkpoint to the host cache) and process
+start (new gang -> ranks resumed -> first step).
+Goal: rehydration time / a plain copy (fs.get) of the same bytes <= 1.5.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+from benchmarks._servers import moto_s3
+from storage.checkpoints import list_checkpoints, rehydrate, validate_checkpoint
+from storage.store import Store, join
+from tasks import data_prep
+from tasks.launcher import child_env, free_port, run_gang, torchrun_commands
+from training.config import load_config
+
+
+def _config(root: str, options: dict):
+    cfg = load_config({
+        "run_name": "bench-resume",
+        "storage": {"root": root, "storage_options": options},
+        "data": {"max_bytes": 1_000_000},
+        "tokenizer": {"vocab_size": 2048},
+        "model": {"n_layer": 6, "n_head": 8, "n_embd": 384, "block_size": 64},
+        "train": {"max_steps": 12, "warmup_steps": 2, "log_interval": 1, "global_batch_size": 8,
+                  "micro_batch_size": 4},
+        "checkpoint": {"interval_steps": 4},
+        "eval": {"interval_steps": 100, "num_batches": 1, "per_checkpoint_enabled": False},
+    })
+    return cfg
+
+
+def main() -> None:
+    with moto_s3() as (root, options), tempfile.TemporaryDirectory() as tmp:
+        os.environ["STOKER_CACHE"] = os.path.join(tmp, "cache")
+        cfg = _config(root, options)
+        store = Store(root, options)
+        ds = data_prep.download_dataset(cfg.data, store)
+        tok = data_prep.train_tokenizer(ds, cfg.tokenizer, store)
+        shards = data_prep.tokenize_and_shard(ds, tok, cfg.data, store)
+        store.write_bytes("runs/bench-resume/config.json", cfg.to_json().encode())
+        config_url = store.url("runs/bench-resume/config.json")
+        once = os.path.join(tmp, "fault-fired")
+        env = {**child_env(cfg), "STOKER_FAULT": "kill:rank=1:step=11", "STOKER_FAULT_ONCE": once}
+
+        first = run_gang(torchrun_commands(cfg, config_url, shards.key, None, free_port()), env,
+                         cfg.launch.nproc_per_node, lambda s: None, lambda m: None, timeout=600)
+        reaped = time.time()
+        assert first.reason == "failed", first.tail[-20:]
+        detection = reaped - os.path.getmtime(once)
+
+        t0 = time.perf_counter()
+        refs = list_checkpoints(store, "bench-resume")
+        chosen = next(r for r in refs if validate_checkpoint(store, r.key, deep=False))
+        validation = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        local = rehydrate(store, chosen.key, os.environ["STOKER_CACHE"])
+        rehydration = time.perf_counter() - t0
+        names = sorted(os.listdir(local))
+        nbytes = sum(os.path.getsize(os.path.join(local, n)) for n in names if n != "commit.json")
+        plain_dir = os.path.join(tmp, "plain")
+        os.makedirs(plain_dir)
+        t0 = time.perf_counter()
+        for n in names:
+            if n != "commit.json":
+                store.fs.get_file(store._path(join(chosen.key, n)), os.path.join(plain_dir, n))
+        plain = time.perf_counter() - t0
+
+        marks: dict[str, float] = {}
+
+        def on_metric(m: dict) -> None:
+            if m.get("event") == "resumed":
+                marks.setdefault("resumed", time.perf_counter())
+            elif m.get("event") == "train" and m.get("step") == chosen.step + 1:
+                marks.setdefault("first_step", time.perf_counter())
+
+        t_launch = time.perf_counter()
+        second = run_gang(torchrun_commands(cfg, config_url, shards.key, chosen.key, free_port()), env,
+                          cfg.launch.nproc_per_node, lambda s: None, on_metric, timeout=600)
+        assert second.reason == "completed", second.tail[-20:]
+        start = marks["resumed"] - t_launch
+        first_step = marks["first_step"] - marks["resumed"]
+        total = detection + validation + rehydration + start + first_step
+        print(f"  checkpoint of step {chosen.step}: {nbytes / 1e6:.1f} MB in {len(names) - 1} files")
+        print(f"  failure -> first resumed step: {total:.2f}s = detection {detection:.2f}s + validation "
+              f"{validation:.2f}s + rehydration {rehydration:.2f}s + process start and load {start:.2f}s "
+              f"+ first step {first_step:.2f}s")
+        ratio = rehydration / plain
+        print(f"  plain copy of the same bytes: {plain:.2f}s")
+        print(f"  RATIO rehydration / plain copy = {ratio:.2f}  (goal <= 1.5: {'met' if ratio <= 1.5 else 'NOT met'})")
+        shutil.rmtree(plain_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
