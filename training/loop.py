@@ -250,7 +250,7 @@ class Trainer:
         fits = expected * 1.5 + 1 < self.stop.seconds_left()
         if self.step != self.last_saved_step and fits:
             self.save()
-        self.writer.close()
+        self.writer.close(timeout=max(0.0, self.stop.seconds_left()))
         self.metrics.log(event="stopped", step=self.step, saved=self.last_saved_step == self.step)
         self.metrics.flush()
         raise Preempted(f"stopped by SIGTERM at step {self.step}")
