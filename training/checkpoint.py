@@ -88,6 +88,25 @@ def model_optim_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return out
 
 
+def to_host(state: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stage CUDA tensors through pinned host buffers (kept in `buffers` and reused by every
+    save): non-blocking device-to-host copies and one synchronize, so DCP then writes from
+    host memory. CPU tensors pass through untouched."""
+    out, copied = {}, False
+    for key, t in state.items():
+        if not t.is_cuda:
+            out[key] = t
+            continue
+        buf = buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t, non_blocking=True)
+        out[key], copied = buf, True
+    if copied:
+        torch.cuda.synchronize()
+    return out
+
+
 @dataclass
 class TrainState:
     step: int

@@ -27,6 +27,7 @@ from training.checkpoint import (
     load_checkpoint,
     model_optim_tensors,
     rng_state_tensors,
+    to_host,
 )
 from training.config import RunConfig
 from training.data import TokenStream, eval_offsets, get_batch, train_batch
@@ -178,6 +179,7 @@ class Trainer:
         random.seed(t.seed + 1 + ranks.rank)
         self.step, self.tokens_seen = 0, 0
         self.last_saved_step, self.last_save_seconds = -1, 0.0
+        self.pinned: dict[str, torch.Tensor] = {}  # host staging buffers for CUDA state
         self.metrics = MetricsLog(store, self.run_name, ranks.rank)
         self.stop = StopRequest()
         c = cfg.checkpoint
@@ -203,8 +205,8 @@ class Trainer:
         meta = {"config_hash": self.cfg.identity_hash(), "model_hash": self.cfg.model_hash(),
                 "shard_key": self.shard_key, "run_name": self.run_name,
                 "tokens_seen": self.tokens_seen}
-        state = {**model_optim_tensors(self.raw_model, self.optimizer),
-                 **rng_state_tensors(self.ranks.rank)}
+        state = to_host({**model_optim_tensors(self.raw_model, self.optimizer),
+                         **rng_state_tensors(self.ranks.rank)}, self.pinned)
         scalars = _scalar_state(self.optimizer, self.scheduler, self.step, self.tokens_seen,
                                 self.cfg.train.seed)
         key = self.writer.save(state, scalars, self.step, meta)

@@ -31,6 +31,9 @@ def is_transient(exc: BaseException) -> bool:
     out-of-memory on the same config: no."""
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
+    if isinstance(exc, OSError) and not isinstance(
+            exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return True  # storage blips (s3fs raises OSError for 5xx and dropped connections)
     if any(t.__name__ in _TRANSIENT_TYPES for t in type(exc).__mro__):
         return True
     # a collective whose peer died surfaces as a plain RuntimeError from gloo/NCCL

@@ -17,3 +17,14 @@ def test_lost_nodes_and_storage_blips_are_retried():
     assert is_transient(ConnectionResetError())
     assert is_transient(TimeoutError())
     assert is_transient(OSError("503 Slow Down"))
+
+
+def test_rank_side_classification():
+    from training.train import is_transient as rank_transient
+
+    lost_peer = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    assert rank_transient(lost_peer)
+    assert rank_transient(OSError("503 Service Unavailable"))
+    assert not rank_transient(RuntimeError("injected fault at step 3"))
+    assert not rank_transient(FileNotFoundError("shards/abc/manifest.json"))
+    assert not rank_transient(ValueError("checkpoint lacks entries"))

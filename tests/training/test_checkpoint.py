@@ -82,3 +82,23 @@ def test_load_refuses_a_checkpoint_with_pickled_entries(tmp_path):
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "bad")))
     with pytest.raises(ValueError, match="non-tensor"):
         load_checkpoint(str(tmp_path / "bad"), model=_build()[0])
+
+
+def test_to_host_passes_cpu_tensors_through():
+    from training.checkpoint import to_host
+
+    t = torch.arange(4.0)
+    assert to_host({"a": t}, {})["a"] is t
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_to_host_stages_cuda_tensors_in_reused_pinned_buffers():
+    from training.checkpoint import to_host
+
+    buffers = {}
+    t = torch.randn(1000, device="cuda")
+    first = to_host({"w": t}, buffers)["w"]
+    assert first.is_pinned() and torch.equal(first, t.cpu())
+    t.add_(1)
+    second = to_host({"w": t}, buffers)["w"]
+    assert second.data_ptr() == first.data_ptr() and torch.equal(second, t.cpu())
