@@ -29,7 +29,7 @@ import numpy as np
 SPLITS = ("train", "val")
 PARTITION_BYTES = 4 << 20
 BATCH_DOCS = 512
-BATCH_BYTES = 1 << 20
+BATCH_BYTES = 256 << 10  # text per encode call: with its encodings, the bulk of a worker's memory
 COPY_CHUNK = 4 << 20
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -114,11 +114,11 @@ def tokenize_partition(job: PartitionJob) -> dict[str, list[int]]:
 
     try:
         for doc in _partition_docs(job.corpus, job.start, job.end):
+            if batch and (len(batch) >= BATCH_DOCS or size + len(doc) > BATCH_BYTES):
+                flush()  # before, not after: a batch holds at most max(BATCH_BYTES, one document)
+                size = 0
             batch.append(doc)
             size += len(doc)
-            if len(batch) >= BATCH_DOCS or size >= BATCH_BYTES:
-                flush()
-                size = 0
         if batch:
             flush()
     finally:

@@ -178,7 +178,6 @@ class Source:
     fingerprint_inputs: dict
     files: list[SourceFile] = field(default_factory=list)
     hf: dict | None = None
-    storage_options: dict = field(default_factory=dict)
     workdir: str = ""
 
 
@@ -273,8 +272,7 @@ def _resolve_remote(cfg: DataConfig, url: str, workdir: str) -> Source:
         files.append(f)
         items.append([f.fmt, f.compression, ident])
     fingerprint, inputs = _fingerprint(cfg, items)
-    return Source(url, fingerprint, inputs, files=files, storage_options=dict(cfg.storage_options),
-                  workdir=workdir)
+    return Source(url, fingerprint, inputs, files=files, workdir=workdir)
 
 
 def _fetch(f: SourceFile, cfg: DataConfig, local: str) -> str:
@@ -352,7 +350,8 @@ def _hf_documents(hf: dict, text_field: str, cache_dir: str) -> Iterator[str]:
         raise
     except ValueError as err:  # datasets reports a bad split or config name as ValueError
         text = str(err)
-        fld = "data.hf_split" if "split" in text.lower() else "data.hf_name" if "config" in text.lower() else "data.source"
+        fld = ("data.hf_split" if "split" in text.lower()
+               else "data.hf_name" if "config" in text.lower() else "data.source")
         raise DataError(f"{fld}: datasets could not load {what}: {text}") from None
     except FileNotFoundError as err:
         raise DataError(f"data.source: datasets found no data for {what} ({err}); check the name or folder.") from None
@@ -469,7 +468,8 @@ def _file_documents(source: Source, f: SourceFile, cfg: DataConfig, index: int) 
 def iter_source_files(source: Source, cfg: DataConfig) -> Iterator[tuple[str, Iterator[str]]]:
     """(name, documents) per source file, in a fixed order."""
     if source.hf is not None:
-        yield source.description, _hf_documents(source.hf, cfg.text_field, os.path.join(source.workdir, "hf-cache"))
+        cache_dir = os.path.join(source.workdir, "hf-cache")
+        yield source.description, _hf_documents(source.hf, cfg.text_field, cache_dir)
         return
     for i, f in enumerate(source.files):
         yield f.name, _file_documents(source, f, cfg, i)

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from storage.shards import shard_set_key, validate_shard_set
+from storage.shards import validate_shard_set
 from storage.store import Store
 from tasks import data_prep, sharding
 from tasks.data_prep import DataError

@@ -90,7 +90,8 @@ def test_missing_parquet_column_and_bad_json_name_the_field(store, tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"content": ["a", "b"]}), tmp_path / "t.parquet")
-    with pytest.raises(DataError, match=r"data.text_field: .*t.parquet has no column 'text' \(columns: \['content'\]\)"):
+    no_column = r"data.text_field: .*t.parquet has no column 'text' \(columns: \['content'\]\)"
+    with pytest.raises(DataError, match=no_column):
         data_prep.download_dataset(DataConfig(source=str(tmp_path / "t.parquet")), store)
     (tmp_path / "broken.jsonl").write_text('{"text": "ok"}\n{"text": \n')
     with pytest.raises(DataError, match=r"data.source: .*broken.jsonl line 2 is not JSON"):
@@ -106,7 +107,8 @@ def test_new_data_fields_are_checked_with_their_fix(tmp_path):
                      "data.hf_revision: only applies to 'hf:' sources",
                      "data.num_workers: must be in [1, 256]", "data.text_field: is empty"):
         assert expected in problems
-    assert DataConfig(source="hf:/no/such/folder").problems("data")[0].startswith("data.source: no local dataset folder")
+    [problem] = DataConfig(source="hf:/no/such/folder").problems("data")
+    assert problem.startswith("data.source: no local dataset folder")
     assert DataConfig(source="s3://bucket/x/*.jsonl", storage_options={"anon": True}).problems("data") == []
 
 
@@ -153,7 +155,8 @@ def test_http_404_is_a_data_error_and_not_retried(http_server, store, fast_retri
 def test_unreachable_url_after_retries_is_a_clear_transient_error(http_server, store, fast_retries, tmp_path):
     (tmp_path / "www" / "c.txt").write_text("text")
     http_server.fail_first = 10**6
-    with pytest.raises(SourceUnreachable, match=r"data.source: .*c.txt is unreachable after 5 attempts .*HTTP 503") as err:
+    unreachable = r"data.source: .*c.txt is unreachable after 5 attempts .*HTTP 503"
+    with pytest.raises(SourceUnreachable, match=unreachable) as err:
         data_prep.download_dataset(DataConfig(source=http_server.url("c.txt")), store)
     assert is_transient(err.value)  # the Prefect task retries it later
     assert not store.exists("datasets")
