@@ -404,8 +404,8 @@ class RunConfig(_Section):
 
     def identity_hash(self) -> str:
         """Hash of what determines the run's trajectory (not where it is stored or launched)."""
-        payload = self.model_dump(mode="json", exclude={"run_name", "storage", "launch",
-                                                        "data": {"num_workers"}})
+        payload = self.model_dump(mode="json", exclude={"run_name": True, "storage": True,
+                                                        "launch": True, "data": {"num_workers"}})
         payload["world_size"] = self.launch.world_size
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
