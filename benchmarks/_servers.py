@@ -12,6 +12,9 @@ import uuid
 from contextlib import contextmanager
 
 
+MOTO_PID: int | None = None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -41,6 +44,8 @@ def moto_s3():
         import s3fs
 
         options = {"endpoint_url": f"http://127.0.0.1:{port}", "skip_instance_cache": True}
+        global MOTO_PID
+        MOTO_PID = proc.pid  # for benchmarks that place the server on a core
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
         s3fs.S3FileSystem(**options).mkdir(bucket)
         yield f"s3://{bucket}/root", options
