@@ -21,7 +21,7 @@ from benchmarks import _servers
 from benchmarks._servers import moto_s3
 from storage.store import Store
 from training.checkpoint import CheckpointWriter, _scalar_state, model_optim_tensors, rng_state_tensors
-from training.config import ModelConfig
+from core.config import ModelConfig
 from training.model import GPT, param_groups
 
 STEPS, INTERVAL = 24, 8

@@ -21,9 +21,9 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from benchmarks._servers import moto_s3
 from storage.checkpoints import list_checkpoints, rehydrate, validate_checkpoint
 from storage.store import Store, join
-from tasks import data_prep
-from tasks.launcher import child_env, free_port, run_gang, torchrun_commands
-from training.config import load_config
+from data import prepare as data_prep
+from launch.torchrun import child_env, free_port, run_gang, torchrun_commands
+from core.config import load_config
 
 
 def _config(root: str, options: dict):

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("checkpoint_uri")
     args = parser.parse_args(argv)
 
-    from training.config import ConfigError, load_config
+    from core.config import ConfigError, load_config
 
     if args.command == "evaluate":
         from flows.evaluate import evaluate_checkpoint_flow

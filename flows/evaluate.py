@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 
 from tasks.evaluate import evaluate_checkpoint
-from tasks.results import EvalResult
+from core.results import EvalResult
 from tasks.training import checkpoint_inputs
 
 

@@ -9,17 +9,17 @@
 from prefect import flow
 
 from tasks.data import download_dataset, tokenize_and_shard, train_tokenizer
-from tasks.data_prep import ShardInfo
+from core.results import ShardInfo
 from tasks.evaluate import evaluate_checkpoint
 from tasks.report import report
-from tasks.results import PipelineResult
+from core.results import PipelineResult
 from tasks.training import (
     find_resume_checkpoint,
     launch_training,
     validate_config,
     write_run_config,
 )
-from training.config import DataConfig, RunConfig, StorageConfig, TokenizerConfig
+from core.config import DataConfig, RunConfig, StorageConfig, TokenizerConfig
 
 
 @flow(name="prepare-data", log_prints=True)

@@ -10,9 +10,10 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from storage.store import Store
-from tasks import data_prep
+from core.results import DatasetInfo, ShardInfo, TokenizerInfo
+from data import prepare
 from tasks.policy import BACKOFF, JITTER, retry_if_transient
-from training.config import DataConfig, StorageConfig, TokenizerConfig
+from core.config import DataConfig, StorageConfig, TokenizerConfig
 
 
 def _store(storage: StorageConfig) -> Store:
@@ -21,12 +22,12 @@ def _store(storage: StorageConfig) -> Store:
 
 @task(name="download_dataset", retries=3, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
       retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
-def download_dataset(data: DataConfig, storage: StorageConfig) -> data_prep.DatasetInfo:
+def download_dataset(data: DataConfig, storage: StorageConfig) -> DatasetInfo:
     """Copy the raw source into {root}/datasets/{fingerprint}/ (no copy when present).
 
     Transient network failures are retried inside (with backoff) and then by this task;
     a missing object, a wrong field or undecodable data fails at once (DataError)."""
-    info = data_prep.download_dataset(data, _store(storage))
+    info = prepare.download_dataset(data, _store(storage))
     logger = get_run_logger()
     logger.info(
         "dataset %s: %d documents, %.1f MB (%s)", info.fingerprint, info.num_docs,
@@ -39,10 +40,10 @@ def download_dataset(data: DataConfig, storage: StorageConfig) -> data_prep.Data
 
 @task(name="train_tokenizer", retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
       retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
-def train_tokenizer(dataset: data_prep.DatasetInfo, tokenizer: TokenizerConfig,
-                    storage: StorageConfig) -> data_prep.TokenizerInfo:
+def train_tokenizer(dataset: DatasetInfo, tokenizer: TokenizerConfig,
+                    storage: StorageConfig) -> TokenizerInfo:
     """Train a byte-level BPE on the corpus, or load the given tokenizer.json."""
-    info = data_prep.train_tokenizer(dataset, tokenizer, _store(storage))
+    info = prepare.train_tokenizer(dataset, tokenizer, _store(storage))
     get_run_logger().info("tokenizer %s: vocab %d (%s)", info.sha256[:12], info.vocab_size,
                           "cached" if info.cache_hit else "trained/loaded")
     return info
@@ -50,11 +51,11 @@ def train_tokenizer(dataset: data_prep.DatasetInfo, tokenizer: TokenizerConfig,
 
 @task(name="tokenize_and_shard", retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
       retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
-def tokenize_and_shard(dataset: data_prep.DatasetInfo, tokenizer: data_prep.TokenizerInfo,
-                       data: DataConfig, storage: StorageConfig) -> data_prep.ShardInfo:
+def tokenize_and_shard(dataset: DatasetInfo, tokenizer: TokenizerInfo,
+                       data: DataConfig, storage: StorageConfig) -> ShardInfo:
     """Tokenize once into shards keyed by content; a valid shard set is reused as is.
     data.num_workers worker processes share the work; the bytes do not depend on it."""
-    info = data_prep.tokenize_and_shard(dataset, tokenizer, data, _store(storage))
+    info = prepare.tokenize_and_shard(dataset, tokenizer, data, _store(storage))
     get_run_logger().info(
         "shards %s: %d train / %d val tokens, %s (%s)", info.cache_key, info.num_train_tokens,
         info.num_val_tokens, info.dtype,

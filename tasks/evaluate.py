@@ -12,10 +12,10 @@ import time
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.launcher import PROJECT_ROOT, child_env
+from launch.torchrun import PROJECT_ROOT, child_env
 from tasks.policy import BACKOFF, JITTER, retry_if_transient
-from tasks.results import EvalResult
-from training.config import RunConfig
+from core.results import EvalResult
+from core.config import RunConfig
 
 EVAL_PREFIX = "STOKER_EVAL "
 _LIVE: set[subprocess.Popen] = set()  # evaluation processes running now, in this process

@@ -8,9 +8,9 @@ from prefect.cache_policies import NO_CACHE
 
 from storage.checkpoints import checkpoints_key, run_key
 from storage.store import Store, join
-from tasks.data_prep import ShardInfo
-from tasks.results import EvalResult, PipelineResult, ResumePoint, TrainingResult
-from training.config import RunConfig
+from core.results import ShardInfo
+from core.results import EvalResult, PipelineResult, ResumePoint, TrainingResult
+from core.config import RunConfig
 
 
 @task(name="report", cache_policy=NO_CACHE, persist_result=False)

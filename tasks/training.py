@@ -12,14 +12,14 @@ from prefect.runtime import flow_run, task_run
 
 from storage.checkpoints import find_latest_valid, run_key
 from storage.store import Store, default_cache_dir, join
-from tasks.attempts import read_attempts, record_attempt, summarize
-from tasks.data_prep import ShardInfo
+from launch.attempts import read_attempts, record_attempt, summarize
+from core.results import ShardInfo
 from tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
-from tasks.launcher import child_env, classify, free_port, run_gang, torchrun_commands
-from tasks.monitor import TrainingMonitor
+from launch.torchrun import child_env, classify, free_port, run_gang, torchrun_commands
+from launch.monitor import TrainingMonitor
 from tasks.policy import BACKOFF, JITTER, retry_if_transient
-from tasks.results import ResumePoint, TrainingResult
-from training.config import ConfigError, RunConfig
+from core.results import ResumePoint, TrainingResult
+from core.config import ConfigError, RunConfig
 
 
 def _store(cfg: RunConfig) -> Store:

@@ -125,7 +125,7 @@ def tiny_dict(root: str, **sections) -> dict:
 
 @pytest.fixture
 def tiny_config(tmp_path):
-    from training.config import load_config
+    from core.config import load_config
 
     def make(**sections):
         return load_config(tiny_dict("file://" + str(tmp_path / "store"), **sections))
@@ -136,7 +136,7 @@ def tiny_config(tmp_path):
 def prepare_shards(cfg):
     """Run the data stage with the plain functions (no Prefect); return (store, ShardInfo)."""
     from storage.store import Store
-    from tasks import data_prep
+    from data import prepare as data_prep
 
     store = Store(cfg.storage.root, cfg.storage.storage_options)
     dataset = data_prep.download_dataset(cfg.data, store)
@@ -308,7 +308,7 @@ def http_server(tmp_path):
 @pytest.fixture
 def fast_retries(monkeypatch):
     """In-task download retries without the real backoff delays (same attempt count)."""
-    from tasks import sources
+    from data import sources
 
     monkeypatch.setattr(sources, "RETRY_BASE_DELAY", 0.01)
     monkeypatch.setattr(sources, "RETRY_MAX_DELAY", 0.05)

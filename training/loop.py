@@ -29,7 +29,7 @@ from training.checkpoint import (
     rng_state_tensors,
     to_host,
 )
-from training.config import RunConfig
+from core.config import RunConfig
 from training.data import TokenStream, eval_offsets, get_batch, train_batch
 from training.faults import maybe_inject
 from training.model import GPT, param_groups

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from training.config import ModelConfig
+from core.config import ModelConfig
 
 
 class CausalSelfAttention(nn.Module):

@@ -8,37 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 
 import torch.distributed as dist
 
 from storage.shards import materialize
 from storage.store import Store, default_cache_dir
-from training.config import RunConfig
+from core.config import RunConfig
+from core.failures import is_transient
 from training.loop import METRIC_PREFIX, Trainer, setup_distributed
-
-_TRANSIENT_TYPES = {"Preempted", "DistBackendError", "DistNetworkError", "DistStoreError",
-                    "RendezvousTimeoutError", "EndpointConnectionError", "ClientError"}
-
-
-_LOST_PEER = re.compile(
-    r"Connection (reset|closed) by peer|Broken pipe|gloo/transport|NCCL (error|communicator)|"
-    r"ProcessGroup\w* .*(timed out|aborted)|Socket Timeout", re.IGNORECASE)
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Can a retry help? Lost peers, network and storage blips: yes. Bugs, bad config,
-    out-of-memory on the same config: no."""
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    if isinstance(exc, OSError) and not isinstance(
-            exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
-        return True  # storage blips (s3fs raises OSError for 5xx and dropped connections)
-    if any(t.__name__ in _TRANSIENT_TYPES for t in type(exc).__mro__):
-        return True
-    # a collective whose peer died surfaces as a plain RuntimeError from gloo/NCCL
-    return isinstance(exc, RuntimeError) and bool(_LOST_PEER.search(str(exc)))
-
 
 def report_failure(exc: BaseException) -> None:
     """Tell the launcher why this rank failed, as one JSON line."""

@@ -16,7 +16,7 @@ import pytest
 from storage.checkpoints import find_latest_valid, list_checkpoints
 from storage.store import Store
 from tests.conftest import ROOT, GangWatch, descendants, read_proc, tiny_dict
-from training.config import load_config
+from core.config import load_config
 
 pytestmark = pytest.mark.e2e
 

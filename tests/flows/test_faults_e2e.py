@@ -9,10 +9,10 @@ import torch.distributed.checkpoint as dcp
 
 from storage.checkpoints import list_checkpoints
 from storage.store import Store
-from tasks.attempts import read_attempts
-from tasks.launcher import TrainingFailed
+from launch.attempts import read_attempts
+from core.failures import TrainingFailed
 from tests.conftest import tiny_dict
-from training.config import load_config
+from core.config import load_config
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from storage.checkpoints import list_checkpoints, validate_checkpoint
 from storage.store import Store
 from training.checkpoint import load_checkpoint, save_checkpoint
-from training.config import ModelConfig
+from core.config import ModelConfig
 from training.model import GPT, param_groups
 
 

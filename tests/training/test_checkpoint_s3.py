@@ -10,10 +10,10 @@ import time
 import pytest
 
 from storage.checkpoints import list_checkpoints, validate_checkpoint
-from tasks.launcher import free_port
+from launch.torchrun import free_port
 from tests.conftest import ROOT, prepare_shards, tiny_dict
 from tests.netutil import TcpProxy
-from training.config import load_config
+from core.config import load_config
 
 
 def _s3_config(root, options, **sections):

@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from storage.checkpoints import list_checkpoints, validate_checkpoint
-from tasks.launcher import free_port
+from launch.torchrun import free_port
 from tests.conftest import ROOT, prepare_shards
 
 

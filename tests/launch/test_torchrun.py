@@ -4,7 +4,7 @@ import subprocess
 import sys
 import time
 
-from tasks.launcher import GangResult, classify, kill_gang, run_gang
+from launch.torchrun import GangResult, classify, kill_gang, run_gang
 
 
 def _alive(pid):

@@ -7,11 +7,11 @@ import json
 import pytest
 
 from storage.store import Store
-from tasks import data_prep
-from tasks.data_prep import DataError, SourceUnreachable
-from tasks.policy import is_transient
+from data import prepare as data_prep
+from core.failures import DataError, SourceUnreachable
+from core.failures import is_transient
 from tests.conftest import free_port
-from training.config import DataConfig
+from core.config import DataConfig
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import sys
 import time
 
 from storage.checkpoints import find_latest_valid
-from tasks.launcher import (
+from launch.torchrun import (
     GANG_ENV,
     GRACE_SECONDS,
     RANK_STOP_MARGIN_SECONDS,

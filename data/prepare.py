@@ -14,7 +14,6 @@ import os
 import shutil
 import tempfile
 import uuid
-from dataclasses import asdict, dataclass
 from typing import Iterator
 
 import numpy as np
@@ -31,55 +30,16 @@ from storage.shards import (
     validate_shard_set,
 )
 from storage.store import Store, build_lock, fetch_url, join, sha256_file
-from tasks.sharding import PARTITION_BYTES, SPLITS, build_shards, partition_jobs
-from tasks.sources import (  # noqa: F401  (DataError and SourceUnreachable are re-exported)
-    DataError,
-    SourceUnreachable,
-    resolve_source,
-    with_retries,
-    write_corpus,
-)
-from training.config import DataConfig, TokenizerConfig
+from data.sharding import PARTITION_BYTES, SPLITS, build_shards, partition_jobs
+from data.sources import resolve_source, with_retries, write_corpus
+from core.config import DataConfig, TokenizerConfig
+from core.failures import DataError
+from core.results import DatasetInfo, ShardInfo, TokenizerInfo
 
 log = logging.getLogger("stoker.data")
-EOT = "<|endoftext|>"  # the default TokenizerConfig.eot_token
 CORPUS_FILE = "corpus.jsonl"
 INFO_FILE = "info.json"
 TRAIN_BATCH_DOCS = 1000
-
-
-@dataclass
-class DatasetInfo:
-    fingerprint: str
-    key: str  # {root}/datasets/{fingerprint}
-    num_docs: int
-    num_bytes: int
-    cache_hit: bool
-    num_skipped_files: int = 0  # files left out as not UTF-8 (data.on_decode_error='skip')
-
-
-@dataclass
-class TokenizerInfo:
-    sha256: str
-    key: str  # the tokenizer.json under the store root
-    vocab_size: int
-    eot_id: int
-    cache_hit: bool
-
-
-@dataclass
-class ShardInfo:
-    cache_key: str
-    key: str
-    url: str
-    num_train_tokens: int
-    num_val_tokens: int
-    vocab_size: int
-    dtype: str
-    cache_hit: bool
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 # ---- download ------------------------------------------------------------------------

@@ -8,7 +8,7 @@ partitions in order to the shard files, cutting a file after the document that r
 whatever the number of workers or the partition size. Memory stays bounded by one batch
 per worker and one copy buffer; disk by the partitions not yet appended.
 
-Workers are fresh interpreters (``python -m tasks.sharding JOBS``) with
+Workers are fresh interpreters (``python -m data.sharding JOBS``) with
 TOKENIZERS_PARALLELISM=false, so they never import the parent's main module (the
 orchestrator) and never fork a process that holds threads. With one partition or one
 worker the same code runs in this process instead.
@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
 import numpy as np
+
+from core.failures import DataError, is_transient
 
 SPLITS = ("train", "val")
 PARTITION_BYTES = 4 << 20
@@ -158,7 +160,7 @@ class _WorkerGang:
                 self.logs.append(os.path.join(work_dir, f"worker-{w}.log"))
                 with open(self.logs[-1], "wb") as log:
                     self.procs.append(subprocess.Popen(
-                        [sys.executable, "-m", "tasks.sharding", job_file], stdout=subprocess.PIPE,
+                        [sys.executable, "-m", "data.sharding", job_file], stdout=subprocess.PIPE,
                         stderr=log, stdin=subprocess.DEVNULL, env=env, cwd=PROJECT_ROOT))
         except BaseException:
             self.close()
@@ -178,8 +180,6 @@ class _WorkerGang:
         if "error" in msg:
             err = msg["error"]
             if err["type"] == "DataError":
-                from tasks.sources import DataError
-
                 raise DataError(err["message"])
             kind = ChildProcessError if err["transient"] else RuntimeError
             raise kind(f"tokenizer worker {w}, partition {job.index}: {err['type']}: {err['message']}")
@@ -203,9 +203,12 @@ def _worker_main(job_file: str) -> int:
         try:
             counts = tokenize_partition(job)
         except Exception as err:
+            # a worker opens only files its parent has just written: an OSError there is this
+            # host's trouble (disk, temp folder), never the user's, so a retry may help
+            transient = isinstance(err, OSError) or is_transient(err)
             proto.write(json.dumps({"index": job.index, "error": {
                 "type": type(err).__name__, "message": str(err),
-                "transient": isinstance(err, OSError)}}) + "\n")
+                "transient": transient}}) + "\n")
             return 1
         proto.write(json.dumps({"index": job.index, "counts": counts}) + "\n")
     return 0

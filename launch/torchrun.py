@@ -30,7 +30,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from training.config import RunConfig
+from core.config import RunConfig
+from core.failures import TrainingFailed
 from training.loop import METRIC_PREFIX
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,14 +51,6 @@ _TRANSIENT_PATTERNS = [
         r"ServiceUnavailable|SlowDown|503 Service|EndpointConnectionError",
     )
 ]
-
-
-class TrainingFailed(RuntimeError):
-    """A training launch ended badly. `transient` says whether a retry can help."""
-
-    def __init__(self, message: str, transient: bool, reason: str):
-        super().__init__(message)
-        self.transient, self.reason = transient, reason
 
 
 @dataclass

@@ -21,15 +21,15 @@ import json
 import logging
 import lzma
 import os
-import random
 import re
 import sysconfig
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TypeVar
 
+from core.failures import (DataError, RetriesExhausted, SourceUnreachable, describe, http_status,
+                           is_transient, retry)
 from storage.store import expand_url, fetch_url, sha256_file
-from training.config import BUILTIN_SOURCE, DataConfig
+from core.config import BUILTIN_SOURCE, DataConfig
 
 log = logging.getLogger("stoker.data")
 T = TypeVar("T")
@@ -50,113 +50,33 @@ RETRY_MAX_DELAY = 8.0
 RETRY_BUDGET_S = 60.0
 
 
-class DataError(ValueError):
-    """Bad data input (empty source, undecodable file, missing field); never retried."""
-
-
-class SourceUnreachable(ConnectionError):
-    """A source still failing after the in-task retries; transient, so the task retries."""
-
-
-# ---- retries -------------------------------------------------------------------------
-def _status_of(err: BaseException) -> int | None:
-    """The HTTP status behind an error (aiohttp, botocore, httpx/requests), if any."""
-    seen: set[int] = set()
-    e: BaseException | None = err
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        status = getattr(e, "status", None)
-        if isinstance(status, int):
-            return status
-        response = getattr(e, "response", None)
-        code = getattr(response, "status_code", None)
-        if isinstance(response, dict):
-            code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if isinstance(code, int):
-            return code
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _is_transport_error(err: BaseException) -> bool:
-    if any(c.__module__.startswith("aiohttp") and c.__name__ == "ClientError" for c in type(err).__mro__):
-        return True  # refused or dropped connections, truncated bodies
-    if isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
-        return False
-    return isinstance(err, (ConnectionError, TimeoutError, OSError))
-
-
-def _classify(err: BaseException) -> str:
-    """'missing', 'denied', 'rejected' (permanent), 'transient', or 'other' (re-raised)."""
-    status = _status_of(err)
-    root = err
-    while root.__cause__ is not None:
-        root = root.__cause__
-    if status is None and root is not err and _is_transport_error(root):
-        return "transient"  # fsspec's HTTP info() reports even a refused connection as FileNotFoundError
-    if status is not None:
-        if status in (404, 410):
-            return "missing"
-        if status in (401, 403):
-            return "denied"
-        if status in (408, 425, 429) or status >= 500:
-            return "transient"
-        if 400 <= status < 500:
-            return "rejected"
-    if isinstance(err, FileNotFoundError):
-        return "missing"
-    if isinstance(err, PermissionError):
-        return "denied"
-    if isinstance(err, (IsADirectoryError, NotADirectoryError)):
-        return "rejected"
-    return "transient" if _is_transport_error(err) else "other"
-
-
-def _describe(err: BaseException) -> str:
-    """The HTTP status, or the innermost cause (fsspec wraps failures in FileNotFoundError)."""
-    status = _status_of(err)
-    if status:
-        return f"HTTP {status}"
-    root = err
-    while root.__cause__ is not None:
-        root = root.__cause__
-    return f"{type(root).__name__}: {root}"
-
-
 def with_retries(what: str, fn: Callable[[], T], field_name: str = "data.source") -> T:
-    """Call ``fn``, retrying transient failures with exponential backoff, bounded in count
-    (RETRY_ATTEMPTS) and time (RETRY_BUDGET_S). Permanent failures become a DataError
-    naming ``field_name``; still failing after the retries is a SourceUnreachable."""
-    start = time.monotonic()
-    for attempt in range(1, RETRY_ATTEMPTS + 1):
-        try:
-            return fn()
-        except DataError:
+    """Call ``fn`` through core.failures.retry, bounded in count (RETRY_ATTEMPTS) and time
+    (RETRY_BUDGET_S). A permanent failure becomes a DataError naming ``field_name``; still
+    failing after the retries is a SourceUnreachable (transient: the task retries later)."""
+    try:
+        return retry(fn, what=what, attempts=RETRY_ATTEMPTS, budget_seconds=RETRY_BUDGET_S,
+                     base_delay=RETRY_BASE_DELAY, max_delay=RETRY_MAX_DELAY)
+    except (DataError, SourceUnreachable):
+        raise
+    except RetriesExhausted as err:
+        raise SourceUnreachable(
+            f"{field_name}: {what} is unreachable after {err.attempts} attempts in {err.seconds:.1f}s "
+            f"(last error: {err.last_error}); check the URL and the network, or try again later."
+        ) from err.__cause__
+    except Exception as err:
+        if is_transient(err):  # an exception type retry() re-raised as is
             raise
-        except Exception as err:
-            kind = _classify(err)
-            if kind == "missing":
-                raise DataError(
-                    f"{field_name}: {what} does not exist ({_describe(err)}); check the URL, "
-                    "bucket and key.") from err
-            if kind == "denied":
-                raise DataError(
-                    f"{field_name}: access to {what} was refused ({_describe(err)}); check the "
-                    "credentials in the environment or data.storage_options.") from err
-            if kind == "rejected":
-                raise DataError(f"{field_name}: {what} was rejected ({_describe(err)}); check the URL.") from err
-            if kind != "transient":
-                raise
-            elapsed = time.monotonic() - start
-            delay = min(RETRY_MAX_DELAY, RETRY_BASE_DELAY * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
-            if attempt == RETRY_ATTEMPTS or elapsed + delay > RETRY_BUDGET_S:
-                raise SourceUnreachable(
-                    f"{field_name}: {what} is unreachable after {attempt} attempts in {elapsed:.1f}s "
-                    f"(last error: {_describe(err)}); check the URL and the network, or try again "
-                    "later.") from err
-            log.warning("%s: attempt %d failed (%s); retrying in %.1fs", what, attempt, _describe(err), delay)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
+        status, root = http_status(err), describe(err)
+        if status in (404, 410) or (status is None and isinstance(err, FileNotFoundError)):
+            raise DataError(f"{field_name}: {what} does not exist ({root}); check the URL, "
+                            "bucket and key.") from err
+        if status in (401, 403) or (status is None and isinstance(err, PermissionError)):
+            raise DataError(f"{field_name}: access to {what} was refused ({root}); check the "
+                            "credentials in the environment or data.storage_options.") from err
+        if (status is not None and 400 <= status < 500) or isinstance(err, (IsADirectoryError, NotADirectoryError)):
+            raise DataError(f"{field_name}: {what} was rejected ({root}); check the URL.") from err
+        raise
 
 
 # ---- resolving a source --------------------------------------------------------------

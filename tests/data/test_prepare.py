@@ -6,9 +6,9 @@ import pytest
 
 from storage.shards import validate_shard_set
 from storage.store import Store
-from tasks import data_prep
-from tasks.data_prep import DataError
-from training.config import DataConfig, TokenizerConfig
+from data import prepare as data_prep
+from core.failures import DataError
+from core.config import DataConfig, TokenizerConfig
 
 
 @pytest.fixture

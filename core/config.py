@@ -17,17 +17,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from core.failures import ConfigError
+
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "deployments" / "recipes"
 BUILTIN_SOURCE = "builtin:stdlib"
-
-
-class ConfigError(ValueError):
-    """A user mistake in the run configuration; lists every problem with its fix."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{len(self.problems)} problem(s) in the run config:\n{lines}")
 
 
 def default_root() -> str:

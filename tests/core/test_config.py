@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from training.config import RECIPES_DIR, ConfigError, RunConfig, load_config
+from core.config import RECIPES_DIR, ConfigError, RunConfig, load_config
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))

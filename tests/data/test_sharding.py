@@ -9,10 +9,10 @@ import pytest
 
 from storage.shards import validate_shard_set
 from storage.store import Store
-from tasks import data_prep, sharding
-from tasks.data_prep import DataError
-from tasks.policy import is_transient
-from training.config import DataConfig, TokenizerConfig
+from data import prepare as data_prep, sharding
+from core.failures import DataError
+from core.failures import is_transient
+from core.config import DataConfig, TokenizerConfig
 from training.data import TokenStream
 
 DATA = DataConfig(max_bytes=400_000, val_fraction=0.1, shard_tokens=20_000)

@@ -2,7 +2,43 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 from pydantic import BaseModel, Field
+
+
+@dataclass
+class DatasetInfo:
+    fingerprint: str
+    key: str  # {root}/datasets/{fingerprint}
+    num_docs: int
+    num_bytes: int
+    cache_hit: bool
+    num_skipped_files: int = 0  # files left out as not UTF-8 (data.on_decode_error='skip')
+
+
+@dataclass
+class TokenizerInfo:
+    sha256: str
+    key: str  # the tokenizer.json under the store root
+    vocab_size: int
+    eot_id: int
+    cache_hit: bool
+
+
+@dataclass
+class ShardInfo:
+    cache_key: str
+    key: str
+    url: str
+    num_train_tokens: int
+    num_val_tokens: int
+    vocab_size: int
+    dtype: str
+    cache_hit: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 class ResumePoint(BaseModel):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Callable
 
-from tasks.results import EvalResult, TrainingResult
+from core.results import EvalResult, TrainingResult
 
 
 class TrainingMonitor:

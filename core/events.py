@@ -1,0 +1,166 @@
+"""What ranks tell the launcher: typed records and their one wire format. No torch.
+
+A rank prints ``PREFIX + json`` lines on stdout; the launcher reads them from the stream
+(``decode``) and dispatches on the record's type, never on strings built at run time. The
+same JSON objects (with ``event`` naming the kind and ``time`` the wall clock) are what rank 0
+keeps in ``{run}/metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+PREFIX = "STOKER_METRIC "
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    kind: ClassVar[str] = ""
+    stored: ClassVar[bool] = True  # kept in metrics.jsonl (heartbeats are not)
+    time: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict:
+        return {"event": self.kind, **dataclasses.asdict(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def encode(self) -> str:
+        """The wire form: one line, PREFIX + JSON."""
+        return PREFIX + self.to_json()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step(Event):
+    """A heartbeat per finished optimizer step (rank 0): feeds the hang watchdog."""
+
+    kind: ClassVar[str] = "step"
+    stored: ClassVar[bool] = False
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Train(Event):
+    kind: ClassVar[str] = "train"
+    step: int
+    loss: float
+    lr: float
+    step_seconds: float
+    tokens_seen: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Eval(Event):
+    kind: ClassVar[str] = "eval"
+    step: int
+    val_loss: float
+    val_ppl: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointStaged(Event):
+    """This step's state is on local disk; upload and commit go on in the background."""
+
+    kind: ClassVar[str] = "checkpoint_staged"
+    step: int
+    key: str
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointCommitted(Event):
+    kind: ClassVar[str] = "checkpoint"
+    step: int
+    uri: str
+    bytes: int
+    stage_seconds: float
+    upload_seconds: float
+    commit_seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class UploadRetry(Event):
+    kind: ClassVar[str] = "upload_retry"
+    step: int
+    rank: int
+    attempt: int
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointFailed(Event):
+    """A checkpoint given up: never committed."""
+
+    kind: ClassVar[str] = "checkpoint_failed"
+    step: int
+    rank: int
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resumed(Event):
+    kind: ClassVar[str] = "resumed"
+    step: int
+    checkpoint: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure(Event):
+    """A rank raised; `transient` is core.failures.classify's verdict on the exception."""
+
+    kind: ClassVar[str] = "failure"
+    rank: int
+    type: str
+    message: str
+    transient: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stopped(Event):
+    """The ranks agreed to stop early (SIGTERM: a cancel or a preemption)."""
+
+    kind: ClassVar[str] = "stopped"
+    step: int
+    saved: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Done(Event):
+    kind: ClassVar[str] = "done"
+    step: int
+    seconds: float
+    val_loss: float | None
+    failed_checkpoints: list[str] = field(default_factory=list)
+
+
+TYPES: dict[str, type[Event]] = {
+    cls.kind: cls for cls in (Step, Train, Eval, CheckpointStaged, CheckpointCommitted, UploadRetry,
+                              CheckpointFailed, Resumed, Failure, Stopped, Done)}
+
+
+def from_dict(record: dict) -> Event | None:
+    """The typed record of a decoded JSON object; None for an unknown kind or bad fields."""
+    cls = TYPES.get(record.get("event", ""))
+    if cls is None:
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in record.items() if k in names})
+    except TypeError:  # a required field missing
+        return None
+
+
+def decode(line: str) -> Event | None:
+    """The event carried by one output line (anything before PREFIX is ignored), or None."""
+    head, sep, payload = line.partition(PREFIX)
+    if not sep:
+        return None
+    try:
+        record = json.loads(payload)
+    except ValueError:
+        return None
+    return from_dict(record) if isinstance(record, dict) else None
