@@ -2,20 +2,29 @@
 
 The same ``RunConfig`` is the Prefect flow parameter (it renders as a form in the UI),
 is written to ``{root}/runs/{run_name}/config.json``, and is what every torch rank reads.
-Every field carries a description; ``RunConfig.check()`` collects every problem and
-raises one ``ConfigError`` listing all of them, each with the fix.
+
+Validation is declarative, so the UI form shows it: bounds are field constraints, each field
+may carry a ``fix`` (in its JSON schema) that is told with any problem of that field, and
+cross-field rules are validators on the section that owns them. Rules that span sections run
+in one wrap validator on ``RunConfig`` that still runs when other fields failed, so one
+pass reports every problem. The model never touches the filesystem (every rank re-validates
+config.json on its own host); ``local_resource_problems`` checks local data and tokenizer
+files, and ``load_config`` reports both kinds in one ``ConfigError``.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
+                      ValidationInfo, field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 from core.failures import ConfigError
 
@@ -31,125 +40,133 @@ def default_root() -> str:
     return "file://" + str(Path.cwd() / "stoker-data")
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+# ---- declaring a field's checks --------------------------------------------------------
+def _field(default: Any, description: str, *, fix: str | None = None, **constraints: Any) -> Any:
+    """A field with its description, its bounds (they appear in the JSON schema, hence in the
+    UI form) and the fix that the error report appends to any problem of this field."""
+    return Field(default, description=description,
+                 json_schema_extra={"fix": fix} if fix else None, **constraints)
 
-    def problems(self, prefix: str) -> list[str]:  # pragma: no cover - overridden
-        return []
+
+def _rule(what: str, fix: str | None = None) -> PydanticCustomError:
+    """A broken cross-field rule, told as "<field>: <what> (got <value>); <fix>." ``fix``
+    replaces the field's own where the fix depends on the values."""
+    return PydanticCustomError("config_rule", what, {"fix": fix} if fix else None)
+
+
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise PydanticCustomError("blank", "is empty")
+    return value
+
+
+# min_length shows in the schema; the validator also refuses whitespace only.
+NonBlank = Annotated[str, Field(min_length=1), AfterValidator(_not_blank)]
+
+
+class _Section(BaseModel):
+    # A cross-field rule is a field validator on the later field, reading the earlier ones
+    # from ``info.data``. That holds only the earlier fields that validated, so a rule is
+    # skipped (not misreported) when a field it reads is bad, and, unlike an after model
+    # validator, it still runs when some other field of the section failed.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class DataConfig(_Section):
-    source: str = Field(
+    source: NonBlank = _field(
         BUILTIN_SOURCE,
-        description="Where the raw text comes from: 'builtin:stdlib' (the Python standard "
+        "Where the raw text comes from: 'builtin:stdlib' (the Python standard "
         "library's own sources, always present); a local file, folder or glob of text "
         "(.txt/.md/.py), JSON lines (.jsonl/.json, see text_field) or Parquet files, optionally "
         ".gz/.bz2/.xz; any fsspec URL to one object, a folder or a glob (s3://bucket/data/*.jsonl, "
         "https://host/corpus.txt; see storage_options); or 'hf:NAME' for a Hugging Face dataset "
         "(a Hub name or a local dataset folder; see hf_name, hf_split, hf_revision).",
+        fix="use 'builtin:stdlib', a path or URL to text data, or 'hf:NAME'",
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
         description="fsspec options for a URL source (e.g. {'endpoint_url': ...} for an "
         "S3-compatible store, {'anon': true} for a public bucket); credentials best come from "
         "the environment.",
+        json_schema_extra={"fix": "remove them or give data.source as a URL"},
     )
-    text_field: str = Field(
-        "text", description="Field (JSON lines) or column (Parquet, Hugging Face) holding the text."
+    text_field: NonBlank = _field(
+        "text", "Field (JSON lines) or column (Parquet, Hugging Face) holding the text.",
+        fix="name the field that holds the text, e.g. 'text'",
     )
-    hf_name: str | None = Field(
-        None, description="Hugging Face dataset configuration (subset) name, if it has several."
+    hf_name: str | None = _field(
+        None, "Hugging Face dataset configuration (subset) name, if it has several.",
+        fix="remove it or set data.source to 'hf:NAME'",
     )
-    hf_split: str = Field("train", description="Hugging Face dataset split to read.")
-    hf_revision: str | None = Field(
+    hf_split: NonBlank = _field("train", "Hugging Face dataset split to read.",
+                                fix="use a split such as 'train'")
+    hf_revision: str | None = _field(
         None,
-        description="Hub branch, tag or commit of an 'hf:' dataset (default: main). It is "
+        "Hub branch, tag or commit of an 'hf:' dataset (default: main). It is "
         "resolved to a commit sha, which is the dataset's fingerprint.",
+        fix="remove it or set data.source to 'hf:NAME'",
     )
     on_decode_error: Literal["fail", "skip"] = Field(
         "fail",
         description="A source file that is not UTF-8 text: 'fail' stops with its name, 'skip' "
         "leaves it out and counts it.",
     )
-    max_bytes: int = Field(
+    max_bytes: int = _field(
         3_000_000,
-        description="Cap on raw bytes taken from the source (0 = no cap). Keeps the built-in "
+        "Cap on raw bytes taken from the source (0 = no cap). Keeps the built-in "
         "corpus small enough for a CPU run.",
+        fix="use 0 for no cap", ge=0,
     )
-    val_fraction: float = Field(
-        0.05, description="Fraction of documents held out for validation, chosen by document hash."
+    val_fraction: float = _field(
+        0.05, "Fraction of documents held out for validation, chosen by document hash.",
+        fix="e.g. 0.05", gt=0, lt=0.5,
     )
-    shard_tokens: int = Field(
-        2_000_000, description="Tokens per shard file (a file is closed after the document that reaches it)."
+    shard_tokens: int = _field(
+        2_000_000, "Tokens per shard file (a file is closed after the document that reaches it).",
+        fix="e.g. 2000000", ge=1024,
     )
     token_dtype: Literal["auto", "uint16", "uint32"] = Field(
         "auto",
         description="Token id type of the shard files: 'auto' is uint16 while the vocabulary "
         "fits (<= 65536 ids), else uint32.",
     )
-    num_workers: int = Field(
+    num_workers: int = _field(
         2,
-        description="Tokenizer worker processes. Each owns fixed slices of the corpus, so the "
+        "Tokenizer worker processes. Each owns fixed slices of the corpus, so the "
         "shard files are byte-identical whatever this is.",
+        fix="use about the number of CPU cores", ge=1, le=256,
     )
 
-    def problems(self, prefix: str) -> list[str]:
-        out = []
-        source = self.source.strip()
-        is_hf, is_url = source.startswith("hf:"), "://" in source
-        if not source:
-            out.append(f"{prefix}.source: is empty; use 'builtin:stdlib' or a path/URL to text data.")
-        elif is_hf:
-            name = source[3:].strip()
-            if not name:
-                out.append(f"{prefix}.source: 'hf:' needs a dataset, e.g. 'hf:wikitext' or 'hf:/path/to/folder'.")
-            elif name.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(name)):
-                out.append(
-                    f"{prefix}.source: no local dataset folder {name!r}; give an existing folder "
-                    "or a Hub name such as 'hf:wikitext'."
-                )
-        elif source.startswith("builtin:"):
-            if source != BUILTIN_SOURCE:
-                out.append(f"{prefix}.source: unknown built-in corpus {source!r}; use {BUILTIN_SOURCE!r}.")
-        elif not is_url or source.startswith("file://"):
-            import glob
+    @field_validator("source")
+    @classmethod
+    def _source_form(cls, source: str) -> str:
+        s = source.strip()
+        if s.startswith("hf:") and not s[3:].strip():
+            raise _rule("'hf:' needs a dataset", "e.g. 'hf:wikitext' or 'hf:/path/to/folder'")
+        if s.startswith("builtin:") and s != BUILTIN_SOURCE:
+            raise _rule("is an unknown built-in corpus", f"use {BUILTIN_SOURCE!r}")
+        return source
 
-            path = source[len("file://"):] if is_url else source
-            if not glob.glob(os.path.expanduser(path)):
-                out.append(
-                    f"{prefix}.source: no file matches {self.source!r}; give an existing file, "
-                    "folder or glob, or use 'builtin:stdlib'."
-                )
-        if self.storage_options and not (is_url or is_hf):
-            out.append(
-                f"{prefix}.storage_options: only used with a URL source, and {self.source!r} is "
-                "not one; remove them or give data.source as a URL."
-            )
-        if not is_hf:
-            for name in ("hf_name", "hf_revision"):
-                if getattr(self, name):
-                    out.append(
-                        f"{prefix}.{name}: only applies to 'hf:' sources; remove it or set "
-                        f"{prefix}.source to 'hf:NAME'."
-                    )
-        if not self.hf_split.strip():
-            out.append(f"{prefix}.hf_split: is empty; use a split such as 'train'.")
-        if not self.text_field.strip():
-            out.append(f"{prefix}.text_field: is empty; name the field that holds the text, e.g. 'text'.")
-        if self.max_bytes < 0:
-            out.append(f"{prefix}.max_bytes: must be >= 0 (got {self.max_bytes}); use 0 for no cap.")
-        if not 0.0 < self.val_fraction < 0.5:
-            out.append(
-                f"{prefix}.val_fraction: must be in (0, 0.5) (got {self.val_fraction}); e.g. 0.05."
-            )
-        if self.shard_tokens < 1024:
-            out.append(f"{prefix}.shard_tokens: must be >= 1024 (got {self.shard_tokens}).")
-        if not 1 <= self.num_workers <= 256:
-            out.append(
-                f"{prefix}.num_workers: must be in [1, 256] (got {self.num_workers}); use about "
-                "the number of CPU cores."
-            )
-        return out
+    @field_validator("storage_options")
+    @classmethod
+    def _options_need_a_url(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        source = info.data.get("source")
+        if options and source is not None and not _is_url_or_hf(source):
+            raise _rule(f"only used with a URL source, and {source!r} is not one")
+        return options
+
+    @field_validator("hf_name", "hf_revision")
+    @classmethod
+    def _only_for_hf(cls, value: str | None, info: ValidationInfo) -> str | None:
+        source = info.data.get("source")
+        if value and source is not None and not source.strip().startswith("hf:"):
+            raise _rule("only applies to 'hf:' sources")
+        return value
+
+
+def _is_url_or_hf(source: str) -> bool:
+    source = source.strip()
+    return "://" in source or source.startswith("hf:")
 
 
 class TokenizerConfig(_Section):
@@ -157,203 +174,165 @@ class TokenizerConfig(_Section):
         None,
         description="A tokenizer.json to load instead of training one (local path or URL).",
     )
-    vocab_size: int = Field(
+    vocab_size: int = _field(
         2048,
-        description="Vocabulary size of the byte-level BPE trained on the corpus; with 'path', "
+        "Vocabulary size of the byte-level BPE trained on the corpus; with 'path', "
         "at least the loaded tokenizer's size (it sizes the model's embedding).",
+        fix="room for the 256 byte tokens plus specials, within uint32 ids; e.g. 2048",
+        ge=260, le=2**32 - 1,
     )
-    min_frequency: int = Field(2, description="Minimum pair frequency for a BPE merge.")
-    eot_token: str = Field(
+    min_frequency: int = _field(2, "Minimum pair frequency for a BPE merge.", fix="2 is typical", ge=1)
+    eot_token: NonBlank = _field(
         "<|endoftext|>",
-        description="End-of-text special token that ends every document in the shards.",
+        "End-of-text special token that ends every document in the shards.",
+        fix="use the tokenizer's end-of-text token, e.g. '<|endoftext|>'",
     )
-
-    def problems(self, prefix: str) -> list[str]:
-        out = []
-        if self.vocab_size < 260:
-            out.append(
-                f"{prefix}.vocab_size: must be >= 260 to hold the 256 bytes plus specials "
-                f"(got {self.vocab_size})."
-            )
-        if self.vocab_size > 2**32 - 1:
-            out.append(f"{prefix}.vocab_size: too large for uint32 token ids ({self.vocab_size}).")
-        if self.min_frequency < 1:
-            out.append(f"{prefix}.min_frequency: must be >= 1 (got {self.min_frequency}).")
-        if not self.eot_token:
-            out.append(f"{prefix}.eot_token: is empty; use the tokenizer's end-of-text token, e.g. '<|endoftext|>'.")
-        if self.path and "://" not in self.path and not Path(self.path).expanduser().is_file():
-            out.append(f"{prefix}.path: {self.path!r} is not a file; give a tokenizer.json or leave it empty to train one.")
-        return out
 
 
 class ModelConfig(_Section):
-    n_layer: int = Field(4, description="Number of transformer blocks.")
-    n_head: int = Field(4, description="Attention heads per block; must divide n_embd.")
-    n_embd: int = Field(128, description="Embedding width.")
-    block_size: int = Field(128, description="Context length in tokens.")
-    dropout: float = Field(0.0, description="Dropout probability (0 for pretraining from scratch).")
+    n_layer: int = _field(4, "Number of transformer blocks.", fix="e.g. 4 (tiny) or 12 (GPT-2 small)", ge=1)
+    n_head: int = _field(4, "Attention heads per block; must divide n_embd.", fix="e.g. 4", ge=1)
+    n_embd: int = _field(128, "Embedding width.", fix="pick a multiple of n_head", ge=1)
+    block_size: int = _field(128, "Context length in tokens.", fix="e.g. 128 or 1024", ge=1)
+    dropout: float = _field(0.0, "Dropout probability (0 for pretraining from scratch).",
+                            fix="use 0 for pretraining from scratch", ge=0, lt=1)
     bias: bool = Field(False, description="Use bias in Linear and LayerNorm layers.")
 
-    def problems(self, prefix: str) -> list[str]:
-        out = []
-        for name in ("n_layer", "n_head", "n_embd", "block_size"):
-            if getattr(self, name) < 1:
-                out.append(f"{prefix}.{name}: must be >= 1 (got {getattr(self, name)}).")
-        if self.n_head >= 1 and self.n_embd % self.n_head:
-            out.append(
-                f"{prefix}.n_embd: {self.n_embd} is not divisible by n_head={self.n_head}; "
-                "pick n_embd as a multiple of n_head."
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            out.append(f"{prefix}.dropout: must be in [0, 1) (got {self.dropout}).")
-        return out
+    @field_validator("n_embd")
+    @classmethod
+    def _heads_divide_width(cls, n_embd: int, info: ValidationInfo) -> int:
+        n_head = info.data.get("n_head")
+        if n_head and n_embd % n_head:
+            raise _rule(f"is not divisible by n_head={n_head}",
+                        f"pick a multiple of {n_head}, e.g. {n_head * max(1, round(n_embd / n_head))}")
+        return n_embd
 
 
 class TrainConfig(_Section):
     seed: int = Field(1337, description="Seed of the model init and of the data order.")
-    max_steps: int = Field(500, description="Optimizer steps to train in total (across resumes).")
-    global_batch_size: int = Field(
-        16, description="Sequences per optimizer step across all ranks."
+    max_steps: int = _field(500, "Optimizer steps to train in total (across resumes).", ge=1)
+    global_batch_size: int = _field(
+        16, "Sequences per optimizer step across all ranks.",
+        fix="use a multiple of world_size x micro_batch_size", ge=1,
     )
-    micro_batch_size: int = Field(
-        4, description="Sequences per rank per forward pass; the rest is gradient accumulation."
+    micro_batch_size: int = _field(
+        4, "Sequences per rank per forward pass; the rest is gradient accumulation.", ge=1,
     )
-    lr: float = Field(3e-3, description="Peak learning rate of AdamW.")
-    min_lr: float = Field(3e-4, description="Learning rate at the end of the cosine decay.")
-    warmup_steps: int = Field(20, description="Linear warm-up steps before the cosine decay.")
-    weight_decay: float = Field(0.1, description="AdamW weight decay on 2-D weights.")
-    beta1: float = Field(0.9, description="AdamW beta1.")
-    beta2: float = Field(0.95, description="AdamW beta2.")
-    grad_clip: float = Field(1.0, description="Clip the global gradient norm to this (0 = off).")
-    log_interval: int = Field(10, description="Steps between training-loss log lines.")
+    lr: float = _field(3e-3, "Peak learning rate of AdamW.", fix="a typical value is 3e-4", gt=0)
+    min_lr: float = _field(3e-4, "Learning rate at the end of the cosine decay.",
+                           fix="e.g. a tenth of lr", ge=0)
+    warmup_steps: int = _field(20, "Linear warm-up steps before the cosine decay.",
+                               fix="a few percent of max_steps is typical", ge=0)
+    weight_decay: float = _field(0.1, "AdamW weight decay on 2-D weights.", fix="0.1 is typical", ge=0)
+    beta1: float = _field(0.9, "AdamW beta1.", fix="0.9 is typical", ge=0, lt=1)
+    beta2: float = _field(0.95, "AdamW beta2.", fix="0.95 is typical", ge=0, lt=1)
+    grad_clip: float = _field(1.0, "Clip the global gradient norm to this (0 = off).",
+                              fix="0 turns clipping off; 1.0 is typical", ge=0)
+    log_interval: int = _field(10, "Steps between training-loss log lines.", ge=1)
     deterministic: bool = Field(
         True, description="Use deterministic torch algorithms so a resumed run is bitwise equal."
     )
 
-    def problems(self, prefix: str) -> list[str]:
-        out = []
-        if self.max_steps < 1:
-            out.append(f"{prefix}.max_steps: must be >= 1 (got {self.max_steps}).")
-        if self.global_batch_size < 1:
-            out.append(f"{prefix}.global_batch_size: must be >= 1 (got {self.global_batch_size}).")
-        if self.micro_batch_size < 1:
-            out.append(f"{prefix}.micro_batch_size: must be >= 1 (got {self.micro_batch_size}).")
-        if self.lr <= 0:
-            out.append(f"{prefix}.lr: must be > 0 (got {self.lr}); a typical value is 3e-4.")
-        if self.min_lr < 0 or (self.lr > 0 and self.min_lr > self.lr):
-            out.append(f"{prefix}.min_lr: must be in [0, lr] (got {self.min_lr}, lr={self.lr}).")
-        if self.warmup_steps < 0:
-            out.append(f"{prefix}.warmup_steps: must be >= 0 (got {self.warmup_steps}).")
-        if self.weight_decay < 0:
-            out.append(f"{prefix}.weight_decay: must be >= 0 (got {self.weight_decay}).")
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                out.append(f"{prefix}.{name}: must be in [0, 1) (got {getattr(self, name)}).")
-        if self.grad_clip < 0:
-            out.append(f"{prefix}.grad_clip: must be >= 0 (got {self.grad_clip}); 0 turns clipping off.")
-        if self.log_interval < 1:
-            out.append(f"{prefix}.log_interval: must be >= 1 (got {self.log_interval}).")
-        return out
+    @field_validator("min_lr")
+    @classmethod
+    def _min_lr_below_lr(cls, min_lr: float, info: ValidationInfo) -> float:
+        lr = info.data.get("lr")
+        if lr is not None and min_lr > lr:
+            raise _rule(f"must be in [0, lr] with lr={lr}")
+        return min_lr
+
+    @field_validator("warmup_steps")
+    @classmethod
+    def _warmup_below_max_steps(cls, warmup_steps: int, info: ValidationInfo) -> int:
+        max_steps = info.data.get("max_steps")
+        if max_steps is not None and warmup_steps >= max_steps:
+            raise _rule(f"must be below max_steps={max_steps}")
+        return warmup_steps
 
 
 class CheckpointConfig(_Section):
-    interval_steps: int = Field(100, description="Steps between checkpoints (the last step always saves).")
-    keep_latest_k: int = Field(
-        2, description="Committed checkpoints to keep; at least 2, as the newest may still be uploading."
+    interval_steps: int = _field(100, "Steps between checkpoints (the last step always saves).", ge=1)
+    keep_latest_k: int = _field(
+        2, "Committed checkpoints to keep; at least 2, as the newest may still be uploading.",
+        fix="keep at least 2, as the newest may still be uploading", ge=2,
     )
     async_enabled: bool = Field(
         True, description="Upload in the background while training goes on (False: the step "
         "waits for save, upload and commit)."
     )
-    upload_timeout_seconds: float = Field(
-        900.0, description="How long one rank keeps retrying (with backoff) its upload of one "
-        "checkpoint before the checkpoint is given up (reported, never committed)."
+    upload_timeout_seconds: float = _field(
+        900.0, "How long one rank keeps retrying (with backoff) its upload of one "
+        "checkpoint before the checkpoint is given up (reported, never committed).",
+        fix="e.g. 900", gt=0,
     )
-    commit_timeout_seconds: float = Field(
-        1200.0, description="How long rank 0 waits for every rank's upload receipt before it "
-        "gives the checkpoint up."
+    commit_timeout_seconds: float = _field(
+        1200.0, "How long rank 0 waits for every rank's upload receipt before it "
+        "gives the checkpoint up.",
+        fix="give at least upload_timeout_seconds, e.g. 1200", gt=0,
     )
 
-    def problems(self, prefix: str) -> list[str]:
-        out = []
-        if self.interval_steps < 1:
-            out.append(f"{prefix}.interval_steps: must be >= 1 (got {self.interval_steps}).")
-        if self.keep_latest_k < 2:
-            out.append(f"{prefix}.keep_latest_k: must be >= 2 (got {self.keep_latest_k}).")
-        if self.upload_timeout_seconds <= 0:
-            out.append(f"{prefix}.upload_timeout_seconds: must be > 0 (got {self.upload_timeout_seconds}).")
-        if self.commit_timeout_seconds < self.upload_timeout_seconds:
-            out.append(f"{prefix}.commit_timeout_seconds: must be >= upload_timeout_seconds "
-                       f"({self.commit_timeout_seconds} < {self.upload_timeout_seconds}).")
-        return out
+    @field_validator("commit_timeout_seconds")
+    @classmethod
+    def _commit_outwaits_upload(cls, commit: float, info: ValidationInfo) -> float:
+        upload = info.data.get("upload_timeout_seconds")
+        if upload is not None and commit < upload:
+            raise _rule(f"must be >= upload_timeout_seconds={upload}")
+        return commit
 
 
 class EvalConfig(_Section):
-    interval_steps: int = Field(100, description="Steps between validation-loss evaluations.")
-    num_batches: int = Field(8, description="Validation batches (of micro_batch_size per rank) per evaluation.")
+    interval_steps: int = _field(100, "Steps between validation-loss evaluations.", ge=1)
+    num_batches: int = _field(8, "Validation batches (of micro_batch_size per rank) per evaluation.", ge=1)
     per_checkpoint_enabled: bool = Field(
         True, description="Evaluate every committed checkpoint in its own task run (a separate "
         "process) while training goes on."
     )
-
-    def problems(self, prefix: str) -> list[str]:
-        out = []
-        if self.interval_steps < 1:
-            out.append(f"{prefix}.interval_steps: must be >= 1 (got {self.interval_steps}).")
-        if self.num_batches < 1:
-            out.append(f"{prefix}.num_batches: must be >= 1 (got {self.num_batches}).")
-        return out
 
 
 class LaunchConfig(_Section):
     launcher: Literal["local"] = Field(
         "local", description="'local': N simulated nodes on this host, each a torchrun agent."
     )
-    num_nodes: int = Field(1, description="torchrun agents (simulated nodes) meeting by c10d rendezvous.")
-    nproc_per_node: int = Field(2, description="Training ranks per node.")
+    num_nodes: int = _field(1, "torchrun agents (simulated nodes) meeting by c10d rendezvous.", ge=1)
+    nproc_per_node: int = _field(2, "Training ranks per node.", ge=1)
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Process-group backend; 'auto' is NCCL with GPUs, gloo otherwise."
     )
     rdzv_host: str = Field("127.0.0.1", description="Host of the c10d rendezvous endpoint.")
-    timeout_seconds: int = Field(3600, description="Wall-clock limit of one training launch.")
-    max_attempts: int = Field(2, description="Launch attempts; each retry resumes from the newest valid checkpoint.")
-    hang_timeout_seconds: int = Field(
+    timeout_seconds: int = _field(3600, "Wall-clock limit of one training launch.", ge=10)
+    max_attempts: int = _field(
+        2, "Launch attempts; each retry resumes from the newest valid checkpoint.", ge=1)
+    hang_timeout_seconds: int = _field(
         300,
-        description="Hang watchdog: when no training step finishes for this long (rank 0 "
+        "Hang watchdog: when no training step finishes for this long (rank 0 "
         "reports each one), the gang is killed and the launch fails as transient (retried from "
         "the newest valid checkpoint). Armed at rank 0's first report, so start-up (rendezvous, "
         "loading shards and the checkpoint, the step-0 evaluation) counts only against "
         "timeout_seconds. Keep it above the slowest step plus an evaluation and a checkpoint "
         "save. 0 turns the watchdog off.",
+        fix="give 0 (watchdog off) or more than the slowest step plus an evaluation and a "
+        "checkpoint save, e.g. 300",
+        ge=0,
     )
 
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.nproc_per_node
 
-    def problems(self, prefix: str) -> list[str]:
-        out = []
-        if self.num_nodes < 1:
-            out.append(f"{prefix}.num_nodes: must be >= 1 (got {self.num_nodes}).")
-        if self.nproc_per_node < 1:
-            out.append(f"{prefix}.nproc_per_node: must be >= 1 (got {self.nproc_per_node}).")
-        if self.timeout_seconds < 10:
-            out.append(f"{prefix}.timeout_seconds: must be >= 10 (got {self.timeout_seconds}).")
-        if self.max_attempts < 1:
-            out.append(f"{prefix}.max_attempts: must be >= 1 (got {self.max_attempts}).")
-        if self.hang_timeout_seconds != 0 and self.hang_timeout_seconds < 5:
-            out.append(
-                f"{prefix}.hang_timeout_seconds: must be 0 (watchdog off) or >= 5 (got "
-                f"{self.hang_timeout_seconds}); give more than the slowest step plus an "
-                "evaluation and a checkpoint save, e.g. 300.")
-        return out
+    @field_validator("hang_timeout_seconds")
+    @classmethod
+    def _off_or_long_enough(cls, seconds: int) -> int:
+        if 0 < seconds < 5:
+            raise _rule("must be 0 (watchdog off) or >= 5")
+        return seconds
 
 
 class StorageConfig(_Section):
-    root: str = Field(
+    root: NonBlank = Field(
         default_factory=default_root,
         description="Object-store root URL: file:///abs/path, s3://bucket/prefix, or any fsspec "
         "URL. Defaults to ./stoker-data (or $STOKER_ROOT).",
+        json_schema_extra={"fix": "use file:///abs/path or s3://bucket/prefix"},
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
@@ -361,25 +340,66 @@ class StorageConfig(_Section):
         "best come from the environment.",
     )
 
-    def problems(self, prefix: str) -> list[str]:
-        out = []
-        if not self.root.strip():
-            out.append(f"{prefix}.root: is empty; use file:///abs/path or s3://bucket/prefix.")
-        elif "://" not in self.root and not os.path.isabs(self.root):
-            out.append(
-                f"{prefix}.root: {self.root!r} is relative; give an absolute path or a URL "
-                "such as file:///data/stoker or s3://bucket/prefix."
-            )
-        return out
+    @field_validator("root")
+    @classmethod
+    def _absolute(cls, root: str) -> str:
+        if "://" not in root and not os.path.isabs(root):  # a string test, no filesystem access
+            raise _rule("is relative", "give an absolute path or a URL such as "
+                        "file:///data/stoker or s3://bucket/prefix")
+        return root
+
+
+# ---- rules that span sections --------------------------------------------------------------
+def _batch_divides(global_batch_size: int, micro_batch_size: int, num_nodes: int,
+                   nproc_per_node: int) -> PydanticCustomError | None:
+    world = num_nodes * nproc_per_node
+    per_pass = world * micro_batch_size
+    if global_batch_size % per_pass:
+        return _rule(
+            f"is not divisible by world_size x micro_batch_size = {world} x {micro_batch_size} "
+            f"= {per_pass}",
+            f"use a multiple of {per_pass} (e.g. {per_pass * max(1, global_batch_size // per_pass)})")
+    return None
+
+
+_Loc = tuple[str, str]
+# (the field a rule reports on, the fields it reads in order of its arguments, the rule)
+_CROSS_SECTION_RULES: list[tuple[_Loc, tuple[_Loc, ...], Callable[..., Any]]] = [
+    (("train", "global_batch_size"),
+     (("train", "global_batch_size"), ("train", "micro_batch_size"), ("launch", "num_nodes"),
+      ("launch", "nproc_per_node")),
+     _batch_divides),
+]
+
+
+def _overlaps(loc: tuple, path: tuple) -> bool:
+    """Whether an error at ``loc`` (a field, a section, or the whole input) touches ``path``."""
+    n = min(len(loc), len(path))
+    return tuple(loc[:n]) == tuple(path[:n])
+
+
+def _read(source: Any, path: _Loc) -> Any:
+    """A field's value from a RunConfig, or from raw input (a field that failed nowhere
+    validates alone to the same value; one that is absent is its default)."""
+    section_name, name = path
+    section = source.get(section_name) if isinstance(source, dict) else getattr(source, section_name, None)
+    if isinstance(section, BaseModel):
+        return getattr(section, name)
+    field = RunConfig.model_fields[section_name].annotation.model_fields[name]
+    if not isinstance(section, dict) or name not in section:
+        return field.get_default(call_default_factory=True)
+    return TypeAdapter(field.annotation).validate_python(section[name])
 
 
 class RunConfig(_Section):
     """Everything a pretraining run needs, in one tree."""
 
-    run_name: str | None = Field(
+    run_name: str | None = _field(
         None,
-        description="Name of the run folder. Empty: derived from the config, so the same config "
+        "Name of the run folder. Empty: derived from the config, so the same config "
         "resumes the same run.",
+        fix="use letters, digits, '.', '_' or '-' (max 128), starting with a letter or digit",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
     )
     data: DataConfig = Field(default_factory=DataConfig, description="Raw data source and split.")
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer.")
@@ -411,38 +431,41 @@ class RunConfig(_Section):
         return self.run_name or f"run-{self.identity_hash()[:10]}"
 
     # ---- validation ----------------------------------------------------------------
-    def problems(self, prefix: str = "") -> list[str]:
-        out: list[str] = []
-        for name in ("data", "tokenizer", "model", "train", "checkpoint", "eval", "launch", "storage"):
-            out.extend(getattr(self, name).problems(name))
-        if self.run_name is not None:
-            import re
-
-            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", self.run_name):
-                out.append(
-                    f"run_name: {self.run_name!r} is not a safe folder name; use letters, digits, "
-                    "'.', '_' or '-' (max 128)."
-                )
-        t, world = self.train, self.launch.world_size
-        if t.global_batch_size >= 1 and t.micro_batch_size >= 1 and world >= 1:
-            per_pass = world * t.micro_batch_size
-            if t.global_batch_size % per_pass:
-                out.append(
-                    f"train.global_batch_size: {t.global_batch_size} is not divisible by "
-                    f"world_size x micro_batch_size = {world} x {t.micro_batch_size} = {per_pass}; "
-                    f"use a multiple of {per_pass} (e.g. {per_pass * max(1, t.global_batch_size // per_pass)})."
-                )
-        if t.warmup_steps >= t.max_steps >= 1:
-            out.append(
-                f"train.warmup_steps: {t.warmup_steps} must be below max_steps={t.max_steps}."
-            )
-        return out
+    @model_validator(mode="wrap")
+    @classmethod
+    def _cross_section_rules(cls, data: Any, handler: Callable[[Any], RunConfig]) -> RunConfig:
+        """Run the rules that span sections even when other fields failed, and raise their
+        problems together with the others: an after-validator would be skipped whenever any
+        field failed. A rule is skipped only when a field it reads failed itself."""
+        failed: ValidationError | None = None
+        try:
+            cfg = handler(data)
+            errors: list[Any] = []
+        except ValidationError as err:
+            failed, errors = err, err.errors()
+        source = data if failed else cfg
+        found = []
+        for target, reads, check in _CROSS_SECTION_RULES:
+            if any(_overlaps(e["loc"], path) for e in errors for path in reads):
+                continue
+            problem = check(*(_read(source, path) for path in reads))
+            if problem is not None:
+                found.append({"type": problem, "loc": target, "input": _read(source, target)})
+        if not found:
+            if failed:
+                raise failed
+            return cfg
+        line_errors = [{"type": PydanticCustomError(e["type"], e["msg"], e.get("ctx")),
+                        "loc": e["loc"], "input": e["input"]} for e in errors]
+        raise ValidationError.from_exception_data(cls.__name__, line_errors + found)
 
     def check(self) -> "RunConfig":
-        """Raise one ConfigError listing every problem; return self when there is none."""
-        problems = self.problems()
-        if problems:
-            raise ConfigError(problems)
+        """Re-validate every rule of the model (not the local files: see
+        local_resource_problems); raise one ConfigError listing every problem, else return self."""
+        try:
+            type(self).model_validate(self.model_dump())
+        except ValidationError as err:
+            raise ConfigError(_problems(err)) from None
         return self
 
     # ---- (de)serialization ---------------------------------------------------------
@@ -450,20 +473,113 @@ class RunConfig(_Section):
         return self.model_dump_json(indent=2)
 
 
-def _format_validation_error(err: ValidationError) -> list[str]:
+# ---- telling problems ----------------------------------------------------------------------
+_BOUNDS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+_OPS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def _field_at(loc: tuple) -> Any:
+    """The FieldInfo an error location names (the deepest one that is a field), or None."""
+    model: Any = RunConfig
+    field = None
+    for part in loc:
+        if model is None or part not in model.model_fields:
+            break
+        field = model.model_fields[part]
+        ann = field.annotation
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return field
+
+
+def _range(field: Any) -> str:
+    """A field's bounds as a person writes them: '> 0', '>= 2', 'in [1, 256]', 'in (0, 0.5)'."""
+    b = {k: getattr(m, k) for m in field.metadata for k in _OPS if getattr(m, k, None) is not None}
+    lo = f"[{b['ge']}" if "ge" in b else f"({b['gt']}" if "gt" in b else ""
+    hi = f"{b['le']}]" if "le" in b else f"{b['lt']})" if "lt" in b else ""
+    if lo and hi:
+        return f"in {lo}, {hi}"
+    return " and ".join(f"{_OPS[k]} {v}" for k, v in b.items())
+
+
+def _problem(e: Any) -> str:
+    """One line per problem: '<dotted field>: <what> (got <value>); <fix>.'"""
+    loc = tuple(e["loc"])
+    field = _field_at(loc)
+    extra = field.json_schema_extra if field is not None else None
+    fix = (e.get("ctx") or {}).get("fix") or (extra.get("fix") if isinstance(extra, dict) else None)
+    if e["type"] in _BOUNDS and field is not None:
+        what = "must be " + _range(field)
+    elif e["type"] in ("blank", "string_too_short"):
+        what = "is empty"
+    elif e["type"] == "extra_forbidden":
+        what, fix = "is not a field of the config", "remove it or check its spelling"
+    else:
+        what = e["msg"]
+    got = repr(e["input"])
+    got = got if len(got) <= 80 else got[:77] + "..."  # a whole section is no help to read
+    line = f"{'.'.join(map(str, loc)) or 'config'}: {what} (got {got})"
+    return f"{line}; {fix}." if fix else f"{line}."
+
+
+def _problems(err: ValidationError) -> list[str]:
+    return [_problem(e) for e in err.errors()]
+
+
+# ---- what only this host can check ---------------------------------------------------------
+def _holds_a_file(pattern: str) -> bool:
+    """Whether a local glob matches a file, or a folder holding one; stops at the first."""
+    for match in glob.iglob(pattern):
+        if os.path.isfile(match):
+            return True
+        for _, _, files in os.walk(match):
+            if files:
+                return True
+    return False
+
+
+def local_resource_problems(cfg: RunConfig) -> list[str]:
+    """Problems with the local files the config names: the data source and the tokenizer.
+
+    Kept out of the model on purpose: every rank re-validates config.json on its own host,
+    where these paths need not exist (and re-globbing the source on each would be waste).
+    ``load_config`` and the flow's validate task call it on the host that reads the data.
+    """
     out = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "config"
-        got = e.get("input")
-        out.append(f"{loc}: {e['msg']} (got {got!r}).")
+    source = cfg.data.source.strip()
+    if source.startswith("hf:"):
+        name = source[3:].strip()
+        if name.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(name)):
+            out.append(f"data.source: no local dataset folder {name!r}; give an existing folder "
+                       "or a Hub name such as 'hf:wikitext'.")
+    elif source and not source.startswith("builtin:") and (
+            "://" not in source or source.startswith("file://")):
+        if not _holds_a_file(os.path.expanduser(source.removeprefix("file://"))):
+            out.append(f"data.source: no file matches {cfg.data.source!r}; give an existing file, "
+                       "folder or glob, or use 'builtin:stdlib'.")
+    path = cfg.tokenizer.path
+    if path and "://" not in path and not Path(path).expanduser().is_file():
+        out.append(f"tokenizer.path: {path!r} is not a file; give a tokenizer.json or leave it "
+                   "empty to train one.")
     return out
+
+
+def _resources_of(data: Any, errors: list[Any]) -> RunConfig:
+    """The fields local_resource_problems reads, from input that failed validation elsewhere,
+    so its problems are reported with the others (a field that failed itself is left out)."""
+    found: dict[str, dict[str, Any]] = {"data": {}, "tokenizer": {}}
+    for path in (("data", "source"), ("tokenizer", "path")):
+        if isinstance(data, dict) and not any(_overlaps(e["loc"], path) for e in errors):
+            found[path[0]][path[1]] = _read(data, path)
+    return RunConfig.model_construct(data=DataConfig.model_construct(**found["data"]),
+                                     tokenizer=TokenizerConfig.model_construct(**found["tokenizer"]))
 
 
 def load_config(source: "RunConfig | dict | str | Path | None" = None, **overrides: Any) -> RunConfig:
     """Build a checked RunConfig from a model, a dict, a YAML/JSON file or a recipe name.
 
     ``overrides`` are dotted keys (``train__max_steps=10`` or ``{"train.max_steps": 10}``).
-    Type and value problems are reported together in one ConfigError.
+    Type, bound and cross-field problems and missing local files are reported together in
+    one ConfigError.
     """
     if source is None:
         data: dict[str, Any] = {}
@@ -488,5 +604,10 @@ def load_config(source: "RunConfig | dict | str | Path | None" = None, **overrid
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err)) from None
-    return cfg.check()
+        errors = err.errors()
+        problems = [_problem(e) for e in errors] + local_resource_problems(_resources_of(data, errors))
+        raise ConfigError(problems) from None
+    problems = local_resource_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg

@@ -137,9 +137,21 @@ class Done(Event):
     failed_checkpoints: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Evaluated(Event):
+    """What an evaluation process (training.evaluate) found for one checkpoint."""
+
+    kind: ClassVar[str] = "evaluated"
+    checkpoint: str
+    step: int
+    val_loss: float
+    val_ppl: float
+    windows: int
+
+
 TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (Step, Train, Eval, CheckpointStaged, CheckpointCommitted, UploadRetry,
-                              CheckpointFailed, Resumed, Failure, Stopped, Done)}
+                              CheckpointFailed, Resumed, Failure, Stopped, Done, Evaluated)}
 
 
 def from_dict(record: dict) -> Event | None:

@@ -75,6 +75,11 @@ class RetriesExhausted(StokerError, ConnectionError):
         return type(self), (self.what, self.attempts, self.seconds, self.last_error)
 
 
+class RankAborted(Exception):
+    """A BaseException that ended a rank (torch DCP's CheckpointException is one), carried
+    as an Exception so torchelastic's @record files it; classify() judges its cause."""
+
+
 # Exception types (matched by name anywhere in the MRO, so torch, botocore and aiohttp need
 # not be imported here) that mean a peer, the network or the store blinked.
 _TRANSIENT_TYPES = {"Preempted", "DistBackendError", "DistNetworkError", "DistStoreError",
@@ -155,7 +160,7 @@ def classify(exc: BaseException | None) -> Kind:
         causes = [getattr(w, "exc", w) for w in inner.values()]
         kinds = {classify(c) if isinstance(c, BaseException) else PERMANENT for c in causes}
         return PERMANENT if PERMANENT in kinds else TRANSIENT
-    if exc.__cause__ is not None and type(exc).__name__ == "RankAborted":
+    if isinstance(exc, RankAborted) and exc.__cause__ is not None:
         return classify(exc.__cause__)
     if error_code(exc) in _PERMANENT_CODES:
         return PERMANENT
@@ -169,6 +174,14 @@ def classify(exc: BaseException | None) -> Kind:
     if _is_transport(exc):
         return TRANSIENT
     if isinstance(exc, RuntimeError) and _LOST_PEER.search(str(exc)):
+        return TRANSIENT
+    return PERMANENT
+
+
+def classify_reported(type_name: str, message: str) -> Kind:
+    """The verdict on an error known only by its type name and message (an error file of a
+    process that is gone): dist/rendezvous/network types and lost-peer messages are transient."""
+    if type_name in _TRANSIENT_TYPES or type_name in ("ConnectionError", "TimeoutError") or _LOST_PEER.search(message):
         return TRANSIENT
     return PERMANENT
 

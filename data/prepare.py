@@ -13,12 +13,11 @@ import logging
 import os
 import shutil
 import tempfile
-import uuid
 from typing import Iterator
 
 import numpy as np
 
-from storage.manifest import read_manifest, verify_files
+from storage.datasets import CORPUS_FILE, committed_dataset, dataset_key, publish_dataset
 from storage.shards import (
     FORMAT_VERSION,
     TOKENIZER_FILE,
@@ -37,20 +36,10 @@ from core.failures import DataError
 from core.results import DatasetInfo, ShardInfo, TokenizerInfo
 
 log = logging.getLogger("stoker.data")
-CORPUS_FILE = "corpus.jsonl"
-INFO_FILE = "info.json"
 TRAIN_BATCH_DOCS = 1000
 
 
 # ---- download ------------------------------------------------------------------------
-def _committed_dataset(store: Store, key: str) -> dict | None:
-    """info.json of a dataset folder whose corpus is present with the listed size."""
-    info, _ = read_manifest(store, join(key, INFO_FILE))
-    if info is None or verify_files(store, key, info["files"], deep=False):
-        return None
-    return info
-
-
 def _dataset_info(info: dict, key: str, cache_hit: bool) -> DatasetInfo:
     return DatasetInfo(info["fingerprint"], key, info["num_docs"], info["num_bytes"], cache_hit,
                        info.get("num_skipped_files", 0))
@@ -64,12 +53,12 @@ def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
     already committed nothing is downloaded. Failures leave nothing in the store."""
     with tempfile.TemporaryDirectory(prefix="stoker-download-") as work:
         source = resolve_source(cfg, work)
-        key = join("datasets", source.fingerprint)
-        info = _committed_dataset(store, key)
+        key = dataset_key(source.fingerprint)
+        info = committed_dataset(store, source.fingerprint)
         if info is not None:
             return _dataset_info(info, key, cache_hit=True)
         with build_lock(store, key):  # a concurrent run on this host waits, then finds ours
-            info = _committed_dataset(store, key)
+            info = committed_dataset(store, source.fingerprint)
             if info is not None:
                 return _dataset_info(info, key, cache_hit=True)
             corpus = os.path.join(work, CORPUS_FILE)
@@ -85,24 +74,8 @@ def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
                     "num_bytes": stats.num_bytes, "num_skipped_files": len(stats.skipped),
                     "skipped_files": stats.skipped[:100],
                     "files": {CORPUS_FILE: {"size": os.path.getsize(corpus), "sha256": sha256_file(corpus)}}}
-            _publish_dataset(store, key, corpus, info)
+            publish_dataset(store, source.fingerprint, corpus, info)
             return _dataset_info(info, key, cache_hit=False)
-
-
-def _publish_dataset(store: Store, key: str, corpus: str, info: dict) -> None:
-    if not store.is_local:  # one PUT per object; info.json last
-        store.put_file(corpus, join(key, CORPUS_FILE))
-        store.write_json(join(key, INFO_FILE), info)
-        return
-    staging = join("datasets", f".tmp-{info['fingerprint']}-{uuid.uuid4().hex[:8]}")
-    try:
-        store.put_file(corpus, join(staging, CORPUS_FILE))
-        store.write_json(join(staging, INFO_FILE), info)
-        store.rm(key)  # an uncommitted leftover (we hold the lock, and it did not validate)
-        store.rename(staging, key)
-    except BaseException:
-        store.rm(staging)
-        raise
 
 
 def iter_corpus(store: Store, dataset: DatasetInfo) -> Iterator[str]:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.evaluate import evaluate_checkpoint
 from core.results import EvalResult
-from tasks.training import checkpoint_inputs
+from tasks.evaluate import checkpoint_inputs, evaluate_checkpoint
 
 
 @flow(name="evaluate-checkpoint")

@@ -8,12 +8,15 @@ import json
 import statistics
 import time
 
-from storage.checkpoints import run_key
-from storage.store import Store, join
+from core.results import TrainingResult
+from launch.base import Launcher
+from launch.monitor import TrainingMonitor
+from storage.layout import ATTEMPTS_FILE, run_file_key
+from storage.store import Store
 
 
 def attempts_key(run_name: str) -> str:
-    return join(run_key(run_name), "attempts.jsonl")
+    return run_file_key(run_name, ATTEMPTS_FILE)
 
 
 def record_attempt(store: Store, run_name: str, **record) -> None:
@@ -50,3 +53,25 @@ def summarize(attempts: list[dict], final_step: int) -> dict:
         "wall_seconds": round(wall, 3),
         "useful_seconds": round(useful, 3) if useful is not None else None,
     }
+
+
+def launch_attempt(launcher: Launcher, monitor: TrainingMonitor, store: Store, run_name: str,
+                   flow_run_id: str, attempt: int, resume_step: int) -> TrainingResult:
+    """Run one launch to its end, record it in attempts.jsonl, and raise TrainingFailed
+    (transient or not) when it failed; else return the result with the attempts summary."""
+    started_at = time.time()
+    gang = launcher.run(on_line=monitor.logger.info, on_event=monitor)
+    monitor.collect_evaluations()
+    failure = launcher.classify(gang)
+    result = monitor.result
+    record_attempt(store, run_name, flow_run_id=flow_run_id, attempt=attempt, started_at=started_at,
+                   resumed_from_step=resume_step, reached_step=gang.last_step or resume_step,
+                   committed_step=result.final_step, outcome=failure.reason if failure else "completed",
+                   median_step_seconds=monitor.median_step_seconds())
+    if failure is not None:
+        raise failure
+    summary = summarize(read_attempts(store, run_name, flow_run_id), result.final_step)
+    result.seconds, result.attempt_log, result.goodput = gang.seconds, summary["attempts"], summary["goodput"]
+    monitor.logger.info("training done: %d attempt(s), %d step(s) lost, goodput %s",
+                        summary["num_attempts"], summary["steps_lost"], summary["goodput"])
+    return result

@@ -1,69 +1,39 @@
-"""Launch helpers (no Prefect): start a gang of torchrun agents, stream their output with
-rank prefixes, watch for hangs, kill every process of the gang on any exit path, and say why
-the run ended.
+"""The torchrun launcher: one torchrun agent per (simulated) node, meeting by c10d
+rendezvous; gloo on CPU, NCCL on GPU. The same arguments run across real machines.
 
-Each agent is its own session (``start_new_session=True``), and torchrun starts every rank
-in a session of its own too, so no single process group holds the gang. Every process of a
-gang carries ``STOKER_GANG_ID`` in its environment (inherited by the ranks and anything they
-start); the kill finds them by it in ``/proc``, even after an agent died and its ranks were
-reparented.
-
-Stopping fits inside the orchestrator's grace: Prefect's runner sends the flow-run process
-SIGTERM and SIGKILLs it 30 s later. The gang gets SIGTERM, `GRACE_SECONDS` (20 s), then
-SIGKILL; the ranks are told to finish their stop checkpoint `RANK_STOP_MARGIN_SECONDS` before
-that (``STOKER_STOP_GRACE_SECONDS``).
+Why a launch ended comes from torchelastic's error files, never from log tails: each rank
+that raised left ``{log_dir}/node-{i}/*/attempt_*/{local_rank}/error.json`` with stoker's
+Failure record in it (training.train's ``@record`` handler); a rank folder without one is a
+rank that ended without raising (a signal, the OOM killer, a crash); an agent that failed
+before its ranks started (a rendezvous time-out) leaves its own error file.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
-import queue
-import re
-import signal
+import shutil
 import socket
-import subprocess
 import sys
-import threading
-import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Callable
+import tempfile
 
-from core.config import RunConfig
-from core.failures import TrainingFailed
-from training.loop import METRIC_PREFIX
+from core.config import LaunchConfig, RunConfig
+from core.events import Failure, from_dict
+from core.failures import PERMANENT, TrainingFailed, classify_reported
+from launch.base import GangResult, Launcher, OnEvent, OnLine
+from launch.gang import (  # noqa: F401  (the gang's constants are part of this launcher's surface)
+    GANG_ENV,
+    GRACE_SECONDS,
+    PROJECT_ROOT,
+    RANK_STOP_MARGIN_SECONDS,
+    ProcessGang,
+    gang_pids,
+    kill_gang,
+    run_gang,
+)
 
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRACE_SECONDS = 20.0  # SIGTERM -> SIGKILL; plus KILL_WAIT_SECONDS, inside Prefect's 30 s
-KILL_WAIT_SECONDS = 5.0
-RANK_STOP_MARGIN_SECONDS = 8.0  # ranks end their stop checkpoint this long before the SIGKILL
-HANG_GRACE_SECONDS = 5.0  # a hung collective cannot reach a step boundary: no stop checkpoint
-GANG_ENV = "STOKER_GANG_ID"
-_RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
-_TRANSIENT_PATTERNS = [
-    re.compile(p)
-    for p in (
-        r"Signal \d+ \(SIG\w+\) received by PID",
-        r"exitcode\s*:\s*-\d+",
-        r"RendezvousTimeoutError|RendezvousClosedError|DistNetworkError",
-        r"Connection (reset|refused|closed) by peer|Broken pipe|ECONNRESET",
-        r"ServiceUnavailable|SlowDown|503 Service|EndpointConnectionError",
-    )
-]
-
-
-@dataclass
-class GangResult:
-    returncodes: list[int]
-    reason: str  # completed | failed | timeout | hang
-    seconds: float
-    metrics: list[dict] = field(default_factory=list)
-    tail: list[str] = field(default_factory=list)
-    last_step: int | None = None  # the last step rank 0 reported finished
-    hang_timeout: float = 0.0
-    gang_id: str = ""
-    pids: list[int] = field(default_factory=list)  # the agents'
+ERROR_INFO_KEY = "stoker"  # training.train writes its Failure record under extraInfo.stoker
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -73,7 +43,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def torchrun_commands(cfg: RunConfig, config_url: str, shard_key: str, resume_key: str | None,
-                      port: int) -> list[list[str]]:
+                      port: int, log_dir: str | None = None) -> list[list[str]]:
     """One torchrun agent per simulated node, all meeting at one c10d endpoint."""
     lc = cfg.launch
     cmds = []
@@ -84,8 +54,10 @@ def torchrun_commands(cfg: RunConfig, config_url: str, shard_key: str, resume_ke
             f"--node-rank={node}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={lc.rdzv_host}:{port}", f"--rdzv-id={cfg.resolved_run_name()}",
             "--max-restarts=0", "--tee=3",
-            "-m", "training.train", "--config", config_url, "--shards", shard_key,
         ]
+        if log_dir:
+            cmd.append(f"--log-dir={os.path.join(log_dir, f'node-{node}')}")
+        cmd += ["-m", "training.train", "--config", config_url, "--shards", shard_key]
         if resume_key:
             cmd += ["--resume-from", resume_key]
         cmds.append(cmd)
@@ -93,6 +65,7 @@ def torchrun_commands(cfg: RunConfig, config_url: str, shard_key: str, resume_ke
 
 
 def child_env(cfg: RunConfig) -> dict[str, str]:
+    """The environment of every process the launcher or an evaluation starts."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PROJECT_ROOT, env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
@@ -113,183 +86,60 @@ def _rank_stop_grace(requested: str | None) -> float:
         return ceiling
 
 
-def _pump(node: int, stream, out: "queue.Queue[tuple[int, str | None]]") -> None:
-    for line in iter(stream.readline, ""):
-        out.put((node, line.rstrip("\n")))
-    out.put((node, None))
-
-
-def gang_pids(gang_id: str | None) -> list[int]:
-    """Live processes whose environment carries this gang's id (Linux /proc; elsewhere
-    none are found and only the agents' process groups are killed)."""
-    if not gang_id:
-        return []
-    needle, pids = f"{GANG_ENV}={gang_id}".encode(), []
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return []
-    for name in names:
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):  # a zombie's reads empty
-                    pids.append(int(name))
-        except OSError:
-            continue
-    return pids
-
-
-def kill_gang(procs: list[subprocess.Popen], grace: float = GRACE_SECONDS,
-              gang_id: str | None = None) -> None:
-    """SIGTERM every agent's process group and every process carrying `gang_id`, then
-    SIGKILL what is left after `grace`. The ranks get the SIGTERM directly (not only through
-    their agent), so they can stop at a step boundary and checkpoint."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, KILL_WAIT_SECONDS)):
-        if not _gang_alive(procs, gang_id):
-            break
-        for p in procs:
-            _signal(os.killpg, p.pid, sig)
-        for pid in gang_pids(gang_id):
-            _signal(os.kill, pid, sig)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and _gang_alive(procs, gang_id):
-            time.sleep(0.1)
-    for p in procs:
-        try:
-            p.wait(timeout=1)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def _signal(send: Callable[[int, int], None], pid: int, sig: int) -> None:
-    try:
-        send(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _gang_alive(procs: list[subprocess.Popen], gang_id: str | None) -> bool:
-    for p in procs:
-        p.poll()  # reap an exited agent, or its group would look alive
-    return any(_group_alive(p.pid) for p in procs) or bool(gang_pids(gang_id))
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def run_gang(cmds: list[list[str]], env: dict[str, str], nproc_per_node: int,
-             on_line: Callable[[str], None], on_metric: Callable[[dict], None],
-             timeout: float, hang_timeout: float = 0.0, grace: float = GRACE_SECONDS) -> GangResult:
-    """Run the agents to the end, streaming '[rank N] ...' lines; always kill the gang.
-
-    Hang watchdog (`hang_timeout` > 0): armed at rank 0's first metric record (after
-    start-up), then fed by its per-step heartbeats; when no step finishes for
-    `hang_timeout` seconds the gang is killed and the run ends with reason "hang"."""
-    t0 = time.monotonic()
-    lines: "queue.Queue[tuple[int, str | None]]" = queue.Queue()
-    procs: list[subprocess.Popen] = []
-    metrics: list[dict] = []
-    tail: list[str] = []
-    gang_id = uuid.uuid4().hex
-    env = {**env, GANG_ENV: gang_id}
-    last_beat: float | None = None  # when the last step finished (None: not armed yet)
-    last_step: int | None = None
-    reason = "completed"
-    try:
-        for node, cmd in enumerate(cmds):
-            p = subprocess.Popen(cmd, env=env, cwd=PROJECT_ROOT, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                 start_new_session=True)
-            procs.append(p)
-            threading.Thread(target=_pump, args=(node, p.stdout, lines), daemon=True).start()
-        open_streams = len(procs)
-        while open_streams:
-            now = time.monotonic()
-            if now - t0 > timeout:
-                reason = "timeout"
-                break
-            if hang_timeout > 0 and last_beat is not None and now - last_beat > hang_timeout:
-                reason = "hang"
-                break
-            try:
-                node, line = lines.get(timeout=0.5)
-            except queue.Empty:
-                if any(p.poll() not in (None, 0) for p in procs):
-                    reason = "failed"  # one agent died: the rest would only hang
-                    break
+# ---- why a launch ended ------------------------------------------------------------------
+def read_error_files(log_dir: str, nproc_per_node: int) -> tuple[list[Failure], list[int], list[tuple[str, str]]]:
+    """(failures of ranks that raised, ranks that ended without raising, agent errors)."""
+    failures, lost, agents = [], [], []
+    for node_dir in sorted(glob.glob(os.path.join(log_dir, "node-*"))):
+        node = int(node_dir.rsplit("-", 1)[1])
+        for rank_dir in sorted(glob.glob(os.path.join(node_dir, "*", "attempt_*", "*"))):
+            if not os.path.basename(rank_dir).isdigit():
                 continue
-            if line is None:
-                open_streams -= 1
-                continue
-            text = _prefixed(node, line, nproc_per_node)
-            tail = (tail + [text])[-60:]
-            if METRIC_PREFIX in line:
-                try:
-                    record = json.loads(line.split(METRIC_PREFIX, 1)[1])
-                except ValueError:
-                    record = None
-                if record is not None:
-                    if record.get("event") == "step":  # heartbeats feed the watchdog only
-                        last_beat, last_step = time.monotonic(), record.get("step")
-                        continue
-                    if last_beat is None:
-                        last_beat = time.monotonic()  # start-up is over: arm the watchdog
-                    metrics.append(record)
-                    on_metric(record)
-                    continue
-            on_line(text)
-        if reason == "completed":
-            for p in procs:
-                p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
-            if any(p.returncode != 0 for p in procs):
-                reason = "failed"
-    finally:
-        kill_gang(procs, HANG_GRACE_SECONDS if reason == "hang" else grace, gang_id)
-    while True:  # drain what the pumps read before the kill
-        try:
-            node, line = lines.get_nowait()
-        except queue.Empty:
-            break
-        if line is not None:
-            tail = (tail + [_prefixed(node, line, nproc_per_node)])[-60:]
-    return GangResult([p.returncode for p in procs], reason, time.monotonic() - t0, metrics, tail,
-                      last_step=last_step, hang_timeout=hang_timeout, gang_id=gang_id,
-                      pids=[p.pid for p in procs])
+            rank = node * nproc_per_node + int(os.path.basename(rank_dir))
+            record = _error_record(os.path.join(rank_dir, "error.json"))
+            if record is None:
+                lost.append(rank)
+            else:
+                info = record.get("extraInfo", {}).get(ERROR_INFO_KEY)
+                failure = from_dict(info) if isinstance(info, dict) else None
+                if not isinstance(failure, Failure):  # raised before stoker's handler was set up
+                    kind, _, msg = str(record.get("message", "")).partition(": ")
+                    failure = Failure(rank=rank, type=kind, message=msg,
+                                      transient=classify_reported(kind, msg) != PERMANENT)
+                failures.append(failure)
+        agent = _error_record(os.path.join(node_dir, "agent-error.json"))
+        if agent is not None:
+            kind, _, msg = str(agent.get("message", "")).partition(": ")
+            agents.append((kind, msg))
+    return failures, lost, agents
 
 
-def _prefixed(node: int, line: str, nproc_per_node: int) -> str:
-    m = _RANK_PREFIX.match(line)
-    if m:
-        return f"[rank {node * nproc_per_node + int(m.group(1))}] {m.group(2)}"
-    return f"[node {node}] {line}"
+def _error_record(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    message = data.get("message")
+    return message if isinstance(message, dict) else {"message": str(message)}
 
 
 def classify(result: GangResult) -> TrainingFailed:
     """Turn a failed gang into an error that says whether retrying can help.
 
-    A rank that raised reports {"event": "failure", "transient": ...}. Any permanent report
-    (a bug, a bad config, out of memory) makes the whole failure permanent, since peers of
-    a crashed rank only see lost connections. Otherwise a signal, a lost peer, a network or
-    storage error, a time-out or a hang (no step finished within the watchdog's limit) is
-    transient."""
-    text = "\n".join(result.tail)
-    reports = [m for m in result.metrics if m.get("event") == "failure"]
-    permanent = [m for m in reports if not m.get("transient")]
+    Any rank that reported a permanent failure (a bug, a bad config, a shape mismatch, out
+    of memory) makes the whole failure permanent, since peers of a crashed rank only see
+    lost connections. A time-out or a hang is transient. So is a gang where some rank ended
+    without raising (killed by a signal), or reported only transient failures, or an agent
+    lost its rendezvous. What is left (an agent that failed with nothing to show) is not
+    retried."""
+    tail = "\n".join(result.tail[-30:])
+    permanent = [f for f in result.failures if not f.transient]
     if permanent:
         first = permanent[0]
-        return TrainingFailed(
-            f"rank {first.get('rank')} raised {first.get('type')}: {first.get('message')} "
-            "(not retried: it would fail the same way)\n" + "\n".join(result.tail[-30:]),
-            transient=False, reason="error")
+        return TrainingFailed(f"rank {first.rank} raised {first.type}: {first.message} "
+                              "(not retried: it would fail the same way)\n" + tail,
+                              transient=False, reason="error")
     if result.reason == "timeout":
         return TrainingFailed(f"training exceeded its time limit after {result.seconds:.0f}s",
                               transient=True, reason="timeout")
@@ -300,11 +150,56 @@ def classify(result: GangResult) -> TrainingFailed:
             f"{seen}); the gang was killed (a stuck collective or a frozen rank). Retrying from "
             "the newest valid checkpoint.\n" + "\n".join(result.tail[-15:]),
             transient=True, reason="hang")
-    if reports or any(rc is not None and rc < 0 for rc in result.returncodes) or any(
-        p.search(text) for p in _TRANSIENT_PATTERNS
-    ):
-        return TrainingFailed("a rank or node was lost (signal, network or storage); retrying "
-                              "from the newest valid checkpoint.\n" + "\n".join(result.tail[-15:]),
-                              transient=True, reason="lost-rank")
-    return TrainingFailed("training exited with an error (not retried):\n"
-                          + "\n".join(result.tail[-30:]), transient=False, reason="error")
+    agents_transient = any(classify_reported(k, m) != PERMANENT for k, m in result.launcher_errors)
+    signalled = any(rc is not None and rc < 0 for rc in result.returncodes)
+    if result.failures or result.lost_ranks or signalled or agents_transient:
+        what = (f"rank(s) {sorted(result.lost_ranks)} ended without raising (killed?)"
+                if result.lost_ranks else "a rank or node was lost (signal, network or storage)")
+        return TrainingFailed(f"{what}; retrying from the newest valid checkpoint.\n"
+                              + "\n".join(result.tail[-15:]), transient=True, reason="lost-rank")
+    errors = "; ".join(f"{k}: {m}" for k, m in result.launcher_errors)
+    return TrainingFailed(f"training exited with an error (not retried){': ' + errors if errors else ''}:\n"
+                          + tail, transient=False, reason="error")
+
+
+class TorchrunLauncher(Launcher):
+    """`launch.num_nodes` torchrun agents on this host (simulated nodes), one process gang."""
+
+    def __init__(self, cfg: RunConfig, config_url: str, shard_key: str, resume_key: str | None,
+                 env: dict[str, str] | None = None):
+        self.launch: LaunchConfig = cfg.launch
+        self.work_dir = tempfile.mkdtemp(prefix="stoker-launch-")
+        self.cmds = torchrun_commands(cfg, config_url, shard_key, resume_key,
+                                      free_port(cfg.launch.rdzv_host), log_dir=self.work_dir)
+        base = env if env is not None else child_env(cfg)
+        envs = [{**base, "TORCHELASTIC_ERROR_FILE": os.path.join(self.work_dir, f"node-{i}", "agent-error.json")}
+                for i in range(len(self.cmds))]
+        for i in range(len(self.cmds)):
+            os.makedirs(os.path.join(self.work_dir, f"node-{i}"), exist_ok=True)
+        self.gang = ProcessGang(self.cmds, envs, self.launch.nproc_per_node,
+                                self.launch.timeout_seconds, self.launch.hang_timeout_seconds)
+
+    @property
+    def description(self) -> str:
+        return f"{self.launch.num_nodes} node(s) x {self.launch.nproc_per_node} rank(s): " + " ".join(self.cmds[0][2:])
+
+    def start(self) -> None:
+        self.gang.start()
+
+    def stream(self, on_line: OnLine, on_event: OnEvent) -> GangResult:
+        return self.gang.stream(on_line, on_event)
+
+    def stop(self) -> None:
+        self.gang.stop()
+
+    def collect(self, result: GangResult) -> GangResult:
+        result = self.gang.collect(result)
+        result.failures, result.lost_ranks, result.launcher_errors = read_error_files(
+            self.work_dir, self.launch.nproc_per_node)
+        if result.reason == "completed":
+            result.lost_ranks = []  # ranks that exited cleanly leave no error file either
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+        return result
+
+    def classify(self, result: GangResult) -> TrainingFailed | None:
+        return None if result.reason == "completed" else classify(result)

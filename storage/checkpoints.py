@@ -19,6 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from storage.layout import checkpoints_key
 from storage.manifest import Verdict, describe_files, read_manifest, verify_files
 from storage.store import Store, join, sha256_file
 
@@ -41,14 +42,6 @@ class CheckpointRef:
     @property
     def name(self) -> str:
         return self.key.rstrip("/").rsplit("/", 1)[-1]
-
-
-def run_key(run_name: str) -> str:
-    return join("runs", run_name)
-
-
-def checkpoints_key(run_name: str) -> str:
-    return join("runs", run_name, "checkpoints")
 
 
 def checkpoint_name(step: int, attempt: int = 0) -> str:

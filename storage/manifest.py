@@ -6,8 +6,9 @@ it lists is present with the listed size and, on a deep check, the listed checks
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from storage.store import Store, join
 
@@ -60,3 +61,42 @@ def read_manifest(store: Store, key: str) -> tuple[dict | None, str]:
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         return None, "manifest has no 'files' table"
     return manifest, ""
+
+
+def publish_folder(store: Store, staging: str, final: str, manifest_name: str, manifest: dict,
+                   is_intact: Callable[[], bool]) -> bool:
+    """Publish a folder built at ``staging`` as ``final``, its manifest last.
+
+    Local stores: the manifest is written into staging, then the folder is renamed into
+    place (atomic; an invalid leftover at ``final`` is first moved aside). Object stores: the
+    listed files are copied, the manifest last. Returns False, discarding staging, when
+    ``is_intact()`` says another writer published an intact copy first. Concurrent writers
+    of one key publish identical bytes, so an identical manifest already in place is left
+    alone rather than deleted."""
+    if is_intact():
+        store.rm(staging)
+        return False
+    parent, _, name = final.rstrip("/").rpartition("/")
+    if store.is_local:
+        store.write_json(join(staging, manifest_name), manifest)
+        if store.exists(final):  # an invalid leftover (damaged or half-written): move it aside
+            trash = join(parent, f".trash-{name}-{uuid.uuid4().hex[:8]}")
+            try:
+                store.rename(final, trash)
+            except OSError:  # gone meanwhile
+                pass
+            store.rm(trash)
+        try:
+            store.rename(staging, final)
+        except OSError:  # a concurrent writer renamed first
+            store.rm(staging)
+            return False
+        return True
+    old, _ = read_manifest(store, join(final, manifest_name))
+    if old is not None and old != manifest:  # readers must not trust it while files change
+        store.rm(join(final, manifest_name))
+    for file_name in manifest["files"]:
+        store.copy(join(staging, file_name), join(final, file_name))
+    store.write_json(join(final, manifest_name), manifest)
+    store.rm(staging)
+    return True

@@ -13,7 +13,7 @@ import os
 import shutil
 import uuid
 
-from storage.manifest import Verdict, read_manifest, verify_files
+from storage.manifest import Verdict, publish_folder, read_manifest, verify_files
 from storage.store import Store, join
 
 # 2: per-file token/doc counts, byte sizes and checksums for .bin, .idx and tokenizer.json;
@@ -65,40 +65,10 @@ def clear_stale_staging(store: Store, cache_key: str) -> None:
 
 
 def publish_shard_set(store: Store, staging: str, cache_key: str, manifest: dict) -> bool:
-    """Publish a built shard set. Local: write the manifest into staging, then rename the
-    folder into place (atomic; an invalid leftover is first moved aside). Object stores:
-    copy the files, manifest last. Returns False when another writer published an intact
-    copy of the same key first (this copy is then discarded).
-
-    Concurrent writers of one key build byte-identical files and manifests, so on object
-    stores an identical manifest already in place is left alone rather than deleted."""
-    final = shard_set_key(cache_key)
-    if validate_shard_set(store, cache_key, deep=True):  # someone else published an intact copy
-        store.rm(staging)
-        return False
-    if store.is_local:
-        store.write_json(join(staging, MANIFEST), manifest)
-        if store.exists(final):  # an invalid leftover (damaged or half-written): move it aside
-            trash = join("shards", f".trash-{cache_key}-{uuid.uuid4().hex[:8]}")
-            try:
-                store.rename(final, trash)
-            except OSError:  # gone meanwhile
-                pass
-            store.rm(trash)
-        try:
-            store.rename(staging, final)
-        except OSError:  # a concurrent writer renamed first
-            store.rm(staging)
-            return False
-        return True
-    old, _ = read_manifest(store, join(final, MANIFEST))
-    if old is not None and old != manifest:  # readers must not trust it while files change
-        store.rm(join(final, MANIFEST))
-    for name in manifest["files"]:
-        store.copy(join(staging, name), join(final, name))
-    store.write_json(join(final, MANIFEST), manifest)
-    store.rm(staging)
-    return True
+    """Publish a built shard set, manifest last (see manifest.publish_folder). Returns False
+    when another writer published an intact copy of the same key first."""
+    return publish_folder(store, staging, shard_set_key(cache_key), MANIFEST, manifest,
+                          is_intact=lambda: bool(validate_shard_set(store, cache_key, deep=True)))
 
 
 def materialize(store: Store, cache_key: str, cache_dir: str) -> str:

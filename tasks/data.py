@@ -20,7 +20,7 @@ def _store(storage: StorageConfig) -> Store:
     return Store(storage.root, storage.storage_options)
 
 
-@task(name="download_dataset", retries=3, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
+@task(name="download_dataset", timeout_seconds=3600, retries=3, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
       retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
 def download_dataset(data: DataConfig, storage: StorageConfig) -> DatasetInfo:
     """Copy the raw source into {root}/datasets/{fingerprint}/ (no copy when present).
@@ -38,7 +38,7 @@ def download_dataset(data: DataConfig, storage: StorageConfig) -> DatasetInfo:
     return info
 
 
-@task(name="train_tokenizer", retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
+@task(name="train_tokenizer", timeout_seconds=3600, retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
       retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
 def train_tokenizer(dataset: DatasetInfo, tokenizer: TokenizerConfig,
                     storage: StorageConfig) -> TokenizerInfo:
@@ -49,7 +49,7 @@ def train_tokenizer(dataset: DatasetInfo, tokenizer: TokenizerConfig,
     return info
 
 
-@task(name="tokenize_and_shard", retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
+@task(name="tokenize_and_shard", timeout_seconds=14400, retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
       retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
 def tokenize_and_shard(dataset: DatasetInfo, tokenizer: TokenizerInfo,
                        data: DataConfig, storage: StorageConfig) -> ShardInfo:

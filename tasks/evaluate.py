@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,12 +11,15 @@ import time
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from core import events
+from core.failures import TrainingFailed
 from launch.torchrun import PROJECT_ROOT, child_env
 from tasks.policy import BACKOFF, JITTER, retry_if_transient
 from core.results import EvalResult
+import storage.runs
 from core.config import RunConfig
 
-EVAL_PREFIX = "STOKER_EVAL "
+EVAL_TIMEOUT_SECONDS = 1800
 _LIVE: set[subprocess.Popen] = set()  # evaluation processes running now, in this process
 
 
@@ -33,7 +35,7 @@ def kill_running_evaluations() -> int:
 
 
 def run_evaluation(config: RunConfig, config_url: str, checkpoint_key: str, shard_key: str,
-                   timeout: float = 1800) -> EvalResult:
+                   timeout: float = EVAL_TIMEOUT_SECONDS) -> EvalResult:
     """Run `python -m training.evaluate` in its own process group; parse its JSON line."""
     t0 = time.monotonic()
     cmd = [sys.executable, "-m", "training.evaluate", "--config", config_url,
@@ -48,17 +50,23 @@ def run_evaluation(config: RunConfig, config_url: str, checkpoint_key: str, shar
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    lines = [ln for ln in out.splitlines() if ln.startswith(EVAL_PREFIX)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"evaluation of {checkpoint_key} failed (exit {proc.returncode}):\n{err[-3000:]}")
-    record = json.loads(lines[-1][len(EVAL_PREFIX):])
-    return EvalResult(checkpoint_uri=record["checkpoint"], step=record["step"],
-                      val_loss=record["val_loss"], val_ppl=record["val_ppl"],
-                      windows=record["windows"], seconds=time.monotonic() - t0)
+    said = [e for e in map(events.decode, out.splitlines()) if e is not None]
+    done = [e for e in said if isinstance(e, events.Evaluated)]
+    if proc.returncode != 0 or not done:
+        failure = next((e for e in said if isinstance(e, events.Failure)), None)
+        why = f"{failure.type}: {failure.message}" if failure else err.strip()[-3000:]
+        # a killed process (negative exit code) or a transient error (storage) may heal on retry
+        transient = failure.transient if failure else (proc.returncode or 0) < 0
+        raise TrainingFailed(f"evaluation of {checkpoint_key} failed (exit {proc.returncode}): {why}",
+                             transient=transient, reason="evaluation")
+    e = done[-1]
+    return EvalResult(checkpoint_uri=e.checkpoint, step=e.step, val_loss=e.val_loss, val_ppl=e.val_ppl,
+                      windows=e.windows, seconds=time.monotonic() - t0)
 
 
 @task(name="evaluate_checkpoint", retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
-      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
+      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False,
+      timeout_seconds=EVAL_TIMEOUT_SECONDS + 60)
 def evaluate_checkpoint(config: RunConfig, config_url: str, checkpoint_key: str,
                         shard_key: str) -> EvalResult:
     """Validation loss and perplexity of one committed checkpoint, from a fresh process."""
@@ -67,3 +75,11 @@ def evaluate_checkpoint(config: RunConfig, config_url: str, checkpoint_key: str,
                           result.checkpoint_uri, result.val_loss, result.val_ppl, result.windows,
                           result.seconds)
     return result
+
+
+@task(name="checkpoint_inputs", retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
+      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False,
+      timeout_seconds=300)
+def checkpoint_inputs(checkpoint_uri: str, storage_options: dict) -> tuple[RunConfig, str, str, str]:
+    """From a checkpoint URI, the run's config, config URL, checkpoint key and shard key."""
+    return storage.runs.checkpoint_inputs(checkpoint_uri, storage_options)

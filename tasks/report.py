@@ -6,8 +6,8 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from storage.checkpoints import checkpoints_key, run_key
-from storage.store import Store, join
+from storage.layout import METRICS_FILE, checkpoints_key, run_file_key, run_key
+from storage.store import Store
 from core.results import ShardInfo
 from core.results import EvalResult, PipelineResult, ResumePoint, TrainingResult
 from core.config import RunConfig
@@ -31,7 +31,7 @@ def report(config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: 
         shard_uri=shards.url,
         data_cache_hit=shards.cache_hit,
         resumed_from_step=resume.step,
-        metrics_uri=store.url(join(run_key(run), "metrics.jsonl")),
+        metrics_uri=store.url(run_file_key(run, METRICS_FILE)),
         val_losses=training.val_losses,
         first_train_loss=training.train_losses[0][1] if training.train_losses else None,
         last_train_loss=training.train_losses[-1][1] if training.train_losses else None,

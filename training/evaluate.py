@@ -1,8 +1,8 @@
 """Evaluate one committed checkpoint in its own process: ``python -m training.evaluate``.
 
 Loads only the model tensors from the checkpoint (never unpickles anything) and prints
-one JSON line with the validation loss and perplexity over the whole validation split
-(capped by --max-windows).
+an Evaluated event with the validation loss and perplexity over the whole validation
+split (capped by --max-windows); a failure is printed as a Failure event.
 """
 
 from __future__ import annotations
@@ -11,8 +11,12 @@ import argparse
 import json
 import math
 import os
+from functools import partial
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from core import events
 
 from storage.checkpoints import COMMIT_FILE, rehydrate
 from storage.shards import materialize
@@ -20,12 +24,12 @@ from storage.store import Store, default_cache_dir
 from training.checkpoint import load_checkpoint
 from training.data import TokenStream, eval_offsets, get_batch
 from training.model import GPT
-from training.train import read_config
+from training.train import RankErrorHandler, read_config
 
 
 @torch.no_grad()
 def evaluate_checkpoint(cfg, store: Store, checkpoint_key: str, shard_dir: str, cache_dir: str,
-                        max_windows: int = 256, batch_size: int = 16) -> dict:
+                        max_windows: int = 256, batch_size: int = 16) -> events.Evaluated:
     folder = rehydrate(store, checkpoint_key, cache_dir)  # verified against its manifest
     with open(os.path.join(folder, COMMIT_FILE)) as f:
         manifest = json.load(f)
@@ -43,10 +47,11 @@ def evaluate_checkpoint(cfg, store: Store, checkpoint_key: str, shard_dir: str, 
         total += float(loss) * len(x)
         count += len(x)
     loss = total / count
-    return {"checkpoint": store.url(checkpoint_key), "step": manifest["step"],
-            "val_loss": loss, "val_ppl": math.exp(min(loss, 50)), "windows": count}
+    return events.Evaluated(checkpoint=store.url(checkpoint_key), step=manifest["step"],
+                            val_loss=loss, val_ppl=math.exp(min(loss, 50)), windows=count)
 
 
+@partial(record, error_handler=RankErrorHandler())
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Evaluate a stoker checkpoint.")
     p.add_argument("--config", required=True)
@@ -59,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     store = Store(cfg.storage.root, cfg.storage.storage_options)
     shard_dir = materialize(store, args.shards.rsplit("/", 1)[-1], args.cache_dir)
     result = evaluate_checkpoint(cfg, store, args.checkpoint, shard_dir, args.cache_dir, args.max_windows)
-    print("STOKER_EVAL " + json.dumps(result), flush=True)
+    print(result.encode(), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@ periodic evaluation and checkpoints. Plain torch; no orchestrator."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -19,14 +18,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from storage.checkpoints import rehydrate, run_key
-from storage.store import Store, join
+from core import events
+from storage.checkpoints import rehydrate
+from storage.layout import METRICS_FILE, run_file_key
+from storage.store import Store
+from storage.uploader import CheckpointUploader
 from training.checkpoint import (
-    CheckpointWriter,
-    _scalar_state,
     load_checkpoint,
     model_optim_tensors,
     rng_state_tensors,
+    save_state,
+    scalar_state,
     to_host,
 )
 from core.config import RunConfig
@@ -34,7 +36,6 @@ from training.data import TokenStream, eval_offsets, get_batch, train_batch
 from training.faults import maybe_inject
 from training.model import GPT, param_groups
 
-METRIC_PREFIX = "STOKER_METRIC "
 STOP_GRACE_SECONDS = float(os.environ.get("STOKER_STOP_GRACE_SECONDS", "15"))
 FAILED_UPLOAD_WAIT_SECONDS = 10.0
 
@@ -113,34 +114,28 @@ def lr_multiplier(step: int, cfg: RunConfig) -> float:
 
 
 class MetricsLog:
-    """JSON-lines metrics: printed at once (the launcher streams them into the orchestrator's
-    log); rank 0 also keeps them for {run}/metrics.jsonl, appended on flush (after each
-    checkpoint commit, from the upload thread, and at the end)."""
+    """Typed events out of this rank: printed at once in their wire form (the launcher
+    streams them into the orchestrator's log); rank 0 also keeps the stored kinds for
+    {run}/metrics.jsonl, appended on flush (after each checkpoint commit, from the upload
+    thread, and at the end)."""
 
     def __init__(self, store: Store, run_name: str, rank: int):
-        self.store, self.key = store, join(run_key(run_name), "metrics.jsonl")
+        self.store, self.key = store, run_file_key(run_name, METRICS_FILE)
         self.rank, self.enabled = rank, rank == 0
         self.pending: list[str] = []
         self.lock = threading.Lock()
 
-    def log(self, **record) -> None:
-        """A rank-0 metric (others stay silent: every rank holds the same numbers)."""
+    def log(self, event: events.Event) -> None:
+        """A rank-0 record (others stay silent: every rank holds the same numbers)."""
         if self.enabled:
-            self.event(**record)
+            self.event(event)
 
-    def event(self, **record) -> None:
-        """Something any rank has to say (an upload retry, a failure)."""
-        record = {"time": time.time(), **record}
-        line = json.dumps(record, sort_keys=True)
-        print(METRIC_PREFIX + line, flush=True)
-        if self.enabled:
+    def event(self, event: events.Event) -> None:
+        """Something any rank has to say (an upload retry, a failed checkpoint)."""
+        print(event.encode(), flush=True)
+        if self.enabled and event.stored:
             with self.lock:
-                self.pending.append(line + "\n")
-
-    def heartbeat(self, step: int) -> None:
-        """A line per step for the launcher's hang watchdog (not stored)."""
-        if self.enabled:
-            print(METRIC_PREFIX + json.dumps({"event": "step", "step": step}), flush=True)
+                self.pending.append(event.to_json() + "\n")
 
     def flush(self) -> None:
         """Best effort: on a storage error the lines stay pending for the next flush."""
@@ -183,7 +178,7 @@ class Trainer:
         self.metrics = MetricsLog(store, self.run_name, ranks.rank)
         self.stop = StopRequest()
         c = cfg.checkpoint
-        self.writer = CheckpointWriter(
+        self.uploader = CheckpointUploader(
             store, self.run_name, rank=ranks.rank, world_size=ranks.world_size,
             staging_root=os.path.join(cache_dir, "staging"), keep_latest_k=c.keep_latest_k,
             upload_timeout=c.upload_timeout_seconds, commit_timeout=c.commit_timeout_seconds,
@@ -197,7 +192,7 @@ class Trainer:
                                 scheduler=self.scheduler, rank=self.ranks.rank)
         self.step, self.tokens_seen = state.step, state.tokens_seen
         self.last_saved_step = self.step
-        self.metrics.log(event="resumed", step=self.step, checkpoint=self.store.url(checkpoint_key))
+        self.metrics.log(events.Resumed(step=self.step, checkpoint=self.store.url(checkpoint_key)))
 
     def save(self) -> None:
         """Stage this step's state; upload and commit go on in the background."""
@@ -207,12 +202,12 @@ class Trainer:
                 "tokens_seen": self.tokens_seen}
         state = to_host({**model_optim_tensors(self.raw_model, self.optimizer),
                          **rng_state_tensors(self.ranks.rank)}, self.pinned)
-        scalars = _scalar_state(self.optimizer, self.scheduler, self.step, self.tokens_seen,
-                                self.cfg.train.seed)
-        key = self.writer.save(state, scalars, self.step, meta)
+        scalars = scalar_state(self.optimizer, self.scheduler, self.step, self.tokens_seen,
+                               self.cfg.train.seed)
+        key = save_state(self.uploader, state, scalars, self.step, meta)
         self.last_saved_step, self.last_save_seconds = self.step, time.perf_counter() - t0
-        self.metrics.log(event="checkpoint_staged", step=self.step, key=key,
-                         seconds=round(self.last_save_seconds, 3))
+        self.metrics.log(events.CheckpointStaged(step=self.step, key=key,
+                                                 seconds=round(self.last_save_seconds, 3)))
 
     # ---- steps ---------------------------------------------------------------------
     def train_step(self) -> float:
@@ -248,12 +243,12 @@ class Trainer:
         """Asked to stop: checkpoint first when it fits in the grace period, then leave."""
         # a stop checkpoint must be staged, uploaded and committed inside the grace period;
         # estimate from the last one, with a margin
-        expected = self.last_save_seconds + self.writer.last_finish_seconds
+        expected = self.last_save_seconds + self.uploader.last_finish_seconds
         fits = expected * 1.5 + 1 < self.stop.seconds_left()
         if self.step != self.last_saved_step and fits:
             self.save()
-        self.writer.close(timeout=max(0.0, self.stop.seconds_left()))
-        self.metrics.log(event="stopped", step=self.step, saved=self.last_saved_step == self.step)
+        self.uploader.wait(timeout=max(0.0, self.stop.seconds_left()))
+        self.metrics.log(events.Stopped(step=self.step, saved=self.last_saved_step == self.step))
         self.metrics.flush()
         raise Preempted(f"stopped by SIGTERM at step {self.step}")
 
@@ -283,7 +278,7 @@ class Trainer:
         finally:
             # the last upload and commit finish before the process ends; after a failure a
             # peer may be gone for good (its receipt will never come), so wait only a little
-            self.writer.close(timeout=FAILED_UPLOAD_WAIT_SECONDS if failed else None)
+            self.uploader.wait(timeout=FAILED_UPLOAD_WAIT_SECONDS if failed else None)
             self.metrics.flush()
             sys.stdout.flush()
 
@@ -292,7 +287,7 @@ class Trainer:
         t_start = time.time()
         if self.step == 0:
             val = self.evaluate()
-            self.metrics.log(event="eval", step=0, val_loss=val, val_ppl=math.exp(min(val, 50)))
+            self.metrics.log(events.Eval(step=0, val_loss=val, val_ppl=math.exp(min(val, 50))))
         last_val = None
         while self.step < cfg.train.max_steps:
             if self.stop.agreed(self.ranks.is_dist):
@@ -302,19 +297,17 @@ class Trainer:
             loss = self.train_step()
             dt = time.perf_counter() - t0
             s = self.step
-            self.metrics.heartbeat(s)
+            self.metrics.log(events.Step(step=s))  # the launcher's hang watchdog
             if s % cfg.train.log_interval == 0 or s == 1 or s == cfg.train.max_steps:
-                self.metrics.log(event="train", step=s, loss=loss, lr=self.scheduler.get_last_lr()[0],
-                                 step_seconds=round(dt, 4), tokens_seen=self.tokens_seen)
+                self.metrics.log(events.Train(step=s, loss=loss, lr=self.scheduler.get_last_lr()[0],
+                                              step_seconds=round(dt, 4), tokens_seen=self.tokens_seen))
             if s % cfg.eval.interval_steps == 0 or s == cfg.train.max_steps:
                 last_val = self.evaluate()
-                self.metrics.log(event="eval", step=s, val_loss=last_val,
-                                 val_ppl=math.exp(min(last_val, 50)))
+                self.metrics.log(events.Eval(step=s, val_loss=last_val,
+                                             val_ppl=math.exp(min(last_val, 50))))
             if s % cfg.checkpoint.interval_steps == 0 or s == cfg.train.max_steps:
                 self.save()
-        self.writer.close()
-        if self.writer.failures:
-            self.metrics.log(event="checkpoint_warning", step=self.step, failures=self.writer.failures)
-        self.metrics.log(event="done", step=self.step, seconds=round(time.time() - t_start, 3),
-                         val_loss=last_val)
+        self.uploader.wait()
+        self.metrics.log(events.Done(step=self.step, seconds=round(time.time() - t_start, 3),
+                                     val_loss=last_val, failed_checkpoints=self.uploader.failures))
         return {"step": self.step, "val_loss": last_val}

@@ -1,6 +1,9 @@
 """Entry point of every rank: ``torchrun ... -m training.train --config <run>/config.json``.
 
-Parse, build, train, close. No orchestrator is imported here or below.
+Parse, build, train, close. No orchestrator is imported here or below. A failure of any
+kind (``BaseException`` included) is filed through torchelastic's ``@record`` error file with
+stoker's verdict on it (``extraInfo.stoker``, a ``core.events.Failure``), which the launcher
+reads after the gang ends, and is printed as a Failure event for the live log.
 """
 
 from __future__ import annotations
@@ -8,28 +11,46 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
+import traceback
+from functools import partial
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
+from core import events
+from core.config import RunConfig
+from core.failures import RankAborted, is_transient
 from storage.shards import materialize
 from storage.store import Store, default_cache_dir
-from core.config import RunConfig
-from core.failures import is_transient
-from training.loop import METRIC_PREFIX, Trainer, setup_distributed
+from training.loop import Trainer, setup_distributed
 
-def report_failure(exc: BaseException) -> None:
-    """Tell the launcher why this rank failed, as one JSON line."""
-    record = {"event": "failure", "rank": int(os.environ.get("RANK", "0")),
-              "type": type(exc).__name__, "message": str(exc)[:800],
-              "transient": is_transient(exc)}
-    print(METRIC_PREFIX + json.dumps(record), flush=True)
+ERROR_INFO_KEY = "stoker"  # where our Failure record sits in the error file's extraInfo
+
+
+class RankErrorHandler(ErrorHandler):
+    """torchelastic's structured error file, plus the Failure record the launcher classifies by."""
+
+    def record_exception(self, e: BaseException) -> None:
+        cause = e.__cause__ if isinstance(e, RankAborted) and e.__cause__ is not None else e
+        failure = events.Failure(rank=int(os.environ.get("RANK", "0")), type=type(cause).__name__,
+                                 message=str(cause)[:800], transient=is_transient(e))
+        print(failure.encode(), flush=True)
+        path = self._get_error_file_path()
+        if not path:
+            return
+        data = {"message": {"message": f"{failure.type}: {failure.message}", "extraInfo": {
+            "py_callstack": traceback.format_exc(), "timestamp": str(int(time.time())),
+            ERROR_INFO_KEY: failure.to_dict()}}}
+        with open(path, "w") as f:
+            json.dump(data, f)
 
 
 def read_config(url: str) -> RunConfig:
     """Read config.json from any URL the store can reach (storage options from env)."""
     store_root, _, name = url.rpartition("/")
     options = json.loads(os.environ.get("STOKER_STORAGE_OPTIONS", "{}"))
-    return RunConfig.model_validate_json(Store(store_root, options).read_bytes(name)).check()
+    return RunConfig.model_validate_json(Store(store_root, options).read_bytes(name))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@partial(record, error_handler=RankErrorHandler())
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     shard_key = args.shards.rstrip("/").rsplit("/", 1)[-1]
@@ -53,9 +75,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.resume_from:
             trainer.resume(args.resume_from)
         trainer.fit()
-    except Exception as exc:
-        report_failure(exc)
+    except (Exception, SystemExit, KeyboardInterrupt):
         raise
+    except BaseException as exc:  # e.g. DCP's CheckpointException, which @record would not see
+        raise RankAborted(f"{type(exc).__name__}: {exc}") from exc
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from core.config import RECIPES_DIR, ConfigError, RunConfig, load_config
+from core.config import (RECIPES_DIR, ConfigError, DataConfig, RunConfig, load_config,
+                         local_resource_problems)
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
@@ -71,3 +72,79 @@ def test_overrides_and_json_schema_for_the_ui():
 
 def test_the_tiny_cpu_recipe_is_the_embedded_default():
     assert load_config("tiny-cpu") == RunConfig()
+
+
+def _field_schema(schema, *path):
+    """One field's JSON schema, following the $defs references of nested sections."""
+    node = schema
+    for name in path:
+        node = node["properties"][name]
+        if "$ref" in node:
+            node = {**schema["$defs"][node["$ref"].rsplit("/", 1)[-1]], **node}
+    return node
+
+
+def test_bounds_and_fixes_are_in_the_json_schema():
+    schema = RunConfig.model_json_schema()
+    assert _field_schema(schema, "train", "lr")["exclusiveMinimum"] == 0
+    assert _field_schema(schema, "checkpoint", "keep_latest_k")["minimum"] == 2
+    workers = _field_schema(schema, "data", "num_workers")
+    assert (workers["minimum"], workers["maximum"]) == (1, 256)
+    assert _field_schema(schema, "data", "val_fraction")["exclusiveMaximum"] == 0.5
+    assert _field_schema(schema, "data", "text_field")["minLength"] == 1
+    assert "3e-4" in _field_schema(schema, "train", "lr")["fix"]
+    assert _field_schema(schema, "train", "lr")["description"]
+
+
+def test_bounds_section_rules_and_cross_section_rules_are_reported_together(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config({
+            "storage": {"root": "file://" + str(tmp_path)},
+            "train": {"lr": -0.1, "global_batch_size": 10, "micro_batch_size": 4},
+            "model": {"n_head": 4, "n_embd": 130},
+            "checkpoint": {"keep_latest_k": 1},
+            "launch": {"hang_timeout_seconds": 3},
+        })
+    problems = err.value.problems
+    assert len(problems) == 5, problems
+    expected = {
+        "train.lr": ("must be > 0 (got -0.1)", "3e-4"),
+        "train.global_batch_size": ("world_size x micro_batch_size", "use a multiple of 8"),
+        "model.n_embd": ("not divisible by n_head=4", "pick a multiple of 4"),
+        "checkpoint.keep_latest_k": ("must be >= 2 (got 1)", "keep at least 2"),
+        "launch.hang_timeout_seconds": ("must be 0 (watchdog off) or >= 5 (got 3)", "e.g. 300"),
+    }
+    for field, (what, fix) in expected.items():
+        [line] = [p for p in problems if p.startswith(field + ":")]
+        assert what in line and fix in line, line
+    # the model alone says the same, without the config file round trip
+    with pytest.raises(ValueError):
+        RunConfig.model_validate({"train": {"lr": -0.1, "global_batch_size": 10}})
+
+
+def test_a_rule_is_skipped_when_a_field_it_reads_is_bad():
+    with pytest.raises(ConfigError) as err:  # min_lr > lr, but lr itself is the problem
+        load_config({"train": {"lr": -1.0, "min_lr": 0.5}})
+    assert [p.split(":")[0] for p in err.value.problems] == ["train.lr"]
+    assert RunConfig().check() == RunConfig()
+
+
+def test_the_model_never_touches_the_filesystem(tmp_path):
+    missing = str(tmp_path / "no-such-corpus.jsonl")
+    text = RunConfig(data=DataConfig(source=missing)).to_json()
+    assert RunConfig.model_validate_json(text).check().data.source == missing
+    with pytest.raises(ConfigError) as err:
+        load_config(json.loads(text))
+    [problem] = err.value.problems
+    assert problem.startswith("data.source: no file matches") and missing in problem
+
+
+def test_an_empty_folder_is_no_data(tmp_path):
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    cfg = RunConfig(data=DataConfig(source=str(tmp_path / "empty")))
+    [problem] = local_resource_problems(cfg)
+    assert problem.startswith("data.source: no file matches")
+    (tmp_path / "empty" / "sub" / "a.txt").write_text("text")
+    assert local_resource_problems(cfg) == []
+    assert "tokenizer.path" in local_resource_problems(cfg.model_copy(update={
+        "tokenizer": cfg.tokenizer.model_copy(update={"path": str(tmp_path / "tok.json")})}))[0]

@@ -100,16 +100,21 @@ def test_missing_parquet_column_and_bad_json_name_the_field(store, tmp_path):
 
 
 def test_new_data_fields_are_checked_with_their_fix(tmp_path):
-    cfg = DataConfig(source=str(tmp_path), storage_options={"anon": True}, hf_revision="main",
-                     num_workers=0, text_field=" ")
-    problems = "\n".join(cfg.problems("data"))
+    from core.config import ConfigError, RunConfig, load_config, local_resource_problems
+
+    with pytest.raises(ConfigError) as err:
+        load_config({"data": {"source": str(tmp_path), "storage_options": {"anon": True},
+                              "hf_revision": "main", "num_workers": 0, "text_field": " "}})
+    problems = "\n".join(err.value.problems)
     for expected in ("data.storage_options: only used with a URL source",
                      "data.hf_revision: only applies to 'hf:' sources",
                      "data.num_workers: must be in [1, 256]", "data.text_field: is empty"):
         assert expected in problems
-    [problem] = DataConfig(source="hf:/no/such/folder").problems("data")
+    # a missing local folder is this host's problem, not the model's
+    [problem] = local_resource_problems(RunConfig(data=DataConfig(source="hf:/no/such/folder")))
     assert problem.startswith("data.source: no local dataset folder")
-    assert DataConfig(source="s3://bucket/x/*.jsonl", storage_options={"anon": True}).problems("data") == []
+    s3 = DataConfig(source="s3://bucket/x/*.jsonl", storage_options={"anon": True})  # valid
+    assert local_resource_problems(RunConfig(data=s3)) == []
 
 
 # ---- HTTP ----------------------------------------------------------------------------

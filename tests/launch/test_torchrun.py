@@ -4,7 +4,10 @@ import subprocess
 import sys
 import time
 
+from core import events
 from launch.torchrun import GangResult, classify, kill_gang, run_gang
+
+TRAIN = events.Train(step=1, loss=2.5, lr=1e-3, step_seconds=0.1, tokens_seen=64, time=1.0)
 
 
 def _alive(pid):
@@ -33,14 +36,14 @@ def test_kill_gang_takes_the_agent_and_its_children(tmp_path):
 
 
 def test_run_gang_streams_rank_prefixed_lines_and_metrics():
-    script = ("print('[default0]:hello'); print('[default1]:STOKER_METRIC {\"event\": \"train\", \"step\": 1}');"
+    script = (f"print('[default0]:hello'); print({'[default1]:' + TRAIN.encode()!r});"
               "print('plain agent line')")
     lines, metrics = [], []
     res = run_gang([[sys.executable, "-c", script]] * 2, dict(os.environ), 2, lines.append,
                    metrics.append, timeout=30)
     assert res.reason == "completed" and res.returncodes == [0, 0]
     assert "[rank 0] hello" in lines and "[rank 2] hello" in lines and "[node 1] plain agent line" in lines
-    assert metrics == [{"event": "train", "step": 1}] * 2
+    assert metrics == [TRAIN] * 2
 
 
 def test_one_dead_agent_stops_the_gang():
@@ -52,13 +55,12 @@ def test_one_dead_agent_stops_the_gang():
 
 
 def test_classification_rank_error_is_permanent_signal_is_transient():
-    bug = GangResult([1], "failed", 1.0, metrics=[
-        {"event": "failure", "rank": 1, "type": "DistBackendError", "message": "peer gone", "transient": True},
-        {"event": "failure", "rank": 0, "type": "ZeroDivisionError", "message": "boom", "transient": False}])
+    bug = GangResult([1], "failed", 1.0, failures=[
+        events.Failure(rank=1, type="DistBackendError", message="peer gone", transient=True),
+        events.Failure(rank=0, type="ZeroDivisionError", message="boom", transient=False)])
     err = classify(bug)
     assert not err.transient and "ZeroDivisionError" in str(err)
-    killed = GangResult([1], "failed", 1.0, tail=["exitcode  : -9 (pid: 12)",
-                                                  "traceback : Signal 9 (SIGKILL) received by PID 12"])
+    killed = GangResult([1], "failed", 1.0, lost_ranks=[1])  # its folder holds no error file
     assert classify(killed).transient
     assert classify(GangResult([-signal.SIGKILL], "failed", 1.0)).transient
     assert classify(GangResult([None], "timeout", 5.0)).transient

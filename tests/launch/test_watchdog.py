@@ -21,7 +21,7 @@ from launch.torchrun import (
     run_gang,
     torchrun_commands,
 )
-from tests.conftest import GangWatch, prepare_shards, read_proc
+from tests.conftest import ROOT, GangWatch, prepare_shards, read_proc
 
 
 def _launch(cfg, config_url, shard_key, resume_key, env, watch) -> GangResult:
@@ -29,7 +29,7 @@ def _launch(cfg, config_url, shard_key, resume_key, env, watch) -> GangResult:
     processes of the run."""
     cmds = torchrun_commands(cfg, config_url, shard_key, resume_key, free_port())
     return run_gang(cmds, env, cfg.launch.nproc_per_node, on_line=watch.record,
-                    on_metric=watch.record, timeout=240,
+                    on_event=watch.record, timeout=240,
                     hang_timeout=cfg.launch.hang_timeout_seconds)
 
 
@@ -64,23 +64,23 @@ def test_hung_rank_is_killed_with_its_gang_and_the_retry_resumes(tiny_config, tm
     watch = GangWatch(config_url)
     retry = _launch(cfg, config_url, shards.key, choice.checkpoint.key, env, watch)
     assert retry.reason == "completed", "\n".join(retry.tail)
-    events = {m["event"]: m for m in retry.metrics}
-    assert events["resumed"]["step"] == 2 and events["done"]["step"] == 6
+    seen = {e.kind: e for e in retry.events}
+    assert seen["resumed"].step == 2 and seen["done"].step == 6
     assert watch.leftovers() == []
 
 
 def test_watchdog_arms_after_start_up_fires_on_silence_and_is_off_at_zero():
     # a silent start-up longer than the hang limit, then steps: not a hang (armed late)
-    script = ("import json,time; time.sleep(3); P='STOKER_METRIC '; "
-              "print(P+json.dumps({'event':'eval','step':0}), flush=True); "
-              "[print(P+json.dumps({'event':'step','step':s}), flush=True) for s in range(1,6)]")
-    env = dict(os.environ)
+    script = ("import time; from core import events as E; time.sleep(3); "
+              "print(E.Eval(step=0, val_loss=5.0, val_ppl=148.0).encode(), flush=True); "
+              "[print(E.Step(step=s).encode(), flush=True) for s in range(1,6)]")
+    env = {**os.environ, "PYTHONPATH": ROOT}
     res = run_gang([[sys.executable, "-c", script]], env, 1, lambda s: None, lambda m: None,
                    timeout=60, hang_timeout=2)
     assert res.reason == "completed" and res.last_step == 5
     # a gang that reports once and then goes silent: a hang; with 0 the watchdog is off
-    silent = ("import json,time; print('STOKER_METRIC '+json.dumps({'event':'eval','step':0}),"
-              " flush=True); time.sleep(4)")
+    silent = ("import time; from core import events as E; "
+              "print(E.Eval(step=0, val_loss=5.0, val_ppl=148.0).encode(), flush=True); time.sleep(4)")
     res = run_gang([[sys.executable, "-c", silent]], env, 1, lambda s: None, lambda m: None,
                    timeout=60, hang_timeout=1)
     assert res.reason == "hang" and res.last_step is None

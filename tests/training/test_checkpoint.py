@@ -1,5 +1,6 @@
 import math
 import random
+import tempfile
 
 import numpy as np
 import pytest
@@ -8,9 +9,23 @@ import torch.distributed.checkpoint as dcp
 
 from storage.checkpoints import list_checkpoints, validate_checkpoint
 from storage.store import Store
-from training.checkpoint import load_checkpoint, save_checkpoint
+from storage.uploader import CheckpointUploader
+from training.checkpoint import load_checkpoint, model_optim_tensors, rng_state_tensors, save_state, scalar_state
 from core.config import ModelConfig
 from training.model import GPT, param_groups
+
+
+def save_checkpoint(store, run_name, *, model, optimizer, scheduler, step, tokens_seen, seed, rank,
+                    world_size, meta, keep_latest_k):
+    """Save and commit synchronously, as a rank does with checkpoint.async_enabled=False."""
+    uploader = CheckpointUploader(store, run_name, rank=rank, world_size=world_size,
+                                  staging_root=tempfile.mkdtemp(prefix="stoker-staging-"), keep_latest_k=keep_latest_k,
+                                  upload_timeout=300, commit_timeout=300, async_enabled=False)
+    state = {**model_optim_tensors(model, optimizer), **rng_state_tensors(rank)}
+    key = save_state(uploader, state, scalar_state(optimizer, scheduler, step, tokens_seen, seed), step,
+                     {"tokens_seen": tokens_seen, **meta})
+    assert not uploader.failures, uploader.failures
+    return key, 0.0
 
 
 def _build(seed=0):

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from core import events
 from storage.checkpoints import list_checkpoints, validate_checkpoint
 from launch.torchrun import free_port
 from tests.conftest import ROOT, prepare_shards, tiny_dict
@@ -63,8 +64,8 @@ def test_checkpoints_land_in_s3_with_manifests_and_load_in_a_fresh_process(s3_ro
         cwd=ROOT, capture_output=True, text=True, timeout=120,
         env={**os.environ, "STOKER_STORAGE_OPTIONS": json.dumps(options)})
     assert ev.returncode == 0, ev.stderr[-3000:]
-    result = json.loads(ev.stdout.split("STOKER_EVAL ", 1)[1])
-    assert result["step"] == 8 and result["val_loss"] > 0
+    [result] = [e for e in map(events.decode, ev.stdout.splitlines()) if isinstance(e, events.Evaluated)]
+    assert result.step == 8 and result.val_loss > 0
 
 
 def test_s3_outage_during_upload_delays_but_loses_no_checkpoint(s3_server, s3_root, tmp_path):

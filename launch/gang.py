@@ -1,0 +1,213 @@
+"""A gang of local processes (one per node agent): started in sessions of their own,
+streamed line by line with rank prefixes, watched, and always killed as a whole.
+
+torchrun starts every rank in a session of its own too, so no single process group holds
+the gang. Every process of a gang carries ``STOKER_GANG_ID`` in its environment (inherited by
+the ranks and anything they start); the kill finds them by it in ``/proc``, even after an
+agent died and its ranks were reparented.
+
+Stopping fits inside the orchestrator's grace: Prefect's runner sends the flow-run process
+SIGTERM and SIGKILLs it 30 s later. The gang gets SIGTERM, `GRACE_SECONDS` (20 s), then
+SIGKILL; the ranks are told to finish their stop checkpoint `RANK_STOP_MARGIN_SECONDS` before
+that (``STOKER_STOP_GRACE_SECONDS``).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from typing import Callable
+
+from core import events
+from launch.base import GangResult, OnEvent, OnLine
+from launch.watchdog import Watchdog
+
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRACE_SECONDS = 20.0  # SIGTERM -> SIGKILL; plus KILL_WAIT_SECONDS, inside Prefect's 30 s
+KILL_WAIT_SECONDS = 5.0
+RANK_STOP_MARGIN_SECONDS = 8.0  # ranks end their stop checkpoint this long before the SIGKILL
+HANG_GRACE_SECONDS = 5.0  # a hung collective cannot reach a step boundary: no stop checkpoint
+GANG_ENV = "STOKER_GANG_ID"
+TAIL_LINES = 60
+_RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
+
+
+def gang_pids(gang_id: str | None) -> list[int]:
+    """Live processes whose environment carries this gang's id (Linux /proc; elsewhere
+    none are found and only the agents' process groups are killed)."""
+    if not gang_id:
+        return []
+    needle, pids = f"{GANG_ENV}={gang_id}".encode(), []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):  # a zombie's reads empty
+                    pids.append(int(name))
+        except OSError:
+            continue
+    return pids
+
+
+def kill_gang(procs: list[subprocess.Popen], grace: float = GRACE_SECONDS,
+              gang_id: str | None = None) -> None:
+    """SIGTERM every agent's process group and every process carrying `gang_id`, then
+    SIGKILL what is left after `grace`. The ranks get the SIGTERM directly (not only through
+    their agent), so they can stop at a step boundary and checkpoint."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, KILL_WAIT_SECONDS)):
+        if not _gang_alive(procs, gang_id):
+            break
+        for p in procs:
+            _signal(os.killpg, p.pid, sig)
+        for pid in gang_pids(gang_id):
+            _signal(os.kill, pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and _gang_alive(procs, gang_id):
+            time.sleep(0.1)
+    for p in procs:
+        try:
+            p.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _signal(send: Callable[[int, int], None], pid: int, sig: int) -> None:
+    try:
+        send(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _gang_alive(procs: list[subprocess.Popen], gang_id: str | None) -> bool:
+    for p in procs:
+        p.poll()  # reap an exited agent, or its group would look alive
+    return any(_group_alive(p.pid) for p in procs) or bool(gang_pids(gang_id))
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _pump(node: int, stream, out: "queue.Queue[tuple[int, str | None]]") -> None:
+    for line in iter(stream.readline, ""):
+        out.put((node, line.rstrip("\n")))
+    out.put((node, None))
+
+
+def _prefixed(node: int, line: str, nproc_per_node: int) -> str:
+    m = _RANK_PREFIX.match(line)
+    if m:
+        return f"[rank {node * nproc_per_node + int(m.group(1))}] {m.group(2)}"
+    return f"[node {node}] {line}"
+
+
+class ProcessGang:
+    """One local process per node (`cmds[i]` with `envs[i]`); see the module docstring."""
+
+    def __init__(self, cmds: list[list[str]], envs: list[dict[str, str]], nproc_per_node: int,
+                 timeout: float, hang_timeout: float = 0.0, grace: float = GRACE_SECONDS):
+        self.gang_id = uuid.uuid4().hex
+        self.cmds, self.nproc_per_node, self.grace = cmds, nproc_per_node, grace
+        self.envs = [{**env, GANG_ENV: self.gang_id} for env in envs]
+        self.watchdog = Watchdog(timeout, hang_timeout)
+        self.procs: list[subprocess.Popen] = []
+        self.lines: "queue.Queue[tuple[int, str | None]]" = queue.Queue()
+        self.tail: list[str] = []
+        self.reason = "completed"
+
+    def start(self) -> None:
+        for node, (cmd, env) in enumerate(zip(self.cmds, self.envs)):
+            p = subprocess.Popen(cmd, env=env, cwd=PROJECT_ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                 start_new_session=True)
+            self.procs.append(p)
+            threading.Thread(target=_pump, args=(node, p.stdout, self.lines), daemon=True).start()
+
+    def _keep(self, text: str) -> None:
+        self.tail.append(text)
+        del self.tail[:-TAIL_LINES]
+
+    def stream(self, on_line: OnLine, on_event: OnEvent) -> GangResult:
+        """Until every agent's output ends (or the watchdog fires, or one agent dies)."""
+        seen: list[events.Event] = []
+        open_streams = len(self.procs)
+        while open_streams:
+            self.reason = self.watchdog.verdict() or self.reason
+            if self.reason != "completed":
+                break
+            try:
+                node, line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if any(p.poll() not in (None, 0) for p in self.procs):
+                    self.reason = "failed"  # one agent died: the rest would only hang
+                    break
+                continue
+            if line is None:
+                open_streams -= 1
+                continue
+            text = _prefixed(node, line, self.nproc_per_node)
+            self._keep(text)
+            event = events.decode(line)
+            if event is None:
+                on_line(text)
+                continue
+            self.watchdog.saw(event)
+            if not isinstance(event, events.Step):  # heartbeats feed the watchdog only
+                seen.append(event)
+                on_event(event)
+        if self.reason == "completed":
+            for p in self.procs:
+                p.wait(timeout=max(1.0, self.watchdog.seconds_left()))
+            if any(p.returncode != 0 for p in self.procs):
+                self.reason = "failed"
+        return GangResult([p.returncode for p in self.procs], self.reason,
+                          time.monotonic() - self.watchdog.t0, seen, self.tail,
+                          last_step=self.watchdog.last_step, hang_timeout=self.watchdog.hang_timeout,
+                          gang_id=self.gang_id, pids=[p.pid for p in self.procs])
+
+    def stop(self) -> None:
+        kill_gang(self.procs, HANG_GRACE_SECONDS if self.reason == "hang" else self.grace, self.gang_id)
+        while True:  # keep what the pumps read before the kill, for the failure message
+            try:
+                node, line = self.lines.get_nowait()
+            except queue.Empty:
+                break
+            if line is not None:
+                self._keep(_prefixed(node, line, self.nproc_per_node))
+        for p in self.procs:
+            p.poll()
+
+    def collect(self, result: GangResult) -> GangResult:
+        """The result with what only the stop could tell: exit codes, the last lines."""
+        result.tail, result.returncodes = list(self.tail), [p.returncode for p in self.procs]
+        return result
+
+
+def run_gang(cmds: list[list[str]], env: dict[str, str], nproc_per_node: int, on_line: OnLine,
+             on_event: OnEvent, timeout: float, hang_timeout: float = 0.0,
+             grace: float = GRACE_SECONDS) -> GangResult:
+    """Run the agents to the end with one environment; always kill the gang."""
+    gang = ProcessGang(cmds, [env] * len(cmds), nproc_per_node, timeout, hang_timeout, grace)
+    gang.start()
+    try:
+        result = gang.stream(on_line, on_event)
+    finally:
+        gang.stop()
+    return gang.collect(result)

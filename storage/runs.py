@@ -1,0 +1,43 @@
+"""A run's folder in the store: pinning its config, tokenizer and shard set before launch,
+and reading them back from a checkpoint URL."""
+
+from __future__ import annotations
+
+from core.config import RunConfig
+from core.failures import ConfigError
+from core.results import ShardInfo
+from storage.layout import CONFIG_FILE, SHARDS_FILE, TOKENIZER_FILE, parse_checkpoint_url, run_file_key
+from storage.store import Store, join
+
+
+def pin_run_folder(store: Store, config: RunConfig, shards: ShardInfo) -> str:
+    """Write config.json, the tokenizer and shards.json into the run folder; return the
+    config URL. A run folder that already holds another model is refused: resuming from it
+    could not load, and overwriting it would lose work."""
+    run = config.resolved_run_name()
+    key = run_file_key(run, CONFIG_FILE)
+    if store.exists(key):
+        old = RunConfig.model_validate_json(store.read_bytes(key))
+        if old.model_hash() != config.model_hash():
+            raise ConfigError([f"run_name: run {run!r} already holds a different model "
+                               "(model or tokenizer.vocab_size changed); choose a new run_name."])
+    store.write_bytes(key, config.to_json().encode())
+    store.copy(join(shards.key, TOKENIZER_FILE), run_file_key(run, TOKENIZER_FILE))
+    store.write_json(run_file_key(run, SHARDS_FILE), shards.as_dict())
+    return store.url(key)
+
+
+def checkpoint_inputs(checkpoint_url: str, storage_options: dict) -> tuple[RunConfig, str, str, str]:
+    """From a checkpoint URL: the run's config (pointed at that store), its URL, the
+    checkpoint key and the shard-set key."""
+    try:
+        where = parse_checkpoint_url(checkpoint_url)
+    except ValueError as err:
+        raise ConfigError([str(err)]) from None
+    store = Store(where.root, storage_options)
+    config_key = run_file_key(where.run_name, CONFIG_FILE)
+    config = RunConfig.model_validate_json(store.read_bytes(config_key))
+    config = config.model_copy(update={"storage": config.storage.model_copy(
+        update={"root": where.root, "storage_options": storage_options or config.storage.storage_options})})
+    shard_key = store.read_json(run_file_key(where.run_name, SHARDS_FILE))["key"]
+    return config, store.url(config_key), where.key, shard_key
