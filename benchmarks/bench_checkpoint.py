@@ -20,7 +20,8 @@ import torch
 from benchmarks import _servers
 from benchmarks._servers import moto_s3
 from storage.store import Store
-from training.checkpoint import CheckpointWriter, _scalar_state, model_optim_tensors, rng_state_tensors
+from storage.uploader import CheckpointUploader
+from training.checkpoint import model_optim_tensors, rng_state_tensors, save_state, scalar_state
 from core.config import ModelConfig
 from training.model import GPT, param_groups
 
@@ -51,7 +52,7 @@ def _train(store: Store | None, async_enabled: bool, run: str, staging: str) -> 
     _step(model, opt, sched)  # warm-up (allocations, optimizer state)
     writer = None
     if store is not None:
-        writer = CheckpointWriter(store, run, rank=0, world_size=1, staging_root=staging,
+        writer = CheckpointUploader(store, run, rank=0, world_size=1, staging_root=staging,
                                   keep_latest_k=100, upload_timeout=300, commit_timeout=300,
                                   async_enabled=async_enabled)
     saves = 0
@@ -60,11 +61,11 @@ def _train(store: Store | None, async_enabled: bool, run: str, staging: str) -> 
         _step(model, opt, sched)
         if writer is not None and step % INTERVAL == 0 and step < STEPS:
             state = {**model_optim_tensors(model, opt), **rng_state_tensors(0)}
-            writer.save(state, _scalar_state(opt, sched, step, 0, 0), step, {})
+            save_state(writer, state, scalar_state(opt, sched, step, 0, 0), step, {})
             saves += 1
     elapsed = time.perf_counter() - t0
     if writer is not None:
-        writer.close()
+        writer.wait()
         assert not writer.failures, writer.failures
     return elapsed, saves
 
@@ -91,13 +92,13 @@ def bench_upload_throughput(root: str, options: dict) -> float:
     _step(model, opt, sched)
     state = {**model_optim_tensors(model, opt), **rng_state_tensors(0)}
     with tempfile.TemporaryDirectory() as staging:
-        writer = CheckpointWriter(store, "tput", rank=0, world_size=1, staging_root=staging,
+        writer = CheckpointUploader(store, "tput", rank=0, world_size=1, staging_root=staging,
                                   keep_latest_k=100, upload_timeout=300, commit_timeout=300,
                                   async_enabled=False)
         ours = []
         for step in (1, 2):
             t0 = time.perf_counter()
-            writer.save(state, _scalar_state(opt, sched, step, 0, 0), step, {})
+            save_state(writer, state, scalar_state(opt, sched, step, 0, 0), step, {})
             ours.append(time.perf_counter() - t0)
         # the same files, staged again locally, put plainly
         import torch.distributed.checkpoint as dcp

@@ -21,8 +21,10 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from benchmarks._servers import moto_s3
 from storage.checkpoints import list_checkpoints, rehydrate, validate_checkpoint
 from storage.store import Store, join
+from core import events
 from data import prepare as data_prep
-from launch.torchrun import child_env, free_port, run_gang, torchrun_commands
+from launch.gang import run_gang
+from launch.torchrun import child_env, free_port, torchrun_commands
 from core.config import load_config
 
 
@@ -94,15 +96,15 @@ def main() -> None:
 
         marks: dict[str, float] = {}
 
-        def on_metric(m: dict) -> None:
-            if m.get("event") == "resumed":
+        def on_event(e: events.Event) -> None:
+            if isinstance(e, events.Resumed):
                 marks.setdefault("resumed", time.perf_counter())
-            elif m.get("event") == "train" and m.get("step") == chosen.step + 1:
+            elif isinstance(e, events.Train) and e.step == chosen.step + 1:
                 marks.setdefault("first_step", time.perf_counter())
 
         t_launch = time.perf_counter()
         second = run_gang(torchrun_commands(cfg, config_url, shards.key, chosen.key, free_port()), env,
-                          cfg.launch.nproc_per_node, lambda s: None, on_metric, timeout=600)
+                          cfg.launch.nproc_per_node, lambda s: None, on_event, timeout=600)
         assert second.reason == "completed", second.tail[-20:]
         start = marks["resumed"] - t_launch
         first_step = marks["first_step"] - marks["resumed"]

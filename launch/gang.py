@@ -25,7 +25,7 @@ import uuid
 from typing import Callable
 
 from core import events
-from launch.base import GangResult, OnEvent, OnLine
+from launch.base import GangResult, Launcher, OnEvent, OnLine
 from launch.watchdog import Watchdog
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,7 +118,7 @@ def _prefixed(node: int, line: str, nproc_per_node: int) -> str:
     return f"[node {node}] {line}"
 
 
-class ProcessGang:
+class ProcessGang(Launcher):
     """One local process per node (`cmds[i]` with `envs[i]`); see the module docstring."""
 
     def __init__(self, cmds: list[list[str]], envs: list[dict[str, str]], nproc_per_node: int,
@@ -204,10 +204,4 @@ def run_gang(cmds: list[list[str]], env: dict[str, str], nproc_per_node: int, on
              on_event: OnEvent, timeout: float, hang_timeout: float = 0.0,
              grace: float = GRACE_SECONDS) -> GangResult:
     """Run the agents to the end with one environment; always kill the gang."""
-    gang = ProcessGang(cmds, [env] * len(cmds), nproc_per_node, timeout, hang_timeout, grace)
-    gang.start()
-    try:
-        result = gang.stream(on_line, on_event)
-    finally:
-        gang.stop()
-    return gang.collect(result)
+    return ProcessGang(cmds, [env] * len(cmds), nproc_per_node, timeout, hang_timeout, grace).run(on_line, on_event)

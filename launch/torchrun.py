@@ -20,18 +20,9 @@ import tempfile
 
 from core.config import LaunchConfig, RunConfig
 from core.events import Failure, from_dict
-from core.failures import PERMANENT, TrainingFailed, classify_reported
+from core.failures import PERMANENT, classify_reported
 from launch.base import GangResult, Launcher, OnEvent, OnLine
-from launch.gang import (  # noqa: F401  (the gang's constants are part of this launcher's surface)
-    GANG_ENV,
-    GRACE_SECONDS,
-    PROJECT_ROOT,
-    RANK_STOP_MARGIN_SECONDS,
-    ProcessGang,
-    gang_pids,
-    kill_gang,
-    run_gang,
-)
+from launch.gang import GRACE_SECONDS, PROJECT_ROOT, RANK_STOP_MARGIN_SECONDS, ProcessGang
 
 ERROR_INFO_KEY = "stoker"  # training.train writes its Failure record under extraInfo.stoker
 
@@ -124,44 +115,6 @@ def _error_record(path: str) -> dict | None:
     return message if isinstance(message, dict) else {"message": str(message)}
 
 
-def classify(result: GangResult) -> TrainingFailed:
-    """Turn a failed gang into an error that says whether retrying can help.
-
-    Any rank that reported a permanent failure (a bug, a bad config, a shape mismatch, out
-    of memory) makes the whole failure permanent, since peers of a crashed rank only see
-    lost connections. A time-out or a hang is transient. So is a gang where some rank ended
-    without raising (killed by a signal), or reported only transient failures, or an agent
-    lost its rendezvous. What is left (an agent that failed with nothing to show) is not
-    retried."""
-    tail = "\n".join(result.tail[-30:])
-    permanent = [f for f in result.failures if not f.transient]
-    if permanent:
-        first = permanent[0]
-        return TrainingFailed(f"rank {first.rank} raised {first.type}: {first.message} "
-                              "(not retried: it would fail the same way)\n" + tail,
-                              transient=False, reason="error")
-    if result.reason == "timeout":
-        return TrainingFailed(f"training exceeded its time limit after {result.seconds:.0f}s",
-                              transient=True, reason="timeout")
-    if result.reason == "hang":
-        seen = "none yet" if result.last_step is None else f"step {result.last_step}"
-        return TrainingFailed(
-            f"training hung: no step finished for {result.hang_timeout:.0f}s (last step seen: "
-            f"{seen}); the gang was killed (a stuck collective or a frozen rank). Retrying from "
-            "the newest valid checkpoint.\n" + "\n".join(result.tail[-15:]),
-            transient=True, reason="hang")
-    agents_transient = any(classify_reported(k, m) != PERMANENT for k, m in result.launcher_errors)
-    signalled = any(rc is not None and rc < 0 for rc in result.returncodes)
-    if result.failures or result.lost_ranks or signalled or agents_transient:
-        what = (f"rank(s) {sorted(result.lost_ranks)} ended without raising (killed?)"
-                if result.lost_ranks else "a rank or node was lost (signal, network or storage)")
-        return TrainingFailed(f"{what}; retrying from the newest valid checkpoint.\n"
-                              + "\n".join(result.tail[-15:]), transient=True, reason="lost-rank")
-    errors = "; ".join(f"{k}: {m}" for k, m in result.launcher_errors)
-    return TrainingFailed(f"training exited with an error (not retried){': ' + errors if errors else ''}:\n"
-                          + tail, transient=False, reason="error")
-
-
 class TorchrunLauncher(Launcher):
     """`launch.num_nodes` torchrun agents on this host (simulated nodes), one process gang."""
 
@@ -201,5 +154,3 @@ class TorchrunLauncher(Launcher):
         shutil.rmtree(self.work_dir, ignore_errors=True)
         return result
 
-    def classify(self, result: GangResult) -> TrainingFailed | None:
-        return None if result.reason == "completed" else classify(result)

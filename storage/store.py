@@ -12,7 +12,6 @@ import os
 import uuid
 from typing import Any, Iterator
 
-import fsspec
 from fsspec.core import url_to_fs
 
 CHUNK = 8 * 1024 * 1024
@@ -189,10 +188,6 @@ class Store:
             h.update(block)
         return h.hexdigest()
 
-    def child(self, key: str) -> "Store":
-        """A Store rooted at a sub-key, sharing the options."""
-        return Store(self.url(key), self.storage_options)
-
 
 def default_cache_dir() -> str:
     """This host's cache for shards and checkpoints read from remote stores."""
@@ -208,10 +203,6 @@ def sha256_file(path: str) -> str:
                 return h.hexdigest()
             h.update(block)
 
-
-def open_url(url: str, mode: str = "rb", **storage_options: Any):
-    """Open any fsspec URL (used for sources outside the store root)."""
-    return fsspec.open(url, mode, **storage_options).open()
 
 
 # ---- sources outside the store root, and a local build lock (appended) -------------------

@@ -92,9 +92,6 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         return logits, loss
 
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay 2-D weights (matmuls, embeddings); never biases or LayerNorm gains."""

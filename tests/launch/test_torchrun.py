@@ -5,7 +5,8 @@ import sys
 import time
 
 from core import events
-from launch.torchrun import GangResult, classify, kill_gang, run_gang
+from launch.base import GangResult, classify
+from launch.gang import kill_gang, run_gang
 
 TRAIN = events.Train(step=1, loss=2.5, lr=1e-3, step_seconds=0.1, tokens_seen=64, time=1.0)
 

@@ -8,19 +8,9 @@ import sys
 import time
 
 from storage.checkpoints import find_latest_valid
-from launch.torchrun import (
-    GANG_ENV,
-    GRACE_SECONDS,
-    RANK_STOP_MARGIN_SECONDS,
-    GangResult,
-    child_env,
-    classify,
-    free_port,
-    gang_pids,
-    kill_gang,
-    run_gang,
-    torchrun_commands,
-)
+from launch.base import GangResult, classify
+from launch.gang import GANG_ENV, GRACE_SECONDS, RANK_STOP_MARGIN_SECONDS, gang_pids, kill_gang, run_gang
+from launch.torchrun import child_env, free_port, torchrun_commands
 from tests.conftest import ROOT, GangWatch, prepare_shards, read_proc
 
 
