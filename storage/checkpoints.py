@@ -110,14 +110,32 @@ class ResumeChoice:
     skipped: list[tuple[CheckpointRef, str]]
 
 
-def find_latest_valid(store: Store, run_name: str, cache_dir: str | None = None) -> ResumeChoice:
-    """Walk checkpoints newest first; the first that passes a deep check wins.
+def identity_problem(manifest: dict, expected: dict[str, str]) -> str:
+    """'' when the manifest's identity fields (run_name, model_hash ...) equal `expected`,
+    else the first mismatch: a checkpoint of another run or model is never a candidate."""
+    for field_name, want in sorted(expected.items()):
+        got = manifest.get(field_name)
+        if got != want:
+            return f"belongs to another {field_name.replace('_', ' ')} ({got!r}, this run has {want!r})"
+    return ""
+
+
+def find_latest_valid(store: Store, run_name: str, cache_dir: str | None = None,
+                      expected: dict[str, str] | None = None) -> ResumeChoice:
+    """Walk checkpoints newest first; the first that passes a deep check (and, given
+    `expected`, whose manifest carries those identity fields) wins.
 
     With a remote store and a cache_dir, the deep check of the candidate is its download
     into the local cache (rehydrate), so the bytes are read once, not twice."""
     skipped = []
     for ref in list_checkpoints(store, run_name):
-        verdict = validate_checkpoint(store, ref.key, deep=store.is_local or cache_dir is None)
+        verdict = validate_checkpoint(store, ref.key, deep=False)
+        mismatch = identity_problem(verdict.manifest, expected) if verdict and expected else ""
+        if mismatch:  # checked before any byte of it is read or downloaded
+            skipped.append((ref, mismatch))
+            continue
+        if verdict and (store.is_local or cache_dir is None):
+            verdict = validate_checkpoint(store, ref.key, deep=True)
         if verdict and cache_dir is not None and not store.is_local:
             try:
                 rehydrate(store, ref.key, cache_dir)
@@ -176,11 +194,15 @@ def rehydrate(store: Store, key: str, cache_dir: str) -> str:
     os.makedirs(os.path.dirname(final), exist_ok=True)
     with open(final + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one rank per host downloads; the rest wait
-        if os.path.exists(os.path.join(final, COMMIT_FILE)):
-            return final
         manifest, reason = read_manifest(store, join(key, COMMIT_FILE))
         if manifest is None:
             raise ValueError(f"checkpoint {store.url(key)} is not valid: {reason}")
+        cached = os.path.join(final, COMMIT_FILE)
+        if os.path.exists(cached):
+            with open(cached) as f:
+                if json.load(f) == manifest:  # the same commit as the store's, not an older one
+                    return final
+            shutil.rmtree(final, ignore_errors=True)  # stale: the store's checkpoint changed
         tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             for name, entry in sorted(manifest["files"].items()):

@@ -56,7 +56,9 @@ def find_resume_checkpoint(config: RunConfig) -> ResumePoint:
 
 def _resume_point(config: RunConfig) -> ResumePoint:
     logger = get_run_logger()
-    choice = find_latest_valid(_store(config.storage), config.resolved_run_name(), cache_dir=default_cache_dir())
+    run = config.resolved_run_name()
+    choice = find_latest_valid(_store(config.storage), run, cache_dir=default_cache_dir(),
+                               expected={"run_name": run, "model_hash": config.model_hash()})
     skipped = [f"{ref.url}: {reason}" for ref, reason in choice.skipped]
     for line in skipped:
         logger.warning("skipping invalid checkpoint %s", line)

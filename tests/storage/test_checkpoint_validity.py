@@ -4,6 +4,7 @@ import pytest
 
 from storage.checkpoints import (
     COMMIT_FILE,
+    local_checkpoint_dir,
     rehydrate,
     KEEP_MARKER,
     commit_checkpoint,
@@ -117,3 +118,32 @@ def test_resume_with_a_local_cache_downloads_only_a_valid_checkpoint(s3_root, tm
     leftovers = [p for p in os.listdir(os.path.dirname(local))
                  if ".tmp-" in p or (p.startswith("step-00000020") and not p.endswith(".lock"))]
     assert leftovers == []  # nothing of the damaged one is kept
+
+
+def test_resume_skips_a_checkpoint_of_another_model_or_run_with_its_reason(store, tmp_path):
+    ours = {"run_name": "r", "model_hash": "m-ours"}
+    older = _fake_checkpoint(store, "r", 100, commit=False)
+    commit_checkpoint(store, older, {"step": 100, "world_size": 2, **ours})
+    foreign = _fake_checkpoint(store, "r", 200, commit=False)  # a wider model, same run name
+    commit_checkpoint(store, foreign, {"step": 200, "world_size": 2, "run_name": "r", "model_hash": "m-wide"})
+    cache = str(tmp_path / "cache") if not store.is_local else None
+    choice = find_latest_valid(store, "r", cache_dir=cache, expected=ours)
+    assert choice.checkpoint.key == older
+    [(ref, reason)] = choice.skipped
+    assert ref.key == foreign and "another model hash" in reason and "m-wide" in reason
+    if cache:  # never downloaded: identity is read from the manifest alone
+        assert not os.path.exists(local_checkpoint_dir(cache, store, foreign))
+
+
+def test_a_stale_host_copy_is_discarded_when_the_store_holds_another_commit(s3_root, tmp_path):
+    store, cache = Store(*s3_root), str(tmp_path / "cache")
+    key = _fake_checkpoint(store, "r", 100)
+    old = rehydrate(store, key, cache)
+    assert open(os.path.join(old, "__1_0.distcp"), "rb").read() == bytes(range(256)) * 4
+    store.rm("runs/r")  # the run is trained again under the same name: same key, new bytes
+    store.write_bytes(join(key, ".metadata"), b"meta" * 10)
+    store.write_bytes(join(key, "__0_0.distcp"), b"new-0" * 50)
+    store.write_bytes(join(key, "__1_0.distcp"), b"new-1" * 50)
+    commit_checkpoint(store, key, {"step": 100, "world_size": 2})
+    fresh = rehydrate(store, key, cache)
+    assert open(os.path.join(fresh, "__1_0.distcp"), "rb").read() == b"new-1" * 50
