@@ -75,6 +75,7 @@ class CheckpointStaged(Event):
 class CheckpointCommitted(Event):
     kind: ClassVar[str] = "checkpoint"
     step: int
+    key: str  # under the store root
     uri: str
     bytes: int
     stage_seconds: float

@@ -14,9 +14,9 @@ from core.results import EvalResult, TrainingResult
 class TrainingMonitor:
     """Consumes the launcher's events, one at a time."""
 
-    def __init__(self, result: TrainingResult, max_steps: int, store_root: str, logger,
+    def __init__(self, result: TrainingResult, max_steps: int, logger,
                  on_progress: Callable[[float], None], on_commit: Callable[[str, int], object] | None):
-        self.result, self.max_steps, self.root, self.logger = result, max_steps, store_root, logger
+        self.result, self.max_steps, self.logger = result, max_steps, logger
         self.on_progress, self.on_commit = on_progress, on_commit
         self.last_pct = -1
         self.step_seconds: list[float] = []
@@ -48,7 +48,7 @@ class TrainingMonitor:
         self.logger.info("step %d  validation loss %.4f  (perplexity %.1f)", e.step, e.val_loss, e.val_ppl)
 
     def _on_checkpoint(self, e: events.CheckpointCommitted) -> None:
-        key = e.uri[len(self.root):].lstrip("/")
+        key = e.key
         r = self.result
         r.final_step, r.final_checkpoint_key, r.final_checkpoint_uri = e.step, key, e.uri
         r.checkpoints.append({"step": e.step, "uri": e.uri, "bytes": e.bytes,

@@ -152,7 +152,7 @@ class CheckpointUploader:
         if not self.store.is_local:
             shutil.rmtree(local, ignore_errors=True)
         self.on_event(CheckpointCommitted(
-            step=step, uri=self.store.url(key), bytes=sum(e["size"] for e in manifest["files"].values()),
+            step=step, key=key, uri=self.store.url(key), bytes=sum(e["size"] for e in manifest["files"].values()),
             stage_seconds=round(staged_seconds, 3), upload_seconds=round(upload_seconds, 3),
             commit_seconds=round(time.perf_counter() - t0, 3)))
         self.after_commit()

@@ -95,7 +95,7 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo,
         return evaluate_checkpoint.submit(config, config_url, key, shards.key)
 
     monitor = TrainingMonitor(
-        result, max_steps, config.storage.root, logger,
+        result, max_steps, logger,
         on_progress=lambda pct: update_progress_artifact(progress, progress=pct),
         on_commit=evaluate_while_training if config.eval.per_checkpoint_enabled else None)
     launcher = make_launcher(config, config_url, shards.key, resume.checkpoint_key)
