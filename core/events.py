@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 PREFIX = "STOKER_METRIC "
+# where a rank files its Failure record in torchelastic's error.json (message.extraInfo)
+ERROR_INFO_KEY = "stoker"
 
 
 @dataclass(frozen=True, kw_only=True)

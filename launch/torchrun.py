@@ -19,13 +19,10 @@ import sys
 import tempfile
 
 from core.config import LaunchConfig, RunConfig
-from core.events import Failure, from_dict
+from core.events import ERROR_INFO_KEY, Failure, from_dict
 from core.failures import PERMANENT, classify_reported
 from launch.base import GangResult, Launcher, OnEvent, OnLine
 from launch.gang import GRACE_SECONDS, PROJECT_ROOT, RANK_STOP_MARGIN_SECONDS, ProcessGang
-
-ERROR_INFO_KEY = "stoker"  # training.train writes its Failure record under extraInfo.stoker
-
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:

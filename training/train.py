@@ -25,9 +25,6 @@ from storage.shards import materialize
 from storage.store import Store, default_cache_dir
 from training.loop import Trainer, setup_distributed
 
-ERROR_INFO_KEY = "stoker"  # where our Failure record sits in the error file's extraInfo
-
-
 class RankErrorHandler(ErrorHandler):
     """torchelastic's structured error file, plus the Failure record the launcher classifies by."""
 
@@ -41,7 +38,7 @@ class RankErrorHandler(ErrorHandler):
             return
         data = {"message": {"message": f"{failure.type}: {failure.message}", "extraInfo": {
             "py_callstack": traceback.format_exc(), "timestamp": str(int(time.time())),
-            ERROR_INFO_KEY: failure.to_dict()}}}
+            events.ERROR_INFO_KEY: failure.to_dict()}}}
         with open(path, "w") as f:
             json.dump(data, f)
 
