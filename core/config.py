@@ -197,6 +197,10 @@ class ModelConfig(_Section):
     dropout: float = _field(0.0, "Dropout probability (0 for pretraining from scratch).",
                             fix="use 0 for pretraining from scratch", ge=0, lt=1)
     bias: bool = Field(False, description="Use bias in Linear and LayerNorm layers.")
+    vocab_pad_multiple: int = _field(
+        128, "Pad the embedding and output rows up to a multiple of this (GPU matmuls run "
+        "fastest on multiples of 64-128); token ids are unchanged, the extra rows are never "
+        "a target. 1 turns padding off.", fix="e.g. 128, or 1 for no padding", ge=1, le=4096)
 
     @field_validator("n_embd")
     @classmethod
@@ -327,6 +331,32 @@ class LaunchConfig(_Section):
         return seconds
 
 
+class EngineConfig(_Section):
+    """How the ranks compute: none of it changes what the run is (a run may resume with other
+    engine settings), so it is left out of the run's identity."""
+
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="Matmul precision: 'bf16' autocast (fp32 weights and optimizer), "
+        "'fp32', or 'auto': bf16 on a CUDA device that supports it, fp32 otherwise.")
+    tf32: bool = Field(True, description="On CUDA, let fp32 matmuls and convolutions use TF32.")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="torch.compile the model: 'auto' is on for CUDA, off on CPU "
+        "(a compiled first step takes 20-60 s).")
+    fused_optimizer: Literal["auto", "on", "off"] = Field(
+        "auto", description="Fused AdamW kernels: 'auto' is fused on CUDA, multi-tensor "
+        "(foreach) on CPU; 'off' is the plain per-parameter loop.")
+    parallelism: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="'ddp': replicated model, gradients all-reduced. 'fsdp': FSDP2 "
+        "(fully_shard per block and on the root; bf16 params, fp32 gradient reduction under "
+        "bf16) for models whose state does not fit on one device.")
+    activation_checkpointing: Literal["none", "full"] = Field(
+        "none", description="'full': recompute each block's activations in the backward pass "
+        "(about a third more compute for much less activation memory).")
+    prefetch: bool = Field(
+        True, description="Prepare the next batch in a background thread while the step runs "
+        "(pinned memory, non-blocking copies on CUDA).")
+
+
 class StorageConfig(_Section):
     root: NonBlank = Field(
         default_factory=default_root,
@@ -408,6 +438,8 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation during training.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How ranks are started.")
+    engine: EngineConfig = Field(default_factory=EngineConfig,
+                                 description="Precision, compilation and parallelism of the ranks.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Object store.")
 
     # ---- derived facts -------------------------------------------------------------
@@ -418,7 +450,8 @@ class RunConfig(_Section):
     def identity_hash(self) -> str:
         """Hash of what determines the run's trajectory (not where it is stored or launched)."""
         payload = self.model_dump(mode="json", exclude={"run_name": True, "storage": True,
-                                                        "launch": True, "data": {"num_workers"}})
+                                                        "launch": True, "engine": True,
+                                                        "data": {"num_workers"}})
         payload["world_size"] = self.launch.world_size
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 

@@ -47,12 +47,19 @@ class Step(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Train(Event):
+    """A log step: the loss averaged over ranks, and throughput over the interval since the
+    last log step (wall time, evaluation excluded)."""
+
     kind: ClassVar[str] = "train"
     step: int
     loss: float
     lr: float
     step_seconds: float
     tokens_seen: int
+    tokens_per_second: float | None = None  # all ranks together
+    mfu: float | None = None  # model FLOPs utilization, 0-1; None on devices without a peak
+    peak_memory_gb: float | None = None  # max allocated on rank 0's GPU so far
+    data_wait_share: float | None = None  # share of the interval rank 0 waited for batches
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +72,8 @@ class Eval(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointStaged(Event):
-    """This step's state is on local disk; upload and commit go on in the background."""
+    """This step's state is written to local staging (by the upload thread, from host
+    copies); upload and commit go on in the background."""
 
     kind: ClassVar[str] = "checkpoint_staged"
     step: int
@@ -109,6 +117,7 @@ class Resumed(Event):
     kind: ClassVar[str] = "resumed"
     step: int
     checkpoint: str
+    rng_restored: bool = True  # False: written at another world size, RNG streams re-seeded
 
 
 @dataclass(frozen=True, kw_only=True)

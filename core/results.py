@@ -73,6 +73,8 @@ class TrainingResult(BaseModel):
     evaluations: list[EvalResult] = Field(default_factory=list)
     attempt_log: list[dict] = Field(default_factory=list, description="one record per launch attempt")
     goodput: float | None = None
+    throughput: list[dict] = Field(
+        default_factory=list, description="per log step: tokens/s, MFU, peak GPU memory, data wait")
 
 
 class PipelineResult(BaseModel):
@@ -97,3 +99,6 @@ class PipelineResult(BaseModel):
     num_attempts: int = 0
     steps_lost: int = 0
     goodput: float | None = Field(None, description="useful training time / total time of all attempts")
+    tokens_per_second: float | None = Field(None, description="median over the log steps after the first")
+    mfu: float | None = Field(None, description="median model FLOPs utilization (0-1) after the first log step")
+    peak_memory_gb: float | None = Field(None, description="peak GPU memory of rank 0")

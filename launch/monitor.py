@@ -11,6 +11,23 @@ from core import events
 from core.results import EvalResult, TrainingResult
 
 
+THROUGHPUT_FIELDS = ("step", "step_seconds", "tokens_per_second", "mfu", "peak_memory_gb",
+                     "data_wait_share")
+
+
+def throughput_text(e: events.Train) -> str:
+    parts = []
+    if e.tokens_per_second is not None:
+        parts.append(f"{e.tokens_per_second:,.0f} tok/s")
+    if e.mfu is not None:
+        parts.append(f"MFU {100 * e.mfu:.1f}%")
+    if e.peak_memory_gb is not None:
+        parts.append(f"peak mem {e.peak_memory_gb:.1f} GB")
+    if e.data_wait_share is not None:
+        parts.append(f"data wait {100 * e.data_wait_share:.1f}%")
+    return ("  " + ", ".join(parts)) if parts else ""
+
+
 class TrainingMonitor:
     """Consumes the launcher's events, one at a time."""
 
@@ -36,8 +53,10 @@ class TrainingMonitor:
     def _on_train(self, e: events.Train) -> None:
         self.result.train_losses.append((e.step, e.loss))
         self.step_seconds.append(e.step_seconds)
-        self.logger.info("step %d/%d  loss %.4f  lr %.2e  %.0f ms/step", e.step, self.max_steps,
-                         e.loss, e.lr, 1000 * e.step_seconds)
+        self.logger.info("step %d/%d  loss %.4f  lr %.2e  %.0f ms/step%s", e.step, self.max_steps,
+                         e.loss, e.lr, 1000 * e.step_seconds, throughput_text(e))
+        if e.tokens_per_second is not None:
+            self.result.throughput.append({k: getattr(e, k) for k in THROUGHPUT_FIELDS})
         pct = int(100 * e.step / self.max_steps)
         if pct != self.last_pct:
             self.on_progress(float(pct))

@@ -1,12 +1,13 @@
 """The checkpoint commit protocol, rank side: upload, receipt, commit, retention. No torch.
 
-Each rank writes its files into ``staging_folder(key)`` (the store folder itself on a local
-store, a host staging folder otherwise), then ``submit`` hands them to a background thread
-that checksums each file, uploads it with retries, and writes the rank's receipt
-(``_ranks/rank-N.json``). Rank 0's thread then waits for every rank's receipt, writes
-``commit.json`` last and applies retention. One checkpoint is in flight per rank: the next
-``submit`` and ``wait()`` wait for the previous one. The training thread never calls the
-store here, so an outage delays commits, never steps.
+``submit`` hands a checkpoint to a background thread, which agrees with the other ranks on
+a folder no earlier attempt used (rank 0 picks it; ``agree_key`` tells the others), has the
+caller's ``write`` put this rank's files into ``staging_folder(key)`` (the store folder
+itself on a local store, a host staging folder otherwise), checksums each file, uploads it
+with retries, and writes the rank's receipt (``_ranks/rank-N.json``). Rank 0's thread then
+waits for every rank's receipt, writes ``commit.json`` last and applies retention. One
+checkpoint is in flight per rank: the next ``submit`` and ``wait()`` wait for the previous
+one. The training thread never calls the store here, so an outage delays commits, never steps.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import threading
 import time
 from typing import Callable
 
-from core.events import CheckpointCommitted, CheckpointFailed, Event, UploadRetry
+from core.events import CheckpointCommitted, CheckpointFailed, CheckpointStaged, Event, UploadRetry
 from core.failures import retry
 from storage.checkpoints import (
     commit_checkpoint,
@@ -45,13 +46,15 @@ class CheckpointUploader:
                  staging_root: str, keep_latest_k: int, upload_timeout: float,
                  commit_timeout: float, async_enabled: bool,
                  on_event: Callable[[Event], None] | None = None,
-                 after_commit: Callable[[], None] | None = None):
+                 after_commit: Callable[[], None] | None = None,
+                 agree_key: Callable[[str | None], str] | None = None):
         self.store, self.run_name, self.rank, self.world_size = store, run_name, rank, world_size
         self.staging_root, self.keep_latest_k = staging_root, keep_latest_k
         self.upload_timeout, self.commit_timeout = upload_timeout, commit_timeout
         self.async_enabled = async_enabled
         self.on_event = on_event or (lambda event: None)
         self.after_commit = after_commit or (lambda: None)
+        self.agree_key = agree_key or (lambda key: key)  # a single rank agrees with itself
         self.thread: threading.Thread | None = None
         self.failures: list[str] = []
         self.last_finish_seconds = 0.0  # upload (+ commit on rank 0) of the last checkpoint
@@ -70,11 +73,12 @@ class CheckpointUploader:
             return self.store.local_path(key)
         return os.path.join(self.staging_root, key)
 
-    def submit(self, key: str, names: list[str], step: int, meta: dict, staged_seconds: float) -> None:
-        """Upload this rank's files (names inside staging_folder(key)) and, on rank 0, commit;
-        in the background when async_enabled, else before returning."""
+    def submit(self, step: int, meta: dict, write: Callable[[str, str], list[str]]) -> None:
+        """Save this step's checkpoint: ``write(key, folder)`` puts this rank's files into
+        folder and returns their names; then upload and, on rank 0, commit. In the
+        background when async_enabled, else before returning."""
         self.wait()
-        job = (key, self.staging_folder(key), names, step, meta, staged_seconds)
+        job = (step, meta, write)
         if not self.async_enabled:
             self._finish(*job)
             return
@@ -90,8 +94,20 @@ class CheckpointUploader:
                 self.thread = None
 
     # ---- background part -------------------------------------------------------------
-    def _finish(self, key, local, names, step, meta, staged_seconds) -> None:
+    def _finish(self, step, meta, write) -> None:
         _pin_upload_thread()
+        try:
+            t0 = time.perf_counter()
+            key = self.agree_key(self.new_key(step) if self.rank == 0 else None)
+            local = self.staging_folder(key)
+            names = write(key, local)
+            staged_seconds = time.perf_counter() - t0
+            if self.rank == 0:
+                self.on_event(CheckpointStaged(step=step, key=key, seconds=round(staged_seconds, 3)))
+        except Exception as err:
+            self.failures.append(f"step {step}: {err}")
+            self.on_event(CheckpointFailed(step=step, rank=self.rank, error=f"staging: {err}"[:500]))
+            return
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.upload_timeout
 

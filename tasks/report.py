@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
@@ -40,6 +42,7 @@ def report(config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: 
         num_attempts=len(training.attempt_log),
         steps_lost=sum(a.get("steps_lost", 0) for a in training.attempt_log),
         goodput=training.goodput,
+        **throughput_summary(training.throughput),
     )
     if rows:
         create_table_artifact(rows, key=f"checkpoints-{_slug(run)}",
@@ -52,6 +55,7 @@ def report(config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: 
         description=f"summary of {run}",
         markdown=f"""# {run}
 - steps: {resume.step} -> {training.final_step}
+- throughput: {_throughput_line(result)}
 - attempts: {result.num_attempts}, steps lost to failures: {result.steps_lost}, goodput: {result.goodput}
 {_attempt_lines(training.attempt_log)}
 - final checkpoint: `{training.final_checkpoint_uri}`
@@ -66,6 +70,28 @@ def report(config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: 
 """,
     )
     return result
+
+
+def throughput_summary(rows: list[dict]) -> dict:
+    """Medians over the log steps after the first (which holds start-up and compilation)."""
+    steady = rows[1:] or rows
+    def median(key):
+        values = [r[key] for r in steady if r.get(key) is not None]
+        return statistics.median(values) if values else None
+    peaks = [r["peak_memory_gb"] for r in rows if r.get("peak_memory_gb") is not None]
+    return {"tokens_per_second": median("tokens_per_second"), "mfu": median("mfu"),
+            "peak_memory_gb": max(peaks) if peaks else None}
+
+
+def _throughput_line(result) -> str:
+    if result.tokens_per_second is None:
+        return "n/a"
+    line = f"{result.tokens_per_second:,.0f} tokens/s (median)"
+    if result.mfu is not None:
+        line += f", MFU {100 * result.mfu:.1f}%"
+    if result.peak_memory_gb is not None:
+        line += f", peak GPU memory {result.peak_memory_gb:.1f} GB"
+    return line
 
 
 def checkpoint_rows(training: TrainingResult, final: EvalResult | None) -> list[dict]:

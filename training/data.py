@@ -1,13 +1,17 @@
-"""Reading token shards and the sampler whose order is a pure function of (seed, step, rank).
+"""Reading token shards and the sampler whose order is a pure function of (seed, step).
 
-No state to save beyond the step: the batch of (step, micro-step, rank) is drawn from a
-generator seeded with exactly those numbers, so a resumed run sees the same batches.
+No state to save beyond the step: the global batch of a step is drawn from a generator
+seeded with (seed, step) alone, and a rank's micro-batch is a slice of it by its position
+(rank, micro-step). So a resumed run sees the same batches, at any world size: another
+split of the same global batch over ranks and micro-steps.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -42,10 +46,10 @@ class TokenStream:
         return np.asarray(part[local : local + length], dtype=np.int64)
 
 
-def batch_offsets(seed: int, step: int, rank: int, micro: int, count: int, high: int) -> np.ndarray:
-    """Window start offsets for one micro-batch: a pure function of its coordinates."""
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, step, rank, micro])))
-    return rng.integers(0, high, size=count)
+def step_offsets(seed: int, step: int, global_batch: int, high: int) -> np.ndarray:
+    """Window start offsets of one step's whole global batch: a function of (seed, step)."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, step])))
+    return rng.integers(0, high, size=global_batch)
 
 
 def get_batch(
@@ -58,11 +62,51 @@ def get_batch(
 
 
 def train_batch(stream: TokenStream, block_size: int, micro_batch: int, seed: int, step: int,
-                rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+                rank: int, micro: int, accum: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch at (rank, micro) of step's global batch (world_size x accum x micro_batch
+    sequences, rank-major)."""
     high = stream.num_tokens - block_size - 1
     if high <= 0:
         raise ValueError(f"the train split has {stream.num_tokens} tokens, fewer than block_size+1")
-    return get_batch(stream, block_size, batch_offsets(seed, step, rank, micro, micro_batch, high))
+    offsets = step_offsets(seed, step, world_size * accum * micro_batch, high)
+    start = (rank * accum + micro) * micro_batch
+    return get_batch(stream, block_size, offsets[start : start + micro_batch])
+
+
+class Batches:
+    """This rank's micro-batches in training order, on its device. With prefetch, the next
+    one is read (and pinned, for CUDA) in a background thread while the step runs, and
+    copied without blocking; ``wait_seconds`` counts the time the step waited for data."""
+
+    def __init__(self, stream: TokenStream, *, block_size: int, micro_batch: int, seed: int,
+                 rank: int, accum: int, world_size: int, device: torch.device, prefetch: bool):
+        self.stream, self.device, self.accum = stream, device, accum
+        self.args = dict(block_size=block_size, micro_batch=micro_batch, seed=seed, rank=rank,
+                         accum=accum, world_size=world_size)
+        self.pin = device.type == "cuda"
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="batches") if prefetch else None
+        self.ahead = None  # ((step, micro), future)
+        self.wait_seconds = 0.0
+
+    def _read(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = train_batch(self.stream, step=step, micro=micro, **self.args)
+        return (x.pin_memory(), y.pin_memory()) if self.pin else (x, y)
+
+    def get(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        if self.ahead is not None and self.ahead[0] == (step, micro):
+            x, y = self.ahead[1].result()
+        else:
+            x, y = self._read(step, micro)
+        self.wait_seconds += time.perf_counter() - t0
+        if self.pool is not None:
+            nxt = (step, micro + 1) if micro + 1 < self.accum else (step + 1, 0)
+            self.ahead = (nxt, self.pool.submit(self._read, *nxt))
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def eval_offsets(num_tokens: int, block_size: int, num_windows: int) -> np.ndarray:

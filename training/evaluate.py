@@ -2,7 +2,8 @@
 
 Loads only the model tensors from the checkpoint (never unpickles anything) and prints
 an Evaluated event with the validation loss and perplexity over the whole validation
-split (capped by --max-windows); a failure is printed as a Failure event.
+split (capped by --max-windows); a failure is printed as a Failure event. Runs on the GPU
+when there is one (``--device``), with the run's precision (``engine.precision``).
 """
 
 from __future__ import annotations
@@ -23,32 +24,40 @@ from storage.shards import materialize
 from storage.store import Store, default_cache_dir
 from training.checkpoint import load_checkpoint
 from training.data import TokenStream, eval_offsets, get_batch
+from training.engine import Engine
 from training.model import GPT
 from training.train import RankErrorHandler, read_config
 
 
 @torch.no_grad()
 def evaluate_checkpoint(cfg, store: Store, checkpoint_key: str, shard_dir: str, cache_dir: str,
-                        max_windows: int = 256, batch_size: int = 16) -> events.Evaluated:
+                        max_windows: int = 256, batch_size: int = 16,
+                        device: torch.device | None = None) -> events.Evaluated:
     folder = rehydrate(store, checkpoint_key, cache_dir)  # verified against its manifest
     with open(os.path.join(folder, COMMIT_FILE)) as f:
         manifest = json.load(f)
     val = TokenStream(shard_dir, "val")
-    torch.manual_seed(0)
-    model = GPT(cfg.model, val.vocab_size)
+    device = device or default_device()
+    engine = Engine.resolve(cfg, device)
+    model = GPT(cfg.model, val.vocab_size, seed=None).to(device)  # every weight is loaded
     load_checkpoint(folder, model=model)
     model.eval()
     T = cfg.model.block_size
     offsets = eval_offsets(val.num_tokens, T, min(max_windows, max(1, val.num_tokens // T)))
-    total, count = 0.0, 0
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
     for i in range(0, len(offsets), batch_size):
         x, y = get_batch(val, T, offsets[i : i + batch_size])
-        _, loss = model(x, y)
-        total += float(loss) * len(x)
+        with engine.autocast():
+            _, loss = model(x.to(device), y.to(device))
+        total += loss.double() * len(x)
         count += len(x)
-    loss = total / count
+    loss = float(total) / count
     return events.Evaluated(checkpoint=store.url(checkpoint_key), step=manifest["step"],
                             val_loss=loss, val_ppl=math.exp(min(loss, 50)), windows=count)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 @partial(record, error_handler=RankErrorHandler())
@@ -59,11 +68,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shards", required=True)
     p.add_argument("--max-windows", type=int, default=256)
     p.add_argument("--cache-dir", default=default_cache_dir())
+    p.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: a GPU when there is one)")
     args = p.parse_args(argv)
     cfg = read_config(args.config)
     store = Store(cfg.storage.root, cfg.storage.storage_options)
     shard_dir = materialize(store, args.shards.rsplit("/", 1)[-1], args.cache_dir)
-    result = evaluate_checkpoint(cfg, store, args.checkpoint, shard_dir, args.cache_dir, args.max_windows)
+    result = evaluate_checkpoint(cfg, store, args.checkpoint, shard_dir, args.cache_dir, args.max_windows,
+                                 device=torch.device(args.device) if args.device else None)
     print(result.encode(), flush=True)
 
 

@@ -4,7 +4,9 @@ STOKER_FAULT="kill:rank=1:step=5"   the rank SIGKILLs itself when it reaches tha
 STOKER_FAULT="hang:rank=1:step=5"   the rank stops stepping (sleeps) at that step
 STOKER_FAULT="raise:rank=0:step=3"  the rank raises RuntimeError at that step
 A fault fires once: it creates STOKER_FAULT_ONCE (a file path) and never fires while that
-file exists, so the retried run goes through.
+file exists, so the retried run goes through. Before the fault's step every rank lets its
+checkpoint in flight finish (written, uploaded, committed; see ``settles_before``), so a
+drill's resume point does not depend on how fast the background upload was.
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ def _parse(spec: str) -> tuple[str, int, int]:
     kind, *fields = spec.split(":")
     values = dict(f.split("=", 1) for f in fields)
     return kind, int(values.get("rank", 0)), int(values.get("step", 0))
+
+
+def settles_before(step: int) -> bool:
+    """Whether a fault is set for this step on any rank: then every rank waits for its
+    checkpoint in flight before the step (it costs one wait, on drills only)."""
+    spec = os.environ.get("STOKER_FAULT")
+    return bool(spec) and _parse(spec)[2] == step
 
 
 def maybe_inject(rank: int, step: int) -> None:

@@ -1,40 +1,36 @@
-"""The training loop every rank runs: DDP, AdamW, warmup+cosine, accumulation, clipping,
-periodic evaluation and checkpoints. Plain torch; no orchestrator."""
+"""The training loop every rank runs: DDP or FSDP2, AdamW, warmup+cosine, accumulation,
+clipping, periodic evaluation and checkpoints, throughput metrics. Plain torch; no orchestrator.
+
+The step never waits for the host: the loss and token counts stay on the device and are
+read (one sync) only on log steps; collectives reduce device tensors on the world group
+(NCCL or gloo), and control traffic (the stop vote, the checkpoint writer) goes through
+gloo side groups made once at start.
+"""
 
 from __future__ import annotations
 
 import math
 import os
-import random
 import signal
 import sys
 import threading
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from core import events
+from core.config import RunConfig
 from storage.checkpoints import rehydrate
 from storage.layout import METRICS_FILE, run_file_key
 from storage.store import Store
 from storage.uploader import CheckpointUploader
-from training.checkpoint import (
-    load_checkpoint,
-    model_optim_tensors,
-    rng_state_tensors,
-    save_state,
-    scalar_state,
-    to_host,
-)
-from core.config import RunConfig
-from training.data import TokenStream, eval_offsets, get_batch, train_batch
-from training.faults import maybe_inject
-from training.model import GPT, param_groups
+from training.checkpoint import Checkpointer, agree_on_key, load_checkpoint, seed_rank_rngs
+from training.data import Batches, TokenStream, eval_offsets, get_batch
+from training.engine import (Engine, build_model, build_optimizer, configure_backends, grad_sync,
+                             peak_flops, side_group)
+from training.faults import maybe_inject, settles_before
 
 STOP_GRACE_SECONDS = float(os.environ.get("STOKER_STOP_GRACE_SECONDS", "15"))
 FAILED_UPLOAD_WAIT_SECONDS = 10.0
@@ -45,24 +41,41 @@ class Preempted(Exception):
 
 
 class StopRequest:
-    """SIGTERM sets a flag; the ranks agree at a step boundary to stop together."""
+    """SIGTERM sets a flag; the ranks agree at a step boundary to stop together.
 
-    def __init__(self):
-        self.flag, self.since = False, None
+    The vote costs no host sync: at each boundary a rank starts an asynchronous MAX
+    all-reduce of its flag over a gloo side group and reads the vote started one boundary
+    earlier (long done by then). Every rank reads the same vote at the same step, so all stop
+    together, one step after the signal, well inside the grace period."""
+
+    def __init__(self, group: "dist.ProcessGroup | None" = None):
+        self.flag, self.since, self.group = False, None, group
+        self.pending: tuple | None = None  # (work, tensor) of the vote in flight
         signal.signal(signal.SIGTERM, self._handler)
 
     def _handler(self, signum, frame) -> None:
         self.flag, self.since = True, time.monotonic()
 
-    def agreed(self, is_dist: bool) -> bool:
-        if not is_dist:
+    def agreed(self) -> bool:
+        if self.group is None:
             return self.flag
-        t = torch.tensor([1 if self.flag else 0])
-        # group: world; a stop must happen at the same step on every rank, or the others hang
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if t.item() and self.since is None:
+        stop = False
+        if self.pending is not None:
+            work, vote = self.pending
+            work.wait()
+            stop = bool(vote.item())
+        vote = torch.tensor([1 if self.flag else 0])
+        self.pending = (dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group,
+                                        async_op=True), vote)
+        if stop and self.since is None:
             self.since = time.monotonic()
-        return bool(t.item())
+        return stop
+
+    def drain(self) -> None:
+        """Finish the vote in flight (every rank started it) before the group goes away."""
+        if self.pending is not None:
+            self.pending[0].wait()
+            self.pending = None
 
     def seconds_left(self) -> float:
         return STOP_GRACE_SECONDS - (time.monotonic() - (self.since or time.monotonic()))
@@ -155,77 +168,80 @@ class Trainer:
         self.cfg, self.ranks, self.store, self.shard_key = cfg, ranks, store, shard_key
         self.cache_dir = cache_dir
         self.run_name = cfg.resolved_run_name()
-        if cfg.train.deterministic:
-            torch.use_deterministic_algorithms(True)
+        configure_backends(cfg, ranks.device)
+        self.engine = Engine.resolve(cfg, ranks.device)
         self.train_data = TokenStream(shard_dir, "train")
         self.val_data = TokenStream(shard_dir, "val")
-        torch.manual_seed(cfg.train.seed)  # same init on every rank
-        self.raw_model = GPT(cfg.model, self.train_data.vocab_size).to(ranks.device)
-        self.model = DDP(self.raw_model) if ranks.is_dist else self.raw_model
-        t = cfg.train
-        self.optimizer = torch.optim.AdamW(param_groups(self.raw_model, t.weight_decay), lr=t.lr,
-                                           betas=(t.beta1, t.beta2), foreach=False)
+        self.raw_model, self.model = build_model(cfg, self.train_data.vocab_size, self.engine,
+                                                 ranks.world_size)
+        self.optimizer = build_optimizer(cfg, self.raw_model, self.engine)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_multiplier(s, cfg))
         # per-rank streams (dropout, anything drawing from numpy or random): every RNG is
         # a function of (seed, rank) and is saved and restored with each checkpoint
-        torch.manual_seed(t.seed + 1 + ranks.rank)
-        np.random.seed((t.seed + 1 + ranks.rank) % 2**32)
-        random.seed(t.seed + 1 + ranks.rank)
+        seed_rank_rngs(cfg.train.seed, ranks.rank, 0, ranks.device)
         self.step, self.tokens_seen = 0, 0
-        self.last_saved_step, self.last_save_seconds = -1, 0.0
-        self.pinned: dict[str, torch.Tensor] = {}  # host staging buffers for CUDA state
+        self.last_saved_step = -1
         self.metrics = MetricsLog(store, self.run_name, ranks.rank)
-        self.stop = StopRequest()
+        # made once, in the same order on every rank: the stop vote's and the checkpoint
+        # writer's gloo groups (the writer runs on the upload thread)
+        self.stop = StopRequest(side_group())
+        ckpt_group = side_group()
         c = cfg.checkpoint
         self.uploader = CheckpointUploader(
             store, self.run_name, rank=ranks.rank, world_size=ranks.world_size,
             staging_root=os.path.join(cache_dir, "staging"), keep_latest_k=c.keep_latest_k,
             upload_timeout=c.upload_timeout_seconds, commit_timeout=c.commit_timeout_seconds,
             async_enabled=c.async_enabled, on_event=self.metrics.event,
-            after_commit=self.metrics.flush)
+            after_commit=self.metrics.flush, agree_key=agree_on_key(ckpt_group))
+        self.checkpointer = Checkpointer(
+            self.uploader, self.raw_model, self.optimizer, self.scheduler, rank=ranks.rank,
+            world_size=ranks.world_size, device=ranks.device, seed=cfg.train.seed,
+            global_batch_size=cfg.train.global_batch_size, group=ckpt_group)
+        self.batches = Batches(
+            self.train_data, block_size=cfg.model.block_size, micro_batch=cfg.train.micro_batch_size,
+            seed=cfg.train.seed, rank=ranks.rank, accum=cfg.grad_accum_steps,
+            world_size=ranks.world_size, device=ranks.device, prefetch=self.engine.prefetch)
+        self.flops_per_token = self.raw_model.flops_per_token()
+        self.peak_flops = peak_flops(ranks.device)
 
     # ---- state ---------------------------------------------------------------------
     def resume(self, checkpoint_key: str) -> None:
         folder = rehydrate(self.store, checkpoint_key, self.cache_dir)
+        r = self.ranks
         state = load_checkpoint(folder, model=self.raw_model, optimizer=self.optimizer,
-                                scheduler=self.scheduler, rank=self.ranks.rank)
+                                scheduler=self.scheduler, rank=r.rank, world_size=r.world_size,
+                                device=r.device, seed=self.cfg.train.seed)
         self.step, self.tokens_seen = state.step, state.tokens_seen
         self.last_saved_step = self.step
-        self.metrics.log(events.Resumed(step=self.step, checkpoint=self.store.url(checkpoint_key)))
+        self.metrics.log(events.Resumed(step=self.step, checkpoint=self.store.url(checkpoint_key),
+                                        rng_restored=state.rng_restored))
 
     def save(self) -> None:
-        """Stage this step's state; upload and commit go on in the background."""
-        t0 = time.perf_counter()
+        """Copy this step's state to host buffers; the write, upload and commit go on in the
+        background (checkpoint.async_enabled) or before this returns."""
         meta = {"config_hash": self.cfg.identity_hash(), "model_hash": self.cfg.model_hash(),
                 "shard_key": self.shard_key, "run_name": self.run_name,
-                "tokens_seen": self.tokens_seen}
-        state = to_host({**model_optim_tensors(self.raw_model, self.optimizer),
-                         **rng_state_tensors(self.ranks.rank)}, self.pinned)
-        scalars = scalar_state(self.optimizer, self.scheduler, self.step, self.tokens_seen,
-                               self.cfg.train.seed)
-        key = save_state(self.uploader, state, scalars, self.step, meta)
-        self.last_saved_step, self.last_save_seconds = self.step, time.perf_counter() - t0
-        self.metrics.log(events.CheckpointStaged(step=self.step, key=key,
-                                                 seconds=round(self.last_save_seconds, 3)))
+                "tokens_seen": self.tokens_seen, "engine": self.engine.describe()}
+        self.checkpointer.save(self.step, self.tokens_seen, meta)
+        self.last_saved_step = self.step
 
     # ---- steps ---------------------------------------------------------------------
-    def train_step(self) -> float:
-        """One optimizer step over grad_accum micro-batches; returns the mean loss."""
-        cfg, r = self.cfg, self.ranks
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step over grad_accum micro-batches; returns this rank's mean loss as
+        a device tensor (reading it is a host sync: only log steps do)."""
+        cfg, r, engine = self.cfg, self.ranks, self.engine
         accum = cfg.grad_accum_steps
         self.model.train()
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float32, device=r.device)
         for micro in range(accum):
-            x, y = train_batch(self.train_data, cfg.model.block_size, cfg.train.micro_batch_size,
-                               cfg.train.seed, self.step, r.rank, micro)
-            x, y = x.to(r.device), y.to(r.device)
-            # DDP all-reduces gradients only on the last micro-batch (group: world)
-            sync = nullcontext() if (micro == accum - 1 or not r.is_dist) else self.model.no_sync()
-            with sync:
-                _, loss = self.model(x, y)
+            x, y = self.batches.get(self.step, micro)
+            # gradients are reduced only on the last micro-batch (group: world)
+            with grad_sync(self.model, micro == accum - 1 or not r.is_dist):
+                with engine.autocast():
+                    _, loss = self.model(x, y)
                 (loss / accum).backward()
-            total += loss.detach().double().cpu()
+            total += loss.detach().float()
         if cfg.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.train.grad_clip)
         self.optimizer.step()
@@ -233,17 +249,20 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_seen += cfg.train.global_batch_size * cfg.model.block_size
-        mean = total / accum
-        if r.is_dist:
-            dist.all_reduce(mean)  # group: world; report the loss averaged over all ranks
-            mean /= r.world_size
-        return float(mean)
+        return total / accum
+
+    def _mean_over_ranks(self, loss: torch.Tensor) -> float:
+        if self.ranks.is_dist:
+            loss = loss.clone()
+            dist.all_reduce(loss)  # group: world; the loss averaged over all ranks
+            loss /= self.ranks.world_size
+        return float(loss)
 
     def _stop_early(self) -> None:
         """Asked to stop: checkpoint first when it fits in the grace period, then leave."""
-        # a stop checkpoint must be staged, uploaded and committed inside the grace period;
+        # a stop checkpoint must be written, uploaded and committed inside the grace period;
         # estimate from the last one, with a margin
-        expected = self.last_save_seconds + self.uploader.last_finish_seconds
+        expected = self.checkpointer.last_stall_seconds + self.uploader.last_finish_seconds
         fits = expected * 1.5 + 1 < self.stop.seconds_left()
         if self.step != self.last_saved_step and fits:
             self.save()
@@ -259,12 +278,15 @@ class Trainer:
         micro, T = cfg.train.micro_batch_size, cfg.model.block_size
         offsets = eval_offsets(self.val_data.num_tokens, T, cfg.eval.num_batches * micro * r.world_size)
         mine = offsets[r.rank :: r.world_size]
-        self.raw_model.eval()
-        sums = torch.zeros(2, dtype=torch.float64)
+        self.model.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=r.device)
         for i in range(0, len(mine), micro):
             x, y = get_batch(self.val_data, T, mine[i : i + micro])
-            _, loss = self.raw_model(x.to(r.device), y.to(r.device))
-            sums += torch.tensor([float(loss) * len(x), len(x)], dtype=torch.float64)
+            with self.engine.autocast():
+                # the step's module: under FSDP2 only it gathers the sharded parameters
+                _, loss = self.model(x.to(r.device), y.to(r.device))
+            sums[0] += loss.double() * len(x)
+            sums[1] += len(x)
         if r.is_dist:
             dist.all_reduce(sums)  # group: world; sum loss and window counts over ranks
         return float(sums[0] / sums[1])
@@ -279,8 +301,26 @@ class Trainer:
             # the last upload and commit finish before the process ends; after a failure a
             # peer may be gone for good (its receipt will never come), so wait only a little
             self.uploader.wait(timeout=FAILED_UPLOAD_WAIT_SECONDS if failed else None)
+            if not failed:
+                self.stop.drain()
+            self.batches.close()
             self.metrics.flush()
             sys.stdout.flush()
+
+    def _throughput(self, mark: tuple[int, float, float]) -> dict:
+        """Throughput since mark = (step, perf_counter, data wait seconds); call after a sync."""
+        steps, seconds = self.step - mark[0], time.perf_counter() - mark[1]
+        if steps <= 0 or seconds <= 0:
+            return {"step_seconds": 0.0}
+        cfg, r = self.cfg, self.ranks
+        tps = steps * cfg.train.global_batch_size * cfg.model.block_size / seconds
+        out = {"step_seconds": round(seconds / steps, 4), "tokens_per_second": round(tps, 1),
+               "data_wait_share": round(min(1.0, (self.batches.wait_seconds - mark[2]) / seconds), 4)}
+        if self.peak_flops:
+            out["mfu"] = round(self.flops_per_token * tps / (self.peak_flops * r.world_size), 4)
+        if r.device.type == "cuda":
+            out["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(r.device) / 1e9, 2)
+        return out
 
     def _fit(self) -> dict:
         cfg = self.cfg
@@ -289,22 +329,28 @@ class Trainer:
             val = self.evaluate()
             self.metrics.log(events.Eval(step=0, val_loss=val, val_ppl=math.exp(min(val, 50))))
         last_val = None
+        mark = (self.step, time.perf_counter(), self.batches.wait_seconds)
         while self.step < cfg.train.max_steps:
-            if self.stop.agreed(self.ranks.is_dist):
+            if self.stop.agreed():
                 self._stop_early()
+            if settles_before(self.step + 1):
+                self.uploader.wait()
             maybe_inject(self.ranks.rank, self.step + 1)
-            t0 = time.perf_counter()
             loss = self.train_step()
-            dt = time.perf_counter() - t0
             s = self.step
             self.metrics.log(events.Step(step=s))  # the launcher's hang watchdog
             if s % cfg.train.log_interval == 0 or s == 1 or s == cfg.train.max_steps:
-                self.metrics.log(events.Train(step=s, loss=loss, lr=self.scheduler.get_last_lr()[0],
-                                              step_seconds=round(dt, 4), tokens_seen=self.tokens_seen))
+                mean = self._mean_over_ranks(loss)  # the one host sync of a log step
+                self.metrics.log(events.Train(step=s, loss=mean, lr=self.scheduler.get_last_lr()[0],
+                                              tokens_seen=self.tokens_seen, **self._throughput(mark)))
+                mark = (s, time.perf_counter(), self.batches.wait_seconds)
             if s % cfg.eval.interval_steps == 0 or s == cfg.train.max_steps:
+                t_eval = time.perf_counter()
                 last_val = self.evaluate()
                 self.metrics.log(events.Eval(step=s, val_loss=last_val,
                                              val_ppl=math.exp(min(last_val, 50))))
+                # throughput is of training: the evaluation's time is left out of the interval
+                mark = (mark[0], mark[1] + time.perf_counter() - t_eval, mark[2])
             if s % cfg.checkpoint.interval_steps == 0 or s == cfg.train.max_steps:
                 self.save()
         self.uploader.wait()

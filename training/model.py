@@ -1,12 +1,20 @@
-"""A nanoGPT-sized GPT: pre-norm blocks, causal self-attention, tied embeddings."""
+"""A nanoGPT-sized GPT: pre-norm blocks, causal self-attention, tied embeddings.
+
+The embedding and output rows are padded to ``model.vocab_pad_multiple`` (the extra rows are
+never a target, so token ids and the loss are unchanged in meaning). Initial weights are a
+pure function of the seed and each parameter's name (``init_weights``), so a model built on
+the meta device and sharded by FSDP2 starts from the same values as a replicated one.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from core.config import ModelConfig
 
@@ -55,10 +63,17 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def padded_vocab(vocab_size: int, multiple: int) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_size: int):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, *, seed: int | None = 0):
+        """seed=None leaves the weights uninitialized (meta-device build; see init_weights)."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.activation_checkpointing = False
+        vocab_size = padded_vocab(vocab_size, cfg.vocab_pad_multiple)
         self.wte = nn.Embedding(vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -66,31 +81,60 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # scaled init of residual projections (GPT-2)
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if seed is not None:
+            init_weights(self, seed)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    def num_params(self, embedding: bool = False) -> int:
+        """Parameters (the tied output matrix once); without position embeddings unless asked."""
+        n = sum(p.numel() for p in self.parameters())
+        return n if embedding else n - self.wpe.weight.numel()
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6N for the matmuls of forward and backward plus
+        12·L·C·T for attention (PaLM appendix B), N without position embeddings."""
+        c = self.cfg
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V_padded)
         if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+            return logits[..., : self.vocab_size], None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
         return logits, loss
+
+
+def _init_value(name: str, shape: torch.Size, n_layer: int, seed: int) -> torch.Tensor:
+    """The initial value of one parameter, from a generator of (seed, name) alone."""
+    if name.endswith(".bias") or ".ln_" in name or name.startswith("ln_"):
+        return torch.ones(shape) if name.endswith(".weight") else torch.zeros(shape)
+    gen = torch.Generator().manual_seed(int.from_bytes(
+        hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1)
+    # scaled init of residual projections (GPT-2)
+    std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 0.02
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def init_weights(model: GPT, seed: int) -> None:
+    """Set every parameter to its initial value. Works on plain and FSDP2-sharded (DTensor)
+    parameters alike: each rank fills only its own shard, with no communication."""
+    for name, p in model.named_parameters():
+        full = _init_value(name, p.shape, model.cfg.n_layer, seed)
+        if hasattr(p, "device_mesh"):  # a DTensor: take this rank's shard of the full value
+            from torch.distributed.tensor import distribute_tensor
+            local = distribute_tensor(full.to(p.device), p.device_mesh, p.placements,
+                                      src_data_rank=None).to_local()
+            p.to_local().copy_(local)
+        else:
+            p.copy_(full)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

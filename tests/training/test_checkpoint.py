@@ -10,27 +10,36 @@ import torch.distributed.checkpoint as dcp
 from storage.checkpoints import list_checkpoints, validate_checkpoint
 from storage.store import Store
 from storage.uploader import CheckpointUploader
-from training.checkpoint import load_checkpoint, model_optim_tensors, rng_state_tensors, save_state, scalar_state
+from training.checkpoint import Checkpointer, load_checkpoint
 from core.config import ModelConfig
 from training.model import GPT, param_groups
 
 
 def save_checkpoint(store, run_name, *, model, optimizer, scheduler, step, tokens_seen, seed, rank,
-                    world_size, meta, keep_latest_k):
-    """Save and commit synchronously, as a rank does with checkpoint.async_enabled=False."""
+                    world_size, meta, keep_latest_k, async_enabled=False):
+    """Save and commit (synchronously, as a rank does with checkpoint.async_enabled=False)."""
+    committed = []
     uploader = CheckpointUploader(store, run_name, rank=rank, world_size=world_size,
                                   staging_root=tempfile.mkdtemp(prefix="stoker-staging-"), keep_latest_k=keep_latest_k,
-                                  upload_timeout=300, commit_timeout=300, async_enabled=False)
-    state = {**model_optim_tensors(model, optimizer), **rng_state_tensors(rank)}
-    key = save_state(uploader, state, scalar_state(optimizer, scheduler, step, tokens_seen, seed), step,
-                     {"tokens_seen": tokens_seen, **meta})
+                                  upload_timeout=300, commit_timeout=300, async_enabled=async_enabled,
+                                  on_event=committed.append)
+    ckpt = Checkpointer(uploader, model, optimizer, scheduler, rank=rank, world_size=world_size,
+                        device=torch.device("cpu"), seed=seed, global_batch_size=2)
+    stall = ckpt.save(step, tokens_seen, {"tokens_seen": tokens_seen, **meta})
+    return uploader, committed, stall
+
+
+def save_and_commit(store, run_name, **kw):
+    uploader, committed, stall = save_checkpoint(store, run_name, **kw)
+    uploader.wait()
     assert not uploader.failures, uploader.failures
-    return key, 0.0
+    return [e.key for e in committed if e.kind == "checkpoint"][0], stall
 
 
 def _build(seed=0):
     torch.manual_seed(seed)
-    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8), vocab_size=50)
+    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_pad_multiple=1),
+                vocab_size=50, seed=seed)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
     return model, opt, sched
@@ -58,7 +67,7 @@ def test_checkpoint_round_trip_restores_every_tensor_and_rng(tmp_path):
     model, opt, sched = _build()
     _train(model, opt, sched, 3)
     torch.manual_seed(7); np.random.seed(7); random.seed(7); random.gauss(0, 1)
-    key, _ = save_checkpoint(store, "r", model=model, optimizer=opt, scheduler=sched, step=3,
+    key, _ = save_and_commit(store, "r", model=model, optimizer=opt, scheduler=sched, step=3,
                              tokens_seen=48, seed=0, rank=0, world_size=1, meta={}, keep_latest_k=2)
     assert validate_checkpoint(store, key, deep=True)
     expected_rng = (torch.rand(3), np.random.rand(3), random.random())
@@ -84,7 +93,7 @@ def test_new_attempt_never_reuses_a_folder(tmp_path):
     kw = dict(model=model, optimizer=opt, scheduler=sched, step=1, tokens_seen=1, seed=0, rank=0,
               world_size=1, meta={}, keep_latest_k=2)
     store.write_bytes("runs/r/checkpoints/step-00000001/partial.distcp", b"junk")  # a crashed attempt
-    key, _ = save_checkpoint(store, "r", **kw)
+    key, _ = save_and_commit(store, "r", **kw)
     assert key.endswith("step-00000001.a1")
     assert [r.name for r in list_checkpoints(store, "r")] == ["step-00000001.a1", "step-00000001"]
 
@@ -99,21 +108,49 @@ def test_load_refuses_a_checkpoint_with_pickled_entries(tmp_path):
         load_checkpoint(str(tmp_path / "bad"), model=_build()[0])
 
 
-def test_to_host_passes_cpu_tensors_through():
-    from training.checkpoint import to_host
+def test_async_save_writes_the_state_of_its_step_while_training_goes_on(tmp_path):
+    """The training thread only copies the state; the write happens on the upload thread,
+    and what lands is the state at save time, not the state after later steps."""
+    store = Store("file://" + str(tmp_path))
+    model, opt, sched = _build()
+    _train(model, opt, sched, 2)
+    at_save = {n: p.detach().clone() for n, p in model.named_parameters()}
+    uploader, committed, _ = save_checkpoint(
+        store, "r", model=model, optimizer=opt, scheduler=sched, step=2, tokens_seen=32, seed=0,
+        rank=0, world_size=1, meta={}, keep_latest_k=2, async_enabled=True)
+    _train(model, opt, sched, 3)  # races the background write
+    uploader.wait()
+    assert not uploader.failures, uploader.failures
+    kinds = [e.kind for e in committed]
+    assert kinds == ["checkpoint_staged", "checkpoint"], kinds
+    fresh, fopt, fsched = _build(seed=5)
+    load_checkpoint(store.local_path(committed[-1].key), model=fresh, optimizer=fopt, scheduler=fsched)
+    for n, p in fresh.named_parameters():
+        assert torch.equal(p, at_save[n]), n
 
-    t = torch.arange(4.0)
-    assert to_host({"a": t}, {})["a"] is t
+
+def test_a_checkpoint_of_another_world_size_loads_with_fresh_rng_streams(tmp_path):
+    store = Store("file://" + str(tmp_path))
+    model, opt, sched = _build()
+    _train(model, opt, sched, 1)
+    key, _ = save_and_commit(store, "r", model=model, optimizer=opt, scheduler=sched, step=1,
+                             tokens_seen=16, seed=0, rank=0, world_size=1, meta={}, keep_latest_k=2)
+    fresh, fopt, fsched = _build(seed=9)
+    state = load_checkpoint(store.local_path(key), model=fresh, optimizer=fopt, scheduler=fsched,
+                            rank=1, world_size=2, seed=0)
+    assert state.step == 1 and not state.rng_restored
+    for (n, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p, q), n
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_to_host_stages_cuda_tensors_in_reused_pinned_buffers():
-    from training.checkpoint import to_host
-
-    buffers = {}
-    t = torch.randn(1000, device="cuda")
-    first = to_host({"w": t}, buffers)["w"]
-    assert first.is_pinned() and torch.equal(first, t.cpu())
-    t.add_(1)
-    second = to_host({"w": t}, buffers)["w"]
-    assert second.data_ptr() == first.data_ptr() and torch.equal(second, t.cpu())
+def test_init_is_a_function_of_the_seed_and_names_only():
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=8)
+    torch.manual_seed(1)
+    a = GPT(cfg, 50, seed=4)
+    torch.manual_seed(2)  # the global RNG plays no part
+    b = GPT(cfg, 50, seed=4)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.wte.weight, GPT(cfg, 50, seed=5).wte.weight)
+    assert a.wte.weight.shape[0] == 128  # padded to vocab_pad_multiple; ids < 50 unchanged
+    logits, _ = a(torch.zeros(1, 8, dtype=torch.long))
+    assert logits.shape == (1, 8, 50)

@@ -1,30 +1,14 @@
 """Real torchrun with 2 gloo ranks: a resumed run ends bit for bit where an unbroken one does."""
 
-import json
-import os
-import subprocess
-import sys
-
 import torch
 import torch.distributed.checkpoint as dcp
 
 from storage.checkpoints import list_checkpoints, validate_checkpoint
-from launch.torchrun import free_port
-from tests.conftest import ROOT, prepare_shards
+from tests.conftest import prepare_shards, run_ranks, train_losses
 
 
 def _torchrun(config_url, shard_key, resume=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--tee=3",
-           "-m", "training.train", "--config", config_url, "--shards", shard_key]
-    if resume:
-        cmd += ["--resume-from", resume]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    metrics = [json.loads(line.split("STOKER_METRIC ", 1)[1]) for line in out.stdout.splitlines()
-               if "STOKER_METRIC " in line]
-    return {m["step"]: m["loss"] for m in metrics if m["event"] == "train"}
+    return train_losses(run_ranks(config_url, shard_key, resume))
 
 
 def _tensors(path):

@@ -1,0 +1,235 @@
+"""The GPU engine on one GPU: stoker's trainer against a bare hand-tuned loop, and the
+checkpoint stall. Skipped (exit 0, a line saying so) without CUDA.
+
+1. tokens/s of stoker's Trainer (the one-GPU recipe: bf16 autocast, TF32, torch.compile,
+   fused AdamW, padded vocabulary, prefetched pinned batches) over a bare nanoGPT-style loop
+   of the same model, batch, optimizer and shards with the best settings known (bf16,
+   compile, fused AdamW, TF32, pinned non-blocking copies), alternated in rounds, medians.
+                                                                              goal >= 1.0
+   MFU printed (6N + 12·L·C·T FLOPs per token against the device's bf16 peak; goal >= 45%
+   for GPT-2 124M on an H100).
+2. Training time lost per checkpoint: async (the step waits only for the copy into pinned
+   host buffers) over a synchronous save+write+commit of the same state, each measured as
+   the extra time of the steps around a save over the same steps without one.
+                                                                              goal <= 0.15
+The store is a local folder (the GPU host has no S3 endpoint), so "upload" is the checksum
+and commit of files DCP wrote in place.
+
+    python -m benchmarks.bench_gpu --store file:///path/with/shards [--micro-batch 16,32]
+
+The shard set: ``python -m benchmarks.make_shards`` here, carried to the GPU host.
+Writes benchmarks/results/gpu-<device>.json (and $OUT/bench_gpu.json when $OUT is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _config(store_root: str, micro: int, **engine):
+    from core.config import load_config
+
+    over = {"storage.root": store_root, "run_name": f"bench-gpu-{micro}",
+            "train.micro_batch_size": micro, "train.global_batch_size": micro * 4,
+            "train.deterministic": False, "eval.per_checkpoint_enabled": False,
+            "launch.nproc_per_node": 1}
+    over.update({f"engine.{k}": v for k, v in engine.items()})
+    return load_config("gpt2-124m-1gpu", **over)
+
+
+def _shard_key(store) -> str:
+    keys = [k for k in store.listdir("shards") if not k.startswith(".")]
+    if len(keys) != 1:
+        raise SystemExit(f"expected one shard set under {store.url('shards')}, found {keys}")
+    return keys[0]
+
+
+def _trainer(cfg, store, shard_key, cache_dir):
+    from storage.shards import materialize
+    from training.loop import RankInfo, Trainer
+
+    ranks = RankInfo(0, 0, 1, torch.device("cuda", 0))
+    return Trainer(cfg, ranks, materialize(store, shard_key, cache_dir), store, shard_key, cache_dir)
+
+
+class BareLoop:
+    """nanoGPT's train.py, reduced: the same GPT, fused AdamW, bf16 autocast, compile, TF32,
+    random windows from the same memmapped shards, pinned non-blocking copies, grad clip."""
+
+    def __init__(self, cfg, shard_dir: str):
+        from training.data import TokenStream
+        from training.model import GPT, param_groups
+
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        self.stream = TokenStream(shard_dir, "train")
+        self.data = self.stream.parts[0]
+        self.T, self.B = cfg.model.block_size, cfg.train.micro_batch_size
+        self.accum = cfg.train.global_batch_size // self.B
+        self.model = GPT(cfg.model, self.stream.vocab_size, seed=0).cuda()
+        self.opt = torch.optim.AdamW(param_groups(self.model, 0.1), lr=6e-4, betas=(0.9, 0.95),
+                                     fused=True)
+        self.step_fn = torch.compile(self.model)
+        self.rng = np.random.default_rng(0)
+
+    def batch(self):
+        ix = self.rng.integers(0, len(self.data) - self.T - 1, size=self.B)
+        rows = np.stack([self.data[i : i + self.T + 1] for i in ix]).astype(np.int64)
+        t = torch.from_numpy(rows).pin_memory()
+        return t[:, :-1].cuda(non_blocking=True), t[:, 1:].cuda(non_blocking=True)
+
+    def train_step(self):
+        x, y = self.batch()
+        for micro in range(self.accum):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                _, loss = self.step_fn(x, y)
+            x, y = self.batch()  # next batch while the GPU works
+            (loss / self.accum).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def _tokens_per_second(step, steps: int, tokens_per_step: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    float(loss)  # one sync at the end, as a log step would
+    return steps * tokens_per_step / (time.perf_counter() - t0)
+
+
+def bench_throughput(cfg, store, shard_key, cache_dir, rounds: int, steps: int) -> dict:
+    from storage.shards import materialize
+
+    ours = _trainer(cfg, store, shard_key, cache_dir)
+    bare = BareLoop(cfg, materialize(store, shard_key, cache_dir))
+    tokens = cfg.train.global_batch_size * cfg.model.block_size
+    t0 = time.perf_counter()
+    for _ in range(3):  # compile and warm both
+        ours.train_step(); bare.train_step()
+    torch.cuda.synchronize()
+    warm = time.perf_counter() - t0
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(_tokens_per_second(ours.train_step, steps, tokens))
+        b.append(_tokens_per_second(bare.train_step, steps, tokens))
+    tps_ours, tps_bare = statistics.median(a), statistics.median(b)
+    mfu = ours.flops_per_token * tps_ours / ours.peak_flops if ours.peak_flops else None
+    mfu_bare = ours.flops_per_token * tps_bare / ours.peak_flops if ours.peak_flops else None
+    out = {"micro_batch": cfg.train.micro_batch_size, "tokens_per_step": tokens,
+           "warmup_seconds": round(warm, 1), "ours_tokens_per_second": round(tps_ours),
+           "bare_tokens_per_second": round(tps_bare), "ratio": round(tps_ours / tps_bare, 3),
+           "mfu": None if mfu is None else round(mfu, 4),
+           "bare_mfu": None if mfu_bare is None else round(mfu_bare, 4),
+           "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
+           "rounds": {"ours": [round(x) for x in a], "bare": [round(x) for x in b]}}
+    print(f"  micro-batch {out['micro_batch']}: ours {tps_ours:,.0f} tok/s, bare {tps_bare:,.0f} tok/s; "
+          f"RATIO ours/bare = {out['ratio']:.3f} (goal >= 1.0: {'met' if out['ratio'] >= 1 else 'NOT met'}); "
+          f"MFU {100 * (mfu or 0):.1f}% (bare {100 * (mfu_bare or 0):.1f}%; goal >= 45%)", flush=True)
+    ours.batches.close()
+    del ours, bare
+    torch.cuda.empty_cache()
+    return out
+
+
+def _step_times(trainer, steps: int, save_at: set[int]) -> list[float]:
+    """Wall time of each step (synchronized), saving after the steps in save_at."""
+    times = []
+    for i in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        trainer.train_step()
+        if i in save_at:
+            trainer.save()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench_stall(cfg, store, shard_key, cache_dir, saves: int = 4, window: int = 4) -> dict:
+    """Per save: the steps of a window starting at the save, minus the same number of steps
+    without a save (median step time), for async and synchronous saves of the same state."""
+    out = {}
+    for mode in ("async", "sync"):
+        run_cfg = cfg.model_copy(update={
+            "run_name": f"{cfg.run_name}-{mode}",
+            "checkpoint": cfg.checkpoint.model_copy(update={"async_enabled": mode == "async",
+                                                            "keep_latest_k": 2})})
+        trainer = _trainer(run_cfg, store, shard_key, cache_dir)
+        _step_times(trainer, 3, set())  # compile
+        trainer.save()  # the first save allocates the pinned buffers
+        trainer.uploader.wait()
+        plain = statistics.median(_step_times(trainer, 10, set()))
+        lost = []
+        for _ in range(saves):
+            times = _step_times(trainer, window, {0})
+            lost.append(max(0.0, sum(times) - window * plain))
+            trainer.uploader.wait()  # one save in flight, as the loop allows
+        assert not trainer.uploader.failures, trainer.uploader.failures
+        out[mode] = {"step_seconds": round(plain, 4), "lost_per_save": [round(x, 4) for x in lost],
+                     "median_lost_seconds": round(statistics.median(lost), 4)}
+        trainer.batches.close()
+        del trainer
+        torch.cuda.empty_cache()
+    state_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(
+        store.local_path(f"runs/{cfg.run_name}-sync/checkpoints")) for f in fs) / 2  # 2 kept
+    ratio = out["async"]["median_lost_seconds"] / max(out["sync"]["median_lost_seconds"], 1e-9)
+    out.update(ratio=round(ratio, 4), checkpoint_gb=round(state_bytes / 1e9, 2))
+    print(f"  checkpoint of {out['checkpoint_gb']} GB: time lost per save async "
+          f"{out['async']['median_lost_seconds']:.3f}s, sync {out['sync']['median_lost_seconds']:.3f}s; "
+          f"RATIO async/sync = {ratio:.3f} (goal <= 0.15: {'met' if ratio <= 0.15 else 'NOT met'})",
+          flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--store", default=os.environ.get("STOKER_GPU_STORE"),
+                   help="store root holding one shard set (shards/<key>)")
+    p.add_argument("--micro-batch", default="16", help="comma-separated micro-batch sizes to try")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per round")
+    p.add_argument("--skip-stall", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("  no CUDA device: skipped (see ../shared/gpu/README.md to run it on a lent GPU)")
+        return
+    if not args.store:
+        raise SystemExit("--store (or STOKER_GPU_STORE) is required: a store root holding a shard set")
+    from storage.store import Store
+
+    store = Store(args.store)
+    key = _shard_key(store)
+    cache_dir = tempfile.mkdtemp(prefix="stoker-bench-gpu-")
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "python": platform.python_version(), "shards": key, "throughput": []}
+    for micro in (int(m) for m in args.micro_batch.split(",")):
+        cfg = _config(args.store, micro)
+        result["throughput"].append(bench_throughput(cfg, store, key, cache_dir, args.rounds, args.steps))
+    if not args.skip_stall:
+        result["stall"] = bench_stall(_config(args.store, int(args.micro_batch.split(",")[0])),
+                                      store, key, cache_dir)
+    os.makedirs(RESULTS, exist_ok=True)
+    name = "gpu-" + "".join(c if c.isalnum() else "-" for c in result["device"]).strip("-").lower()
+    for path in [os.path.join(RESULTS, name + ".json")] + (
+            [os.path.join(os.environ["OUT"], "bench_gpu.json")] if os.environ.get("OUT") else []):
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""On a CUDA GPU (marker `cuda`; skipped cleanly without one): the one-GPU recipe under
+torchrun with NCCL through evaluation, checkpoint and resume; FSDP2 on CUDA; bf16+compile
+faster than fp32 in the same run (a ratio, never a time); the async checkpoint copy.
+
+Shards: STOKER_GPU_STORE names a store root holding one shard set built for the recipe
+(``python -m benchmarks.make_shards``, carried to the GPU host); without it the data stage
+builds a small one here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from core.config import load_config
+from storage.store import Store
+from tests.conftest import ROOT, run_ranks, train_losses
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def gpu_shards(tmp_path_factory):
+    """(store root, shard key) of a shard set for the gpt2-124m-1gpu recipe."""
+    root = os.environ.get("STOKER_GPU_STORE")
+    if not root:
+        from tests.conftest import prepare_shards
+
+        root = "file://" + str(tmp_path_factory.mktemp("gpu-store"))
+        cfg = load_config("gpt2-124m-1gpu", **{"storage.root": root, "data.max_bytes": 3_000_000})
+        prepare_shards(cfg)
+    store = Store(root)
+    keys = [k for k in store.listdir("shards") if not k.startswith(".")]
+    assert len(keys) == 1, keys
+    return root, keys[0]
+
+
+def _recipe(root: str, run: str, tmp_path, **over):
+    """The one-GPU recipe as written, cut to a few steps, in a store of this test's own."""
+    cfg = load_config("gpt2-124m-1gpu", **{
+        "run_name": run, "storage.root": "file://" + str(tmp_path / "store"),
+        "train.max_steps": 12, "train.warmup_steps": 2, "train.global_batch_size": 32,
+        "train.log_interval": 2, "checkpoint.interval_steps": 6, "eval.interval_steps": 6,
+        "eval.num_batches": 2, "eval.per_checkpoint_enabled": False, **over})
+    store = Store(cfg.storage.root)
+    src = Store(root)
+    return cfg, store, src
+
+
+def _link_shards(src: Store, store: Store, key: str) -> None:
+    os.makedirs(store.local_path("shards"), exist_ok=True)
+    dst = store.local_path(f"shards/{key}")
+    if not os.path.exists(dst):
+        os.symlink(src.local_path(f"shards/{key}"), dst)
+
+
+def _launch(cfg, store, key, resume=None, name="config"):
+    url_key = f"runs/{cfg.run_name}/{name}.json"
+    store.write_bytes(url_key, cfg.to_json().encode())
+    return run_ranks(store.url(url_key), key, resume=resume, nproc=1, timeout=560)
+
+
+def test_one_gpu_recipe_trains_evaluates_checkpoints_and_resumes_under_nccl(gpu_shards, tmp_path):
+    root, key = gpu_shards
+    cfg, store, src = _recipe(root, "gpu-run", tmp_path)
+    _link_shards(src, store, key)
+    assert cfg.launch.backend == "nccl" and cfg.engine.compile == "auto"
+    unbroken = _launch(cfg, store, key)
+    losses = train_losses(unbroken)
+    assert sorted(losses) == [1, 2, 4, 6, 8, 10, 12]
+    assert losses[12] < losses[1]
+    trains = [e for e in unbroken if e["event"] == "train"]
+    assert all(e["tokens_per_second"] > 0 and e["peak_memory_gb"] > 0 for e in trains)
+    if "H100" in torch.cuda.get_device_name(0):
+        assert all(0 < e["mfu"] < 1 for e in trains)
+    assert [e["step"] for e in unbroken if e["event"] == "eval"] == [0, 6, 12]
+    commits = [e for e in unbroken if e["event"] == "checkpoint"]
+    assert [e["step"] for e in commits] == [6, 12]
+
+    resumed = train_losses(_launch(cfg, store, key, resume=commits[0]["key"]))
+    assert sorted(resumed) == [8, 10, 12]
+    for s in resumed:  # bf16 + compile on a GPU: close, not bitwise (see README)
+        assert abs(resumed[s] - losses[s]) < 2e-2 * abs(losses[s]), (s, resumed[s], losses[s])
+
+    out = subprocess.run(
+        [sys.executable, "-m", "training.evaluate", "--config", store.url(f"runs/{cfg.run_name}/config.json"),
+         "--checkpoint", commits[1]["key"], "--shards", key, "--max-windows", "32", "--device", "cuda"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    evaluated = [json.loads(l.split("STOKER_METRIC ", 1)[1]) for l in out.stdout.splitlines()
+                 if "STOKER_METRIC " in l]
+    assert evaluated[-1]["event"] == "evaluated" and evaluated[-1]["step"] == 12
+    assert 0 < evaluated[-1]["val_loss"] < 20
+
+
+def test_fsdp2_on_cuda_follows_ddp_and_its_checkpoint_loads_under_ddp(gpu_shards, tmp_path):
+    root, key = gpu_shards
+    ddp, store, src = _recipe(root, "gpu-fsdp", tmp_path, **{"train.max_steps": 6,
+                                                              "checkpoint.interval_steps": 3,
+                                                              "eval.interval_steps": 3})
+    _link_shards(src, store, key)
+    fsdp = ddp.model_copy(update={"engine": ddp.engine.model_copy(update={"parallelism": "fsdp"})})
+    a = train_losses(_launch(ddp, store, key))
+    b_events = _launch(fsdp, store, key, name="config-fsdp")
+    b = train_losses(b_events)
+    for s in a:
+        assert abs(a[s] - b[s]) < 2e-2 * abs(a[s]), (s, a[s], b[s])
+    fsdp_ckpt = [e["key"] for e in b_events if e["event"] == "checkpoint"][0]
+    c = train_losses(_launch(ddp, store, key, resume=fsdp_ckpt))  # FSDP2 -> DDP
+    assert sorted(c) == [4, 6]
+    for s in c:
+        assert abs(a[s] - c[s]) < 2e-2 * abs(a[s]), (s, a[s], c[s])
+
+
+def _tokens_per_second(trainer, steps: int) -> float:
+    for _ in range(3):  # compile and warm up
+        trainer.train_step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = trainer.train_step()
+    float(loss)
+    tokens = trainer.cfg.train.global_batch_size * trainer.cfg.model.block_size
+    return steps * tokens / (time.perf_counter() - t0)
+
+
+def test_bf16_and_compile_are_faster_than_fp32(gpu_shards, tmp_path):
+    from storage.shards import materialize
+    from training.loop import RankInfo, Trainer
+
+    root, key = gpu_shards
+    ranks = RankInfo(0, 0, 1, torch.device("cuda", 0))
+    rates = {}
+    for name, engine in [("fp32", {"precision": "fp32", "tf32": False, "compile": "off",
+                                   "fused_optimizer": "off"}),
+                         ("fast", {})]:
+        cfg, store, src = _recipe(root, f"speed-{name}", tmp_path, **{
+            "train.global_batch_size": 16, **{f"engine.{k}": v for k, v in engine.items()}})
+        trainer = Trainer(cfg, ranks, materialize(src, key, str(tmp_path / "cache")), store, key,
+                          cache_dir=str(tmp_path / "cache"))
+        rates[name] = _tokens_per_second(trainer, 8)
+        trainer.batches.close()
+        del trainer
+        torch.cuda.empty_cache()
+    ratio = rates["fast"] / rates["fp32"]
+    print(f"bf16+compile+fused over fp32: {ratio:.2f}x ({rates})")
+    assert ratio > 1.0
+
+
+def test_async_checkpoint_copy_on_cuda_writes_the_state_of_its_step(tmp_path):
+    """The copy to pinned buffers is non-blocking: what lands must still be the state at
+    save time although the next steps start at once; the buffers are reused."""
+    from core.config import ModelConfig
+    from storage.uploader import CheckpointUploader
+    from training.checkpoint import Checkpointer, load_checkpoint
+    from training.model import GPT, param_groups
+
+    dev = torch.device("cuda", 0)
+    model = GPT(ModelConfig(n_layer=2, n_head=4, n_embd=256, block_size=64), 1000, seed=1).to(dev)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+    def step():
+        x = torch.randint(0, 1000, (8, 64), device=dev)
+        model(x, x)[1].backward()
+        opt.step(); sched.step(); opt.zero_grad()
+
+    events = []
+    store = Store("file://" + str(tmp_path / "store"))
+    uploader = CheckpointUploader(store, "r", rank=0, world_size=1, staging_root=str(tmp_path / "s"),
+                                  keep_latest_k=5, upload_timeout=60, commit_timeout=60,
+                                  async_enabled=True, on_event=events.append)
+    ckpt = Checkpointer(uploader, model, opt, sched, rank=0, world_size=1, device=dev, seed=0,
+                        global_batch_size=8)
+    step()
+    ckpt.save(1, 0, {})
+    uploader.wait()
+    buffers = {k: v.data_ptr() for k, v in ckpt.buffers.items()}
+    step()
+    at_save = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ckpt.save(2, 0, {})
+    for _ in range(5):
+        step()  # overwrite the live tensors while the copy and the write are in flight
+    uploader.wait()
+    assert {k: v.data_ptr() for k, v in ckpt.buffers.items()} == buffers  # reused
+    key = [e.key for e in events if e.kind == "checkpoint"][-1]
+    fresh = GPT(ModelConfig(n_layer=2, n_head=4, n_embd=256, block_size=64), 1000, seed=2).to(dev)
+    load_checkpoint(store.local_path(key), model=fresh)
+    for n, p in fresh.named_parameters():
+        assert torch.equal(p, at_save[n]), n

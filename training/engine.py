@@ -1,0 +1,161 @@
+"""How a rank computes: device, precision, compilation, parallelism, optimizer, throughput.
+
+``Engine.resolve`` turns the config's ``engine`` section and the device into decisions
+('auto' settled once, with a ConfigError naming the field when the hardware cannot do what
+was asked); ``build`` makes the model (DDP, or FSDP2 from the meta device), the optimizer
+and the process groups the loop needs. No orchestrator here.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from core.config import RunConfig
+from core.failures import ConfigError
+from training.model import GPT, init_weights, param_groups
+
+# dense bf16 tensor-core peak per device (no sparsity), by a substring of the device name;
+# the first match wins. Unknown devices report tokens/s but no MFU.
+PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("GH200", 989e12),
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 70e12),
+)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of one device, or None when it is not in the table (CPU included)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+@dataclass(frozen=True)
+class Engine:
+    device: torch.device
+    bf16: bool
+    compile: bool
+    fused: bool
+    fsdp: bool
+    activation_checkpointing: bool
+    prefetch: bool
+
+    @classmethod
+    def resolve(cls, cfg: RunConfig, device: torch.device) -> "Engine":
+        e, cuda = cfg.engine, device.type == "cuda"
+        if e.precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
+            raise ConfigError([f"engine.precision: bf16 is not supported by "
+                               f"{torch.cuda.get_device_name(device)}; use 'fp32' or 'auto'."])
+        if e.fused_optimizer == "on" and not cuda:
+            raise ConfigError(["engine.fused_optimizer: fused AdamW needs a CUDA device and this "
+                               "rank runs on CPU; use 'auto' or 'off'."])
+        bf16 = e.precision == "bf16" or (e.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
+        return cls(device=device, bf16=bf16,
+                   compile=e.compile == "on" or (e.compile == "auto" and cuda),
+                   fused=e.fused_optimizer == "on" or (e.fused_optimizer == "auto" and cuda),
+                   fsdp=e.parallelism == "fsdp",
+                   activation_checkpointing=e.activation_checkpointing == "full",
+                   prefetch=e.prefetch)
+
+    def describe(self) -> dict:
+        return {"device": str(self.device), "precision": "bf16" if self.bf16 else "fp32",
+                "compile": self.compile, "fused_optimizer": self.fused,
+                "parallelism": "fsdp" if self.fsdp else "ddp",
+                "activation_checkpointing": self.activation_checkpointing}
+
+    def autocast(self):
+        if not self.bf16:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+
+def configure_backends(cfg: RunConfig, device: torch.device) -> None:
+    """Process-wide switches, before any CUDA work: TF32 and deterministic algorithms."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.engine.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.engine.tf32
+    if cfg.train.deterministic:
+        # cuBLAS is deterministic only with a fixed workspace; set before its first use
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def build_model(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int):
+    """(raw_model, model): the module whose parameters the optimizer and checkpoints see,
+    and the one the step calls (compiled and/or DDP-wrapped). Initial weights are the same
+    under DDP and FSDP2 (a function of the seed and the parameter names)."""
+    seed, device = cfg.train.seed, engine.device
+    if engine.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        with torch.device("meta"):
+            raw = GPT(cfg.model, vocab_size, seed=None)
+        raw.activation_checkpointing = engine.activation_checkpointing
+        mesh = init_device_mesh(device.type, (world_size,))
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if engine.bf16 else MixedPrecisionPolicy())
+        for block in raw.blocks:
+            if engine.compile:
+                block.compile()  # per block, as torchtitan does under FSDP2
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(raw, mesh=mesh, mp_policy=mp)
+        raw.to_empty(device=device)
+        init_weights(raw, seed)
+        return raw, raw
+    raw = GPT(cfg.model, vocab_size, seed=seed).to(device)
+    raw.activation_checkpointing = engine.activation_checkpointing
+    model = torch.compile(raw) if engine.compile else raw
+    if world_size > 1 or (dist.is_available() and dist.is_initialized()):
+        ids = [device.index] if device.type == "cuda" else None
+        model = DDP(model, device_ids=ids, gradient_as_bucket_view=True)
+    return raw, model
+
+
+def build_optimizer(cfg: RunConfig, raw_model: torch.nn.Module, engine: Engine) -> torch.optim.AdamW:
+    t = cfg.train
+    impl = {"fused": True} if engine.fused else {"foreach": cfg.engine.fused_optimizer != "off"}
+    return torch.optim.AdamW(param_groups(raw_model, t.weight_decay), lr=t.lr,
+                             betas=(t.beta1, t.beta2), **impl)
+
+
+@contextmanager
+def grad_sync(model: torch.nn.Module, enabled: bool):
+    """Gradient all-reduce (DDP) or reduce-scatter (FSDP2) only when enabled: on the last
+    micro-batch of an accumulated step."""
+    if enabled:
+        yield
+    elif isinstance(model, DDP):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def side_group() -> "dist.ProcessGroup | None":
+    """A gloo group over every rank, for traffic that must not share the world group's
+    queue (the stop vote, the checkpoint writer's thread). Collective: every rank calls it
+    in the same order. None when alone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo")
