@@ -63,11 +63,60 @@ def _trainer(cfg, store, shard_key, cache_dir):
     return Trainer(cfg, ranks, materialize(store, shard_key, cache_dir), store, shard_key, cache_dir)
 
 
+def _sdpa(name: str):
+    """A context for the attention kernels: 'default' (PyTorch's choice) or one backend first."""
+    from contextlib import nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name == "default":
+        return nullcontext
+    order = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+    rest = [b for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                        SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH) if b != order]
+    return lambda: sdpa_kernel([order] + rest, set_priority=True)
+
+
+def explore(store_root: str, store, key: str, cache_dir: str, variants: list[str], steps: int) -> list[dict]:
+    """Tokens/s and MFU of the bare loop under variants "micro:attention[:cdt]" (cdt:
+    inductor's coordinate-descent tuning), to pick the settings the trainer should use."""
+    from storage.shards import materialize
+    from training.engine import peak_flops
+
+    out = []
+    for variant in variants:
+        micro, attention, *extra = variant.split(":")
+        torch._dynamo.reset()
+        torch._inductor.config.coordinate_descent_tuning = "cdt" in extra
+        cfg = _config(store_root, int(micro))
+        bare = BareLoop(cfg, materialize(store, key, cache_dir), attention)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            bare.train_step()
+        torch.cuda.synchronize()
+        warm = time.perf_counter() - t0
+        tokens = cfg.train.global_batch_size * cfg.model.block_size
+        tps = statistics.median(_tokens_per_second(bare.train_step, steps, tokens) for _ in range(3))
+        peak = peak_flops(torch.device("cuda", 0))
+        mfu = bare.model.flops_per_token() * tps / peak if peak else None
+        row = {"variant": variant, "tokens_per_second": round(tps), "mfu": mfu and round(mfu, 4),
+               "warmup_seconds": round(warm, 1),
+               "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
+        print(f"  explore {variant}: {tps:,.0f} tok/s, MFU {100 * (mfu or 0):.1f}%, "
+              f"compile+warm-up {warm:.0f}s", flush=True)
+        out.append(row)
+        del bare
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    torch._inductor.config.coordinate_descent_tuning = False
+    return out
+
+
 class BareLoop:
     """nanoGPT's train.py, reduced: the same GPT, fused AdamW, bf16 autocast, compile, TF32,
     random windows from the same memmapped shards, pinned non-blocking copies, grad clip."""
 
-    def __init__(self, cfg, shard_dir: str):
+    def __init__(self, cfg, shard_dir: str, attention: str = "default"):
         from training.data import TokenStream
         from training.model import GPT, param_groups
 
@@ -82,6 +131,7 @@ class BareLoop:
                                      fused=True)
         self.step_fn = torch.compile(self.model)
         self.rng = np.random.default_rng(0)
+        self.attention = _sdpa(attention)
 
     def batch(self):
         ix = self.rng.integers(0, len(self.data) - self.T - 1, size=self.B)
@@ -92,7 +142,7 @@ class BareLoop:
     def train_step(self):
         x, y = self.batch()
         for micro in range(self.accum):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=torch.bfloat16), self.attention():
                 _, loss = self.step_fn(x, y)
             x, y = self.batch()  # next batch while the GPU works
             (loss / self.accum).backward()
@@ -123,9 +173,10 @@ def bench_throughput(cfg, store, shard_key, cache_dir, rounds: int, steps: int) 
     torch.cuda.synchronize()
     warm = time.perf_counter() - t0
     a, b = [], []
-    for _ in range(rounds):
-        a.append(_tokens_per_second(ours.train_step, steps, tokens))
-        b.append(_tokens_per_second(bare.train_step, steps, tokens))
+    for i in range(rounds):  # ABBA order: neither loop always runs first
+        first, second = ((ours, a), (bare, b)) if i % 2 == 0 else ((bare, b), (ours, a))
+        for loop, rates in (first, second):
+            rates.append(_tokens_per_second(loop.train_step, steps, tokens))
     tps_ours, tps_bare = statistics.median(a), statistics.median(b)
     mfu = ours.flops_per_token * tps_ours / ours.peak_flops if ours.peak_flops else None
     mfu_bare = ours.flops_per_token * tps_bare / ours.peak_flops if ours.peak_flops else None
@@ -199,10 +250,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--store", default=os.environ.get("STOKER_GPU_STORE"),
                    help="store root holding one shard set (shards/<key>)")
-    p.add_argument("--micro-batch", default="16", help="comma-separated micro-batch sizes to try")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps per round")
+    p.add_argument("--micro-batch", default="32", help="comma-separated micro-batch sizes to try")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per round")
     p.add_argument("--skip-stall", action="store_true")
+    p.add_argument("--explore", default="", help="bare-loop variants to time first, e.g. "
+                   "'32:default,32:cudnn,48:cudnn:cdt' (micro-batch:attention[:cdt])")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("  no CUDA device: skipped (see ../shared/gpu/README.md to run it on a lent GPU)")
@@ -216,10 +269,12 @@ def main(argv: list[str] | None = None) -> None:
     cache_dir = tempfile.mkdtemp(prefix="stoker-bench-gpu-")
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "python": platform.python_version(), "shards": key, "throughput": []}
-    for micro in (int(m) for m in args.micro_batch.split(",")):
+    if args.explore:
+        result["explore"] = explore(args.store, store, key, cache_dir, args.explore.split(","), args.steps)
+    for micro in (int(m) for m in args.micro_batch.split(",") if m):
         cfg = _config(args.store, micro)
         result["throughput"].append(bench_throughput(cfg, store, key, cache_dir, args.rounds, args.steps))
-    if not args.skip_stall:
+    if not args.skip_stall and args.micro_batch:
         result["stall"] = bench_stall(_config(args.store, int(args.micro_batch.split(",")[0])),
                                       store, key, cache_dir)
     os.makedirs(RESULTS, exist_ok=True)

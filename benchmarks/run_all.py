@@ -17,6 +17,7 @@ def main() -> int:
         if only and name not in only:
             continue
         print(f"=== {name}", flush=True)
+        sys.argv = [name]  # each benchmark parses its own (default) arguments
         importlib.import_module(f"benchmarks.{name}").main()
     return 0
 

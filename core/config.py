@@ -448,11 +448,14 @@ class RunConfig(_Section):
         return self.train.global_batch_size // (self.launch.world_size * self.train.micro_batch_size)
 
     def identity_hash(self) -> str:
-        """Hash of what determines the run's trajectory (not where it is stored or launched)."""
+        """Hash of what determines the run's trajectory: not where it is stored, how it is
+        launched or computed, nor how the global batch is split (world size, micro-batch),
+        since every step trains on the same sequences at any split. A run may resume with
+        any of those changed."""
         payload = self.model_dump(mode="json", exclude={"run_name": True, "storage": True,
                                                         "launch": True, "engine": True,
-                                                        "data": {"num_workers"}})
-        payload["world_size"] = self.launch.world_size
+                                                        "data": {"num_workers"},
+                                                        "train": {"micro_batch_size"}})
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
     def model_hash(self) -> str:

@@ -241,6 +241,7 @@ class Trainer:
                 with engine.autocast():
                     _, loss = self.model(x, y)
                 (loss / accum).backward()
+            self.batches.prefetch(self.step, micro)  # while the device runs this micro-batch
             total += loss.detach().float()
         if cfg.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.train.grad_clip)

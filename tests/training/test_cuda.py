@@ -140,7 +140,8 @@ def test_bf16_and_compile_are_faster_than_fp32(gpu_shards, tmp_path):
                                    "fused_optimizer": "off"}),
                          ("fast", {})]:
         cfg, store, src = _recipe(root, f"speed-{name}", tmp_path, **{
-            "train.global_batch_size": 16, **{f"engine.{k}": v for k, v in engine.items()}})
+            "train.global_batch_size": 16, "train.micro_batch_size": 16,
+            **{f"engine.{k}": v for k, v in engine.items()}})
         trainer = Trainer(cfg, ranks, materialize(src, key, str(tmp_path / "cache")), store, key,
                           cache_dir=str(tmp_path / "cache"))
         rates[name] = _tokens_per_second(trainer, 8)
@@ -193,3 +194,18 @@ def test_async_checkpoint_copy_on_cuda_writes_the_state_of_its_step(tmp_path):
     load_checkpoint(store.local_path(key), model=fresh)
     for n, p in fresh.named_parameters():
         assert torch.equal(p, at_save[n]), n
+
+
+def test_deterministic_resume_on_cuda_is_bitwise(gpu_shards, tmp_path):
+    """train.deterministic on CUDA (deterministic algorithms, a fixed cuBLAS workspace) with
+    the recipe's bf16 and compile: a resumed run repeats the unbroken run's losses exactly."""
+    root, key = gpu_shards
+    cfg, store, src = _recipe(root, "gpu-det", tmp_path, **{
+        "train.deterministic": True, "train.max_steps": 4, "train.log_interval": 1,
+        "checkpoint.interval_steps": 2, "eval.interval_steps": 100})
+    _link_shards(src, store, key)
+    unbroken = _launch(cfg, store, key)
+    first = [e["key"] for e in unbroken if e["event"] == "checkpoint"][0]
+    resumed = train_losses(_launch(cfg, store, key, resume=first))
+    assert sorted(resumed) == [3, 4]
+    assert all(resumed[s] == train_losses(unbroken)[s] for s in resumed), (resumed, train_losses(unbroken))

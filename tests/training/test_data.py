@@ -45,7 +45,10 @@ def test_prefetched_batches_equal_direct_reads_and_count_the_wait(tiny_config):
         direct = train_batch(stream, 16, 2, seed=3, step=step, rank=1, micro=micro, accum=2, world_size=2)
         assert torch.equal(x, direct[0]) and torch.equal(y, direct[1])
         assert torch.equal(x, plain.get(step, micro)[0])
-    assert ahead.wait_seconds >= 0
+        ahead.prefetch(step, micro)
+        plain.prefetch(step, micro)  # off: reads nothing
+        assert plain.ahead is None
+    assert ahead.ahead[0] == (5, 1) and ahead.wait_seconds > 0
     ahead.close()
 
 
