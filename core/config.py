@@ -69,7 +69,46 @@ class _Section(BaseModel):
     # from ``info.data``. That holds only the earlier fields that validated, so a rule is
     # skipped (not misreported) when a field it reads is bad, and, unlike an after model
     # validator, it still runs when some other field of the section failed.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # pydantic's own message never repeats a value (it could be a credential); ConfigError
+    # lines show values, except for the secrets check below
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, hide_input_in_errors=True)
+
+
+# option names that hold credentials (fsspec/s3fs/gcsfs/adlfs spellings); matched case-blind,
+# at any depth, plus any name containing one of the words
+_SECRET_NAMES = {"key", "secret", "token", "password", "passwd", "aws_access_key_id",
+                 "aws_secret_access_key", "aws_session_token", "session_token", "access_key",
+                 "secret_key", "client_secret", "account_key", "sas_token", "connection_string",
+                 "credentials", "private_key"}
+_SECRET_WORDS = ("secret", "password", "token", "credential", "private_key")
+CREDENTIALS_FIX = ("credentials never go in the config (it is written to the store and to "
+                   "Prefect): give them to the environment (AWS_ACCESS_KEY_ID and "
+                   "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with ~/.aws/credentials), where s3fs, "
+                   "the ranks and the evaluations find them")
+
+
+def _secret_paths(value: Any, path: str = "") -> list[str]:
+    found = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            name = str(k).lower()
+            here = f"{path}.{k}" if path else str(k)
+            if name in _SECRET_NAMES or any(w in name for w in _SECRET_WORDS):
+                found.append(here)
+            else:
+                found += _secret_paths(v, here)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found += _secret_paths(v, f"{path}[{i}]")
+    return found
+
+
+def _no_credentials(options: dict[str, Any]) -> dict[str, Any]:
+    found = _secret_paths(options)
+    if found:
+        raise PydanticCustomError("secret_in_config", f"holds credentials ({', '.join(found)})",
+                                  {"fix": CREDENTIALS_FIX})
+    return options
 
 
 class DataConfig(_Section):
@@ -86,8 +125,8 @@ class DataConfig(_Section):
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
         description="fsspec options for a URL source (e.g. {'endpoint_url': ...} for an "
-        "S3-compatible store, {'anon': true} for a public bucket); credentials best come from "
-        "the environment.",
+        "S3-compatible store, {'anon': true} for a public bucket). Never credentials: they "
+        "come from the environment, and a config holding any is refused.",
         json_schema_extra={"fix": "remove them or give data.source as a URL"},
     )
     text_field: NonBlank = _field(
@@ -130,12 +169,32 @@ class DataConfig(_Section):
         description="Token id type of the shard files: 'auto' is uint16 while the vocabulary "
         "fits (<= 65536 ids), else uint32.",
     )
-    num_workers: int = _field(
-        2,
-        "Tokenizer worker processes. Each owns fixed slices of the corpus, so the "
-        "shard files are byte-identical whatever this is.",
-        fix="use about the number of CPU cores", ge=1, le=256,
+    num_workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
+        "auto",
+        description="Tokenizer worker processes, or 'auto': tokenize in this process with the "
+        "tokenizer's own threads on up to 2 cores (processes cost more than they give there), "
+        "else one single-threaded process per core. Each worker owns fixed slices of the "
+        "corpus, so the shard files are byte-identical whatever this is.",
+        json_schema_extra={"fix": "use 'auto', or about the number of CPU cores"},
     )
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _workers_in_range(cls, n: Any) -> Any:
+        if n == "auto":
+            return n
+        if isinstance(n, str) and n.strip().isdigit():
+            n = int(n)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 256:
+            raise _rule("must be 'auto' or a whole number between 1 and 256")
+        return n
+
+    def resolved_workers(self) -> int:
+        """Worker processes for this host (1: in-process, with the tokenizer's threads)."""
+        if self.num_workers != "auto":
+            return self.num_workers
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return 1 if cores <= 2 else cores
 
     @field_validator("source")
     @classmethod
@@ -145,11 +204,15 @@ class DataConfig(_Section):
             raise _rule("'hf:' needs a dataset", "e.g. 'hf:wikitext' or 'hf:/path/to/folder'")
         if s.startswith("builtin:") and s != BUILTIN_SOURCE:
             raise _rule("is an unknown built-in corpus", f"use {BUILTIN_SOURCE!r}")
+        problem = _url_problem(s, "the source")
+        if problem is not None:
+            raise problem
         return source
 
     @field_validator("storage_options")
     @classmethod
     def _options_need_a_url(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        _no_credentials(options)
         source = info.data.get("source")
         if options and source is not None and not _is_url_or_hf(source):
             raise _rule(f"only used with a URL source, and {source!r} is not one")
@@ -162,6 +225,24 @@ class DataConfig(_Section):
         if value and source is not None and not source.strip().startswith("hf:"):
             raise _rule("only applies to 'hf:' sources")
         return value
+
+
+_OBJECT_STORES = ("s3", "gs", "gcs", "az", "abfs", "abfss", "r2")
+
+
+def _url_problem(value: str, what: str) -> PydanticCustomError | None:
+    """A URL whose form cannot work: an object-store URL without a bucket, an unknown-looking
+    scheme spelled without '//' ... (a string test, no network)."""
+    scheme, sep, rest = value.strip().partition("://")
+    if not sep:
+        return None
+    if not scheme or not scheme.replace("+", "").replace("-", "").isalnum():
+        return _rule(f"has no valid URL scheme", f"write {what} as scheme://..., e.g. s3://bucket/prefix")
+    if scheme.lower() in _OBJECT_STORES and not rest.split("/", 1)[0]:
+        return _rule(f"names no bucket", f"write {scheme}://<bucket>/<prefix>, e.g. {scheme}://my-bucket/stoker")
+    if scheme.lower() in ("http", "https") and not rest.split("/", 1)[0]:
+        return _rule("names no host", "write https://host/path")
+    return None
 
 
 def _is_url_or_hf(source: str) -> bool:
@@ -274,6 +355,13 @@ class CheckpointConfig(_Section):
         "gives the checkpoint up.",
         fix="give at least upload_timeout_seconds, e.g. 1200", gt=0,
     )
+    max_pending_uploads: int = _field(
+        2, "Checkpoints written to local staging and waiting for their upload (an object-store "
+        "outage): when a new one is written while this many wait, the oldest waiting one is "
+        "dropped (its staging deleted, a checkpoint_dropped record, never committed), so the "
+        "local disk holds at most this many and training never waits for the store.",
+        fix="give at least 1, e.g. 2 (each costs one checkpoint of local disk per host)", ge=1,
+    )
 
     @field_validator("commit_timeout_seconds")
     @classmethod
@@ -306,6 +394,11 @@ class LaunchConfig(_Section):
     timeout_seconds: int = _field(3600, "Wall-clock limit of one training launch.", ge=10)
     max_attempts: int = _field(
         2, "Launch attempts; each retry resumes from the newest valid checkpoint.", ge=1)
+    max_restarts: int = _field(
+        2, "In-place restarts per launch attempt: when a rank dies, torchrun restarts the ranks "
+        "and they load the newest valid checkpoint themselves (seconds, not a relaunch). A "
+        "failure no restart can fix (a bug, a bad input) is not restarted. 0: every failure "
+        "goes to a new launch attempt.", fix="e.g. 2, or 0 to relaunch instead", ge=0, le=100)
     hang_timeout_seconds: int = _field(
         300,
         "Hang watchdog: when no training step finishes for this long (rank 0 "
@@ -366,9 +459,15 @@ class StorageConfig(_Section):
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
-        description="fsspec storage options (e.g. {'endpoint_url': ...} for S3); credentials "
-        "best come from the environment.",
+        description="fsspec storage options (e.g. {'endpoint_url': ...} for S3). Never "
+        "credentials: they come from the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
+        "or AWS_PROFILE), and a config holding any is refused.",
     )
+
+    @field_validator("storage_options")
+    @classmethod
+    def _without_credentials(cls, options: dict[str, Any]) -> dict[str, Any]:
+        return _no_credentials(options)
 
     @field_validator("root")
     @classmethod
@@ -376,6 +475,11 @@ class StorageConfig(_Section):
         if "://" not in root and not os.path.isabs(root):  # a string test, no filesystem access
             raise _rule("is relative", "give an absolute path or a URL such as "
                         "file:///data/stoker or s3://bucket/prefix")
+        problem = _url_problem(root, "the root")
+        if problem is not None:
+            raise problem
+        if root.startswith("file://") and not root[len("file://"):].startswith("/"):
+            raise _rule("is a relative file:// URL", "write file:///absolute/path (three slashes)")
         return root
 
 
@@ -392,6 +496,13 @@ def _batch_divides(global_batch_size: int, micro_batch_size: int, num_nodes: int
     return None
 
 
+def _ids_fit_dtype(token_dtype: str, vocab_size: int) -> PydanticCustomError | None:
+    if token_dtype == "uint16" and vocab_size > 65536:
+        return _rule(f"uint16 holds token ids below 65536, and tokenizer.vocab_size is {vocab_size}",
+                     "use 'uint32' or 'auto', or a vocabulary of at most 65536")
+    return None
+
+
 _Loc = tuple[str, str]
 # (the field a rule reports on, the fields it reads in order of its arguments, the rule)
 _CROSS_SECTION_RULES: list[tuple[_Loc, tuple[_Loc, ...], Callable[..., Any]]] = [
@@ -399,6 +510,7 @@ _CROSS_SECTION_RULES: list[tuple[_Loc, tuple[_Loc, ...], Callable[..., Any]]] = 
      (("train", "global_batch_size"), ("train", "micro_batch_size"), ("launch", "num_nodes"),
       ("launch", "nproc_per_node")),
      _batch_divides),
+    (("data", "token_dtype"), (("data", "token_dtype"), ("tokenizer", "vocab_size")), _ids_fit_dtype),
 ]
 
 
@@ -551,7 +663,7 @@ def _problem(e: Any) -> str:
         what, fix = "is not a field of the config", "remove it or check its spelling"
     else:
         what = e["msg"]
-    got = repr(e["input"])
+    got = repr(e["input"]) if e["type"] != "secret_in_config" else "<not shown>"
     got = got if len(got) <= 80 else got[:77] + "..."  # a whole section is no help to read
     line = f"{'.'.join(map(str, loc)) or 'config'}: {what} (got {got})"
     return f"{line}; {fix}." if fix else f"{line}."
@@ -631,11 +743,19 @@ def load_config(source: "RunConfig | dict | str | Path | None" = None, **overrid
             recipes = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
             raise ConfigError([f"config: {str(source)!r} is neither a file nor a recipe ({recipes})."])
         data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"config: {str(source)!r} holds {type(data).__name__}, not a mapping of "
+                           "sections; start from a recipe such as 'tiny-cpu'"])
     for key, value in overrides.items():
         parts = key.replace("__", ".").split(".")
         node = data
-        for p in parts[:-1]:
+        for depth, p in enumerate(parts[:-1]):
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError([f"{'.'.join(parts[:depth + 1])}: is a value, not a section, so "
+                                   f"{key!r} cannot be set; e.g. train.max_steps=100"])
+        if not parts[-1]:
+            raise ConfigError([f"{key!r}: names no field; e.g. train.max_steps=100"])
         node[parts[-1]] = value
     try:
         cfg = RunConfig.model_validate(data)

@@ -17,6 +17,9 @@ from typing import ClassVar
 PREFIX = "STOKER_METRIC "
 # where a rank files its Failure record in torchelastic's error.json (message.extraInfo)
 ERROR_INFO_KEY = "stoker"
+# the file (path in this variable) where a rank that failed permanently leaves its Failure,
+# so ranks restarted in place by torchrun end at once instead of failing again
+PERMANENT_MARKER_ENV = "STOKER_PERMANENT_FAILURE_FILE"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,11 +116,24 @@ class CheckpointFailed(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckpointDropped(Event):
+    """A checkpoint written to local staging but dropped before its upload finished (newer
+    ones were waiting: checkpoint.max_pending_uploads); never committed. Every rank drops the
+    same one (rank 0 decides) and each says so."""
+
+    kind: ClassVar[str] = "checkpoint_dropped"
+    step: int
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class Resumed(Event):
     kind: ClassVar[str] = "resumed"
     step: int
     checkpoint: str
     rng_restored: bool = True  # False: written at another world size, RNG streams re-seeded
+    passed_over: list[str] = field(default_factory=list)  # damaged ones found by a host's full check
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +179,8 @@ class Evaluated(Event):
 
 TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (Step, Train, Eval, CheckpointStaged, CheckpointCommitted, UploadRetry,
-                              CheckpointFailed, Resumed, Failure, Stopped, Done, Evaluated)}
+                              CheckpointFailed, CheckpointDropped, Resumed, Failure, Stopped, Done,
+                              Evaluated)}
 
 
 def from_dict(record: dict) -> Event | None:

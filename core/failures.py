@@ -44,6 +44,13 @@ class DataError(StokerError, ValueError):
     """Bad data input (empty source, undecodable file, missing field); never retried."""
 
 
+class CheckpointInvalid(StokerError, ValueError):
+    """A checkpoint found damaged where its bytes landed (a host's full check). It is marked
+    invalid in the store, so a retry resumes from the next valid one: transient."""
+
+    transient = True
+
+
 class SourceUnreachable(StokerError, ConnectionError):
     """A source still failing after the in-task retries; transient, so the task retries."""
 

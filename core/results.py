@@ -70,6 +70,7 @@ class TrainingResult(BaseModel):
     val_losses: list[tuple[int, float]] = Field(default_factory=list)
     checkpoints: list[dict] = Field(default_factory=list)
     failed_checkpoints: list[int] = Field(default_factory=list)
+    restarts: int = Field(0, description="in-place restarts of the ranks by torchrun (launch.max_restarts)")
     evaluations: list[EvalResult] = Field(default_factory=list)
     attempt_log: list[dict] = Field(default_factory=list, description="one record per launch attempt")
     goodput: float | None = None

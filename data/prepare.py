@@ -233,7 +233,7 @@ def _build(dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig, stor
         os.makedirs(parts)
         jobs = partition_jobs(corpus, partition_bytes, parts, tokenizer=local_tok, eot_id=tokenizer.eot_id,
                               dtype=dtype.str, val_fraction=cfg.val_fraction)
-        by_split = build_shards(jobs, build, cfg.shard_tokens, cfg.num_workers, tmp, on_close)
+        by_split = build_shards(jobs, build, cfg.shard_tokens, cfg.resolved_workers(), tmp, on_close)
         for split in SPLITS:
             if not by_split[split]:
                 raise DataError(

@@ -18,12 +18,6 @@ _PREFECT_DEFAULTS = {
 }
 
 
-def _parse_value(text: str):
-    import yaml
-
-    return yaml.safe_load(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     for key, value in _PREFECT_DEFAULTS.items():
         os.environ.setdefault(key, value)
@@ -38,26 +32,49 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("checkpoint_uri")
     args = parser.parse_args(argv)
 
-    from core.config import ConfigError, load_config
+    from core.failures import StokerError
+
+    try:
+        return _command(args)
+    except StokerError as err:  # the user's mistake or the run's failure: one line, not a traceback
+        print(f"stoker: {err}", file=sys.stderr)
+        return 2
+
+
+def config_from_args(recipe: str, sets: list[str]):
+    """The checked config of `--recipe R --set K=V ...`; ConfigError for anything wrong."""
+    import yaml
+
+    from core.config import load_config
+    from core.failures import ConfigError
+
+    overrides = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError([f"--set {item!r}: expected KEY=VALUE, e.g. train.max_steps=100"])
+        try:
+            overrides[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            why = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError([f"--set {item!r}: the value is not valid YAML ({why}); "
+                               "quote it, e.g. --set run_name='my-run'"]) from None
+    return load_config(recipe, **overrides)
+
+
+def _command(args) -> int:
 
     if args.command == "evaluate":
+        from tasks.evaluate import check_checkpoint_uri
+
+        check_checkpoint_uri(args.checkpoint_uri)  # before a flow run starts
         from flows.evaluate import evaluate_checkpoint_flow
 
         result = evaluate_checkpoint_flow(args.checkpoint_uri)
         print(f"\nvalidation loss {result.val_loss:.4f}, perplexity {result.val_ppl:.1f} "
               f"at step {result.step} ({result.checkpoint_uri})")
         return 0
-    try:
-        overrides = {}
-        for item in args.set:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ConfigError([f"--set {item!r}: expected KEY=VALUE, e.g. train.max_steps=100"])
-            overrides[key] = _parse_value(value)
-        config = load_config(args.recipe, **overrides)
-    except ConfigError as err:
-        print(f"stoker: {err}", file=sys.stderr)
-        return 2
+    config = config_from_args(args.recipe, args.set)
 
     from flows.pipeline import train_pipeline
 

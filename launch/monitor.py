@@ -42,6 +42,7 @@ class TrainingMonitor:
             events.Train: self._on_train, events.Eval: self._on_eval,
             events.CheckpointCommitted: self._on_checkpoint, events.CheckpointStaged: self._on_staged,
             events.UploadRetry: self._on_upload_retry, events.CheckpointFailed: self._on_checkpoint_failed,
+            events.CheckpointDropped: self._on_checkpoint_dropped,
             events.Failure: self._on_failure, events.Resumed: self._on_resumed,
             events.Stopped: self._on_stopped}
 
@@ -85,15 +86,32 @@ class TrainingMonitor:
                             e.rank, e.step, e.attempt, e.error)
 
     def _on_checkpoint_failed(self, e: events.CheckpointFailed) -> None:
-        self.result.failed_checkpoints.append(e.step)
+        self._failed(e.step)
         self.logger.error("rank %s: checkpoint of step %d was given up and not committed: %s",
                           e.rank, e.step, e.error)
+
+    def _on_checkpoint_dropped(self, e: events.CheckpointDropped) -> None:
+        self._failed(e.step)
+        self.logger.warning("rank %s: checkpoint of step %d was dropped before its upload and not "
+                            "committed: %s", e.rank, e.step, e.reason)
+
+    def _failed(self, step: int) -> None:
+        """A checkpoint never committed; every rank that gave it up says so, listed once."""
+        if step not in self.result.failed_checkpoints:
+            self.result.failed_checkpoints.append(step)
 
     def _on_failure(self, e: events.Failure) -> None:
         self.logger.error("rank %s failed: %s: %s", e.rank, e.type, e.message)
 
     def _on_resumed(self, e: events.Resumed) -> None:
-        self.logger.info("ranks resumed at step %d from %s", e.step, e.checkpoint)
+        for url in e.passed_over:
+            self.logger.warning("checkpoint %s failed the ranks' full check and is marked invalid", url)
+        if self.result.train_losses:  # training had begun in this launch: torchrun restarted the ranks
+            self.result.restarts += 1
+            self.logger.warning("a rank failed; the ranks were restarted in place and resumed at step "
+                                "%d from %s", e.step, e.checkpoint)
+        else:
+            self.logger.info("ranks resumed at step %d from %s", e.step, e.checkpoint)
 
     def _on_stopped(self, e: events.Stopped) -> None:
         self.logger.warning("ranks stopped at step %d (checkpoint written: %s)", e.step, e.saved)

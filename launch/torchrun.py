@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from core.config import LaunchConfig, RunConfig
-from core.events import ERROR_INFO_KEY, Failure, from_dict
+from core.events import ERROR_INFO_KEY, PERMANENT_MARKER_ENV, Failure, from_dict
 from core.failures import PERMANENT, classify_reported
 from launch.base import GangResult, Launcher, OnEvent, OnLine
 from launch.gang import GRACE_SECONDS, PROJECT_ROOT, RANK_STOP_MARGIN_SECONDS, ProcessGang
@@ -41,7 +41,7 @@ def torchrun_commands(cfg: RunConfig, config_url: str, shard_key: str, resume_ke
             f"--nnodes={lc.num_nodes}", f"--nproc-per-node={lc.nproc_per_node}",
             f"--node-rank={node}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={lc.rdzv_host}:{port}", f"--rdzv-id={cfg.resolved_run_name()}",
-            "--max-restarts=0", "--tee=3",
+            f"--max-restarts={lc.max_restarts}", "--tee=3",
         ]
         if log_dir:
             cmd.append(f"--log-dir={os.path.join(log_dir, f'node-{node}')}")
@@ -122,7 +122,8 @@ class TorchrunLauncher(Launcher):
         self.cmds = torchrun_commands(cfg, config_url, shard_key, resume_key,
                                       free_port(cfg.launch.rdzv_host), log_dir=self.work_dir)
         base = env if env is not None else child_env(cfg)
-        envs = [{**base, "TORCHELASTIC_ERROR_FILE": os.path.join(self.work_dir, f"node-{i}", "agent-error.json")}
+        envs = [{**base, "TORCHELASTIC_ERROR_FILE": os.path.join(self.work_dir, f"node-{i}", "agent-error.json"),
+                 PERMANENT_MARKER_ENV: os.path.join(self.work_dir, "permanent-failure.json")}
                 for i in range(len(self.cmds))]
         for i in range(len(self.cmds)):
             os.makedirs(os.path.join(self.work_dir, f"node-{i}"), exist_ok=True)

@@ -5,6 +5,18 @@ rank, ``train_state.json``, and ``commit.json`` written last by rank 0. A folder
 valid only when ``commit.json`` exists, parses, and every file it lists is present with
 its size (and, on a deep check, its sha256). A new attempt never writes into a folder
 that already exists: it takes ``step-00001200.a1``, ``.a2`` ...
+
+Choosing is cheap, checking is full where the bytes land. ``find_latest_valid`` picks the
+resume point from manifests and listings (sizes, identity) without reading tensors; the
+sha256 of every file is checked once per host, under a host lock, by ``rehydrate`` (the
+download of a remote checkpoint, or a read of a local one; a stamp in the host cache spares
+the other ranks and later attempts). A checkpoint that fails there is marked invalid in the
+store (``_invalid.json``), so every later choice skips it.
+
+A checkpoint whose every rank receipt exists but whose commit never came (rank 0 died after
+the uploads) is skipped, never committed after the fact: nothing proves that the receipts
+belong to one consistent save (an earlier attempt may have written some of them). It is
+reported as "no manifest" and retention deletes it once a newer checkpoint is committed.
 """
 
 from __future__ import annotations
@@ -19,12 +31,14 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from core.failures import CheckpointInvalid, ConfigError
 from storage.layout import checkpoints_key
 from storage.manifest import Verdict, describe_files, read_manifest, verify_files
 from storage.store import Store, join, sha256_file
 
 COMMIT_FILE = "commit.json"
 KEEP_MARKER = "keep"
+INVALID_MARKER = "_invalid.json"  # written by a host whose full check of the bytes failed
 RANKS_DIR = "_ranks"  # per-rank upload receipts: {rank}.json with that rank's files
 FORMAT = "stoker-checkpoint/1"
 _NAME = re.compile(r"^step-(\d{8})(?:\.a(\d+))?$")
@@ -91,6 +105,12 @@ def validate_checkpoint(store: Store, key: str, deep: bool = False) -> Verdict:
     manifest, reason = read_manifest(store, join(key, COMMIT_FILE))
     if manifest is None:
         return Verdict(False, reason)
+    if store.exists(join(key, INVALID_MARKER)):
+        try:
+            why = store.read_json(join(key, INVALID_MARKER)).get("reason", "")
+        except Exception:  # a damaged marker still marks
+            why = ""
+        return Verdict(False, f"marked invalid by a host that read it: {why}", manifest)
     if manifest.get("format") != FORMAT:
         return Verdict(False, f"unknown checkpoint format {manifest.get('format')!r}", manifest)
     if ".metadata" not in manifest["files"]:
@@ -120,48 +140,54 @@ def identity_problem(manifest: dict, expected: dict[str, str]) -> str:
     return ""
 
 
-def find_latest_valid(store: Store, run_name: str, cache_dir: str | None = None,
+def find_latest_valid(store: Store, run_name: str,
                       expected: dict[str, str] | None = None) -> ResumeChoice:
-    """Walk checkpoints newest first; the first that passes a deep check (and, given
-    `expected`, whose manifest carries those identity fields) wins.
-
-    With a remote store and a cache_dir, the deep check of the candidate is its download
-    into the local cache (rehydrate), so the bytes are read once, not twice."""
+    """Walk checkpoints newest first; the first whose manifest parses, whose files are all
+    listed with their sizes, that no host marked invalid, and (given `expected`) whose
+    manifest carries those identity fields, wins. No tensor byte is read: the full check is
+    rehydrate's, where the bytes are used."""
     skipped = []
     for ref in list_checkpoints(store, run_name):
         verdict = validate_checkpoint(store, ref.key, deep=False)
         mismatch = identity_problem(verdict.manifest, expected) if verdict and expected else ""
-        if mismatch:  # checked before any byte of it is read or downloaded
+        if mismatch:
             skipped.append((ref, mismatch))
             continue
-        if verdict and (store.is_local or cache_dir is None):
-            verdict = validate_checkpoint(store, ref.key, deep=True)
-        if verdict and cache_dir is not None and not store.is_local:
-            try:
-                rehydrate(store, ref.key, cache_dir)
-            except ValueError as err:
-                verdict = Verdict(False, str(err).split(": ", 1)[-1], verdict.manifest)
         if verdict:
             return ResumeChoice(ref, verdict.manifest, skipped)
         skipped.append((ref, verdict.reason))
     return ResumeChoice(None, {}, skipped)
 
 
+def mark_invalid(store: Store, key: str, reason: str) -> None:
+    """Record in the store that this checkpoint failed a full check (best effort)."""
+    try:
+        store.write_json(join(key, INVALID_MARKER), {"reason": reason, "at": time.time()})
+    except Exception:  # the caller raises the real problem anyway
+        pass
+
+
 def prune_checkpoints(store: Store, run_name: str, keep_latest_k: int) -> list[str]:
-    """Delete committed checkpoints beyond the newest K (and any uncommitted folder older
-    than the newest committed one), sparing folders marked to keep. Returns deleted keys."""
+    """Delete committed checkpoints beyond the newest K, and every uncommitted or invalid
+    folder older than the newest committed one (abandoned: receipts without a commit, a
+    crashed attempt's partial files, an empty folder), sparing folders marked to keep.
+    Uploads commit in order, so nothing older than a committed checkpoint is still in
+    flight. Returns the deleted keys."""
     assert keep_latest_k >= 2, "keep at least two: the newest may still be uploading"
     refs = list_checkpoints(store, run_name)
-    committed = [r for r in refs if store.exists(join(r.key, COMMIT_FILE))]
-    if len(committed) <= keep_latest_k:
+    committed = [r for r in refs if validate_checkpoint(store, r.key)]
+    if not committed:
         return []
     keep = {r.key for r in committed[:keep_latest_k]}
-    oldest_kept = committed[keep_latest_k - 1]
+    newest = (committed[0].step, committed[0].attempt)
+    oldest_kept = committed[min(keep_latest_k, len(committed)) - 1]
     deleted = []
     for ref in refs:
         if ref.key in keep or store.exists(join(ref.key, KEEP_MARKER)):
             continue
-        if (ref.step, ref.attempt) < (oldest_kept.step, oldest_kept.attempt):
+        position = (ref.step, ref.attempt)
+        abandoned = ref not in committed and position < newest
+        if abandoned or position < (oldest_kept.step, oldest_kept.attempt):
             store.rm(ref.key)
             deleted.append(ref.key)
     return deleted
@@ -177,26 +203,38 @@ def local_checkpoint_dir(cache_dir: str, store: Store, key: str) -> str:
     return os.path.join(cache_dir, "checkpoints", tag, key)
 
 
-def rehydrate(store: Store, key: str, cache_dir: str) -> str:
-    """A verified local copy of a committed checkpoint; returns its folder.
+def _stamp_path(cache_dir: str, store: Store, key: str) -> str:
+    return local_checkpoint_dir(cache_dir, store, key) + ".verified.json"
 
-    Local stores are read in place (after a deep check). Remote ones are downloaded file by
-    file into a temporary folder, every file checked against the manifest's size and sha256
-    as it lands, then renamed into place with commit.json last; a host-wide lock makes one
-    rank download while the others wait and reuse it. Raises ValueError when the checkpoint
-    is invalid (nothing of it is kept)."""
-    if store.is_local:
-        verdict = validate_checkpoint(store, key, deep=True)
-        if not verdict:
-            raise ValueError(f"checkpoint {store.url(key)} is not valid: {verdict.reason}")
-        return store.local_path(key)
+
+def rehydrate(store: Store, key: str, cache_dir: str,
+              expected: dict[str, str] | None = None) -> str:
+    """A fully checked local copy of a committed checkpoint; returns its folder.
+
+    Under a host-wide lock, so one rank per host reads the bytes while the others wait and
+    reuse the result. Remote stores: every file is downloaded into a temporary folder and
+    checked against the manifest's size and sha256 as it lands, then renamed into place with
+    commit.json last; a cached copy is used only while its commit.json equals the store's.
+    Local stores are read in place: the sha256 check runs once per host and commit (a stamp
+    in cache_dir records it). A checkpoint that fails is marked invalid in the store and
+    CheckpointInvalid (transient: a retry takes the next one) is raised; nothing of it is
+    kept. Given `expected` identity fields, a checkpoint of another run or model raises
+    ConfigError before any byte is read."""
     final = local_checkpoint_dir(cache_dir, store, key)
     os.makedirs(os.path.dirname(final), exist_ok=True)
     with open(final + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one rank per host downloads; the rest wait
-        manifest, reason = read_manifest(store, join(key, COMMIT_FILE))
-        if manifest is None:
-            raise ValueError(f"checkpoint {store.url(key)} is not valid: {reason}")
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one rank per host reads; the rest wait
+        verdict = validate_checkpoint(store, key, deep=False)
+        if not verdict:
+            raise CheckpointInvalid(f"checkpoint {store.url(key)} is not valid: {verdict.reason}")
+        manifest = verdict.manifest
+        mismatch = identity_problem(manifest, expected) if expected else ""
+        if mismatch:
+            raise ConfigError([f"resume checkpoint {store.url(key)} {mismatch}; resume from a "
+                               "checkpoint of this run and model, or start a new run"])
+        if store.is_local:
+            _check_local(store, key, manifest, _stamp_path(cache_dir, store, key))
+            return store.local_path(key)
         cached = os.path.join(final, COMMIT_FILE)
         if os.path.exists(cached):
             with open(cached) as f:
@@ -210,11 +248,9 @@ def rehydrate(store: Store, key: str, cache_dir: str) -> str:
                 try:
                     store.get_file(join(key, name), path)
                 except FileNotFoundError:
-                    raise ValueError(f"checkpoint {store.url(key)} is not valid: listed file "
-                                     f"{name} is missing") from None
+                    _invalid(store, key, f"listed file {name} is missing")
                 if os.path.getsize(path) != entry["size"] or sha256_file(path) != entry["sha256"]:
-                    raise ValueError(f"checkpoint {store.url(key)} is not valid: {name} does not "
-                                     "match its manifest entry")
+                    _invalid(store, key, f"{name} does not match its manifest entry")
             with open(os.path.join(tmp, COMMIT_FILE), "w") as f:
                 json.dump(manifest, f)
             shutil.rmtree(final, ignore_errors=True)
@@ -222,3 +258,24 @@ def rehydrate(store: Store, key: str, cache_dir: str) -> str:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _check_local(store: Store, key: str, manifest: dict, stamp: str) -> None:
+    """The full check of a checkpoint read in place, once per host and commit."""
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            if json.load(f) == manifest:
+                return
+    problem = verify_files(store, key, manifest["files"], deep=True)
+    if problem:
+        _invalid(store, key, problem)
+    tmp = f"{stamp}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f)
+    os.replace(tmp, stamp)
+
+
+def _invalid(store: Store, key: str, problem: str):
+    mark_invalid(store, key, problem)
+    raise CheckpointInvalid(f"checkpoint {store.url(key)} is not valid: {problem}; it is marked "
+                            "invalid, so the next attempt resumes from an older one")

@@ -8,6 +8,8 @@ that knows where a run's files live:
 
 from __future__ import annotations
 
+from core.failures import ConfigError
+
 import re
 from dataclasses import dataclass
 
@@ -48,7 +50,8 @@ def parse_checkpoint_url(url: str) -> CheckpointLocation:
     """``{root}/runs/{run}/checkpoints/{name}`` -> its parts; ValueError naming the form."""
     m = _CHECKPOINT_URL.match(url.strip())
     if not m:
-        raise ValueError(f"checkpoint_uri: {url!r} is not of the form "
-                         "{root}/runs/{run}/checkpoints/step-NNNNNNNN")
+        raise ConfigError([f"checkpoint_uri: {url!r} is not of the form "
+                           "{root}/runs/{run}/checkpoints/step-NNNNNNNN; copy it from the run "
+                           "report or the flow log"])
     run, name = m.group("run"), m.group("name")
     return CheckpointLocation(m.group("root"), run, join(checkpoints_key(run), name))

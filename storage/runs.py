@@ -30,10 +30,7 @@ def pin_run_folder(store: Store, config: RunConfig, shards: ShardInfo) -> str:
 def checkpoint_inputs(checkpoint_url: str, storage_options: dict) -> tuple[RunConfig, str, str, str]:
     """From a checkpoint URL: the run's config (pointed at that store), its URL, the
     checkpoint key and the shard-set key."""
-    try:
-        where = parse_checkpoint_url(checkpoint_url)
-    except ValueError as err:
-        raise ConfigError([str(err)]) from None
+    where = parse_checkpoint_url(checkpoint_url)  # ConfigError naming checkpoint_uri
     store = Store(where.root, storage_options)
     config_key = run_file_key(where.run_name, CONFIG_FILE)
     config = RunConfig.model_validate_json(store.read_bytes(config_key))

@@ -7,6 +7,7 @@ counts. A shard set counts only when ``manifest.json`` exists and its files matc
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -14,7 +15,8 @@ import shutil
 import uuid
 
 from storage.manifest import Verdict, publish_folder, read_manifest, verify_files
-from storage.store import Store, join
+from core.failures import DataError
+from storage.store import Store, join, sha256_file
 
 # 2: per-file token/doc counts, byte sizes and checksums for .bin, .idx and tokenizer.json;
 #    eot_id and the resolved dtype in the key's parameters
@@ -72,23 +74,63 @@ def publish_shard_set(store: Store, staging: str, cache_key: str, manifest: dict
 
 
 def materialize(store: Store, cache_key: str, cache_dir: str) -> str:
-    """A local folder holding the shard set (the store folder itself when local; a
-    verified download into cache_dir otherwise)."""
+    """A local folder holding the shard set, fully checked once per host.
+
+    Under a host-wide lock (one rank reads, the others wait and reuse): a remote set is
+    downloaded into cache_dir, every file checked against the manifest's size and sha256 as
+    it lands, and renamed into place with the manifest last; a cached copy is used only
+    while its manifest equals the store's. A local set is read in place after the same
+    check, once per host and manifest (a stamp in cache_dir). A damaged set raises DataError
+    naming the file and the fix; nothing of it is kept."""
     folder = shard_set_key(cache_key)
-    if store.is_local:
-        return store.local_path(folder)
     local = os.path.join(cache_dir, "shards", cache_key)
-    if os.path.exists(os.path.join(local, MANIFEST)):
-        return local
-    tmp = f"{local}.tmp-{uuid.uuid4().hex[:8]}"
-    manifest = store.read_json(join(folder, MANIFEST))
-    for name in manifest["files"]:
-        store.get_file(join(folder, name), os.path.join(tmp, name))
-    with open(os.path.join(tmp, MANIFEST), "w") as f:
-        json.dump(manifest, f)
     os.makedirs(os.path.dirname(local), exist_ok=True)
-    try:
-        os.replace(tmp, local)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with open(local + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        manifest, reason = read_manifest(store, join(folder, MANIFEST))
+        if manifest is None:
+            raise DataError(f"shard set {store.url(folder)} is not usable: {reason}; run the data "
+                            "stage again to rebuild it")
+        if store.is_local:
+            stamp = local + ".verified.json"
+            if not _same_json(stamp, manifest):
+                problem = verify_files(store, folder, manifest["files"], deep=True)
+                if problem:
+                    _damaged(store, folder, problem)
+                _write_json(stamp, manifest)
+            return store.local_path(folder)
+        if _same_json(os.path.join(local, MANIFEST), manifest):
+            return local
+        shutil.rmtree(local, ignore_errors=True)  # stale or partial: the store's set changed
+        tmp = f"{local}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            for name, entry in sorted(manifest["files"].items()):
+                path = os.path.join(tmp, name)
+                store.get_file(join(folder, name), path)
+                if os.path.getsize(path) != entry["size"] or sha256_file(path) != entry["sha256"]:
+                    _damaged(store, folder, f"{name} does not match its manifest entry")
+            _write_json(os.path.join(tmp, MANIFEST), manifest)
+            os.replace(tmp, local)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return local
+
+
+def _same_json(path: str, value: dict) -> bool:
+    try:
+        with open(path) as f:
+            return json.load(f) == value
+    except (OSError, ValueError):
+        return False
+
+
+def _write_json(path: str, value: dict) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
+def _damaged(store: Store, folder: str, problem: str):
+    raise DataError(f"shard set {store.url(folder)} is damaged: {problem}; delete that folder "
+                    "and run the data stage again to rebuild it")

@@ -59,6 +59,9 @@ class Store:
             if not key.startswith(self.root):
                 raise ValueError(f"{key!r} is outside the store root {self.root!r}")
             key = key[len(self.root):]
+        if any(part in ("..", ".") for part in key.split("/")) or "\\" in key or "\x00" in key:
+            raise ValueError(f"{key!r} is not a key under the store root {self.root!r} "
+                             "(no '..', '.', backslash or URL scheme inside a key)")
         return join(self._root_path, key) if key.strip("/") else self._root_path
 
     def local_path(self, key: str = "") -> str:

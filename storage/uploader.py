@@ -1,25 +1,43 @@
-"""The checkpoint commit protocol, rank side: upload, receipt, commit, retention. No torch.
+"""The checkpoint commit protocol, rank side: write, upload, receipt, commit, retention. No torch.
 
-``submit`` hands a checkpoint to a background thread, which agrees with the other ranks on
-a folder no earlier attempt used (rank 0 picks it; ``agree_key`` tells the others), has the
-caller's ``write`` put this rank's files into ``staging_folder(key)`` (the store folder
-itself on a local store, a host staging folder otherwise), checksums each file, uploads it
-with retries, and writes the rank's receipt (``_ranks/rank-N.json``). Rank 0's thread then
-waits for every rank's receipt, writes ``commit.json`` last and applies retention. One
-checkpoint is in flight per rank: the next ``submit`` and ``wait()`` wait for the previous
-one. The training thread never calls the store here, so an outage delays commits, never steps.
+Two background stages per rank, one thread each, each in submission order:
+
+- **write**: agree with the other ranks (``agree``, a collective on the caller's gloo group:
+  same order on every rank) on the folder (rank 0 picks one no earlier attempt used), on the
+  waiting checkpoints to drop (rank 0 decides) and on whether the store failed permanently
+  (any rank may say so); then the caller's ``write(key, folder)`` puts this rank's files into
+  ``staging_folder(key)`` (the store folder itself on a local store, a host staging folder
+  otherwise). Local disk only, so fast.
+- **upload**: written checkpoints, oldest first: checksum each file, upload it with retries
+  (transient errors only, for ``upload_timeout`` seconds), write the rank's receipt
+  (``_ranks/rank-N.json``). Rank 0 then waits for every rank's receipt, writes ``commit.json``
+  last and applies retention.
+
+The caller waits only for the previous write (its host buffers are reused), never for an
+upload, so a store outage delays commits, never steps. Written checkpoints wait for the store
+in a bounded backlog: when a new one is written while ``max_pending_uploads`` wait, rank 0
+drops the oldest waiting ones and names them in the same agreement, so every rank drops the
+same checkpoints (staging deleted, a ``CheckpointDropped`` record). A rank drops one only while
+its receipt is unwritten, and rank 0 never commits one it dropped, so a dropped checkpoint is
+never committed. A permanent storage error (missing bucket, access denied, another 4xx) is not
+retried: the rank reports it once, and every later checkpoint fails at once with the same
+reason, before anything is written.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
-from core.events import CheckpointCommitted, CheckpointFailed, CheckpointStaged, Event, UploadRetry
-from core.failures import retry
+from core.events import (CheckpointCommitted, CheckpointDropped, CheckpointFailed, CheckpointStaged,
+                         Event, UploadRetry)
+from core.failures import RetriesExhausted, StokerError, error_code, http_status, retry
 from storage.checkpoints import (
     commit_checkpoint,
     list_checkpoints,
@@ -30,6 +48,9 @@ from storage.checkpoints import (
 from storage.store import Store, join, sha256_file
 
 RECEIPT_POLL_SECONDS = 0.2
+# S3 error codes that say the store itself is gone or refused (a missing key is not one)
+_STORE_GONE = {"NoSuchBucket", "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId",
+               "SignatureDoesNotMatch", "ExpiredToken"}
 
 
 def _pin_upload_thread() -> None:
@@ -39,27 +60,69 @@ def _pin_upload_thread() -> None:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
 
 
+class _Stop(StokerError):
+    """This checkpoint must not go on; permanent, so retry() gives up at once."""
+
+
+class _Dropped(_Stop):
+    """Rank 0 dropped the checkpoint from the backlog."""
+
+
+class _Broken(_Stop):
+    """The store failed permanently (this rank's error, or another rank's, told by agreement)."""
+
+
+def _storage_reason(what: str, err: BaseException) -> str:
+    """'upload of X: NoSuchBucket: The specified bucket does not exist (HTTP 404)'."""
+    code, status = error_code(err), http_status(err)
+    text = f"{what}: {code or type(err).__name__}: {err}"
+    return text + (f" (HTTP {status})" if status else "")
+
+
+@dataclass
+class _Written:
+    """A checkpoint in this rank's staging, waiting for (or in) the upload stage."""
+
+    step: int
+    meta: dict
+    key: str
+    folder: str
+    names: list[str]
+    staged_seconds: float
+    dropped: str = ""  # the reason, once rank 0 dropped it
+    settled: bool = False  # its receipt (rank 0: its commit) is under way; no longer droppable
+
+
 class CheckpointUploader:
     """One per rank; see the module docstring."""
 
     def __init__(self, store: Store, run_name: str, *, rank: int, world_size: int,
                  staging_root: str, keep_latest_k: int, upload_timeout: float,
-                 commit_timeout: float, async_enabled: bool,
+                 commit_timeout: float, async_enabled: bool, max_pending_uploads: int = 2,
                  on_event: Callable[[Event], None] | None = None,
                  after_commit: Callable[[], None] | None = None,
-                 agree_key: Callable[[str | None], str] | None = None):
+                 agree: Callable[[dict], list[dict]] | None = None):
+        assert max_pending_uploads >= 1
         self.store, self.run_name, self.rank, self.world_size = store, run_name, rank, world_size
         self.staging_root, self.keep_latest_k = staging_root, keep_latest_k
         self.upload_timeout, self.commit_timeout = upload_timeout, commit_timeout
-        self.async_enabled = async_enabled
+        self.async_enabled, self.max_pending_uploads = async_enabled, max_pending_uploads
         self.on_event = on_event or (lambda event: None)
         self.after_commit = after_commit or (lambda: None)
-        self.agree_key = agree_key or (lambda key: key)  # a single rank agrees with itself
-        self.thread: threading.Thread | None = None
+        # every rank's proposal, in rank order; a single rank agrees with itself
+        self.agree = agree or (lambda mine: [mine])
         self.failures: list[str] = []
+        self.broken = ""  # a permanent storage error: no later checkpoint is attempted
         self.last_finish_seconds = 0.0  # upload (+ commit on rank 0) of the last checkpoint
         # folder names already used, read once; later names are derived without listing
         self.taken = {r.name for r in list_checkpoints(store, run_name)} if rank == 0 else set()
+        self.cond = threading.Condition()
+        self.to_write: deque[tuple] = deque()  # submitted, not yet written
+        self.to_upload: deque[_Written] = deque()  # written, waiting for the upload stage
+        self.uploading: _Written | None = None
+        self.num_unwritten = 0
+        self.num_unfinished = 0  # submitted and not yet committed (rank 0) / receipted, failed or dropped
+        self.threads: list[threading.Thread] = []
 
     def new_key(self, step: int) -> str:
         """A folder for this step's checkpoint that no earlier attempt wrote into (rank 0)."""
@@ -76,78 +139,252 @@ class CheckpointUploader:
     def submit(self, step: int, meta: dict, write: Callable[[str, str], list[str]]) -> None:
         """Save this step's checkpoint: ``write(key, folder)`` puts this rank's files into
         folder and returns their names; then upload and, on rank 0, commit. In the
-        background when async_enabled, else before returning."""
-        self.wait()
-        job = (step, meta, write)
+        background when async_enabled (this returns at once), else before returning."""
         if not self.async_enabled:
-            self._finish(*job)
+            written = self._write(step, meta, write)
+            if written is not None:
+                with self.cond:
+                    self.uploading = written
+                try:
+                    self._upload(written)
+                finally:
+                    with self.cond:
+                        self.uploading = None
             return
-        self.thread = threading.Thread(target=self._finish, args=job, daemon=True,
-                                       name=f"ckpt-upload-{step}")
-        self.thread.start()
+        if not self.threads:
+            for loop, name in ((self._write_loop, "ckpt-write"), (self._upload_loop, "ckpt-upload")):
+                thread = threading.Thread(target=loop, daemon=True, name=f"{name}-rank{self.rank}")
+                thread.start()
+                self.threads.append(thread)
+        with self.cond:
+            self.to_write.append((step, meta, write))
+            self.num_unwritten += 1
+            self.num_unfinished += 1
+            self.cond.notify_all()
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait for the checkpoint in flight (at most `timeout` seconds when given)."""
-        if self.thread is not None:
-            self.thread.join(timeout)
-            if not self.thread.is_alive():
-                self.thread = None
+    def wait_written(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted checkpoint is written to staging (its host buffers are
+        free again). True when none is left to write."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self.num_unwritten == 0, timeout)
 
-    # ---- background part -------------------------------------------------------------
-    def _finish(self, step, meta, write) -> None:
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted checkpoint is committed (rank 0) or receipted, failed
+        or dropped (at most `timeout` seconds when given). True when none is left."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self.num_unfinished == 0, timeout)
+
+    def pending_steps(self) -> list[int]:
+        """Steps written to staging and not yet uploaded (and committed), oldest first."""
+        with self.cond:
+            return [w.step for w in ([self.uploading] if self.uploading else []) + list(self.to_upload)]
+
+    # ---- write stage -----------------------------------------------------------------
+    def _write_loop(self) -> None:
         _pin_upload_thread()
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.to_write)
+                job = self.to_write[0]
+            written = None
+            try:
+                written = self._write(*job)
+            finally:
+                with self.cond:
+                    self.to_write.popleft()
+                    self.num_unwritten -= 1
+                    if written is None:
+                        self.num_unfinished -= 1
+                    else:
+                        self.to_upload.append(written)
+                    self.cond.notify_all()
+
+    def _write(self, step: int, meta: dict, write) -> _Written | None:
+        """Agree, drop what rank 0 dropped, write this rank's files; None when not written."""
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
-            key = self.agree_key(self.new_key(step) if self.rank == 0 else None)
-            local = self.staging_folder(key)
-            names = write(key, local)
-            staged_seconds = time.perf_counter() - t0
+            mine = {"key": None, "drop": [], "why": "", "broken": self.broken}
             if self.rank == 0:
-                self.on_event(CheckpointStaged(step=step, key=key, seconds=round(staged_seconds, 3)))
-        except Exception as err:
-            self.failures.append(f"step {step}: {err}")
+                why = (f"step {step} was written while {self.max_pending_uploads} older checkpoint(s) "
+                       "waited for upload (checkpoint.max_pending_uploads); the oldest is dropped")
+                mine.update(key=self.new_key(step), drop=self._choose_drops(why), why=why)
+            everyone = self.agree(mine)
+            key, drops, why = everyone[0]["key"], everyone[0]["drop"], everyone[0]["why"]
+            self._drop(drops, why)
+            broken = next((p["broken"] for p in everyone if p["broken"]), "")
+            if broken:  # the store failed permanently on some rank: nothing more is attempted
+                self.broken = self.broken or broken
+                self._not_attempted(step)
+                return None
+            folder = self.staging_folder(key)
+            names = write(key, folder)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            self.failures.append(f"step {step}: staging: {err}")
             self.on_event(CheckpointFailed(step=step, rank=self.rank, error=f"staging: {err}"[:500]))
+            return None
+        staged_seconds = time.perf_counter() - t0
+        if self.rank == 0:
+            self.on_event(CheckpointStaged(step=step, key=key, seconds=round(staged_seconds, 3)))
+        return _Written(step, meta, key, folder, names, staged_seconds)
+
+    def _choose_drops(self, why: str) -> list[str]:
+        """Rank 0: the oldest waiting checkpoints beyond max_pending_uploads - 1 (the new one
+        makes it max_pending_uploads), marked dropped now so none of them starts its commit."""
+        with self.cond:
+            waiting = [w for w in ([self.uploading] if self.uploading else []) + list(self.to_upload)
+                       if not w.settled and not w.dropped]
+            chosen = waiting[:max(0, len(waiting) - (self.max_pending_uploads - 1))]
+            for w in chosen:
+                w.dropped = why
+            return [w.key for w in chosen]
+
+    def _drop(self, keys: list[str], why: str) -> None:
+        """Every rank: drop these checkpoints where this rank has not receipted them yet."""
+        if not keys:
             return
+        with self.cond:
+            gone = [w for w in self.to_upload if w.key in keys]
+            for w in gone:
+                self.to_upload.remove(w)
+                self.num_unfinished -= 1
+            if self.uploading is not None and self.uploading.key in keys and not self.uploading.settled:
+                self.uploading.dropped = why  # the upload stage stops at its next store call
+            self.cond.notify_all()
+        for w in gone:
+            self._discard(w, why)
+
+    def _discard(self, w: _Written, why: str) -> None:
+        self._clear_staging(w)
+        self.failures.append(f"step {w.step}: dropped: {why}")
+        self.on_event(CheckpointDropped(step=w.step, rank=self.rank, reason=why[:500]))
+
+    def _clear_staging(self, w: _Written) -> None:
+        """This rank's files of a checkpoint that will not be committed (other ranks on this
+        host share the folder and clear their own); the folder goes with the last of them."""
+        for name in w.names:
+            try:
+                os.remove(os.path.join(w.folder, name))
+            except OSError:
+                pass
+        try:
+            os.rmdir(w.folder)
+        except OSError:
+            pass
+
+    def _not_attempted(self, step: int) -> None:
+        """A checkpoint after a permanent storage error: fails at once, said once (rank 0)."""
+        error = f"not attempted: the store failed permanently ({self.broken})"
+        self.failures.append(f"step {step}: {error}")
+        if self.rank == 0:
+            self.on_event(CheckpointFailed(step=step, rank=self.rank, error=error[:500]))
+
+    # ---- upload stage ----------------------------------------------------------------
+    def _upload_loop(self) -> None:
+        _pin_upload_thread()
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.to_upload)
+                self.uploading = self.to_upload.popleft()
+            try:
+                self._upload(self.uploading)
+            finally:
+                with self.cond:
+                    self.uploading = None
+                    self.num_unfinished -= 1
+                    self.cond.notify_all()
+
+    def _upload(self, w: _Written) -> None:
+        """Checksum, upload, receipt; on rank 0 the commit. Never raises."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.upload_timeout
-
-        def with_retries(fn, what: str):
-            def on_retry(attempt: int, err: BaseException, delay: float) -> None:
-                self.on_event(UploadRetry(step=step, rank=self.rank, attempt=attempt, error=repr(err)[:200]))
-            return retry(fn, what=what, budget_seconds=max(0.0, deadline - time.monotonic()),
-                         on_retry=on_retry)
-
         try:
             files = {}
-            for name in names:
-                path = os.path.join(local, name)
+            for name in w.names:
+                path = os.path.join(w.folder, name)
+                self._check(w)
                 files[name] = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
                 if not self.store.is_local:
-                    with_retries(lambda: self.store.put_file(path, join(key, name)), f"upload of {name}")
+                    self._call(w, lambda: self.store.put_file(path, join(w.key, name)),
+                               f"upload of {name} to {self.store.url(w.key)}", deadline)
             receipt = {"rank": self.rank, "files": files, "upload_seconds": time.perf_counter() - t0}
-            with_retries(lambda: self.store.write_json(rank_receipt_key(key, self.rank), receipt),
-                         "upload receipt")
+            if self.rank != 0:
+                self._settle(w)
+            self._call(w, lambda: self.store.write_json(rank_receipt_key(w.key, self.rank), receipt),
+                       "upload of the receipt", deadline)
             if not self.store.is_local and self.rank != 0:  # rank 0 clears the folder after commit
-                for name in names:
-                    os.remove(os.path.join(local, name))
+                for name in w.names:
+                    os.remove(os.path.join(w.folder, name))
             if self.rank == 0:
-                self._commit(key, local, step, meta, staged_seconds, t0)
+                self._commit(w, t0)
             self.last_finish_seconds = time.perf_counter() - t0
-        except Exception as err:
-            self.failures.append(f"step {step}: {err}")
-            self.on_event(CheckpointFailed(step=step, rank=self.rank, error=str(err)[:500]))
+        except _Dropped:
+            self._discard(w, w.dropped)
+        except _Broken as err:
+            if not self.broken:  # the first permanent error on this rank: said with its reason
+                self.broken = str(err)
+                self._fail(w, f"the store failed permanently; no later checkpoint is attempted: {err}")
+            else:
+                self._clear_staging(w)
+                self._not_attempted(w.step)
+        except BaseException as err:
+            self._fail(w, str(err))
 
-    def _receipts(self, key: str) -> dict[int, dict]:
-        """Every rank's upload receipt, polled until the commit deadline."""
+    def _fail(self, w: _Written, error: str) -> None:
+        self._clear_staging(w)
+        self.failures.append(f"step {w.step}: {error}")
+        self.on_event(CheckpointFailed(step=w.step, rank=self.rank, error=error[:500]))
+
+    def _check(self, w: _Written) -> None:
+        if w.dropped:
+            raise _Dropped(w.dropped)
+        if self.broken:
+            raise _Broken(self.broken)
+
+    def _settle(self, w: _Written) -> None:
+        """From here on the checkpoint is no longer droppable on this rank."""
+        with self.cond:
+            self._check(w)
+            w.settled = True
+
+    def _call(self, w: _Written, fn, what: str, deadline: float):
+        """fn() with retries of transient errors until the deadline; a permanent storage error
+        (an S3 error code or an HTTP 4xx) breaks the stream."""
+        def attempt():
+            if not w.settled:
+                self._check(w)
+            return fn()
+
+        def on_retry(attempt: int, err: BaseException, delay: float) -> None:
+            self.on_event(UploadRetry(step=w.step, rank=self.rank, attempt=attempt, error=repr(err)[:200]))
+
+        try:
+            return retry(attempt, what=what, budget_seconds=max(0.0, deadline - time.monotonic()),
+                         on_retry=on_retry)
+        except (_Stop, RetriesExhausted):
+            raise
+        except Exception as err:  # retry() raises only permanent errors as they are
+            if error_code(err) or http_status(err):
+                raise _Broken(_storage_reason(what, err)) from err
+            raise
+
+    def _receipts(self, w: _Written) -> dict[int, dict]:
+        """Every rank's upload receipt, polled until the commit deadline (or until rank 0
+        drops the checkpoint, or the store is known broken)."""
         deadline = time.monotonic() + self.commit_timeout
         receipts: dict[int, dict] = {}
         while True:
+            self._check(w)
             for r in range(self.world_size):
+                if r in receipts:
+                    continue
                 try:
-                    if r not in receipts and self.store.exists(rank_receipt_key(key, r), refresh=True):
-                        receipts[r] = self.store.read_json(rank_receipt_key(key, r))
-                except Exception:  # storage blinking: ask again until the deadline
-                    pass
+                    if self.store.exists(rank_receipt_key(w.key, r), refresh=True):
+                        receipts[r] = self.store.read_json(rank_receipt_key(w.key, r))
+                    elif r == 0:  # a read tells a receipt not yet there from a bucket gone
+                        self.store.read_json(rank_receipt_key(w.key, r))
+                except Exception as err:  # storage blinking: ask again until the deadline
+                    if error_code(err) in _STORE_GONE:
+                        raise _Broken(_storage_reason("wait for the ranks' receipts", err)) from err
             if len(receipts) == self.world_size:
                 return receipts
             if time.monotonic() > deadline:
@@ -155,20 +392,26 @@ class CheckpointUploader:
                 raise RuntimeError(f"ranks {missing} never reported their upload; not committed")
             time.sleep(RECEIPT_POLL_SECONDS)
 
-    def _commit(self, key, local, step, meta, staged_seconds, t0) -> None:
-        budget = self.commit_timeout
-        receipts = self._receipts(key)
+    def _commit(self, w: _Written, t0: float) -> None:
+        receipts = self._receipts(w)
+        self._settle(w)  # every rank's files are in: commit, unless dropped a moment ago
         files = {name: entry for rec in receipts.values() for name, entry in rec["files"].items()}
         upload_seconds = max(rec["upload_seconds"] for rec in receipts.values())
-        manifest = retry(lambda: commit_checkpoint(self.store, key, {
-            "step": step, "world_size": self.world_size, **meta, "upload_seconds": upload_seconds},
-            files=files), what="commit manifest", budget_seconds=budget)
-        retry(lambda: prune_checkpoints(self.store, self.run_name, self.keep_latest_k),
-              what="retention", budget_seconds=budget)
+        deadline = time.monotonic() + self.commit_timeout
+        manifest = self._call(w, lambda: commit_checkpoint(self.store, w.key, {
+            "step": w.step, "world_size": self.world_size, **w.meta, "upload_seconds": upload_seconds},
+            files=files), "commit manifest", deadline)
+        try:  # the checkpoint is committed whatever happens here; the next commit prunes again
+            retry(lambda: prune_checkpoints(self.store, self.run_name, self.keep_latest_k),
+                  what="retention", budget_seconds=max(0.0, deadline - time.monotonic()))
+        except Exception as err:
+            print(f"retention after {w.key} failed, left to the next commit: {err!r}",
+                  file=sys.stderr, flush=True)
         if not self.store.is_local:
-            shutil.rmtree(local, ignore_errors=True)
+            shutil.rmtree(w.folder, ignore_errors=True)
         self.on_event(CheckpointCommitted(
-            step=step, key=key, uri=self.store.url(key), bytes=sum(e["size"] for e in manifest["files"].values()),
-            stage_seconds=round(staged_seconds, 3), upload_seconds=round(upload_seconds, 3),
+            step=w.step, key=w.key, uri=self.store.url(w.key),
+            bytes=sum(e["size"] for e in manifest["files"].values()),
+            stage_seconds=round(w.staged_seconds, 3), upload_seconds=round(upload_seconds, 3),
             commit_seconds=round(time.perf_counter() - t0, 3)))
         self.after_commit()

@@ -59,5 +59,5 @@ def tokenize_and_shard(dataset: DatasetInfo, tokenizer: TokenizerInfo,
     get_run_logger().info(
         "shards %s: %d train / %d val tokens, %s (%s)", info.cache_key, info.num_train_tokens,
         info.num_val_tokens, info.dtype,
-        "cache hit, no tokenization" if info.cache_hit else f"tokenized, up to {data.num_workers} workers")
+        "cache hit, no tokenization" if info.cache_hit else f"tokenized, up to {data.resolved_workers()} worker process(es)")
     return info

@@ -23,6 +23,13 @@ EVAL_TIMEOUT_SECONDS = 1800
 _LIVE: set[subprocess.Popen] = set()  # evaluation processes running now, in this process
 
 
+def check_checkpoint_uri(uri: str) -> None:
+    """ConfigError naming checkpoint_uri when it is not a checkpoint URL (no store access)."""
+    from storage.layout import parse_checkpoint_url
+
+    parse_checkpoint_url(uri)
+
+
 def kill_running_evaluations() -> int:
     """Kill every evaluation process this process started (on cancel); returns how many."""
     procs = list(_LIVE)

@@ -56,6 +56,7 @@ def report(config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: 
         markdown=f"""# {run}
 - steps: {resume.step} -> {training.final_step}
 - throughput: {_throughput_line(result)}
+- checkpoints given up or dropped (never committed): {training.failed_checkpoints or 'none'}; in-place restarts: {training.restarts}
 - attempts: {result.num_attempts}, steps lost to failures: {result.steps_lost}, goodput: {result.goodput}
 {_attempt_lines(training.attempt_log)}
 - final checkpoint: `{training.final_checkpoint_uri}`

@@ -16,7 +16,7 @@ from launch.attempts import launch_attempt
 from launch.monitor import TrainingMonitor
 from storage.checkpoints import find_latest_valid
 from storage.runs import pin_run_folder
-from storage.store import Store, default_cache_dir
+from storage.store import Store
 from tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
 from tasks.policy import BACKOFF, JITTER, retry_if_transient
 
@@ -50,14 +50,16 @@ def write_run_config(config: RunConfig, shards: ShardInfo) -> str:
       retry_jitter_factor=JITTER, retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE,
       persist_result=False, timeout_seconds=3600)
 def find_resume_checkpoint(config: RunConfig) -> ResumePoint:
-    """Newest checkpoint that passes a deep check; every newer invalid one is reported."""
+    """Newest checkpoint of this run and model whose manifest and listing check out (no
+    tensor is downloaded here: the full check is the ranks' load); every newer one skipped
+    is reported with its reason."""
     return _resume_point(config)
 
 
 def _resume_point(config: RunConfig) -> ResumePoint:
     logger = get_run_logger()
     run = config.resolved_run_name()
-    choice = find_latest_valid(_store(config.storage), run, cache_dir=default_cache_dir(),
+    choice = find_latest_valid(_store(config.storage), run,
                                expected={"run_name": run, "model_hash": config.model_hash()})
     skipped = [f"{ref.url}: {reason}" for ref, reason in choice.skipped]
     for line in skipped:

@@ -317,20 +317,22 @@ def fast_retries(monkeypatch):
 
 # ---- real torchrun ranks, without the orchestrator --------------------------------------
 def run_ranks(config_url: str, shard_key: str, resume: str | None = None, nproc: int = 2,
-              timeout: int = 240, cache_dir: str | None = None) -> list[dict]:
+              timeout: int = 240, cache_dir: str | None = None, max_restarts: int = 0,
+              env: dict | None = None) -> list[dict]:
     """torchrun `nproc` ranks of training.train on this host; assert they succeed and return
     their events (decoded metric lines)."""
     from launch.torchrun import free_port as rdzv_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rdzv_port()}", "--tee=3",
+           f"--max-restarts={max_restarts}",
            "-m", "training.train", "--config", config_url, "--shards", shard_key]
     if resume:
         cmd += ["--resume-from", resume]
     if cache_dir:
         cmd += ["--cache-dir", cache_dir]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+                         env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", **(env or {})})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return [json.loads(line.split("STOKER_METRIC ", 1)[1]) for line in out.stdout.splitlines()
             if "STOKER_METRIC " in line]

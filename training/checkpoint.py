@@ -14,8 +14,10 @@ last, after every rank's files (storage.uploader).
 
 Saving (``Checkpointer.save``) costs the training thread only the copy of the state into
 reused host buffers (pinned on CUDA, copied without blocking: the copies are ordered
-before the next step's kernels on the same stream). The DCP write, checksums, upload and
-commit run on the uploader's thread, whose collectives use their own gloo group.
+before the next step's kernels on the same stream), after waiting for the previous save's
+DCP write to staging (never for its upload). The DCP write runs on the uploader's write
+thread, whose collectives use their own gloo group; checksums, upload and commit run on its
+upload thread.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from storage.uploader import CheckpointUploader
+from training.untrusted import SafeReader
 
 TRAIN_STATE = "train_state.json"
 # how the live optimizer runs, never taken from a checkpoint (it may come from other hardware)
@@ -158,9 +161,10 @@ class Checkpointer:
         self.last_stall_seconds = 0.0
 
     def save(self, step: int, tokens_seen: int, meta: dict) -> float:
-        """Copy this step's state to host buffers and hand the rest to the uploader's thread.
+        """Copy this step's state to host buffers and hand the rest to the uploader's threads.
         Returns the seconds the training thread spent."""
-        self.uploader.wait()  # the buffers of the previous save are free once it is written
+        # the buffers of the previous save are free once it is written; its upload may go on
+        self.uploader.wait_written()
         t0 = time.perf_counter()
         state, groups = flat_state(self.model, self.optimizer)
         state.update(rng_state_tensors(self.rank, self.device))
@@ -176,7 +180,7 @@ class Checkpointer:
         host, group, rank = self.buffers, self.group, self.rank
 
         def write(key: str, folder: str) -> list[str]:
-            """On the uploader's thread: DCP-write this rank's files into folder."""
+            """On the uploader's write thread: DCP-write this rank's files into folder."""
             if copied is not None:
                 copied.synchronize()
             os.makedirs(folder, exist_ok=True)
@@ -198,15 +202,16 @@ class Checkpointer:
         return self.last_stall_seconds
 
 
-def agree_on_key(group: "dist.ProcessGroup | None"):
-    """The uploader's key agreement: rank 0 picks the folder, every rank writes into it
-    (a broadcast over the checkpoint group, on the uploader's thread)."""
-    def agree(key: str | None) -> str:
+def agree_on_checkpoint(group: "dist.ProcessGroup | None"):
+    """The uploader's agreement before each checkpoint: every rank's proposal (rank 0's
+    folder and drops, any rank's permanent storage error), in rank order, on every rank (an
+    all-gather over the checkpoint group, on the uploader's write thread)."""
+    def agree(mine: dict) -> list[dict]:
         if not _is_dist():
-            return key
-        box = [key]
-        dist.broadcast_object_list(box, src=0, group=group)  # src: global rank 0, in every group
-        return box[0]
+            return [mine]
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)  # group: checkpoint (gloo), in order
+        return everyone
     return agree
 
 
@@ -219,7 +224,7 @@ def load_checkpoint(folder: str, *, model, optimizer=None, scheduler=None, rank:
     than unpickled. Without an optimizer only the model is loaded. RNG streams are restored
     when the checkpoint was written at this world size; otherwise they are re-seeded from
     (seed, rank, step) and ``rng_restored`` is False."""
-    saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    saved = SafeReader(folder).read_metadata().state_dict_metadata
     state, groups = flat_state(model, optimizer)
     saved_ranks = {k.split(".")[1] for k in saved if k.startswith("rng.rank")}
     same_world = optimizer is not None and saved_ranks == {f"rank{r}" for r in range(world_size)}
@@ -234,7 +239,7 @@ def load_checkpoint(folder: str, *, model, optimizer=None, scheduler=None, rank:
     if unsafe:
         raise ValueError(f"checkpoint {folder} holds non-tensor entries {unsafe[:3]}; refusing to unpickle")
     with torch.no_grad():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=not _is_dist())
+        dcp.load(state, storage_reader=SafeReader(folder), no_dist=not _is_dist())
     aliases = _aliases(model)
     msd = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
     msd.update({alias: msd[target] for alias, target in aliases.items()})

@@ -33,7 +33,8 @@ from training.train import RankErrorHandler, read_config
 def evaluate_checkpoint(cfg, store: Store, checkpoint_key: str, shard_dir: str, cache_dir: str,
                         max_windows: int = 256, batch_size: int = 16,
                         device: torch.device | None = None) -> events.Evaluated:
-    folder = rehydrate(store, checkpoint_key, cache_dir)  # verified against its manifest
+    folder = rehydrate(store, checkpoint_key, cache_dir,  # fully checked against its manifest
+                       expected={"model_hash": cfg.model_hash()})
     with open(os.path.join(folder, COMMIT_FILE)) as f:
         manifest = json.load(f)
     val = TokenStream(shard_dir, "val")

@@ -22,11 +22,12 @@ import torch.distributed as dist
 
 from core import events
 from core.config import RunConfig
-from storage.checkpoints import rehydrate
+from core.failures import CheckpointInvalid
+from storage.checkpoints import find_latest_valid, rehydrate
 from storage.layout import METRICS_FILE, run_file_key
 from storage.store import Store
 from storage.uploader import CheckpointUploader
-from training.checkpoint import Checkpointer, agree_on_key, load_checkpoint, seed_rank_rngs
+from training.checkpoint import Checkpointer, agree_on_checkpoint, load_checkpoint, seed_rank_rngs
 from training.data import Batches, TokenStream, eval_offsets, get_batch
 from training.engine import (Engine, build_model, build_optimizer, configure_backends, grad_sync,
                              peak_flops, side_group)
@@ -99,6 +100,20 @@ class RankInfo:
         return self.world_size > 1 or (dist.is_available() and dist.is_initialized())
 
 
+def _restart_store() -> "dist.Store | None":
+    """The rendezvous store of this restart round. torchrun (agent store) keeps one store across
+    in-place restarts, and the restarted ranks then read the dead ranks' gloo addresses from it
+    (connectFullMesh: connection refused; seen with torch 2.13 when a surviving rank failed on
+    its own). Keys prefixed by the restart count keep each round to itself."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from datetime import timedelta
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timedelta(minutes=10))
+    return dist.PrefixStore(f"stoker/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def setup_distributed(cfg: RunConfig) -> RankInfo:
     """Join the process group torchrun prepared (or run alone without one)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -109,7 +124,7 @@ def setup_distributed(cfg: RunConfig) -> RankInfo:
         torch.cuda.set_device(device)
     if "MASTER_ADDR" in os.environ and not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, store=_restart_store(), rank=rank, world_size=world)
     if device.type == "cpu":
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
@@ -192,8 +207,9 @@ class Trainer:
             store, self.run_name, rank=ranks.rank, world_size=ranks.world_size,
             staging_root=os.path.join(cache_dir, "staging"), keep_latest_k=c.keep_latest_k,
             upload_timeout=c.upload_timeout_seconds, commit_timeout=c.commit_timeout_seconds,
-            async_enabled=c.async_enabled, on_event=self.metrics.event,
-            after_commit=self.metrics.flush, agree_key=agree_on_key(ckpt_group))
+            async_enabled=c.async_enabled, max_pending_uploads=c.max_pending_uploads,
+            on_event=self.metrics.event, after_commit=self.metrics.flush,
+            agree=agree_on_checkpoint(ckpt_group))
         self.checkpointer = Checkpointer(
             self.uploader, self.raw_model, self.optimizer, self.scheduler, rank=ranks.rank,
             world_size=ranks.world_size, device=ranks.device, seed=cfg.train.seed,
@@ -207,15 +223,41 @@ class Trainer:
 
     # ---- state ---------------------------------------------------------------------
     def resume(self, checkpoint_key: str) -> None:
-        folder = rehydrate(self.store, checkpoint_key, self.cache_dir)
+        """Load this checkpoint after every host's full check of its bytes (rehydrate). When a
+        host finds it damaged (it is then marked invalid in the store), every rank falls back
+        together to the next valid checkpoint of this run and model; a checkpoint of another
+        run or model is refused (ConfigError) before any byte is read."""
         r = self.ranks
+        expected = {"run_name": self.run_name, "model_hash": self.cfg.model_hash()}
+        key, passed_over = checkpoint_key, []
+        while True:
+            problem = ""
+            try:
+                folder = rehydrate(self.store, key, self.cache_dir, expected=expected)
+            except CheckpointInvalid as err:
+                problem = str(err)
+            if self._all_ranks_agree(not problem):
+                break
+            passed_over.append(self.store.url(key))
+            choice = find_latest_valid(self.store, self.run_name, expected)  # skips the marked one
+            if choice.checkpoint is None or choice.checkpoint.key == key:
+                raise CheckpointInvalid(problem or f"checkpoint {self.store.url(key)} failed the "
+                                        "full check on another host, and no valid one is left")
+            key = choice.checkpoint.key
         state = load_checkpoint(folder, model=self.raw_model, optimizer=self.optimizer,
                                 scheduler=self.scheduler, rank=r.rank, world_size=r.world_size,
                                 device=r.device, seed=self.cfg.train.seed)
         self.step, self.tokens_seen = state.step, state.tokens_seen
         self.last_saved_step = self.step
-        self.metrics.log(events.Resumed(step=self.step, checkpoint=self.store.url(checkpoint_key),
-                                        rng_restored=state.rng_restored))
+        self.metrics.log(events.Resumed(step=self.step, checkpoint=self.store.url(key),
+                                        rng_restored=state.rng_restored, passed_over=passed_over))
+
+    def _all_ranks_agree(self, ok: bool) -> bool:
+        if not self.ranks.is_dist:
+            return ok
+        flag = torch.tensor([1 if ok else 0], device=self.ranks.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # group: world; one verdict for all ranks
+        return bool(flag.item())
 
     def save(self) -> None:
         """Copy this step's state to host buffers; the write, upload and commit go on in the

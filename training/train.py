@@ -4,6 +4,12 @@ Parse, build, train, close. No orchestrator is imported here or below. A failure
 kind (``BaseException`` included) is filed through torchelastic's ``@record`` error file with
 stoker's verdict on it (``extraInfo.stoker``, a ``core.events.Failure``), which the launcher
 reads after the gang ends, and is printed as a Failure event for the live log.
+
+In-place recovery: torchrun restarts the ranks (``launch.max_restarts``) after one dies.
+A restarted rank ignores ``--resume-from`` (chosen before the failure) and resumes from the
+newest valid checkpoint of its run, which rank 0 picks from the store and tells the others.
+A rank that failed permanently leaves its Failure in the launch's marker file, and restarted
+ranks that find it end at once with the same failure instead of repeating it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from core import events
 from core.config import RunConfig
 from core.failures import RankAborted, is_transient
+from storage.checkpoints import find_latest_valid
 from storage.shards import materialize
 from storage.store import Store, default_cache_dir
 from training.loop import Trainer, setup_distributed
@@ -41,6 +48,10 @@ class RankErrorHandler(ErrorHandler):
             events.ERROR_INFO_KEY: failure.to_dict()}}}
         with open(path, "w") as f:
             json.dump(data, f)
+        marker = os.environ.get(events.PERMANENT_MARKER_ENV)
+        if marker and not failure.transient:
+            with open(marker, "w") as f:
+                json.dump(failure.to_dict(), f)
 
 
 def read_config(url: str) -> RunConfig:
@@ -48,6 +59,32 @@ def read_config(url: str) -> RunConfig:
     store_root, _, name = url.rpartition("/")
     options = json.loads(os.environ.get("STOKER_STORAGE_OPTIONS", "{}"))
     return RunConfig.model_validate_json(Store(store_root, options).read_bytes(name))
+
+
+class FailedBefore(Exception):
+    """A rank of this launch failed permanently before torchrun restarted the ranks."""
+
+
+def _end_if_failed_for_good() -> None:
+    marker = os.environ.get(events.PERMANENT_MARKER_ENV)
+    if marker and os.path.exists(marker):
+        with open(marker) as f:
+            failure = events.from_dict(json.load(f))
+        raise FailedBefore(f"not restarted: rank {failure.rank} failed with {failure.type}: "
+                           f"{failure.message}")
+
+
+def newest_checkpoint(store: Store, cfg: RunConfig) -> str | None:
+    """The newest valid checkpoint of this run and model, picked by rank 0 and told to every
+    rank (a restarted gang resumes from what was committed before the failure)."""
+    box = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        run = cfg.resolved_run_name()
+        choice = find_latest_valid(store, run, {"run_name": run, "model_hash": cfg.model_hash()})
+        box[0] = choice.checkpoint.key if choice.checkpoint else None
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)  # group: world
+    return box[0]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,13 +101,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     shard_key = args.shards.rstrip("/").rsplit("/", 1)[-1]
     try:
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if restarted:
+            _end_if_failed_for_good()
         cfg = read_config(args.config)
         ranks = setup_distributed(cfg)
         store = Store(cfg.storage.root, cfg.storage.storage_options)
         trainer = Trainer(cfg, ranks, materialize(store, shard_key, args.cache_dir), store, shard_key,
                           cache_dir=args.cache_dir)
-        if args.resume_from:
-            trainer.resume(args.resume_from)
+        resume = newest_checkpoint(store, cfg) if restarted else args.resume_from
+        if resume:
+            trainer.resume(resume)
         trainer.fit()
     except (Exception, SystemExit, KeyboardInterrupt):
         raise

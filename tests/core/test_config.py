@@ -89,7 +89,10 @@ def test_bounds_and_fixes_are_in_the_json_schema():
     assert _field_schema(schema, "train", "lr")["exclusiveMinimum"] == 0
     assert _field_schema(schema, "checkpoint", "keep_latest_k")["minimum"] == 2
     workers = _field_schema(schema, "data", "num_workers")
-    assert (workers["minimum"], workers["maximum"]) == (1, 256)
+    [number] = [b for b in workers["anyOf"] if b.get("type") == "integer"]
+    assert (number["minimum"], number["maximum"]) == (1, 256)
+    assert {"const": "auto", "type": "string"} in workers["anyOf"] or any(
+        b.get("enum") == ["auto"] or b.get("const") == "auto" for b in workers["anyOf"])
     assert _field_schema(schema, "data", "val_fraction")["exclusiveMaximum"] == 0.5
     assert _field_schema(schema, "data", "text_field")["minLength"] == 1
     assert "3e-4" in _field_schema(schema, "train", "lr")["fix"]
@@ -148,3 +151,25 @@ def test_an_empty_folder_is_no_data(tmp_path):
     assert local_resource_problems(cfg) == []
     assert "tokenizer.path" in local_resource_problems(cfg.model_copy(update={
         "tokenizer": cfg.tokenizer.model_copy(update={"path": str(tmp_path / "tok.json")})}))[0]
+
+
+@pytest.mark.parametrize("over,field,says", [
+    ({"storage.root": "s3://"}, "storage.root", "names no bucket"),
+    ({"storage.root": "s3:///prefix"}, "storage.root", "names no bucket"),
+    ({"storage.root": "file://relative/dir"}, "storage.root", "three slashes"),
+    ({"data.source": "s3://"}, "data.source", "names no bucket"),
+    ({"data.source": "https:///corpus.jsonl"}, "data.source", "names no host"),
+    ({"tokenizer.vocab_size": 70000, "data.token_dtype": "uint16"}, "data.token_dtype",
+     "use 'uint32' or 'auto'"),
+])
+def test_urls_and_id_widths_that_cannot_work_are_config_errors(over, field, says):
+    """Found from the config alone, before any task runs: one line naming the field and the fix."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, **over)
+    [line] = err.value.problems
+    assert line.startswith(field + ":") and says in line, line
+
+
+def test_a_wide_vocabulary_is_fine_with_auto_or_uint32_ids():
+    assert load_config(None, **{"tokenizer.vocab_size": 70000}).tokenizer.vocab_size == 70000
+    assert load_config(None, **{"tokenizer.vocab_size": 70000, "data.token_dtype": "uint32"})

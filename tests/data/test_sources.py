@@ -108,7 +108,7 @@ def test_new_data_fields_are_checked_with_their_fix(tmp_path):
     problems = "\n".join(err.value.problems)
     for expected in ("data.storage_options: only used with a URL source",
                      "data.hf_revision: only applies to 'hf:' sources",
-                     "data.num_workers: must be in [1, 256]", "data.text_field: is empty"):
+                     "data.num_workers: must be 'auto' or a whole number between 1 and 256", "data.text_field: is empty"):
         assert expected in problems
     # a missing local folder is this host's problem, not the model's
     [problem] = local_resource_problems(RunConfig(data=DataConfig(source="hf:/no/such/folder")))

@@ -2,8 +2,11 @@ import os
 
 import pytest
 
+from core.failures import CheckpointInvalid, ConfigError
 from storage.checkpoints import (
     COMMIT_FILE,
+    INVALID_MARKER,
+    rank_receipt_key,
     local_checkpoint_dir,
     rehydrate,
     KEEP_MARKER,
@@ -58,16 +61,28 @@ DAMAGE = ["no manifest", "truncated shard", "flipped byte", "listed file missing
 
 
 @pytest.mark.parametrize("how", DAMAGE)
-def test_damaged_checkpoint_is_invalid_and_resume_takes_the_previous(store, how):
+def test_damaged_checkpoint_is_never_loaded_and_resume_takes_the_previous(store, how, tmp_path):
+    """The choice reads manifests and listings only; damage only a checksum shows (a flipped
+    byte) is found by the host's full check, which marks the checkpoint invalid in the
+    store, so the next choice skips it."""
     _fake_checkpoint(store, "r", 10)
     newest = _fake_checkpoint(store, "r", 20)
     assert validate_checkpoint(store, newest, deep=True)
     _damage(store, newest, how)
     verdict = validate_checkpoint(store, newest, deep=True)
     assert not verdict and verdict.reason
+    cache = str(tmp_path / "cache")
     choice = find_latest_valid(store, "r")
+    if choice.checkpoint.step == 20:  # only a checksum can tell
+        assert how == "flipped byte"
+        with pytest.raises(CheckpointInvalid, match="marked invalid"):
+            rehydrate(store, newest, cache)
+        assert store.exists(join(newest, INVALID_MARKER))
+        choice = find_latest_valid(store, "r")
+        assert "marked invalid by a host" in choice.skipped[0][1]
     assert choice.checkpoint.step == 10
     assert [ref.step for ref, _ in choice.skipped] == [20]
+    assert os.path.isdir(rehydrate(store, choice.checkpoint.key, cache))
 
 
 def test_flipped_byte_needs_the_deep_check(store):
@@ -109,12 +124,12 @@ def test_resume_with_a_local_cache_downloads_only_a_valid_checkpoint(s3_root, tm
     newest = _fake_checkpoint(store, "r", 20)
     _damage(store, newest, how)
     cache = str(tmp_path / "cache")
-    choice = find_latest_valid(store, "r", cache_dir=cache)
-    assert choice.checkpoint.step == 10 and [r.step for r, _ in choice.skipped] == [20]
-    local = rehydrate(store, choice.checkpoint.key, cache)  # already there: no second download
-    assert sorted(os.listdir(local)) == sorted([".metadata", "__0_0.distcp", "__1_0.distcp", COMMIT_FILE])
     with pytest.raises(ValueError, match="not valid"):
         rehydrate(store, newest, cache)
+    choice = find_latest_valid(store, "r")
+    assert choice.checkpoint.step == 10 and [r.step for r, _ in choice.skipped] == [20]
+    local = rehydrate(store, choice.checkpoint.key, cache)
+    assert sorted(os.listdir(local)) == sorted([".metadata", "__0_0.distcp", "__1_0.distcp", COMMIT_FILE])
     leftovers = [p for p in os.listdir(os.path.dirname(local))
                  if ".tmp-" in p or (p.startswith("step-00000020") and not p.endswith(".lock"))]
     assert leftovers == []  # nothing of the damaged one is kept
@@ -126,13 +141,15 @@ def test_resume_skips_a_checkpoint_of_another_model_or_run_with_its_reason(store
     commit_checkpoint(store, older, {"step": 100, "world_size": 2, **ours})
     foreign = _fake_checkpoint(store, "r", 200, commit=False)  # a wider model, same run name
     commit_checkpoint(store, foreign, {"step": 200, "world_size": 2, "run_name": "r", "model_hash": "m-wide"})
-    cache = str(tmp_path / "cache") if not store.is_local else None
-    choice = find_latest_valid(store, "r", cache_dir=cache, expected=ours)
+    cache = str(tmp_path / "cache")
+    choice = find_latest_valid(store, "r", expected=ours)
     assert choice.checkpoint.key == older
     [(ref, reason)] = choice.skipped
     assert ref.key == foreign and "another model hash" in reason and "m-wide" in reason
-    if cache:  # never downloaded: identity is read from the manifest alone
-        assert not os.path.exists(local_checkpoint_dir(cache, store, foreign))
+    # named explicitly (--resume-from), it is refused before any byte is read
+    with pytest.raises(ConfigError, match="another model hash"):
+        rehydrate(store, foreign, cache, expected=ours)
+    assert not os.path.exists(local_checkpoint_dir(cache, store, foreign))
 
 
 def test_a_stale_host_copy_is_discarded_when_the_store_holds_another_commit(s3_root, tmp_path):
@@ -147,3 +164,38 @@ def test_a_stale_host_copy_is_discarded_when_the_store_holds_another_commit(s3_r
     commit_checkpoint(store, key, {"step": 100, "world_size": 2})
     fresh = rehydrate(store, key, cache)
     assert open(os.path.join(fresh, "__1_0.distcp"), "rb").read() == b"new-1" * 50
+
+
+def test_receipts_without_a_commit_are_skipped_and_retention_removes_them(store):
+    """Every rank uploaded and wrote its receipt, rank 0 died before commit.json: the folder
+    is never committed after the fact (the receipts may not be of one save); it is skipped
+    with its reason, and deleted once a newer checkpoint is committed, as are empty folders."""
+    _fake_checkpoint(store, "r", 10)
+    orphan = _fake_checkpoint(store, "r", 20, commit=False)
+    for rank in (0, 1):
+        store.write_json(rank_receipt_key(orphan, rank), {"rank": rank, "files": {}})
+    empty = new_checkpoint_key(store, "r", 25)
+    store.write_bytes(join(empty, "partial.distcp"), b"")
+    choice = find_latest_valid(store, "r")
+    assert choice.checkpoint.step == 10
+    assert [(ref.step, "no manifest" in why) for ref, why in choice.skipped] == [(25, True), (20, True)]
+    assert prune_checkpoints(store, "r", keep_latest_k=2) == []  # nothing newer is committed yet
+    _fake_checkpoint(store, "r", 30)
+    assert sorted(prune_checkpoints(store, "r", keep_latest_k=2)) == sorted([orphan, empty])
+    assert [r.step for r in list_checkpoints(store, "r")] == [30, 10]
+
+
+def test_a_local_checkpoint_is_fully_checked_once_per_host(tmp_path):
+    store, cache = Store("file://" + str(tmp_path / "store")), str(tmp_path / "cache")
+    key = _fake_checkpoint(store, "r", 7)
+    assert rehydrate(store, key, cache) == store.local_path(key)
+    assert os.path.exists(local_checkpoint_dir(cache, store, key) + ".verified.json")
+    # damage after the check: this host trusts its stamp of the same commit...
+    shard = join(key, "__1_0.distcp")
+    data = store.read_bytes(shard)
+    store.write_bytes(shard, data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    assert rehydrate(store, key, cache)
+    # ...another host (another cache) checks every byte and marks it
+    with pytest.raises(CheckpointInvalid):
+        rehydrate(store, key, str(tmp_path / "other-host"))
+    assert not validate_checkpoint(store, key)

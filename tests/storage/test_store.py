@@ -61,3 +61,12 @@ class TestStoreProtocol:
         assert url.startswith(store.root + "/") and "://" in url
         store.write_bytes(url, b"{}")  # a full URL under the root works as a key
         assert store.exists("runs/r1/config.json")
+
+
+@pytest.mark.parametrize("key", ["runs/../../etc/passwd", "../outside", "runs/./x", "runs\\..\\x",
+                                 "file:///etc/passwd", "s3://other-bucket/x"])
+def test_a_key_can_never_leave_the_store_root(tmp_path, key):
+    store = Store("file://" + str(tmp_path / "root"))
+    with pytest.raises(ValueError, match="store root"):
+        store.write_bytes(key, b"x")
+    assert not (tmp_path / "outside").exists()

@@ -74,8 +74,9 @@ def test_s3_outage_during_upload_delays_but_loses_no_checkpoint(s3_server, s3_ro
     proxy.start()
     flaky = {**options, "endpoint_url": proxy.url,
              "config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retries": {"max_attempts": 1}}}
+    # a backlog of 3: the checkpoints written during this short outage all wait for the store
     cfg = _s3_config(root, flaky, run_name="outage", train={"max_steps": 12, "warmup_steps": 2},
-                     checkpoint={"interval_steps": 4, "keep_latest_k": 10})
+                     checkpoint={"interval_steps": 4, "keep_latest_k": 10, "max_pending_uploads": 3})
     store, shards = prepare_shards(cfg)
     proc = _start(cfg, store, shards.key, tmp_path)
     events, steps_while_down, down_since = [], [], None
@@ -111,3 +112,125 @@ def test_s3_outage_during_upload_delays_but_loses_no_checkpoint(s3_server, s3_ro
         assert all(validate_checkpoint(store, r.key, deep=True) for r in refs)
     finally:
         proxy.stop()
+
+
+def test_outage_of_many_checkpoint_intervals_keeps_training_and_commits_the_newest(s3_server, s3_root,
+                                                                                   tmp_path):
+    """The store is down from step 2 to step 12 (five checkpoint intervals): the ranks keep
+    stepping and writing checkpoints to staging, at most 2 wait for the store, the oldest
+    waiting ones are dropped (the same on both ranks, reported), and once the store is back
+    the newest are committed in order. Nothing fails."""
+    root, options = s3_root
+    proxy = TcpProxy(s3_server.port)
+    proxy.start()
+    flaky = {**options, "endpoint_url": proxy.url,
+             "config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retries": {"max_attempts": 1}}}
+    # a save that waited for an upload would wait for it to give up: a checkpoint_failed record
+    cfg = _s3_config(root, flaky, run_name="longoutage", train={"max_steps": 24, "warmup_steps": 2},
+                     eval={"interval_steps": 100},
+                     checkpoint={"interval_steps": 2, "keep_latest_k": 20, "max_pending_uploads": 2,
+                                 "upload_timeout_seconds": 60, "commit_timeout_seconds": 60})
+    store, shards = prepare_shards(cfg)
+    proc = _start(cfg, store, shards.key, tmp_path)
+    records, steps_while_down, staged_while_down = [], [], []
+    try:
+        for line in proc.stdout:
+            m = _metric(line)
+            if m is None:
+                continue
+            records.append(m)
+            down = proxy._listener is None
+            if m["event"] == "step" and m["step"] == 2 and not down:
+                proxy.stop()
+            elif m["event"] == "step" and down:
+                steps_while_down.append(m["step"])
+                if m["step"] == 12:
+                    proxy.start()
+            elif m["event"] == "checkpoint_staged" and down:
+                staged_while_down.append(m["step"])
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        proxy.stop()
+    assert proc.returncode == 0, [e for e in records if e["event"] != "step"][-10:]
+    assert steps_while_down == list(range(3, 13))  # training went on without its store
+    assert {4, 6, 8} <= set(staged_while_down)  # and so did checkpointing, to local staging
+    assert not [e for e in records if e["event"] in ("checkpoint_failed", "failure")]
+    committed = [e["step"] for e in records if e["event"] == "checkpoint"]
+    dropped = {r: {e["step"] for e in records if e["event"] == "checkpoint_dropped" and e["rank"] == r}
+               for r in (0, 1)}
+    assert committed == sorted(committed) and committed[-2:] == [22, 24]  # the newest, in order
+    assert dropped[0] and dropped[1] <= dropped[0]  # rank 0 decides; no rank drops another one
+    assert set(committed) | dropped[0] == set(range(2, 25, 2)) and not set(committed) & dropped[0]
+    [done] = [e for e in records if e["event"] == "done"]
+    assert {int(f.split(":")[0].split()[1]) for f in done["failed_checkpoints"]} == dropped[0]
+    proxy.start()
+    try:
+        refs = {r.step: r for r in list_checkpoints(store, "longoutage")}
+        assert all(validate_checkpoint(store, refs[s].key, deep=True) for s in committed)
+        assert not any(validate_checkpoint(store, refs[s].key) for s in dropped[0] if s in refs)
+    finally:
+        proxy.stop()
+    staging = tmp_path / "cache" / "staging"
+    assert not [f for _, _, files in os.walk(staging) for f in files]  # dropped staging deleted
+
+
+def test_a_deleted_bucket_fails_the_checkpoint_stream_once_and_training_reaches_max_steps(s3_root,
+                                                                                        tmp_path):
+    """The bucket is deleted under a running job (once the ranks have read their inputs from
+    it): the first checkpoint that meets it fails with the store's reason on the ranks, is
+    never retried, every later checkpoint fails at once without being written, and training
+    reaches max_steps."""
+    root, options = s3_root
+    cfg = _s3_config(root, options, run_name="nobucket", train={"max_steps": 192, "warmup_steps": 2},
+                     eval={"interval_steps": 100},
+                     checkpoint={"interval_steps": 32, "upload_timeout_seconds": 120,
+                                 "commit_timeout_seconds": 120})
+    store, shards = prepare_shards(cfg)
+    proc = _start(cfg, store, shards.key, tmp_path)
+    records = []
+    try:
+        for line in proc.stdout:
+            m = _metric(line)
+            if m is not None:
+                records.append(m)
+                if m["event"] == "train" and m["step"] == 1:  # inputs read, no checkpoint yet
+                    _delete_bucket(options["endpoint_url"], root.split("/")[2])
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    assert proc.returncode == 0, [e for e in records if e["event"] != "step"][-10:]
+    [done] = [e for e in records if e["event"] == "done"]
+    assert done["step"] == 192 and done["failed_checkpoints"]
+    failed = [e for e in records if e["event"] == "checkpoint_failed"]
+    committed = [e["step"] for e in records if e["event"] == "checkpoint"]
+    first = min(e["step"] for e in failed)  # the first checkpoint after the bucket went
+    assert committed == list(range(32, first, 32))  # the ones before it, nothing after it
+    assert all("NoSuchBucket" in e["error"] for e in failed), [(e["step"], e["error"]) for e in failed]
+    assert [e for e in failed if e["step"] == first and "no later checkpoint is attempted" in e["error"]]
+    later = [e for e in failed if e["step"] > first]  # fail at once: one record each, from rank 0
+    assert sorted(e["step"] for e in later) == list(range(first + 32, 193, 32))
+    assert all(e["error"].startswith("not attempted") and e["rank"] == 0 for e in later)
+    assert not [e for e in records if e["event"] == "upload_retry"]
+    assert not [e for e in records if e["event"] == "checkpoint_staged" and e["step"] > first]
+
+
+def _delete_bucket(endpoint_url, bucket):
+    """Empty the bucket and delete it (again while a rank still adds an object to it)."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint_url)
+    for _ in range(20):
+        listing = client.list_objects_v2(Bucket=bucket)
+        gone = [{"Key": o["Key"]} for o in listing.get("Contents", [])]
+        if gone:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": gone})
+            continue
+        try:
+            client.delete_bucket(Bucket=bucket)
+            return
+        except client.exceptions.ClientError:  # BucketNotEmpty: an object came in meanwhile
+            pass
+    raise AssertionError(f"could not delete bucket {bucket}")

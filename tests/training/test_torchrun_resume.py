@@ -40,3 +40,75 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(tiny_config):
     assert any(k.startswith("optim.") and k.endswith("exp_avg_sq") for k in a)
     for k in a:
         assert torch.equal(a[k], b[k]) or (a[k].isnan().all() and b[k].isnan().all()), k
+
+
+def test_ranks_fall_back_together_from_a_checkpoint_their_full_check_rejects(tiny_config):
+    """The choice of a resume point reads no tensor bytes; the ranks' full check does. A flipped
+    byte in the chosen checkpoint is found there: it is marked invalid in the store and every
+    rank resumes from the previous valid one, reporting the one passed over."""
+    cfg = tiny_config(run_name="fallback", train={"max_steps": 4}, checkpoint={"interval_steps": 2})
+    store, shards = prepare_shards(cfg)
+    store.write_bytes("runs/fallback/config.json", cfg.to_json().encode())
+    run_ranks(store.url("runs/fallback/config.json"), shards.key)
+    newest = "runs/fallback/checkpoints/step-00000004"
+    shard = sorted(n for n in store.walk_files(newest) if n.endswith(".distcp"))[0]
+    data = store.read_bytes(f"{newest}/{shard}")
+    store.write_bytes(f"{newest}/{shard}", data[:64] + bytes([data[64] ^ 1]) + data[65:])
+
+    longer = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 6})})
+    store.write_bytes("runs/fallback/config-6.json", longer.to_json().encode())
+    records = run_ranks(store.url("runs/fallback/config-6.json"), shards.key, resume=newest)
+    [resumed] = [r for r in records if r["event"] == "resumed"]
+    assert resumed["step"] == 2 and resumed["passed_over"] == [store.url(newest)]
+    assert sorted(train_losses(records)) == [3, 4, 5, 6]
+    assert not validate_checkpoint(store, newest)  # marked: no later choice takes it
+
+
+def test_a_killed_rank_is_restarted_in_place_and_ends_bitwise_like_an_unbroken_run(tiny_config, tmp_path):
+    """torchrun --max-restarts: the restarted ranks ignore the stale --resume-from, load the
+    newest valid checkpoint themselves and finish where an unbroken run does, bit for bit."""
+    cfg = tiny_config(run_name="inplace", train={"max_steps": 8}, checkpoint={"interval_steps": 4})
+    store, shards = prepare_shards(cfg)
+    store.write_bytes("runs/inplace/config.json", cfg.to_json().encode())
+    url = store.url("runs/inplace/config.json")
+    unbroken = train_losses(run_ranks(url, shards.key))
+    final_a = _tensors(store.local_path("runs/inplace/checkpoints/step-00000008"))
+
+    other = cfg.model_copy(update={"run_name": "inplace-killed"})
+    store.write_bytes("runs/inplace-killed/config.json", other.to_json().encode())
+    fault = {"STOKER_FAULT": "kill:rank=1:step=6", "STOKER_FAULT_ONCE": str(tmp_path / "fired")}
+    records = run_ranks(store.url("runs/inplace-killed/config.json"), shards.key, max_restarts=1, env=fault)
+    assert (tmp_path / "fired").exists()
+    resumed = [r for r in records if r["event"] == "resumed"]
+    assert [r["step"] for r in resumed] == [4]  # the restart took the newest valid one itself
+    losses = train_losses(records)
+    assert all(losses[s] == unbroken[s] for s in losses)
+    newest = list_checkpoints(store, "inplace-killed")[0]
+    assert newest.step == 8
+    final_b = _tensors(store.local_path(newest.key))
+    for k in final_a:
+        assert torch.equal(final_a[k], final_b[k]) or (final_a[k].isnan().all() and final_b[k].isnan().all()), k
+
+
+def test_a_permanent_failure_is_not_restarted(tiny_config, tmp_path):
+    import subprocess, sys
+    from launch.torchrun import free_port
+    from tests.conftest import ROOT
+    import os
+
+    cfg = tiny_config(run_name="perm", train={"max_steps": 4})
+    store, shards = prepare_shards(cfg)
+    store.write_bytes("runs/perm/config.json", cfg.to_json().encode())
+    marker = tmp_path / "permanent.json"
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "STOKER_FAULT": "raise:rank=0:step=2",
+           "STOKER_PERMANENT_FAILURE_FILE": str(marker)}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=3", "--tee=3", "-m", "training.train",
+         "--config", store.url("runs/perm/config.json"), "--shards", shards.key],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode != 0 and marker.exists()
+    trains = [l for l in out.stdout.splitlines() if '"event": "train"' in l and '"step": 1,' in l]
+    # the first attempt trained step 1; the restarts ended at once without training again
+    assert len(trains) == 1, trains
+    assert "not restarted: rank 0 failed with RuntimeError: injected fault" in out.stdout + out.stderr

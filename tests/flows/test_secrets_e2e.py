@@ -1,0 +1,75 @@
+"""No secret is ever written down: a whole pipeline on the S3 endpoint with known fake
+credentials in the environment (where s3fs, the ranks and the evaluations find them), then
+every object in the bucket, the Prefect database (flow run parameters, logs, artifacts) and
+the host cache are scanned for them. And a config that holds credentials is refused without
+repeating them."""
+
+import os
+import uuid
+
+import pytest
+
+from core.config import load_config
+from core.failures import ConfigError
+from tests.conftest import tiny_dict
+
+pytestmark = pytest.mark.e2e
+
+
+def _scan_bytes(data: bytes, needles: list[bytes]) -> bool:
+    return any(n in data for n in needles)
+
+
+def _prefect_db_files() -> list[str]:
+    import prefect.settings
+
+    url = str(prefect.settings.PREFECT_SERVER_DATABASE_CONNECTION_URL.value())
+    path = url.split(":///", 1)[-1]
+    return [p for p in (path, path + "-wal", path + "-shm") if os.path.exists(p)]
+
+
+def test_credentials_from_the_environment_are_written_nowhere(prefect_server, s3_root, monkeypatch):
+    import s3fs
+
+    from flows.pipeline import train_pipeline
+
+    key_id = "AKIASTOKER" + uuid.uuid4().hex[:10].upper()
+    secret = "stoker-fake-secret-" + uuid.uuid4().hex
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    root, options = s3_root
+    cfg = load_config(tiny_dict(root, run_name="secrets", train={"max_steps": 4},
+                                checkpoint={"interval_steps": 2}, eval={"interval_steps": 2}))
+    cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"storage_options": options})})
+    result = train_pipeline(cfg)
+    assert result.final_step == 4 and result.checkpoints
+
+    needles = [key_id.encode(), secret.encode()]
+    fs = s3fs.S3FileSystem(**options, key=key_id, secret=secret)
+    bucket = root.removeprefix("s3://").split("/", 1)[0]
+    fs.pipe(f"{bucket}/planted", secret.encode())  # the scan must be able to find one
+    objects = fs.find(bucket)
+    hits = [p for p in objects if _scan_bytes(fs.cat(p), needles)]
+    assert hits == [f"{bucket}/planted"], hits
+    assert len(objects) > 10  # it scanned a whole run: datasets, shards, config, checkpoints ...
+
+    dbs = _prefect_db_files()
+    assert dbs, "no Prefect database found to scan"
+    assert not [p for p in dbs if _scan_bytes(open(p, "rb").read(), needles)]
+    cache = os.environ["STOKER_CACHE"]
+    for folder, _, files in os.walk(cache):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                assert not _scan_bytes(f.read(), needles), os.path.join(folder, name)
+
+
+def test_a_config_holding_credentials_is_refused_without_repeating_them():
+    secret = "stoker-fake-" + uuid.uuid4().hex
+    with pytest.raises(ConfigError) as err:
+        load_config(tiny_dict("s3://bucket/root", storage={"root": "s3://bucket/root", "storage_options": {
+            "endpoint_url": "http://127.0.0.1:9", "client_kwargs": {"aws_secret_access_key": secret}}},
+            data={"source": "s3://bucket/corpus.jsonl", "storage_options": {"token": secret}}))
+    text = str(err.value)
+    assert secret not in text
+    assert "storage.storage_options: holds credentials (client_kwargs.aws_secret_access_key)" in text
+    assert "data.storage_options: holds credentials (token)" in text and "AWS_ACCESS_KEY_ID" in text
