@@ -3,8 +3,9 @@
 A rank is SIGKILLed mid-run, twice:
 1. Relaunch (launch.max_restarts=0): the time until the first step of the resumed gang is
    split into detection (failure -> gang reaped), validation (listing + manifests + sizes),
-   rehydration (verified download of the chosen checkpoint to the host cache) and process
-   start (new gang -> ranks resumed -> first step).
+   rehydration (verified download of the chosen checkpoint into an empty host cache, as on
+   another host; the relaunched gang on this host finds its own staged copy instead) and
+   process start (new gang -> ranks resumed -> first step).
    Goal: rehydration time / a plain copy (fs.get) of the same bytes <= 1.5.
 2. In place (launch.max_restarts=1): torchrun restarts the ranks, which find and load the
    newest valid checkpoint themselves. Goal: failure -> first resumed step <= 8 s.
@@ -80,7 +81,8 @@ def main() -> None:
         chosen = next(r for r in refs if validate_checkpoint(store, r.key, deep=False))
         validation = time.perf_counter() - t0
         t0 = time.perf_counter()
-        local = rehydrate(store, chosen.key, os.environ["STOKER_CACHE"])
+        # measured as on another host: this one kept its own staged copy as its cache copy
+        local = rehydrate(store, chosen.key, os.path.join(tmp, "another-host-cache"))
         rehydration = time.perf_counter() - t0
         names = sorted(os.listdir(local))
         nbytes = sum(os.path.getsize(os.path.join(local, n)) for n in names if n != "commit.json")

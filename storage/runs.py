@@ -21,6 +21,14 @@ def pin_run_folder(store: Store, config: RunConfig, shards: ShardInfo) -> str:
         if old.model_hash() != config.model_hash():
             raise ConfigError([f"run_name: run {run!r} already holds a different model "
                                "(model or tokenizer.vocab_size changed); choose a new run_name."])
+        pinned = run_file_key(run, SHARDS_FILE)
+        if store.exists(pinned):
+            before = store.read_json(pinned).get("cache_key")
+            if before and before != shards.cache_key:
+                raise ConfigError([f"run_name: run {run!r} was trained on shard set {before}, and this "
+                                   f"config makes {shards.cache_key} (the data, tokenizer or "
+                                   "sharding changed); resuming would change the data under the "
+                                   "run: choose a new run_name."])
     store.write_bytes(key, config.to_json().encode())
     store.copy(join(shards.key, TOKENIZER_FILE), run_file_key(run, TOKENIZER_FILE))
     store.write_json(run_file_key(run, SHARDS_FILE), shards.as_dict())

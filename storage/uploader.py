@@ -26,6 +26,8 @@ reason, before anything is written.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shutil
 import sys
@@ -39,7 +41,9 @@ from core.events import (CheckpointCommitted, CheckpointDropped, CheckpointFaile
                          Event, UploadRetry)
 from core.failures import RetriesExhausted, StokerError, error_code, http_status, retry
 from storage.checkpoints import (
+    COMMIT_FILE,
     commit_checkpoint,
+    local_checkpoint_dir,
     list_checkpoints,
     new_checkpoint_key,
     prune_checkpoints,
@@ -101,7 +105,8 @@ class CheckpointUploader:
                  commit_timeout: float, async_enabled: bool, max_pending_uploads: int = 2,
                  on_event: Callable[[Event], None] | None = None,
                  after_commit: Callable[[], None] | None = None,
-                 agree: Callable[[dict], list[dict]] | None = None):
+                 agree: Callable[[dict], list[dict]] | None = None,
+                 cache_dir: str | None = None):
         assert max_pending_uploads >= 1
         self.store, self.run_name, self.rank, self.world_size = store, run_name, rank, world_size
         self.staging_root, self.keep_latest_k = staging_root, keep_latest_k
@@ -123,6 +128,12 @@ class CheckpointUploader:
         self.num_unwritten = 0
         self.num_unfinished = 0  # submitted and not yet committed (rank 0) / receipted, failed or dropped
         self.threads: list[threading.Thread] = []
+        # host copies (remote stores): this host's staged files of a committed checkpoint become
+        # its verified cache copy (what rehydrate would have downloaded), so a restart on this
+        # host loads without a download; see _adopt
+        self.cache_dir = cache_dir
+        self.kept: list[_Written] = []  # receipted checkpoints whose files this rank still holds
+        self.adopted: str | None = None  # the one host copy rank 0 keeps
 
     def new_key(self, step: int) -> str:
         """A folder for this step's checkpoint that no earlier attempt wrote into (rank 0)."""
@@ -174,6 +185,22 @@ class CheckpointUploader:
         with self.cond:
             return self.cond.wait_for(lambda: self.num_unfinished == 0, timeout)
 
+    def release_host_files(self, wait_seconds: float = 0.0) -> None:
+        """At the end: clear the staged files this rank still keeps for rank 0 to adopt, after
+        waiting up to wait_seconds for their commits (rank 0 adopts as it commits)."""
+        if not self.cache_dir:
+            return
+        deadline = time.monotonic() + wait_seconds
+        for w in list(self.kept):
+            while time.monotonic() < deadline:
+                try:
+                    if self.store.exists(join(w.key, COMMIT_FILE), refresh=True):
+                        break
+                except Exception:  # storage blinking: the deadline bounds the wait
+                    pass
+                time.sleep(RECEIPT_POLL_SECONDS)
+        self._release_kept()
+
     def pending_steps(self) -> list[int]:
         """Steps written to staging and not yet uploaded (and committed), oldest first."""
         with self.cond:
@@ -216,6 +243,8 @@ class CheckpointUploader:
                 self.broken = self.broken or broken
                 self._not_attempted(step)
                 return None
+            if self.cache_dir:
+                self._release_kept(keep_last=1)
             folder = self.staging_folder(key)
             names = write(key, folder)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
@@ -271,6 +300,47 @@ class CheckpointUploader:
         except OSError:
             pass
 
+    def _adopt(self, w: _Written, manifest: dict) -> None:
+        """Rank 0, after the commit: when this host's staging folder holds every file of the
+        manifest (all ranks ran here), it becomes the host's cache copy of the checkpoint, with
+        commit.json, as rehydrate would have left it after a download: the files are the ones
+        each rank checksummed for its receipt. Otherwise (ranks on other hosts) it is removed.
+        Only the newest adopted copy is kept."""
+        if not self.cache_dir:
+            shutil.rmtree(w.folder, ignore_errors=True)
+            return
+        final = local_checkpoint_dir(self.cache_dir, self.store, w.key)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        with open(final + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the same lock as rehydrate and _release_kept
+            complete = all(os.path.isfile(os.path.join(w.folder, n)) and
+                           os.path.getsize(os.path.join(w.folder, n)) == e["size"]
+                           for n, e in manifest["files"].items())
+            if not complete:
+                shutil.rmtree(w.folder, ignore_errors=True)
+                return
+            with open(os.path.join(w.folder, COMMIT_FILE), "w") as f:
+                json.dump(manifest, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(w.folder, final)
+        previous, self.adopted = self.adopted, final
+        if previous and previous != final:
+            shutil.rmtree(previous, ignore_errors=True)
+
+    def _release_kept(self, keep_last: int = 0) -> None:
+        """A non-zero rank: clear its files of earlier checkpoints (rank 0 adopted the folder
+        already, or it never will), under each key's host lock so no adoption sees half. At a
+        write the newest receipted one is kept (keep_last=1): its commit may still be coming."""
+        with self.cond:
+            cut = max(0, len(self.kept) - keep_last)
+            kept, self.kept = self.kept[:cut], self.kept[cut:]
+        for w in kept:
+            final = local_checkpoint_dir(self.cache_dir, self.store, w.key)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            with open(final + ".lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                self._clear_staging(w)
+
     def _not_attempted(self, step: int) -> None:
         """A checkpoint after a permanent storage error: fails at once, said once (rank 0)."""
         error = f"not attempted: the store failed permanently ({self.broken})"
@@ -312,8 +382,12 @@ class CheckpointUploader:
             self._call(w, lambda: self.store.write_json(rank_receipt_key(w.key, self.rank), receipt),
                        "upload of the receipt", deadline)
             if not self.store.is_local and self.rank != 0:  # rank 0 clears the folder after commit
-                for name in w.names:
-                    os.remove(os.path.join(w.folder, name))
+                if self.cache_dir:  # kept for rank 0 to adopt; cleared at this rank's next write
+                    with self.cond:
+                        self.kept.append(w)
+                else:
+                    for name in w.names:
+                        os.remove(os.path.join(w.folder, name))
             if self.rank == 0:
                 self._commit(w, t0)
             self.last_finish_seconds = time.perf_counter() - t0
@@ -408,7 +482,7 @@ class CheckpointUploader:
             print(f"retention after {w.key} failed, left to the next commit: {err!r}",
                   file=sys.stderr, flush=True)
         if not self.store.is_local:
-            shutil.rmtree(w.folder, ignore_errors=True)
+            self._adopt(w, manifest)
         self.on_event(CheckpointCommitted(
             step=w.step, key=w.key, uri=self.store.url(w.key),
             bytes=sum(e["size"] for e in manifest["files"].values()),

@@ -209,7 +209,7 @@ class Trainer:
             upload_timeout=c.upload_timeout_seconds, commit_timeout=c.commit_timeout_seconds,
             async_enabled=c.async_enabled, max_pending_uploads=c.max_pending_uploads,
             on_event=self.metrics.event, after_commit=self.metrics.flush,
-            agree=agree_on_checkpoint(ckpt_group))
+            agree=agree_on_checkpoint(ckpt_group), cache_dir=cache_dir)
         self.checkpointer = Checkpointer(
             self.uploader, self.raw_model, self.optimizer, self.scheduler, rank=ranks.rank,
             world_size=ranks.world_size, device=ranks.device, seed=cfg.train.seed,
@@ -344,6 +344,8 @@ class Trainer:
             # the last upload and commit finish before the process ends; after a failure a
             # peer may be gone for good (its receipt will never come), so wait only a little
             self.uploader.wait(timeout=FAILED_UPLOAD_WAIT_SECONDS if failed else None)
+            # after a failure rank 0 may never commit: do not wait for it then
+            self.uploader.release_host_files(wait_seconds=0.0 if failed else 30.0)
             if not failed:
                 self.stop.drain()
             self.batches.close()

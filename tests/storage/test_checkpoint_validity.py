@@ -199,3 +199,32 @@ def test_a_local_checkpoint_is_fully_checked_once_per_host(tmp_path):
     with pytest.raises(CheckpointInvalid):
         rehydrate(store, key, str(tmp_path / "other-host"))
     assert not validate_checkpoint(store, key)
+
+
+def test_a_run_refuses_other_data_or_another_model_before_launch(tmp_path):
+    """Resuming may change the world size, parallelism or micro-batch, never the tensor
+    shapes or the data: the run folder refuses both with a clear error before anything runs."""
+    from core.config import load_config
+    from core.results import ShardInfo
+    from storage.runs import pin_run_folder
+    from tests.conftest import tiny_dict
+
+    store = Store("file://" + str(tmp_path))
+    store.write_bytes("shards/aaa/tokenizer.json", b"{}")
+    store.write_bytes("shards/bbb/tokenizer.json", b"{}")
+
+    def shards(key):
+        return ShardInfo(cache_key=key, key=f"shards/{key}", url=store.url(f"shards/{key}"),
+                         cache_hit=True, num_train_tokens=1, num_val_tokens=1, vocab_size=384,
+                         dtype="uint16")
+
+    cfg = load_config(tiny_dict(store.root, run_name="pinned"))
+    pin_run_folder(store, cfg, shards("aaa"))
+    split = load_config(tiny_dict(store.root, run_name="pinned", launch={"nproc_per_node": 1},
+                                  train={"micro_batch_size": 4}, engine={"parallelism": "fsdp"}))
+    pin_run_folder(store, split, shards("aaa"))  # another split of the same run: fine
+    with pytest.raises(ConfigError, match="was trained on shard set aaa"):
+        pin_run_folder(store, cfg, shards("bbb"))
+    wider = load_config(tiny_dict(store.root, run_name="pinned", model={"n_embd": 64}))
+    with pytest.raises(ConfigError, match="already holds a different model"):
+        pin_run_folder(store, wider, shards("aaa"))

@@ -56,6 +56,18 @@ def test_checkpoints_land_in_s3_with_manifests_and_load_in_a_fresh_process(s3_ro
         assert {".metadata", "train_state.json", "__0_0.distcp", "__1_0.distcp"} <= set(verdict.manifest["files"])
         assert verdict.manifest["world_size"] == 2 and verdict.manifest["shard_key"] == shards.cache_key
     assert not os.listdir(tmp_path / "cache" / "staging" / "runs" / "s3run" / "checkpoints")  # staging cleared
+    # the host kept its own staged copy of the newest committed checkpoint as its verified
+    # cache copy (both ranks ran here): a restart on this host loads it without a download
+    from storage.checkpoints import COMMIT_FILE, local_checkpoint_dir, rehydrate
+
+    adopted = local_checkpoint_dir(str(tmp_path / "cache"), store, refs[0].key)
+    with open(os.path.join(adopted, COMMIT_FILE)) as f:
+        assert json.load(f) == validate_checkpoint(store, refs[0].key).manifest
+    before = {n: os.stat(os.path.join(adopted, n)).st_ino for n in os.listdir(adopted)}
+    assert rehydrate(store, refs[0].key, str(tmp_path / "cache")) == adopted
+    assert {n: os.stat(os.path.join(adopted, n)).st_ino for n in os.listdir(adopted)} == before  # not fetched
+    # only the newest host copy is kept
+    assert not os.path.exists(local_checkpoint_dir(str(tmp_path / "cache"), store, refs[1].key))
 
     # a fresh process (no process group) loads the checkpoint from S3 and evaluates it
     ev = subprocess.run(
