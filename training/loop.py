@@ -33,6 +33,16 @@ from training.engine import (Engine, build_model, build_optimizer, configure_bac
                              peak_flops, side_group)
 from training.faults import maybe_inject, settles_before
 
+_STDOUT_LOCK = threading.Lock()
+
+
+def emit(event: events.Event) -> None:
+    """Print an event's wire line whole: one write under a lock, so lines printed from the
+    training and upload threads never cut into each other."""
+    with _STDOUT_LOCK:
+        sys.stdout.write(event.encode() + "\n")
+        sys.stdout.flush()
+
 STOP_GRACE_SECONDS = float(os.environ.get("STOKER_STOP_GRACE_SECONDS", "15"))
 FAILED_UPLOAD_WAIT_SECONDS = 10.0
 
@@ -159,8 +169,10 @@ class MetricsLog:
             self.event(event)
 
     def event(self, event: events.Event) -> None:
-        """Something any rank has to say (an upload retry, a failed checkpoint)."""
-        print(event.encode(), flush=True)
+        """Something any rank has to say (an upload retry, a failed checkpoint). The training
+        and upload threads both print: one write of the whole line under a lock, or a line of
+        one could be cut by the other's (print writes the text and the newline apart)."""
+        emit(event)
         if self.enabled and event.stored:
             with self.lock:
                 self.pending.append(event.to_json() + "\n")

@@ -30,7 +30,7 @@ from core.failures import RankAborted, is_transient
 from storage.checkpoints import find_latest_valid
 from storage.shards import materialize
 from storage.store import Store, default_cache_dir
-from training.loop import Trainer, setup_distributed
+from training.loop import Trainer, emit, setup_distributed
 
 class RankErrorHandler(ErrorHandler):
     """torchelastic's structured error file, plus the Failure record the launcher classifies by."""
@@ -39,7 +39,7 @@ class RankErrorHandler(ErrorHandler):
         cause = e.__cause__ if isinstance(e, RankAborted) and e.__cause__ is not None else e
         failure = events.Failure(rank=int(os.environ.get("RANK", "0")), type=type(cause).__name__,
                                  message=str(cause)[:800], transient=is_transient(e))
-        print(failure.encode(), flush=True)
+        emit(failure)
         path = self._get_error_file_path()
         if not path:
             return
