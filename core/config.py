@@ -237,9 +237,9 @@ def _url_problem(value: str, what: str) -> PydanticCustomError | None:
     if not sep:
         return None
     if not scheme or not scheme.replace("+", "").replace("-", "").isalnum():
-        return _rule(f"has no valid URL scheme", f"write {what} as scheme://..., e.g. s3://bucket/prefix")
+        return _rule("has no valid URL scheme", f"write {what} as scheme://..., e.g. s3://bucket/prefix")
     if scheme.lower() in _OBJECT_STORES and not rest.split("/", 1)[0]:
-        return _rule(f"names no bucket", f"write {scheme}://<bucket>/<prefix>, e.g. {scheme}://my-bucket/stoker")
+        return _rule("names no bucket", f"write {scheme}://<bucket>/<prefix>, e.g. {scheme}://my-bucket/stoker")
     if scheme.lower() in ("http", "https") and not rest.split("/", 1)[0]:
         return _rule("names no host", "write https://host/path")
     return None

@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     except StokerError as err:  # the user's mistake or the run's failure: one line, not a traceback
         print(f"stoker: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the launcher has stopped the ranks on its way out
+        print("stoker: interrupted; run the same command again to resume from the newest valid "
+              "checkpoint", file=sys.stderr)
+        return 130
 
 
 def config_from_args(recipe: str, sets: list[str]):

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 from core.failures import CheckpointInvalid, ConfigError
 from storage.layout import checkpoints_key
-from storage.manifest import Verdict, describe_files, read_manifest, verify_files
+from storage.manifest import (Verdict, describe_files, read_manifest, same_json_file, verify_files,
+                              write_json_file)
 from storage.store import Store, join, sha256_file
 
 COMMIT_FILE = "commit.json"
@@ -235,12 +236,9 @@ def rehydrate(store: Store, key: str, cache_dir: str,
         if store.is_local:
             _check_local(store, key, manifest, _stamp_path(cache_dir, store, key))
             return store.local_path(key)
-        cached = os.path.join(final, COMMIT_FILE)
-        if os.path.exists(cached):
-            with open(cached) as f:
-                if json.load(f) == manifest:  # the same commit as the store's, not an older one
-                    return final
-            shutil.rmtree(final, ignore_errors=True)  # stale: the store's checkpoint changed
+        if same_json_file(os.path.join(final, COMMIT_FILE), manifest):
+            return final  # the same commit as the store's, not an older one
+        shutil.rmtree(final, ignore_errors=True)  # stale or partial: the store's checkpoint changed
         tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             for name, entry in sorted(manifest["files"].items()):
@@ -262,17 +260,12 @@ def rehydrate(store: Store, key: str, cache_dir: str,
 
 def _check_local(store: Store, key: str, manifest: dict, stamp: str) -> None:
     """The full check of a checkpoint read in place, once per host and commit."""
-    if os.path.exists(stamp):
-        with open(stamp) as f:
-            if json.load(f) == manifest:
-                return
+    if same_json_file(stamp, manifest):
+        return
     problem = verify_files(store, key, manifest["files"], deep=True)
     if problem:
         _invalid(store, key, problem)
-    tmp = f"{stamp}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f)
-    os.replace(tmp, stamp)
+    write_json_file(stamp, manifest)
 
 
 def _invalid(store: Store, key: str, problem: str):

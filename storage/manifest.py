@@ -6,6 +6,8 @@ it lists is present with the listed size and, on a deep check, the listed checks
 
 from __future__ import annotations
 
+import json
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -100,3 +102,21 @@ def publish_folder(store: Store, staging: str, final: str, manifest_name: str, m
     store.write_json(join(final, manifest_name), manifest)
     store.rm(staging)
     return True
+
+
+# ---- a host's local record of a manifest (cache copies, "checked" stamps) ------------------
+def same_json_file(path: str, value: dict) -> bool:
+    """Whether the local JSON file at path holds exactly value (False when absent or bad)."""
+    try:
+        with open(path) as f:
+            return json.load(f) == value
+    except (OSError, ValueError):
+        return False
+
+
+def write_json_file(path: str, value: dict) -> None:
+    """Write value to path atomically (a reader sees the old file or the whole new one)."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)

@@ -3,11 +3,31 @@ and reading them back from a checkpoint URL."""
 
 from __future__ import annotations
 
+import uuid
+
 from core.config import RunConfig
 from core.failures import ConfigError
 from core.results import ShardInfo
 from storage.layout import CONFIG_FILE, SHARDS_FILE, TOKENIZER_FILE, parse_checkpoint_url, run_file_key
 from storage.store import Store, join
+
+
+def store_problem(store: Store) -> str:
+    """'' when the store root can be written (a tiny probe object, written and removed), else
+    one line naming storage.root and the fix. Permanent failures only (a missing bucket,
+    access denied); a store that is merely unreachable raises, to be retried."""
+    from core.failures import describe, is_transient
+
+    probe = f".stoker-probe-{uuid.uuid4().hex[:12]}"
+    try:
+        store.write_bytes(probe, b"")
+        store.rm(probe)
+    except Exception as err:
+        if is_transient(err):
+            raise
+        return (f"storage.root: {store.root} cannot be written ({describe(err)}); create the "
+                "bucket or folder, fix its name, or give credentials that may write there.")
+    return ""
 
 
 def pin_run_folder(store: Store, config: RunConfig, shards: ShardInfo) -> str:

@@ -14,7 +14,8 @@ import os
 import shutil
 import uuid
 
-from storage.manifest import Verdict, publish_folder, read_manifest, verify_files
+from storage.manifest import (Verdict, publish_folder, read_manifest, same_json_file, verify_files,
+                              write_json_file)
 from core.failures import DataError
 from storage.store import Store, join, sha256_file
 
@@ -93,13 +94,13 @@ def materialize(store: Store, cache_key: str, cache_dir: str) -> str:
                             "stage again to rebuild it")
         if store.is_local:
             stamp = local + ".verified.json"
-            if not _same_json(stamp, manifest):
+            if not same_json_file(stamp, manifest):
                 problem = verify_files(store, folder, manifest["files"], deep=True)
                 if problem:
                     _damaged(store, folder, problem)
-                _write_json(stamp, manifest)
+                write_json_file(stamp, manifest)
             return store.local_path(folder)
-        if _same_json(os.path.join(local, MANIFEST), manifest):
+        if same_json_file(os.path.join(local, MANIFEST), manifest):
             return local
         shutil.rmtree(local, ignore_errors=True)  # stale or partial: the store's set changed
         tmp = f"{local}.tmp-{uuid.uuid4().hex[:8]}"
@@ -109,26 +110,11 @@ def materialize(store: Store, cache_key: str, cache_dir: str) -> str:
                 store.get_file(join(folder, name), path)
                 if os.path.getsize(path) != entry["size"] or sha256_file(path) != entry["sha256"]:
                     _damaged(store, folder, f"{name} does not match its manifest entry")
-            _write_json(os.path.join(tmp, MANIFEST), manifest)
+            write_json_file(os.path.join(tmp, MANIFEST), manifest)
             os.replace(tmp, local)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return local
-
-
-def _same_json(path: str, value: dict) -> bool:
-    try:
-        with open(path) as f:
-            return json.load(f) == value
-    except (OSError, ValueError):
-        return False
-
-
-def _write_json(path: str, value: dict) -> None:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        json.dump(value, f)
-    os.replace(tmp, path)
 
 
 def _damaged(store: Store, folder: str, problem: str):

@@ -15,7 +15,7 @@ from launch import make_launcher
 from launch.attempts import launch_attempt
 from launch.monitor import TrainingMonitor
 from storage.checkpoints import find_latest_valid
-from storage.runs import pin_run_folder
+from storage.runs import pin_run_folder, store_problem
 from storage.store import Store
 from tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
 from tasks.policy import BACKOFF, JITTER, retry_if_transient
@@ -27,7 +27,8 @@ def _store(storage: StorageConfig) -> Store:
 
 @task(name="validate_config", cache_policy=NO_CACHE, persist_result=False)
 def validate_config(config: RunConfig) -> RunConfig:
-    """Every problem of the config at once, before anything is computed or written."""
+    """Every problem of the config at once, before anything is computed or written: the
+    model's rules, the local files it names, and whether the store root can be written."""
     problems = local_resource_problems(config)
     try:
         config = config.check()
@@ -35,6 +36,9 @@ def validate_config(config: RunConfig) -> RunConfig:
         problems = err.problems + problems
     if problems:
         raise ConfigError(problems)
+    problem = store_problem(_store(config.storage))
+    if problem:
+        raise ConfigError([problem])
     return config
 
 

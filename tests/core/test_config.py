@@ -4,6 +4,7 @@ import pytest
 
 from core.config import (RECIPES_DIR, ConfigError, DataConfig, RunConfig, load_config,
                          local_resource_problems)
+from tests.conftest import tiny_dict
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
@@ -173,3 +174,9 @@ def test_urls_and_id_widths_that_cannot_work_are_config_errors(over, field, says
 def test_a_wide_vocabulary_is_fine_with_auto_or_uint32_ids():
     assert load_config(None, **{"tokenizer.vocab_size": 70000}).tokenizer.vocab_size == 70000
     assert load_config(None, **{"tokenizer.vocab_size": 70000, "data.token_dtype": "uint32"})
+
+
+def test_max_pending_uploads_below_one_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="checkpoint.max_pending_uploads") as err:
+        load_config(tiny_dict("file://" + str(tmp_path), checkpoint={"max_pending_uploads": 0}))
+    assert "give at least 1" in str(err.value)

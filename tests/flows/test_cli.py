@@ -37,3 +37,49 @@ def test_a_data_error_found_inside_the_flow_is_one_line_and_exit_2(tmp_path):
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     ours = [line for line in out.stderr.splitlines() if line.startswith("stoker: ")]
     assert len(ours) == 1 and "corpus.jsonl line 2 is not JSON" in ours[0], out.stderr[-2000:]
+
+
+@pytest.mark.e2e
+def test_a_missing_bucket_is_one_line_and_exit_2_with_nothing_written(s3_server, tmp_path):
+    import boto3
+
+    out = _cli("run", "--set", "storage.root=s3://no-such-bucket-stoker/root", "--set",
+               "storage.storage_options=" + json.dumps({"endpoint_url": s3_server.url}),
+               "--set", "train.max_steps=2", "--set", "train.warmup_steps=1")
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    ours = [line for line in out.stderr.splitlines() if line.startswith("stoker: ")]
+    assert len(ours) == 1, out.stderr[-2000:]
+    problem = out.stderr[out.stderr.index("stoker: "):]
+    assert "storage.root: s3://no-such-bucket-stoker/root cannot be written" in problem
+    client = boto3.client("s3", endpoint_url=s3_server.url)
+    assert "no-such-bucket-stoker" not in [b["Name"] for b in client.list_buckets()["Buckets"]]
+
+
+@pytest.mark.e2e
+def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_running(tmp_path):
+    import os
+    import signal
+    import time
+
+    from tests.conftest import descendants, live_processes
+
+    env = {**os.environ, "STOKER_ROOT": str(tmp_path / "store"), "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--set", "train.max_steps=100000",
+                             "--set", "run_name=ctrlc"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen, deadline = {}, time.monotonic() + 240
+    metrics = tmp_path / "store" / "runs" / "ctrlc" / "metrics.jsonl"
+    while time.monotonic() < deadline:  # until the ranks train (their first log lines are stored)
+        seen.update(descendants(proc.pid))
+        if any("training.train" in p.cmdline for p in seen.values()) and metrics.exists():
+            break
+        time.sleep(0.5)
+    assert any("training.train" in p.cmdline for p in seen.values())
+    proc.send_signal(signal.SIGINT)  # what a terminal sends on Ctrl-C
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert [line for line in err.splitlines() if line.startswith("stoker: ")] == [
+        "stoker: interrupted; run the same command again to resume from the newest valid checkpoint"]
+    assert "Traceback" not in err
+    time.sleep(1)
+    assert [pid for pid in seen if pid in live_processes()] == []

@@ -16,7 +16,6 @@ import pytest
 
 from core.failures import DataError
 from storage.shards import materialize
-from storage.store import Store
 
 
 @pytest.fixture(params=["local", "s3"])

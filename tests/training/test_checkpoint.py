@@ -100,7 +100,6 @@ def test_new_attempt_never_reuses_a_folder(tmp_path):
 
 
 def test_load_refuses_a_checkpoint_with_pickled_entries(tmp_path):
-    store = Store("file://" + str(tmp_path))
     model, _, _ = _build()
     state = {f"model.{n}": p.detach() for n, p in model.named_parameters()}
     state["model.wte.weight"] = "pickled object"  # a non-tensor where a tensor belongs

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from core import events
 from storage.checkpoints import list_checkpoints, validate_checkpoint
@@ -80,12 +79,18 @@ def test_checkpoints_land_in_s3_with_manifests_and_load_in_a_fresh_process(s3_ro
     assert result.step == 8 and result.val_loss > 0
 
 
-def test_s3_outage_during_upload_delays_but_loses_no_checkpoint(s3_server, s3_root, tmp_path):
-    root, options = s3_root
+def _behind_a_proxy(s3_server, options):
+    """A stoppable TCP proxy in front of the S3 endpoint, and storage options that fail fast
+    through it (one attempt, short time-outs: the upload's own retries are under test)."""
     proxy = TcpProxy(s3_server.port)
     proxy.start()
-    flaky = {**options, "endpoint_url": proxy.url,
-             "config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retries": {"max_attempts": 1}}}
+    return proxy, {**options, "endpoint_url": proxy.url,
+                   "config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retries": {"max_attempts": 1}}}
+
+
+def test_s3_outage_during_upload_delays_but_loses_no_checkpoint(s3_server, s3_root, tmp_path):
+    root, options = s3_root
+    proxy, flaky = _behind_a_proxy(s3_server, options)
     # a backlog of 3: the checkpoints written during this short outage all wait for the store
     cfg = _s3_config(root, flaky, run_name="outage", train={"max_steps": 12, "warmup_steps": 2},
                      checkpoint={"interval_steps": 4, "keep_latest_k": 10, "max_pending_uploads": 3})
@@ -133,10 +138,7 @@ def test_outage_of_many_checkpoint_intervals_keeps_training_and_commits_the_newe
     waiting ones are dropped (the same on both ranks, reported), and once the store is back
     the newest are committed in order. Nothing fails."""
     root, options = s3_root
-    proxy = TcpProxy(s3_server.port)
-    proxy.start()
-    flaky = {**options, "endpoint_url": proxy.url,
-             "config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retries": {"max_attempts": 1}}}
+    proxy, flaky = _behind_a_proxy(s3_server, options)
     # a save that waited for an upload would wait for it to give up: a checkpoint_failed record
     cfg = _s3_config(root, flaky, run_name="longoutage", train={"max_steps": 24, "warmup_steps": 2},
                      eval={"interval_steps": 100},
