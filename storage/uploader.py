@@ -30,6 +30,7 @@ import fcntl
 import json
 import os
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -95,6 +96,7 @@ class _Written:
     staged_seconds: float
     dropped: str = ""  # the reason, once rank 0 dropped it
     settled: bool = False  # its receipt (rank 0: its commit) is under way; no longer droppable
+    shared_with_rank0: bool = False  # rank 0 wrote into this same staging folder (same host)
 
 
 class CheckpointUploader:
@@ -187,19 +189,30 @@ class CheckpointUploader:
 
     def release_host_files(self, wait_seconds: float = 0.0) -> None:
         """At the end: clear the staged files this rank still keeps for rank 0 to adopt, after
-        waiting up to wait_seconds for their commits (rank 0 adopts as it commits)."""
+        waiting up to wait_seconds for rank 0 to be done with them. Sharing rank 0's staging
+        folder, that is its adoption, which takes the folder away (moved into the cache, or
+        removed when incomplete): the commit in the store comes a moment before it, and files
+        cleared in between would leave the host without its copy. On another host, where
+        nobody adopts, the commit in the store is the end of it."""
         if not self.cache_dir:
             return
         deadline = time.monotonic() + wait_seconds
         for w in list(self.kept):
             while time.monotonic() < deadline:
                 try:
-                    if self.store.exists(join(w.key, COMMIT_FILE), refresh=True):
+                    if w.shared_with_rank0:
+                        if not os.path.isdir(w.folder):
+                            break
+                    elif self.store.exists(join(w.key, COMMIT_FILE), refresh=True):
                         break
                 except Exception:  # storage blinking: the deadline bounds the wait
                     pass
                 time.sleep(RECEIPT_POLL_SECONDS)
         self._release_kept()
+
+    def _staging_id(self) -> str:
+        """Names this rank's staging folder: ranks with the same one share their files."""
+        return f"{socket.gethostname()}:{os.path.realpath(self.staging_root)}"
 
     def pending_steps(self) -> list[int]:
         """Steps written to staging and not yet uploaded (and committed), oldest first."""
@@ -230,7 +243,7 @@ class CheckpointUploader:
         """Agree, drop what rank 0 dropped, write this rank's files; None when not written."""
         t0 = time.perf_counter()
         try:
-            mine = {"key": None, "drop": [], "why": "", "broken": self.broken}
+            mine = {"key": None, "drop": [], "why": "", "broken": self.broken, "staging": self._staging_id()}
             if self.rank == 0:
                 why = (f"step {step} was written while {self.max_pending_uploads} older checkpoint(s) "
                        "waited for upload (checkpoint.max_pending_uploads); the oldest is dropped")
@@ -254,7 +267,8 @@ class CheckpointUploader:
         staged_seconds = time.perf_counter() - t0
         if self.rank == 0:
             self.on_event(CheckpointStaged(step=step, key=key, seconds=round(staged_seconds, 3)))
-        return _Written(step, meta, key, folder, names, staged_seconds)
+        return _Written(step, meta, key, folder, names, staged_seconds,
+                        shared_with_rank0=everyone[0]["staging"] == mine["staging"])
 
     def _choose_drops(self, why: str) -> list[str]:
         """Rank 0: the oldest waiting checkpoints beyond max_pending_uploads - 1 (the new one
