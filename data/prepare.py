@@ -17,7 +17,15 @@ from typing import Iterator
 
 import numpy as np
 
-from storage.datasets import CORPUS_FILE, committed_dataset, dataset_key, publish_dataset
+from storage.datasets import (
+    CORPUS_FILE,
+    committed_dataset,
+    content_fingerprint,
+    dataset_key,
+    dataset_of_source,
+    link_source,
+    publish_dataset,
+)
 from storage.shards import (
     FORMAT_VERSION,
     TOKENIZER_FILE,
@@ -48,19 +56,22 @@ def _dataset_info(info: dict, key: str, cache_hit: bool) -> DatasetInfo:
 def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
     """Copy the source into {root}/datasets/{fingerprint}/corpus.jsonl (info.json last).
 
-    The fingerprint comes first, from content hashes (local files), ETag/VersionId + size
-    (object stores, HTTP) or the resolved revision (Hugging Face); when its folder is
-    already committed nothing is downloaded. Failures leave nothing in the store."""
+    The source's fingerprint comes first, from content hashes (local files), ETag/VersionId
+    + size (object stores, HTTP) or the resolved revision (Hugging Face); when that source
+    gave a committed dataset before, nothing is downloaded. Otherwise its documents are
+    normalized into one JSON-lines corpus whose sha256 is the dataset's fingerprint: the same
+    documents in another file format land on the same dataset (stored once) and so on the
+    same tokenizer and shards. Failures leave nothing in the store."""
     with tempfile.TemporaryDirectory(prefix="stoker-download-") as work:
         source = resolve_source(cfg, work)
-        key = dataset_key(source.fingerprint)
-        info = committed_dataset(store, source.fingerprint)
-        if info is not None:
-            return _dataset_info(info, key, cache_hit=True)
-        with build_lock(store, key):  # a concurrent run on this host waits, then finds ours
-            info = committed_dataset(store, source.fingerprint)
-            if info is not None:
-                return _dataset_info(info, key, cache_hit=True)
+        known = dataset_of_source(store, source.fingerprint)
+        if known is not None:
+            return _dataset_info(known[1], dataset_key(known[0]), cache_hit=True)
+        # a concurrent run of this source on this host waits, then finds ours
+        with build_lock(store, join("datasets", "by-source", source.fingerprint)):
+            known = dataset_of_source(store, source.fingerprint)
+            if known is not None:
+                return _dataset_info(known[1], dataset_key(known[0]), cache_hit=True)
             corpus = os.path.join(work, CORPUS_FILE)
             stats = write_corpus(source, cfg, corpus)
             if stats.num_docs == 0:
@@ -69,13 +80,25 @@ def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
                                 "point it at text data.")
             if stats.skipped:
                 log.warning("%d file(s) of %s skipped as not UTF-8 text", len(stats.skipped), cfg.source)
-            info = {"source": cfg.source, "fingerprint": source.fingerprint,
-                    "fingerprint_inputs": source.fingerprint_inputs, "num_docs": stats.num_docs,
-                    "num_bytes": stats.num_bytes, "num_skipped_files": len(stats.skipped),
-                    "skipped_files": stats.skipped[:100],
-                    "files": {CORPUS_FILE: {"size": os.path.getsize(corpus), "sha256": sha256_file(corpus)}}}
-            publish_dataset(store, source.fingerprint, corpus, info)
-            return _dataset_info(info, key, cache_hit=False)
+            digest = sha256_file(corpus)
+            fingerprint = content_fingerprint(digest)
+            key = dataset_key(fingerprint)
+            with build_lock(store, key):
+                info = committed_dataset(store, fingerprint)
+                stored_before = info is not None  # the same documents, from another source
+                if not stored_before:
+                    info = {"source": cfg.source, "fingerprint": fingerprint,
+                            "source_fingerprint": source.fingerprint,
+                            "fingerprint_inputs": source.fingerprint_inputs, "num_docs": stats.num_docs,
+                            "num_bytes": stats.num_bytes, "num_skipped_files": len(stats.skipped),
+                            "skipped_files": stats.skipped[:100],
+                            "files": {CORPUS_FILE: {"size": os.path.getsize(corpus), "sha256": digest}}}
+                    publish_dataset(store, fingerprint, corpus, info)
+                else:
+                    log.info("%s holds the same documents as dataset %s (from %s): stored once",
+                             cfg.source, fingerprint, info.get("source"))
+            link_source(store, source.fingerprint, fingerprint)
+            return _dataset_info(info, key, cache_hit=stored_before)
 
 
 def iter_corpus(store: Store, dataset: DatasetInfo) -> Iterator[str]:
@@ -193,7 +216,7 @@ def tokenize_and_shard(
             return _shard_info(store, cache_key, existing.manifest, cache_hit=True)
         if store.is_local:
             clear_stale_staging(store, cache_key)
-        inputs = {"source_fingerprint": dataset.fingerprint, "tokenizer_sha256": tokenizer.sha256,
+        inputs = {"dataset_fingerprint": dataset.fingerprint, "tokenizer_sha256": tokenizer.sha256,
                   "params": params}
         staging = staging_key(cache_key)
         try:

@@ -41,7 +41,12 @@ def verify_files(store: Store, folder: str, files: dict[str, dict], deep: bool) 
     """Return '' when every listed file matches, else the first problem found."""
     present = store.walk_files(folder)
     for name, entry in sorted(files.items()):
+        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) \
+                or not isinstance(entry.get("sha256"), str):
+            return f"the manifest's entry for {name} has no size and sha256 (damaged or not ours)"
         if name not in present:
+            if any(other.startswith(name.rstrip("/") + "/") for other in present):
+                return f"listed file {name} is a directory, not a file"
             return f"listed file {name} is missing"
         if present[name] != entry["size"]:
             return f"{name} has {present[name]} bytes, manifest says {entry['size']}"

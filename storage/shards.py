@@ -26,11 +26,11 @@ MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def shard_cache_key(source_fingerprint: str, tokenizer_sha256: str, params: dict) -> str:
+def shard_cache_key(dataset_fingerprint: str, tokenizer_sha256: str, params: dict) -> str:
     """Same inputs, same key: the content of everything that shapes the shards."""
     payload = {
         "format_version": FORMAT_VERSION,
-        "source": source_fingerprint,
+        "source": dataset_fingerprint,  # the content fingerprint (storage.datasets)
         "tokenizer": tokenizer_sha256,
         "params": params,
     }

@@ -31,7 +31,7 @@ def download_dataset(data: DataConfig, storage: StorageConfig) -> DatasetInfo:
     logger = get_run_logger()
     logger.info(
         "dataset %s: %d documents, %.1f MB (%s)", info.fingerprint, info.num_docs,
-        info.num_bytes / 1e6, "already in the store, nothing downloaded" if info.cache_hit else "downloaded")
+        info.num_bytes / 1e6, "already in the store, nothing stored" if info.cache_hit else "downloaded and stored")
     if info.num_skipped_files:
         logger.warning("%d source file(s) skipped as not UTF-8 text (data.on_decode_error='skip')",
                        info.num_skipped_files)

@@ -79,7 +79,29 @@ def test_jsonl_text_field_and_a_missing_field(store, tmp_path):
     assert ds.num_docs == 200
     with pytest.raises(DataError, match="data.text_field.*'text'"):
         data_prep.download_dataset(DataConfig(source=str(good)), store)
-    assert store.listdir("datasets") == [ds.fingerprint]  # nothing half-written
+    assert sorted(store.listdir("datasets")) == sorted([ds.fingerprint, "by-source"])  # nothing half-written
+    assert len(store.listdir("datasets/by-source")) == 1  # the good source's link only
+
+
+def test_the_same_documents_in_another_format_are_stored_and_tokenized_once(store, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = [f"document {i}: " + "words of text " * (5 + i % 7) for i in range(300)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    pq.write_table(pa.table({"text": docs, "id": list(range(300))}), tmp_path / "c.parquet")
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d + "!"}) + "\n" for d in docs))
+    as_jsonl, tok, first = _prepare(store, DataConfig(source=str(tmp_path / "c.jsonl"), val_fraction=0.1))
+    as_parquet, tok2, second = _prepare(store, DataConfig(source=str(tmp_path / "c.parquet"), val_fraction=0.1))
+    assert as_parquet.fingerprint == as_jsonl.fingerprint and as_parquet.key == as_jsonl.key
+    assert as_parquet.cache_hit and tok2.sha256 == tok.sha256
+    assert second.cache_hit and second.cache_key == first.cache_key  # tokenized once
+    links = store.listdir("datasets/by-source")
+    assert len(links) == 2 and sorted(store.listdir("datasets")) == sorted([as_jsonl.fingerprint, "by-source"])
+    again = data_prep.download_dataset(DataConfig(source=str(tmp_path / "c.parquet"), val_fraction=0.1), store)
+    assert again.cache_hit and again.fingerprint == as_jsonl.fingerprint
+    other = data_prep.download_dataset(DataConfig(source=str(tmp_path / "d.jsonl"), val_fraction=0.1), store)
+    assert not other.cache_hit and other.fingerprint != as_jsonl.fingerprint  # other documents
 
 
 def test_bad_sources_fail_clearly_and_write_nothing(store, tmp_path):

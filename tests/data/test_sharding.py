@@ -77,7 +77,7 @@ def test_shards_decode_back_to_every_document_in_order(prepared):
     expected_val = [d for d in docs if sharding.is_val(d, DATA.val_fraction)]
     assert decoded["val"] == expected_val and decoded["train"] == [d for d in docs if d not in expected_val]
     assert manifest["num_docs"] == {"train": len(decoded["train"]), "val": len(expected_val)}
-    assert set(manifest["inputs"]) == {"source_fingerprint", "tokenizer_sha256", "params"}
+    assert set(manifest["inputs"]) == {"dataset_fingerprint", "tokenizer_sha256", "params"}
     assert manifest["cache_key"] == shards.cache_key and manifest["format_version"] >= 2
 
 

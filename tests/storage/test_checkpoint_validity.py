@@ -51,13 +51,33 @@ def _damage(store, key, how):
         store.rm(shard)
     elif how == "manifest not json":
         store.write_bytes(join(key, COMMIT_FILE), b"{not json")
+    elif how == "a listed file is a directory":
+        store.rm(shard)
+        store.write_bytes(join(shard, "inner"), data)
+    elif how == "an entry without its checksum":
+        manifest = store.read_json(join(key, COMMIT_FILE))
+        del manifest["files"]["__1_0.distcp"]["sha256"]
+        store.write_json(join(key, COMMIT_FILE), manifest)
     elif how == "upload stopped halfway":
         store.rm(join(key, COMMIT_FILE))
         store.write_bytes(shard, data[: len(data) // 3])
 
 
 DAMAGE = ["no manifest", "truncated shard", "flipped byte", "listed file missing", "manifest not json",
-          "upload stopped halfway"]
+          "upload stopped halfway", "a listed file is a directory", "an entry without its checksum"]
+
+
+@pytest.mark.parametrize("how,reason", [
+    ("listed file missing", "listed file __1_0.distcp is missing"),
+    ("a listed file is a directory", "listed file __1_0.distcp is a directory, not a file"),
+    ("an entry without its checksum", "entry for __1_0.distcp has no size and sha256"),
+])
+def test_each_damage_is_reported_as_what_it_is(store, how, reason):
+    key = _fake_checkpoint(store, "r", 10)
+    _damage(store, key, how)
+    for deep in (False, True):
+        verdict = validate_checkpoint(store, key, deep=deep)
+        assert not verdict and reason in verdict.reason
 
 
 @pytest.mark.parametrize("how", DAMAGE)
