@@ -7,20 +7,12 @@ runs train_pipeline, then prints where everything went and how to open it.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-_PREFECT_DEFAULTS = {
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "DO_NOT_TRACK": "1",
-    "PREFECT_LOGGING_LOG_PRINTS": "true",
-}
+import flows  # noqa: F401  (Prefect's quiet offline settings, before Prefect is imported)
 
 
 def main(argv: list[str] | None = None) -> int:
-    for key, value in _PREFECT_DEFAULTS.items():
-        os.environ.setdefault(key, value)
     parser = argparse.ArgumentParser(prog="stoker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the training pipeline")
@@ -30,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="override a field, e.g. --set train.max_steps=100")
     ev = sub.add_parser("evaluate", help="evaluate one checkpoint URI")
     ev.add_argument("checkpoint_uri")
+    ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT-2 folder "
+                        "(model.safetensors, config.json, the run's tokenizer)")
+    ex.add_argument("checkpoint_uri", help="{root}/runs/{run}/checkpoints/step-NNNNNNNN")
+    ex.add_argument("folder", help="a new or empty local folder")
     args = parser.parse_args(argv)
 
     from core.failures import StokerError
@@ -68,6 +64,14 @@ def config_from_args(recipe: str, sets: list[str]):
 
 def _command(args) -> int:
 
+    if args.command == "export":  # no flow run: one process that reads the store, writes a folder
+        from tasks.export import export_checkpoint
+
+        done = export_checkpoint(args.checkpoint_uri, args.folder)
+        print(f"exported step {done.step} ({done.num_params:,} parameters, vocabulary "
+              f"{done.vocab_size}) of {done.checkpoint}\nto {done.folder}: {', '.join(done.files)}\n"
+              f"load it with transformers.GPT2LMHeadModel.from_pretrained({done.folder!r})")
+        return 0
     if args.command == "evaluate":
         from tasks.evaluate import check_checkpoint_uri
 

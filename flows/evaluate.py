@@ -5,10 +5,12 @@ from __future__ import annotations
 from prefect import flow
 
 from core.results import EvalResult
+from flows import fails_in_one_line
 from tasks.evaluate import checkpoint_inputs, evaluate_checkpoint
 
 
 @flow(name="evaluate-checkpoint")
+@fails_in_one_line
 def evaluate_checkpoint_flow(checkpoint_uri: str, storage_options: dict | None = None) -> EvalResult:
     """Validation loss and perplexity of the checkpoint at `checkpoint_uri`
     (``{root}/runs/{run}/checkpoints/step-...``), using the run's own config and shards."""

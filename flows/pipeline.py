@@ -20,9 +20,11 @@ from tasks.training import (
     write_run_config,
 )
 from core.config import DataConfig, RunConfig, StorageConfig, TokenizerConfig
+from flows import fails_in_one_line
 
 
 @flow(name="prepare-data", log_prints=True)
+@fails_in_one_line
 def prepare_data(data: DataConfig, tokenizer: TokenizerConfig, storage: StorageConfig) -> ShardInfo:
     """Download -> tokenizer -> tokenize and shard; each step is a no-op when its output exists."""
     dataset = download_dataset(data, storage)
@@ -31,6 +33,7 @@ def prepare_data(data: DataConfig, tokenizer: TokenizerConfig, storage: StorageC
 
 
 @flow(name="train-pipeline", log_prints=True)
+@fails_in_one_line
 def train_pipeline(config: RunConfig | None = None) -> PipelineResult:
     """Prepare data, resume or start training on a torchrun gang, evaluate, report."""
     config = validate_config(config or RunConfig())

@@ -37,6 +37,48 @@ def test_a_data_error_found_inside_the_flow_is_one_line_and_exit_2(tmp_path):
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     ours = [line for line in out.stderr.splitlines() if line.startswith("stoker: ")]
     assert len(ours) == 1 and "corpus.jsonl line 2 is not JSON" in ours[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stdout + out.stderr  # the Prefect log keeps tracebacks for bugs
+
+
+@pytest.mark.parametrize("where", ["validate_config", "download_dataset"])
+def test_a_project_error_fails_the_flow_run_with_the_same_line_and_no_traceback(prefect_server, tmp_path, where):
+    """Called as a notebook would: the flow run ends Failed with the message the CLI prints,
+    the task and flow logs name the problem without a traceback, and calling the flow raises
+    the project error itself. validate_config has no retries (Prefect logs its failure with
+    the exception); download_dataset fails on bad data without retrying."""
+    import logging
+
+    from core.config import load_config
+    from core.failures import StokerError
+    from flows.pipeline import train_pipeline
+
+    cfg = load_config("tiny-cpu", **{"storage.root": f"file://{tmp_path}/store"})
+    if where == "validate_config":  # a config built in code skips load_config's file checks
+        missing = str(tmp_path / "missing-tokenizer.json")
+        cfg = cfg.model_copy(update={"tokenizer": cfg.tokenizer.model_copy(update={"path": missing})})
+        expected = "tokenizer.path: "
+    else:
+        corpus = tmp_path / "corpus.jsonl"
+        corpus.write_text(json.dumps({"text": "fine"}) + "\n{broken json\n")
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"source": str(corpus)})})
+        expected = "data.source: "
+    records: list[logging.LogRecord] = []
+    keep = logging.Handler(level=logging.ERROR)
+    keep.emit = records.append  # sees each record as Prefect's own handlers do, after the filters
+    loggers = [logging.getLogger(name) for name in ("prefect.task_runs", "prefect.flow_runs")]
+    for logger in loggers:
+        logger.addHandler(keep)
+    try:
+        state = train_pipeline(cfg, return_state=True)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(keep)
+    assert state.is_failed()
+    assert state.message.startswith("stoker: ") and expected in state.message, state.message
+    assert records and all(r.exc_info is None for r in records), [r.getMessage() for r in records]
+    assert any(expected in r.getMessage() for r in records)
+    with pytest.raises(StokerError, match=expected):
+        train_pipeline(cfg)
 
 
 @pytest.mark.e2e
