@@ -18,6 +18,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
@@ -84,7 +85,9 @@ _SECRET_WORDS = ("secret", "password", "token", "credential", "private_key")
 CREDENTIALS_FIX = ("credentials never go in the config (it is written to the store and to "
                    "Prefect): give them to the environment (AWS_ACCESS_KEY_ID and "
                    "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with ~/.aws/credentials), where s3fs, "
-                   "the ranks and the evaluations find them")
+                   "the ranks and the evaluations find them, or name a Prefect Secret or "
+                   "AwsCredentials block in storage.credentials_block")
+_BLOCK_NAME = re.compile(r"^(?:[a-z0-9][a-z0-9-]*/)?[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 def _secret_paths(value: Any, path: str = "") -> list[str]:
@@ -399,6 +402,12 @@ class LaunchConfig(_Section):
         "and they load the newest valid checkpoint themselves (seconds, not a relaunch). A "
         "failure no restart can fix (a bug, a bad input) is not restarted. 0: every failure "
         "goes to a new launch attempt.", fix="e.g. 2, or 0 to relaunch instead", ge=0, le=100)
+    concurrency_limit: str = Field(
+        "stoker-accelerators",
+        description="Prefect global concurrency limit a launch holds one slot of while its ranks "
+        "run, so two runs never take the same accelerators; `stoker deploy` creates it with one "
+        "slot. Not on the server (an embedded server, a notebook) or empty: no limit. Give each "
+        "machine's runs their own name to run one per machine.")
     hang_timeout_seconds: int = _field(
         300,
         "Hang watchdog: when no training step finishes for this long (rank 0 "
@@ -464,10 +473,31 @@ class StorageConfig(_Section):
         "or AWS_PROFILE), and a config holding any is refused.",
     )
 
+    credentials_block: str | None = Field(
+        None,
+        description="Name of a Prefect block holding the S3 credentials of the store and of S3 "
+        "sources: a Secret block whose value is a JSON object with aws_access_key_id and "
+        "aws_secret_access_key (and aws_session_token), e.g. 'stoker-s3', or an AwsCredentials "
+        "block of prefect-aws as 'aws-credentials/NAME'. Loaded on the host that runs the flow; "
+        "the ranks and evaluations get them as AWS_* variables. Empty: the environment or "
+        "AWS_PROFILE.",
+        json_schema_extra={"fix": "give a block name such as 'stoker-s3' or "
+                           "'aws-credentials/stoker-s3', or leave it empty"})
+
     @field_validator("storage_options")
     @classmethod
     def _without_credentials(cls, options: dict[str, Any]) -> dict[str, Any]:
         return _no_credentials(options)
+
+    @field_validator("credentials_block")
+    @classmethod
+    def _block_name(cls, name: str | None) -> str | None:
+        if name is not None and not name.strip():
+            return None
+        if name is not None and not _BLOCK_NAME.match(name.strip()):
+            raise _rule("is not a Prefect block name", "give NAME (a Secret block) or "
+                        "BLOCK-TYPE/NAME, e.g. 'aws-credentials/stoker-s3'")
+        return name.strip() if name else None
 
     @field_validator("root")
     @classmethod
@@ -481,6 +511,47 @@ class StorageConfig(_Section):
         if root.startswith("file://") and not root[len("file://"):].startswith("/"):
             raise _rule("is a relative file:// URL", "write file:///absolute/path (three slashes)")
         return root
+
+
+class MetricsConfig(_Section):
+    """Where the run's metric records (those rank 0 keeps in {run}/metrics.jsonl) also go. The
+    sinks run beside the flow, on the host that launches the ranks, fed from the ranks' event
+    stream; they are not part of the run's identity."""
+
+    tensorboard_enabled: bool = Field(
+        False, description="Write TensorBoard event files of the training and validation "
+        "metrics to {root}/runs/{run}/tensorboard/ (tensorboard --logdir <that folder>). Needs "
+        "the 'metrics' extra: pip install 'stoker[metrics]'.")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="Also log the metrics (and the config as parameters) to MLflow at this "
+        "tracking URI: http(s)://host:5000, sqlite:////abs/mlflow.db, file:///abs/mlruns (MLflow 3 "
+        "wants MLFLOW_ALLOW_FILE_STORE=true for that one) or databricks. One MLflow run per stoker "
+        "run (tag stoker.run_name), continued when the run resumes. Empty: off. Needs the "
+        "'metrics' extra: pip install 'stoker[metrics]'.",
+        json_schema_extra={"fix": "give http(s)://host:port, sqlite:////abs/path.db or "
+                           "file:///abs/path, or leave it empty"})
+    mlflow_experiment: NonBlank = _field(
+        "stoker", "MLflow experiment of the run (created when missing).", fix="e.g. 'stoker'")
+
+    @field_validator("mlflow_tracking_uri")
+    @classmethod
+    def _tracking_uri(cls, uri: str | None) -> str | None:
+        if uri is None or not uri.strip():
+            return None
+        uri = uri.strip()
+        scheme, sep, rest = uri.partition("://")
+        if "@" in rest.split("/", 1)[0]:
+            raise PydanticCustomError("secret_in_config", "holds credentials (user:password@)", {
+                "fix": "give them to the environment: MLFLOW_TRACKING_USERNAME and "
+                "MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN"})
+        problem = _url_problem(uri, "the tracking URI")
+        if problem is not None:
+            raise problem
+        if scheme == "file" and not rest.startswith("/"):
+            raise _rule("is a relative file:// URL", "write file:///absolute/path (three slashes)")
+        if not sep and uri != "databricks" and not os.path.isabs(uri):  # a string test
+            raise _rule("is relative: it would depend on where the flow runs")
+        return uri
 
 
 # ---- rules that span sections --------------------------------------------------------------
@@ -553,6 +624,8 @@ class RunConfig(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig,
                                  description="Precision, compilation and parallelism of the ranks.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Object store.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig,
+                                   description="TensorBoard and MLflow sinks of the run's metrics.")
 
     # ---- derived facts -------------------------------------------------------------
     @property
@@ -566,6 +639,7 @@ class RunConfig(_Section):
         any of those changed."""
         payload = self.model_dump(mode="json", exclude={"run_name": True, "storage": True,
                                                         "launch": True, "engine": True,
+                                                        "metrics": True,
                                                         "data": {"num_workers"},
                                                         "train": {"micro_batch_size"}})
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -639,6 +713,52 @@ def _field_at(loc: tuple) -> Any:
     return field
 
 
+def field_table() -> list[dict]:
+    """Every key of the config: dotted name, type, default and description (`stoker config
+    --list`, the README)."""
+    import typing
+
+    def type_name(ann: Any) -> str:
+        if typing.get_origin(ann) is Literal:
+            return " | ".join(repr(a) for a in typing.get_args(ann))
+        text = getattr(ann, "__name__", None) or str(ann)
+        return text.replace("typing.", "")
+
+    rows = []
+    for section, sfield in RunConfig.model_fields.items():
+        model = sfield.annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            rows.append({"key": section, "type": type_name(sfield.annotation),
+                         "default": sfield.get_default(call_default_factory=True),
+                         "description": sfield.description or ""})
+            continue
+        for name, f in model.model_fields.items():
+            bounds = _range(f)
+            rows.append({"key": f"{section}.{name}", "type": type_name(f.annotation) + (f" ({bounds})" if bounds else ""),
+                         "default": f.get_default(call_default_factory=True),
+                         "description": f.description or ""})
+    return rows
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """The fix for an unknown key: the closest field of its section, or the section's fields."""
+    import difflib
+
+    model: Any = RunConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if model is not None else None
+        ann = field.annotation if field is not None else None
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    if model is None:
+        return "remove it or check its spelling"
+    names = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {'.'.join(map(str, loc[:-1] + (close[0],)))}?"
+    where = ".".join(map(str, loc[:-1])) or "the config"
+    return f"remove it or check its spelling ({where} has: {', '.join(names)})"
+
+
 def _range(field: Any) -> str:
     """A field's bounds as a person writes them: '> 0', '>= 2', 'in [1, 256]', 'in (0, 0.5)'."""
     b = {k: getattr(m, k) for m in field.metadata for k in _OPS if getattr(m, k, None) is not None}
@@ -660,13 +780,15 @@ def _problem(e: Any) -> str:
     elif e["type"] in ("blank", "string_too_short"):
         what = "is empty"
     elif e["type"] == "extra_forbidden":
-        what, fix = "is not a field of the config", "remove it or check its spelling"
+        what, fix = "is not a field of the config", _did_you_mean(loc)
     else:
         what = e["msg"]
     got = repr(e["input"]) if e["type"] != "secret_in_config" else "<not shown>"
     got = got if len(got) <= 80 else got[:77] + "..."  # a whole section is no help to read
     line = f"{'.'.join(map(str, loc)) or 'config'}: {what} (got {got})"
-    return f"{line}; {fix}." if fix else f"{line}."
+    if not fix:
+        return f"{line}."
+    return f"{line}; {fix}" + ("" if fix.endswith(("?", ".")) else ".")
 
 
 def _problems(err: ValidationError) -> list[str]:
@@ -685,8 +807,30 @@ def _holds_a_file(pattern: str) -> bool:
     return False
 
 
+# the module each metric sink needs (the 'metrics' extra), by the field that asks for it
+_SINK_MODULES = {"tensorboard_enabled": "tensorboard", "mlflow_tracking_uri": "mlflow"}
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported here (found, not imported: no cost)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or an import blocked
+        return False
+
+
+def missing_sink_packages(metrics: MetricsConfig) -> list[str]:
+    """A problem line for each metric sink asked for whose package this host lacks."""
+    return [f"metrics.{field}: needs the {module!r} package, which is not installed here; pip "
+            "install 'stoker[metrics]', or turn the sink off." for field, module in _SINK_MODULES.items()
+            if getattr(metrics, field, None) and not _installed(module)]
+
+
 def local_resource_problems(cfg: RunConfig) -> list[str]:
-    """Problems with the local files the config names: the data source and the tokenizer.
+    """Problems with the local files the config names (the data source and the tokenizer), and
+    metric sinks whose packages (the 'metrics' extra) are not installed on this host.
 
     Kept out of the model on purpose: every rank re-validates config.json on its own host,
     where these paths need not exist (and re-globbing the source on each would be waste).
@@ -708,18 +852,19 @@ def local_resource_problems(cfg: RunConfig) -> list[str]:
     if path and "://" not in path and not Path(path).expanduser().is_file():
         out.append(f"tokenizer.path: {path!r} is not a file; give a tokenizer.json or leave it "
                    "empty to train one.")
-    return out
+    return out + missing_sink_packages(cfg.metrics)
 
 
 def _resources_of(data: Any, errors: list[Any]) -> RunConfig:
     """The fields local_resource_problems reads, from input that failed validation elsewhere,
     so its problems are reported with the others (a field that failed itself is left out)."""
-    found: dict[str, dict[str, Any]] = {"data": {}, "tokenizer": {}}
-    for path in (("data", "source"), ("tokenizer", "path")):
+    found: dict[str, dict[str, Any]] = {"data": {}, "tokenizer": {}, "metrics": {}}
+    for path in (("data", "source"), ("tokenizer", "path"), *(("metrics", f) for f in _SINK_MODULES)):
         if isinstance(data, dict) and not any(_overlaps(e["loc"], path) for e in errors):
             found[path[0]][path[1]] = _read(data, path)
     return RunConfig.model_construct(data=DataConfig.model_construct(**found["data"]),
-                                     tokenizer=TokenizerConfig.model_construct(**found["tokenizer"]))
+                                     tokenizer=TokenizerConfig.model_construct(**found["tokenizer"]),
+                                     metrics=MetricsConfig.model_construct(**found["metrics"]))
 
 
 def load_config(source: "RunConfig | dict | str | Path | None" = None, **overrides: Any) -> RunConfig:

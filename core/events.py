@@ -177,10 +177,23 @@ class Evaluated(Event):
     windows: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class Exported(Event):
+    """What an export process (training.export) wrote for one checkpoint."""
+
+    kind: ClassVar[str] = "exported"
+    checkpoint: str
+    step: int
+    folder: str
+    files: list[str]
+    vocab_size: int  # the tokenizer's ids: the padded rows of the embedding are left out
+    num_params: int
+
+
 TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (Step, Train, Eval, CheckpointStaged, CheckpointCommitted, UploadRetry,
                               CheckpointFailed, CheckpointDropped, Resumed, Failure, Stopped, Done,
-                              Evaluated)}
+                              Evaluated, Exported)}
 
 
 def from_dict(record: dict) -> Event | None:

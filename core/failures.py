@@ -44,6 +44,11 @@ class DataError(StokerError, ValueError):
     """Bad data input (empty source, undecodable file, missing field); never retried."""
 
 
+class ExportError(StokerError, ValueError):
+    """A checkpoint that cannot be exported as asked (not a committed checkpoint of its run and
+    model, a model GPT-2 cannot express, an output folder already in use); never retried."""
+
+
 class CheckpointInvalid(StokerError, ValueError):
     """A checkpoint found damaged where its bytes landed (a host's full check). It is marked
     invalid in the store, so a retry resumes from the next valid one: transient."""

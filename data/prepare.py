@@ -233,6 +233,56 @@ def tokenize_and_shard(
     return _shard_info(store, cache_key, verdict.manifest, cache_hit=not published)
 
 
+SAMPLE_BYTES = 1 << 20  # of the corpus, tokenized to estimate the shards' size
+DISK_MARGIN = 1.2
+
+
+def _existing(path: str) -> str:
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _check_disk_space(dataset: DatasetInfo, store: Store, tokenizer_path: str, dtype: np.dtype,
+                      shard_tokens: int, tmp: str) -> None:
+    """Before tokenizing: is there room for what the build writes? Estimated from a
+    tokenized sample of the corpus: the per-partition token files and, on a remote store, the
+    corpus copy go to the temp folder; the shards go to the store (local) or one at a time to
+    the temp folder (remote). One DataError naming where, what is needed and the fix."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_path)
+    docs, sampled = [], 0
+    for doc in iter_corpus(store, dataset):
+        docs.append(doc)
+        sampled += len(doc.encode("utf-8"))
+        if sampled >= SAMPLE_BYTES:
+            break
+    tokens = sum(len(e.ids) for e in tok.encode_batch(docs)) + len(docs)  # + end-of-text each
+    token_bytes = int(dataset.num_bytes / max(1, sampled) * tokens * dtype.itemsize * DISK_MARGIN)
+    corpus_bytes = 0 if store.is_local else store.size(join(dataset.key, CORPUS_FILE))
+    needs = [(tmp, token_bytes + corpus_bytes, "the temporary folder (TMPDIR)",
+              "free space there or set TMPDIR to a folder on a bigger disk")]
+    if store.is_local:
+        needs.append((store.local_path(), token_bytes, "storage.root",
+                      "free space there or point storage.root at a bigger disk"))
+    else:
+        needs[0] = (tmp, needs[0][1] + shard_tokens * dtype.itemsize, *needs[0][2:])
+    by_device: dict[int, list] = {}
+    for path, size, name, fix in needs:
+        by_device.setdefault(os.stat(_existing(path)).st_dev, []).append((path, size, name, fix))
+    for group in by_device.values():
+        need = sum(size for _, size, _, _ in group)
+        path, _, name, fix = group[-1]
+        free = shutil.disk_usage(_existing(path)).free
+        if need > free:
+            where = " and ".join(n for _, _, n, _ in group)
+            raise DataError(
+                f"{name}: tokenizing {dataset.num_bytes / 1e6:.1f} MB of text needs about "
+                f"{need / 1e6:.1f} MB on {_existing(path)} ({where}) and {free / 1e6:.1f} MB are "
+                f"free; {fix}.")
+
+
 def _build(dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig, store: Store,
            staging: str, dtype: np.dtype, partition_bytes: int) -> dict:
     """Build the shard set into `staging`; return its manifest (without key and inputs)."""
@@ -241,6 +291,7 @@ def _build(dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig, stor
         os.makedirs(build, exist_ok=True)
         local_tok = os.path.join(build, TOKENIZER_FILE)
         store.get_file(tokenizer.key, local_tok)
+        _check_disk_space(dataset, store, local_tok, dtype, cfg.shard_tokens, tmp)
         if store.is_local:
             corpus = store.local_path(join(dataset.key, CORPUS_FILE))
         else:

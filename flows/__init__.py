@@ -58,3 +58,18 @@ def fails_in_one_line(fn):
             return Failed(message=f"stoker: {err}", data=err)
 
     return wrapper
+
+
+def tag_flow_run(*tags: str) -> None:
+    """Add tags to the current flow run (a run started from a deployment or a notebook gets
+    its stoker tags alike, so the UI can filter a run's flow runs)."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    if not flow_run.id:
+        return
+    with get_client(sync_client=True) as client:
+        current = client.read_flow_run(flow_run.id)
+        merged = sorted(set(current.tags or []) | set(tags))
+        if merged != sorted(current.tags or []):
+            client.update_flow_run(flow_run.id, tags=merged)

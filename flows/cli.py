@@ -7,6 +7,7 @@ runs train_pipeline, then prints where everything went and how to open it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import flows  # noqa: F401  (Prefect's quiet offline settings, before Prefect is imported)
@@ -26,19 +27,128 @@ def main(argv: list[str] | None = None) -> int:
                         "(model.safetensors, config.json, the run's tokenizer)")
     ex.add_argument("checkpoint_uri", help="{root}/runs/{run}/checkpoints/step-NNNNNNNN")
     ex.add_argument("folder", help="a new or empty local folder")
+    runs = sub.add_parser("runs", help="list the runs in the store, with their newest valid checkpoint")
+    runs.add_argument("--root", default=None, help="store root URL (default: storage.root's default)")
+    cks = sub.add_parser("checkpoints", help="list a run's checkpoints, each with its validity")
+    cks.add_argument("run")
+    cks.add_argument("--root", default=None, help="store root URL (default: storage.root's default)")
+    ver = sub.add_parser("verify", help="check every byte (sha256) of a checkpoint or shard set")
+    ver.add_argument("uri", help="{root}/runs/{run}/checkpoints/step-NNNNNNNN or {root}/shards/{key}")
+    cfg = sub.add_parser("config", help="show the config: every key with its type, default and description")
+    cfg.add_argument("--list", action="store_true", help="every key, type, default and description")
+    cfg.add_argument("--recipe", default=None, help="show this recipe's values (with --set)")
+    cfg.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    sub.add_parser("deploy", help="create the work pool, the accelerator concurrency limit and "
+                   "the deployments of prefect.yaml on $PREFECT_API_URL (idempotent)")
+    sub.add_parser("serve", help="serve the deployments of prefect.yaml from this process "
+                   "(schedules included; no worker needed)")
     args = parser.parse_args(argv)
 
     from core.failures import StokerError
 
     try:
+        if args.command in ("run", "evaluate") and not os.environ.get(_CHILD_ENV):
+            _preflight(args)  # config mistakes: one line before any process or server starts
+            return _supervise(argv if argv is not None else sys.argv[1:])
         return _command(args)
     except StokerError as err:  # the user's mistake or the run's failure: one line, not a traceback
         print(f"stoker: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the launcher has stopped the ranks on its way out
-        print("stoker: interrupted; run the same command again to resume from the newest valid "
-              "checkpoint", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         return 130
+    except BaseException as err:  # Prefect's TerminationSignal (SIGTERM from the supervisor)
+        if type(err).__name__ == "TerminationSignal":
+            return 130  # the supervisor says the one line
+        raise
+
+
+INTERRUPTED = ("stoker: interrupted; the ranks were stopped (a checkpoint was written if it "
+               "fitted) and the attempt recorded; run the same command again to resume from "
+               "the newest valid checkpoint")
+_CHILD_ENV = "STOKER_CLI_CHILD"
+STOP_SECONDS = 28  # the child's grace after SIGTERM: the launcher needs 20 s + 5 s
+
+
+def _preflight(args) -> None:
+    if args.command == "evaluate":
+        from tasks.evaluate import check_checkpoint_uri
+
+        check_checkpoint_uri(args.checkpoint_uri)
+        return
+    from core.failures import ConfigError
+    from tasks.training import host_problems
+
+    problems = host_problems(config_from_args(args.recipe, args.set))
+    if problems:
+        raise ConfigError(problems)
+
+
+def _end_group(pgid: int, grace: float = 5.0) -> None:
+    """SIGTERM a process group, then SIGKILL whatever is left of it after `grace` seconds."""
+    import signal
+    import time
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+
+
+def _supervise(argv: list[str]) -> int:
+    """Run the command in a child process in its own session, and stop it the way a cancel
+    does. Ctrl-C in a terminal signals the whole foreground process group, which would kill
+    Prefect's embedded server (a child of the flow's process) at once: the flow run would stay
+    Running forever and nothing could record the interrupted attempt. Here only this process
+    gets the signal; it sends SIGTERM to the child, where Prefect turns it into a crash of the
+    flow run (reported to the server, still up), the launcher stops the ranks (a checkpoint
+    if it fits) and records the attempt; then it prints one line."""
+    import signal
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-m", "flows.cli", *argv],
+                             env={**os.environ, _CHILD_ENV: "1"}, start_new_session=True)
+    stopping = []
+
+    def stop(signum, frame):
+        if not stopping:
+            stopping.append(signum)
+            try:
+                child.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    import time
+
+    try:
+        deadline = None
+        while True:
+            try:
+                code = child.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if stopping and deadline is None:
+                    deadline = time.monotonic() + STOP_SECONDS
+                if deadline is not None and time.monotonic() > deadline:  # past the grace
+                    os.killpg(child.pid, signal.SIGKILL)
+                    deadline = float("inf")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _end_group(child.pid)  # what the child left in its session: Prefect's embedded server
+    if stopping:
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
+    return code
 
 
 def config_from_args(recipe: str, sets: list[str]):
@@ -62,8 +172,72 @@ def config_from_args(recipe: str, sets: list[str]):
     return load_config(recipe, **overrides)
 
 
-def _command(args) -> int:
+def _root(given: str | None) -> str:
+    from core.config import default_root
 
+    return given or default_root()
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    cells = [[("-" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def _inspect(args) -> int:
+    """runs, checkpoints, verify, config: no flow run, no Prefect server."""
+    if args.command == "config":
+        from core.config import field_table
+
+        if args.list or not args.recipe:
+            for row in field_table():
+                print(f"{row['key']}  [{row['type']}]  default: {row['default']!r}\n    {row['description']}")
+            return 0
+        import json
+
+        print(json.dumps(config_from_args(args.recipe, args.set).model_dump(mode="json"), indent=2))
+        return 0
+    from tasks import inspect
+
+    if args.command == "runs":
+        rows = inspect.list_runs(_root(args.root))
+        print(_table(rows, ["run", "newest_valid_step", "max_steps", "checkpoints", "model"])
+              if rows else f"no runs under {_root(args.root)}")
+        return 0
+    if args.command == "checkpoints":
+        rows = inspect.checkpoint_rows(_root(args.root), args.run)
+        if not rows:
+            print(f"run {args.run!r} has no checkpoint under {_root(args.root)}")
+            return 0
+        for row in rows:
+            row["valid"] = "valid" if row["valid"] else f"INVALID: {row['reason']}"
+        print(_table(rows, ["step", "name", "size_mb", "valid", "uri"]))
+        return 0
+    what, verdict = inspect.verify(args.uri)
+    if verdict:
+        files = (verdict.manifest or {}).get("files", {})
+        print(f"{what} {args.uri}: intact ({len(files)} files, every sha256 matches)")
+        return 0
+    print(f"stoker: {what} {args.uri} is not intact: {verdict.reason}", file=sys.stderr)
+    return 1
+
+
+def _command(args) -> int:
+    if args.command in ("runs", "checkpoints", "verify", "config"):
+        return _inspect(args)
+    if args.command == "deploy":
+        from flows.deploy import deploy
+
+        for line in deploy():
+            print(line)
+        return 0
+    if args.command == "serve":
+        from flows.deploy import serve
+
+        serve()
+        return 0
     if args.command == "export":  # no flow run: one process that reads the store, writes a folder
         from tasks.export import export_checkpoint
 
@@ -83,6 +257,12 @@ def _command(args) -> int:
               f"at step {result.step} ({result.checkpoint_uri})")
         return 0
     config = config_from_args(args.recipe, args.set)
+    from core.failures import ConfigError
+    from tasks.training import host_problems
+
+    problems = host_problems(config)  # before a Prefect server starts: GPUs, local files
+    if problems:
+        raise ConfigError(problems)
 
     from flows.pipeline import train_pipeline
 
@@ -110,7 +290,7 @@ def print_summary(result) -> None:
     print(f"metrics (JSON lines): {result.metrics_uri}")
     print(f"run folder (config.json, tokenizer.json, checkpoints/): {result.run_uri}")
     print("open them:")
-    print(f"  the flow runs, logs and artifacts:  prefect server start   (then http://127.0.0.1:4200)")
+    print("  the flow runs, logs and artifacts:  prefect server start   (then http://127.0.0.1:4200)")
     print(f"  evaluate a checkpoint again:        python -m flows.cli evaluate {result.final_checkpoint_uri}")
     print("  run again to resume (same config => same run name, continues from the newest valid checkpoint)")
     print("=" * 72)

@@ -20,23 +20,39 @@ from tasks.training import (
     write_run_config,
 )
 from core.config import DataConfig, RunConfig, StorageConfig, TokenizerConfig
-from flows import fails_in_one_line
+from flows import fails_in_one_line, tag_flow_run
+from tasks.credentials import use_store_credentials
+
+
+def _run_name() -> str:
+    """The flow run's name: the stoker run's (Prefect's random names say nothing)."""
+    from prefect.runtime import flow_run
+
+    config = flow_run.parameters.get("config")
+    try:
+        config = config if isinstance(config, RunConfig) else RunConfig.model_validate(config or {})
+        return config.resolved_run_name()
+    except Exception:  # the flow's first task reports the config's problems
+        return "train-pipeline (config to check)"
 
 
 @flow(name="prepare-data", log_prints=True)
 @fails_in_one_line
 def prepare_data(data: DataConfig, tokenizer: TokenizerConfig, storage: StorageConfig) -> ShardInfo:
     """Download -> tokenizer -> tokenize and shard; each step is a no-op when its output exists."""
+    use_store_credentials(storage)  # a credentials block named in storage, when run on its own
     dataset = download_dataset(data, storage)
     tok = train_tokenizer(dataset, tokenizer, storage)
     return tokenize_and_shard(dataset, tok, data, storage)
 
 
-@flow(name="train-pipeline", log_prints=True)
+@flow(name="train-pipeline", log_prints=True, flow_run_name=_run_name)
 @fails_in_one_line
 def train_pipeline(config: RunConfig | None = None) -> PipelineResult:
     """Prepare data, resume or start training on a torchrun gang, evaluate, report."""
     config = validate_config(config or RunConfig())
+    tag_flow_run(f"run:{config.resolved_run_name()}", f"launcher:{config.launch.launcher}",
+                 f"world:{config.launch.num_nodes}x{config.launch.nproc_per_node}")
     shards = prepare_data(config.data, config.tokenizer, config.storage)
     config_url = write_run_config(config, shards)
     resume = find_resume_checkpoint(config)

@@ -60,7 +60,20 @@ def launch_attempt(launcher: Launcher, monitor: TrainingMonitor, store: Store, r
     """Run one launch to its end, record it in attempts.jsonl, and raise TrainingFailed
     (transient or not) when it failed; else return the result with the attempts summary."""
     started_at = time.time()
-    gang = launcher.run(on_line=monitor.logger.info, on_event=monitor)
+    try:
+        gang = launcher.run(on_line=monitor.logger.info, on_event=monitor)
+    except BaseException as stop:  # Ctrl-C, a cancel, SIGTERM: the gang is stopped; say so
+        result = monitor.result
+        logged = result.train_losses[-1][0] if result.train_losses else resume_step
+        try:
+            record_attempt(store, run_name, flow_run_id=flow_run_id, attempt=attempt,
+                           started_at=started_at, resumed_from_step=resume_step,
+                           reached_step=max(logged, result.final_step), committed_step=result.final_step,
+                           outcome=f"interrupted ({type(stop).__name__})",
+                           median_step_seconds=monitor.median_step_seconds())
+        except Exception as err:  # the store may be what failed; the interruption still wins
+            monitor.logger.warning("the interrupted attempt could not be recorded: %s", err)
+        raise
     monitor.collect_evaluations()
     failure = launcher.classify(gang)
     result = monitor.result

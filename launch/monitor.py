@@ -28,13 +28,26 @@ def throughput_text(e: events.Train) -> str:
     return ("  " + ", ".join(parts)) if parts else ""
 
 
+def eta_text(steps_left: int, step_seconds: list[float]) -> str:
+    """'  ETA 12m30s' from the median of the recent step times (empty when unknown)."""
+    recent = sorted(step_seconds[-20:])
+    if steps_left <= 0 or not recent:
+        return ""
+    seconds = int(steps_left * recent[len(recent) // 2])
+    hours, rest = divmod(seconds, 3600)
+    return f"  ETA {hours}h{rest // 60:02d}m" if hours else f"  ETA {rest // 60}m{rest % 60:02d}s"
+
+
 class TrainingMonitor:
     """Consumes the launcher's events, one at a time."""
 
     def __init__(self, result: TrainingResult, max_steps: int, logger,
-                 on_progress: Callable[[float], None], on_commit: Callable[[str, int], object] | None):
+                 on_progress: Callable[[float], None], on_commit: Callable[[str, int], object] | None,
+                 sink: Callable[[events.Event], None] | None = None):
+        """`sink` also gets every record, and each checkpoint evaluation as an Evaluated record
+        (launch.sinks: TensorBoard, MLflow)."""
         self.result, self.max_steps, self.logger = result, max_steps, logger
-        self.on_progress, self.on_commit = on_progress, on_commit
+        self.on_progress, self.on_commit, self.sink = on_progress, on_commit, sink
         self.last_pct = -1
         self.step_seconds: list[float] = []
         self.evaluations: list[tuple[int, object]] = []  # (step, future)
@@ -50,12 +63,15 @@ class TrainingMonitor:
         handler = self.handlers.get(type(event))
         if handler is not None:
             handler(event)
+        if self.sink is not None:
+            self.sink(event)
 
     def _on_train(self, e: events.Train) -> None:
         self.result.train_losses.append((e.step, e.loss))
         self.step_seconds.append(e.step_seconds)
-        self.logger.info("step %d/%d  loss %.4f  lr %.2e  %.0f ms/step%s", e.step, self.max_steps,
-                         e.loss, e.lr, 1000 * e.step_seconds, throughput_text(e))
+        self.logger.info("step %d/%d  loss %.4f  lr %.2e  %.0f ms/step%s%s", e.step, self.max_steps,
+                         e.loss, e.lr, 1000 * e.step_seconds, throughput_text(e),
+                         eta_text(self.max_steps - e.step, self.step_seconds))
         if e.tokens_per_second is not None:
             self.result.throughput.append({k: getattr(e, k) for k in THROUGHPUT_FIELDS})
         pct = int(100 * e.step / self.max_steps)
@@ -125,6 +141,9 @@ class TrainingMonitor:
             try:
                 ev: EvalResult = future.result(timeout=timeout)
                 self.result.evaluations.append(ev)
+                if self.sink is not None:
+                    self.sink(events.Evaluated(checkpoint=ev.checkpoint_uri, step=ev.step,
+                                               val_loss=ev.val_loss, val_ppl=ev.val_ppl, windows=ev.windows))
             except Exception as err:  # an evaluation failing must not fail the training task
                 self.logger.warning("evaluation of step %d failed: %s", step, err)
         self.evaluations = []

@@ -6,6 +6,11 @@ that raised left ``{log_dir}/node-{i}/*/attempt_*/{local_rank}/error.json`` with
 Failure record in it (training.train's ``@record`` handler); a rank folder without one is a
 rank that ended without raising (a signal, the OOM killer, a crash); an agent that failed
 before its ranks started (a rendezvous time-out) leaves its own error file.
+
+Where each node's agent runs is a ``NodeSpec``: by default every agent runs on this host and
+meets the others on 127.0.0.1. Given an address, a command prefix and an environment per node
+(``ip netns exec <ns>`` in the tests; ``srun --nodelist=<host>`` or ``ssh <host>`` across
+machines), the same torchrun command runs there and reaches the others on that address.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import shutil
 import socket
 import sys
 import tempfile
+from dataclasses import dataclass, field
 
+from storage import credentials
 from core.config import LaunchConfig, RunConfig
 from core.events import ERROR_INFO_KEY, PERMANENT_MARKER_ENV, Failure, from_dict
 from core.failures import PERMANENT, classify_reported
@@ -30,12 +37,46 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _local_port(host: str) -> int:
+    try:
+        return free_port(host)
+    except OSError as err:
+        raise ValueError(f"launch.rdzv_host {host!r} is not an address of this host ({err}); when "
+                         "another node hosts the rendezvous, give its port (rdzv_port)") from err
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """Where one node's torchrun agent runs, beyond the torchrun command every node runs."""
+
+    # starts the agent there: ("ip", "netns", "exec", "n1"), ("srun", "--nodes=1",
+    # "--ntasks=1", "--nodelist=host1"); nothing: this host
+    prefix: tuple[str, ...] = ()
+    # torchrun --local-addr, where the other nodes reach this one; the node whose address is
+    # launch.rdzv_host hosts the rendezvous store (said explicitly: torchrun's guess compares
+    # host names, which fails on a second interface or in a network namespace)
+    address: str | None = None
+    # added to the agent's environment: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (the interface
+    # that address is on), STOKER_CACHE (the node's own cache)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def node_specs(lc: LaunchConfig, nodes: list[NodeSpec] | None) -> list[NodeSpec]:
+    """One spec per node: the ones given, or every node on this host."""
+    if nodes is None:
+        return [NodeSpec()] * lc.num_nodes
+    if len(nodes) != lc.num_nodes:
+        raise ValueError(f"{len(nodes)} node specs for launch.num_nodes={lc.num_nodes}: give one per node")
+    return list(nodes)
+
+
 def torchrun_commands(cfg: RunConfig, config_url: str, shard_key: str, resume_key: str | None,
-                      port: int, log_dir: str | None = None) -> list[list[str]]:
-    """One torchrun agent per simulated node, all meeting at one c10d endpoint."""
+                      port: int, log_dir: str | None = None,
+                      nodes: list[NodeSpec] | None = None) -> list[list[str]]:
+    """The torchrun command of each node (no prefix), all meeting at one c10d endpoint."""
     lc = cfg.launch
     cmds = []
-    for node in range(lc.num_nodes):
+    for node, spec in enumerate(node_specs(lc, nodes)):
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={lc.num_nodes}", f"--nproc-per-node={lc.nproc_per_node}",
@@ -43,6 +84,9 @@ def torchrun_commands(cfg: RunConfig, config_url: str, shard_key: str, resume_ke
             f"--rdzv-endpoint={lc.rdzv_host}:{port}", f"--rdzv-id={cfg.resolved_run_name()}",
             f"--max-restarts={lc.max_restarts}", "--tee=3",
         ]
+        if spec.address:
+            cmd += [f"--local-addr={spec.address}",
+                    f"--rdzv-conf=is_host={str(spec.address == lc.rdzv_host).lower()}"]
         if log_dir:
             cmd.append(f"--log-dir={os.path.join(log_dir, f'node-{node}')}")
         cmd += ["-m", "training.train", "--config", config_url, "--shards", shard_key]
@@ -60,9 +104,14 @@ def child_env(cfg: RunConfig) -> dict[str, str]:
     env["STOKER_STORAGE_OPTIONS"] = json.dumps(cfg.storage.storage_options)
     if cfg.launch.rdzv_host in ("127.0.0.1", "localhost"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if cfg.launch.num_nodes > 1:
+        # a fresh store for each rendezvous round, hosted by that round's rank 0: a store shared
+        # by all rounds keeps the old round's keys, and the restart count that could tell the
+        # rounds apart differs between nodes (see training.train.any_rank_restarted)
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.pop("PREFECT__FLOW_RUN_ID", None)
     env["STOKER_STOP_GRACE_SECONDS"] = str(_rank_stop_grace(env.get("STOKER_STOP_GRACE_SECONDS")))
-    return env
+    return credentials.child_env(env)  # a credentials block's keys, as AWS_* variables
 
 
 def _rank_stop_grace(requested: str | None) -> float:
@@ -113,18 +162,25 @@ def _error_record(path: str) -> dict | None:
 
 
 class TorchrunLauncher(Launcher):
-    """`launch.num_nodes` torchrun agents on this host (simulated nodes), one process gang."""
+    """`launch.num_nodes` torchrun agents, one process gang: on this host (simulated nodes),
+    or each where its `NodeSpec` puts it. `rdzv_port`: the port the rendezvous host listens
+    on (default: one free on this host, which hosts it unless `nodes` say otherwise)."""
 
     def __init__(self, cfg: RunConfig, config_url: str, shard_key: str, resume_key: str | None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, nodes: list[NodeSpec] | None = None,
+                 rdzv_port: int | None = None):
         self.launch: LaunchConfig = cfg.launch
+        nodes = node_specs(cfg.launch, nodes)
+        port = rdzv_port or _local_port(cfg.launch.rdzv_host)
         self.work_dir = tempfile.mkdtemp(prefix="stoker-launch-")
-        self.cmds = torchrun_commands(cfg, config_url, shard_key, resume_key,
-                                      free_port(cfg.launch.rdzv_host), log_dir=self.work_dir)
+        self.torchrun_cmds = torchrun_commands(cfg, config_url, shard_key, resume_key, port,
+                                               log_dir=self.work_dir, nodes=nodes)
+        self.cmds = [list(spec.prefix) + cmd for spec, cmd in zip(nodes, self.torchrun_cmds)]
         base = env if env is not None else child_env(cfg)
-        envs = [{**base, "TORCHELASTIC_ERROR_FILE": os.path.join(self.work_dir, f"node-{i}", "agent-error.json"),
+        envs = [{**base, **spec.env,
+                 "TORCHELASTIC_ERROR_FILE": os.path.join(self.work_dir, f"node-{i}", "agent-error.json"),
                  PERMANENT_MARKER_ENV: os.path.join(self.work_dir, "permanent-failure.json")}
-                for i in range(len(self.cmds))]
+                for i, spec in enumerate(nodes)]
         for i in range(len(self.cmds)):
             os.makedirs(os.path.join(self.work_dir, f"node-{i}"), exist_ok=True)
         self.gang = ProcessGang(self.cmds, envs, self.launch.nproc_per_node,
@@ -132,7 +188,7 @@ class TorchrunLauncher(Launcher):
 
     @property
     def description(self) -> str:
-        return f"{self.launch.num_nodes} node(s) x {self.launch.nproc_per_node} rank(s): " + " ".join(self.cmds[0][2:])
+        return f"{self.launch.num_nodes} node(s) x {self.launch.nproc_per_node} rank(s): " + " ".join(self.torchrun_cmds[0][2:])
 
     def start(self) -> None:
         self.gang.start()

@@ -4,6 +4,7 @@ that knows where a run's files live:
     {root}/runs/{run}/config.json, tokenizer.json, shards.json
     {root}/runs/{run}/checkpoints/step-00001200/
     {root}/runs/{run}/metrics.jsonl, attempts.jsonl
+    {root}/runs/{run}/tensorboard/events.out.tfevents.*
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ SHARDS_FILE = "shards.json"
 TOKENIZER_FILE = "tokenizer.json"
 METRICS_FILE = "metrics.jsonl"
 ATTEMPTS_FILE = "attempts.jsonl"
+TENSORBOARD_DIR = "tensorboard"  # event files of the metric sink (metrics.tensorboard_enabled)
 _CHECKPOINT_URL = re.compile(r"^(?P<root>.+)/runs/(?P<run>[^/]+)/checkpoints/(?P<name>[^/]+)/?$")
 
 

@@ -4,11 +4,13 @@ and reading them back from a checkpoint URL."""
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 
 from core.config import RunConfig
 from core.failures import ConfigError
 from core.results import ShardInfo
-from storage.layout import CONFIG_FILE, SHARDS_FILE, TOKENIZER_FILE, parse_checkpoint_url, run_file_key
+from storage.layout import (CONFIG_FILE, SHARDS_FILE, TOKENIZER_FILE, CheckpointLocation,
+                            parse_checkpoint_url, run_file_key, run_key)
 from storage.store import Store, join
 
 
@@ -66,3 +68,48 @@ def checkpoint_inputs(checkpoint_url: str, storage_options: dict) -> tuple[RunCo
         update={"root": where.root, "storage_options": storage_options or config.storage.storage_options})})
     shard_key = store.read_json(run_file_key(where.run_name, SHARDS_FILE))["key"]
     return config, store.url(config_key), where.key, shard_key
+
+
+@dataclass(frozen=True)
+class NamedCheckpoint:
+    """A checkpoint a user named by URL, with its run's config and shards.json and its manifest."""
+
+    store: Store
+    where: CheckpointLocation
+    config: RunConfig
+    shards: dict
+    manifest: dict
+
+
+def named_checkpoint(checkpoint_url: str, storage_options: dict | None = None) -> NamedCheckpoint:
+    """A checkpoint named by URL, checked without reading a tensor: the URL's form, its run
+    folder's config.json and shards.json, its commit manifest with every listed file present
+    at its size, and its identity (the manifest names this run and the run's model).
+    ConfigError naming checkpoint_uri otherwise. The full checksum check is rehydrate's,
+    where the bytes are read."""
+    from pydantic import ValidationError
+
+    from storage.checkpoints import identity_problem, validate_checkpoint
+
+    where = parse_checkpoint_url(checkpoint_url)  # ConfigError naming checkpoint_uri
+    store = Store(where.root, storage_options)
+    url, run = store.url(where.key), where.run_name
+    try:
+        config = RunConfig.model_validate_json(store.read_bytes(run_file_key(run, CONFIG_FILE)))
+        shards = store.read_json(run_file_key(run, SHARDS_FILE))
+    except FileNotFoundError:
+        raise ConfigError([f"checkpoint_uri: {url} is in no run folder ({store.url(run_key(run))} "
+                           f"holds no {CONFIG_FILE} and {SHARDS_FILE}); check the store root and "
+                           "the run name"]) from None
+    except (ValidationError, ValueError) as err:
+        raise ConfigError([f"checkpoint_uri: the run folder of {url} holds a {CONFIG_FILE} or "
+                           f"{SHARDS_FILE} stoker cannot read ({str(err).splitlines()[0]})"]) from None
+    verdict = validate_checkpoint(store, where.key)
+    if not verdict:
+        raise ConfigError([f"checkpoint_uri: {url} is not a committed, intact checkpoint "
+                           f"({verdict.reason}); name one whose commit.json exists"])
+    mismatch = identity_problem(verdict.manifest, {"run_name": run, "model_hash": config.model_hash()})
+    if mismatch:
+        raise ConfigError([f"checkpoint_uri: {url} {mismatch}: its run folder's {CONFIG_FILE} "
+                           "does not describe it"])
+    return NamedCheckpoint(store, where, config, shards, verdict.manifest)

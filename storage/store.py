@@ -14,6 +14,8 @@ from typing import Any, Iterator
 
 from fsspec.core import url_to_fs
 
+from storage.credentials import options_for
+
 CHUNK = 8 * 1024 * 1024
 
 
@@ -42,8 +44,8 @@ class Store:
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None = None):
         self.root = normalize_root(root)
-        self.storage_options = dict(storage_options or {})
-        self.fs, self._root_path = url_to_fs(self.root, **self.storage_options)
+        self.storage_options = dict(storage_options or {})  # as given: never with credentials
+        self.fs, self._root_path = url_to_fs(self.root, **options_for(self.root, self.storage_options))
         self.protocol = self.root.split("://", 1)[0]
 
     # ---- naming --------------------------------------------------------------------
@@ -221,7 +223,7 @@ def expand_url(url: str, **storage_options: Any) -> list[tuple[str, dict]]:
     object under a folder, or a glob's matches. Listings are read fresh (the filesystem's
     listing cache is dropped first), so sizes, ETags and VersionIds describe what is there
     now. Raises FileNotFoundError when nothing is at a non-glob URL."""
-    fs, path = url_to_fs(url, **storage_options)
+    fs, path = url_to_fs(url, **options_for(url, storage_options))
     fs.invalidate_cache()
     if _has_magic(url):
         found = fs.glob(path, detail=True)
@@ -236,7 +238,7 @@ def expand_url(url: str, **storage_options: Any) -> list[tuple[str, dict]]:
 
 def fetch_url(url: str, local_path: str, **storage_options: Any) -> None:
     """Download one object (streamed, never held in memory) to a local file."""
-    fs, path = url_to_fs(url, **storage_options)
+    fs, path = url_to_fs(url, **options_for(url, storage_options))
     os.makedirs(os.path.dirname(os.path.abspath(local_path)), exist_ok=True)
     fs.get_file(path, local_path)
 

@@ -16,6 +16,14 @@ from tasks.policy import BACKOFF, JITTER, retry_if_transient
 from core.config import DataConfig, StorageConfig, TokenizerConfig
 
 
+def vocabulary_note(got: int, asked: int) -> str:
+    """Said when the tokenizer has fewer ids than tokenizer.vocab_size (the run report too)."""
+    return (f"the tokenizer has {got} ids, fewer than tokenizer.vocab_size={asked}: the corpus "
+            f"gave BPE no more merges (or the given tokenizer is smaller); the model's embedding "
+            f"keeps {asked} rows, {asked - got} of them never used. Use more data or set "
+            f"tokenizer.vocab_size={got}.")
+
+
 def _store(storage: StorageConfig) -> Store:
     return Store(storage.root, storage.storage_options)
 
@@ -44,8 +52,11 @@ def train_tokenizer(dataset: DatasetInfo, tokenizer: TokenizerConfig,
                     storage: StorageConfig) -> TokenizerInfo:
     """Train a byte-level BPE on the corpus, or load the given tokenizer.json."""
     info = prepare.train_tokenizer(dataset, tokenizer, _store(storage))
-    get_run_logger().info("tokenizer %s: vocab %d (%s)", info.sha256[:12], info.vocab_size,
-                          "cached" if info.cache_hit else "trained/loaded")
+    logger = get_run_logger()
+    logger.info("tokenizer %s: vocab %d (%s)", info.sha256[:12], info.vocab_size,
+                "cached" if info.cache_hit else "trained/loaded")
+    if info.vocab_size < tokenizer.vocab_size:
+        logger.warning(vocabulary_note(info.vocab_size, tokenizer.vocab_size))
     return info
 
 

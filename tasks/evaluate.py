@@ -87,6 +87,11 @@ def evaluate_checkpoint(config: RunConfig, config_url: str, checkpoint_key: str,
 @task(name="checkpoint_inputs", retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
       retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False,
       timeout_seconds=300)
-def checkpoint_inputs(checkpoint_uri: str, storage_options: dict) -> tuple[RunConfig, str, str, str]:
-    """From a checkpoint URI, the run's config, config URL, checkpoint key and shard key."""
+def checkpoint_inputs(checkpoint_uri: str, storage_options: dict,
+                      credentials_block: str | None = None) -> tuple[RunConfig, str, str, str]:
+    """From a checkpoint URI, the run's config, config URL, checkpoint key and shard key.
+    The store is opened with the credentials of `credentials_block` when one is named."""
+    from tasks.credentials import use_credentials_block
+
+    use_credentials_block(credentials_block)
     return storage.runs.checkpoint_inputs(checkpoint_uri, storage_options)

@@ -3,6 +3,8 @@ point, launch the gang. The work lives in storage/ and launch/; the torch side i
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
@@ -12,33 +14,74 @@ from core.config import RunConfig, StorageConfig, local_resource_problems
 from core.failures import ConfigError
 from core.results import ResumePoint, ShardInfo, TrainingResult
 from launch import make_launcher
+from launch.devices import device_problems
 from launch.attempts import launch_attempt
 from launch.monitor import TrainingMonitor
+from launch.sinks import open_sinks, sink_problems
 from storage.checkpoints import find_latest_valid
 from storage.runs import pin_run_folder, store_problem
 from storage.store import Store
 from tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
+from tasks.credentials import use_store_credentials
 from tasks.policy import BACKOFF, JITTER, retry_if_transient
+from tasks.report import artifact_key
 
 
 def _store(storage: StorageConfig) -> Store:
     return Store(storage.root, storage.storage_options)
 
 
+@contextmanager
+def accelerator_slot(limit_name: str, logger):
+    """Hold a slot of the Prefect global concurrency limit `limit_name` while the ranks run,
+    so two runs never take the same accelerators (`stoker deploy` creates it with one slot).
+    No limit of that name on the server (an embedded server, a notebook): nothing to hold."""
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectNotFound
+
+    if not limit_name:
+        yield
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            limit = client.read_global_concurrency_limit_by_name(limit_name)
+    except ObjectNotFound:
+        yield
+        return
+    if not limit.active:
+        yield
+        return
+    logger.info("taking a slot of concurrency limit %r (%d slot(s); waits while other runs hold them)",
+                limit_name, limit.limit)
+    with concurrency(limit_name, occupy=1, strict=True):
+        yield
+
+
+def host_problems(config: RunConfig) -> list[str]:
+    """What this host lacks for the config: the local files it names, the GPUs it asks for."""
+    return local_resource_problems(config) + device_problems(config)
+
+
 @task(name="validate_config", cache_policy=NO_CACHE, persist_result=False)
 def validate_config(config: RunConfig) -> RunConfig:
     """Every problem of the config at once, before anything is computed or written: the
-    model's rules, the local files it names, and whether the store root can be written."""
-    problems = local_resource_problems(config)
+    model's rules, the local files it names, the GPUs it needs, and whether the store root
+    can be written."""
+    problems = host_problems(config)
     try:
         config = config.check()
     except ConfigError as err:
         problems = err.problems + problems
     if problems:
         raise ConfigError(problems)
+    use_store_credentials(config.storage)  # a named credentials block: loaded, or one clear error
     problem = store_problem(_store(config.storage))
     if problem:
         raise ConfigError([problem])
+    problems = sink_problems(config)  # an MLflow tracking URI that cannot be used
+    if problems:
+        raise ConfigError(problems)
     return config
 
 
@@ -94,23 +137,31 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo,
     if resume.step >= max_steps:
         logger.info("run already complete at step %d; nothing to train", resume.step)
         return result
-    progress = create_progress_artifact(progress=100.0 * resume.step / max_steps, key="training-progress",
+    progress = create_progress_artifact(progress=100.0 * resume.step / max_steps,
+                                        key=artifact_key(config.resolved_run_name(), "progress"),
                                         description=f"steps of {config.resolved_run_name()}")
 
     def evaluate_while_training(key: str, step: int):
         return evaluate_checkpoint.submit(config, config_url, key, shards.key)
 
+    launcher = make_launcher(config, config_url, shards.key, resume.checkpoint_key)
+    sinks = open_sinks(config, logger)  # TensorBoard, MLflow (metrics.*), or None
     monitor = TrainingMonitor(
         result, max_steps, logger,
         on_progress=lambda pct: update_progress_artifact(progress, progress=pct),
-        on_commit=evaluate_while_training if config.eval.per_checkpoint_enabled else None)
-    launcher = make_launcher(config, config_url, shards.key, resume.checkpoint_key)
-    logger.info("launching %s", getattr(launcher, "description", config.launch.launcher))
+        on_commit=evaluate_while_training if config.eval.per_checkpoint_enabled else None,
+        sink=sinks)
     try:
-        result = launch_attempt(launcher, monitor, _store(config.storage), config.resolved_run_name(),
-                                str(flow_run.id), attempt, resume.step)
-    except BaseException:  # failed, cancelled (Prefect's TerminationSignal) or crashed: no evaluation left
+        with accelerator_slot(config.launch.concurrency_limit, logger):
+            logger.info("launching %s", getattr(launcher, "description", config.launch.launcher))
+            result = launch_attempt(launcher, monitor, _store(config.storage), config.resolved_run_name(),
+                                    str(flow_run.id), attempt, resume.step)
+    except BaseException as exc:  # failed, cancelled (Prefect's TerminationSignal) or crashed: no evaluation left
         kill_running_evaluations()
+        if sinks is not None:
+            sinks.close("FAILED" if isinstance(exc, Exception) else "KILLED")
         raise
+    if sinks is not None:
+        sinks.close("FINISHED")
     update_progress_artifact(progress, progress=100.0)
     return result

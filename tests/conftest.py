@@ -45,29 +45,35 @@ def prefect_server():
         yield
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
 class MotoServer:
-    """A real S3 endpoint over HTTP on 127.0.0.1 that a test can stop and restart."""
+    """A real S3 endpoint over HTTP on 127.0.0.1 (or `host`) that a test can stop and restart.
+    With `log_path`, its request log (client address, method, path, status) goes there."""
 
-    def __init__(self):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, host: str = "127.0.0.1", log_path: str | None = None):
+        self.host, self.log_path = host, log_path
+        self.port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
-        self.proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+        log = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen([exe, "-H", self.host, "-p", str(self.port)],
+                                         stdout=log, stderr=log, start_new_session=True)
+        finally:
+            if self.log_path:
+                log.close()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                socket.create_connection((self.host, self.port), timeout=0.5).close()
                 return
             except OSError:
                 time.sleep(0.1)

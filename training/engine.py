@@ -122,7 +122,15 @@ def build_model(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
     model = torch.compile(raw) if engine.compile else raw
     if world_size > 1 or (dist.is_available() and dist.is_initialized()):
         ids = [device.index] if device.type == "cuda" else None
-        model = DDP(model, device_ids=ids, gradient_as_bucket_view=True)
+        # DDP rebuilds its gradient buckets after its first step, in the order gradients became
+        # ready; a resumed process rebuilds after its own first step, so for one step its
+        # buckets (and so the order a ring all-reduce adds more than two ranks' gradients)
+        # differ from the unbroken run's. find_unused_parameters turns the rebuild off: with
+        # train.deterministic and more than 2 ranks, a resumed run stays bitwise equal (at the
+        # cost of one graph traversal per step).
+        fixed_buckets = cfg.train.deterministic and world_size > 2
+        model = DDP(model, device_ids=ids, gradient_as_bucket_view=True,
+                    find_unused_parameters=fixed_buckets)
     return raw, model
 
 

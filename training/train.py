@@ -87,6 +87,18 @@ def newest_checkpoint(store: Store, cfg: RunConfig) -> str | None:
     return box[0]
 
 
+def any_rank_restarted(mine: bool) -> bool:
+    """Whether this gang is a restart round. torchrun counts a restart on the nodes whose ranks
+    failed; a node that restarts its ranks only because another node came back to the
+    rendezvous keeps TORCHELASTIC_RESTART_COUNT at 0, so with several nodes the ranks ask
+    each other."""
+    if not dist.is_initialized():
+        return mine
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, mine)  # group: world; one agreed answer for every rank
+    return any(flags)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train one rank of a stoker run.")
     p.add_argument("--config", required=True, help="URL or path of the run's config.json")
@@ -106,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
             _end_if_failed_for_good()
         cfg = read_config(args.config)
         ranks = setup_distributed(cfg)
+        restarted = any_rank_restarted(restarted)
         store = Store(cfg.storage.root, cfg.storage.storage_options)
         trainer = Trainer(cfg, ranks, materialize(store, shard_key, args.cache_dir), store, shard_key,
                           cache_dir=args.cache_dir)

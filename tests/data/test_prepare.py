@@ -120,3 +120,41 @@ def test_too_few_documents_for_a_validation_split_leaves_no_staging(store, tmp_p
     with pytest.raises(DataError, match="split got no document"):
         _prepare(store, data)
     assert store.listdir("shards") == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 3 MB filesystem (tmpfs; needs root)."""
+    import subprocess
+
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_shards_that_would_not_fit_on_the_disk_are_refused_before_tokenizing(small_disk, tmp_path):
+    """The store is a 3 MB disk holding a 1.8 MB corpus (data.max_bytes): its shards (about
+    2.9 MB of uint16 token ids at this tiny vocabulary) do not fit in what is left. One DataError naming storage.root, sizes and the
+    fix; nothing of the shard set is left. The same data on a big disk builds."""
+    rng = np.random.default_rng(0)
+    words = ["".join(chr(97 + c) for c in rng.integers(0, 26, size=rng.integers(2, 9))) for _ in range(3000)]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(" ".join(rng.choice(words, size=60)) for _ in range(5000)))
+    data = DataConfig(source=str(corpus), val_fraction=0.1)
+    store = Store(f"file://{small_disk}/store")
+    ds = data_prep.download_dataset(data, store)
+    tk = data_prep.train_tokenizer(ds, TokenizerConfig(vocab_size=300), store)
+    with pytest.raises(DataError, match=r"storage.root: tokenizing [\d.]+ MB of text needs about [\d.]+ MB on "
+                       r".*and [\d.]+ MB are free; free space there or point storage.root at a bigger disk"):
+        data_prep.tokenize_and_shard(ds, tk, data, store)
+    assert not store.exists("shards") or not store.walk_files("shards")  # no shards, no staging
+    big = Store(f"file://{tmp_path}/big")
+    _, _, shards = _prepare(big, data, TokenizerConfig(vocab_size=300))
+    built = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(big.local_path(shards.key))
+                for f in fs if f.endswith(".bin"))
+    assert built > 1.5e6  # what the estimate was about: it would not have fit

@@ -99,13 +99,21 @@ def test_a_missing_bucket_is_one_line_and_exit_2_with_nothing_written(s3_server,
 
 @pytest.mark.e2e
 def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_running(tmp_path):
+    """Ctrl-C mid-training stops the gang the way a cancel does: one line, exit 130, no process
+    left, the attempt recorded as interrupted, and the flow run Crashed in Prefect's database
+    (not left Running: the embedded server is out of the terminal's reach until the end)."""
+    import json
     import os
     import signal
+    import sqlite3
     import time
 
     from tests.conftest import descendants, live_processes
 
-    env = {**os.environ, "STOKER_ROOT": str(tmp_path / "store"), "GLOO_SOCKET_IFNAME": "lo"}
+    home = tmp_path / "prefect-home"
+    env = {**os.environ, "STOKER_ROOT": str(tmp_path / "store"), "GLOO_SOCKET_IFNAME": "lo",
+           "PREFECT_HOME": str(home)}
+    env.pop("PREFECT_API_URL", None)
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--set", "train.max_steps=100000",
                              "--set", "run_name=ctrlc"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -117,11 +125,78 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_running(tmp_path):
             break
         time.sleep(0.5)
     assert any("training.train" in p.cmdline for p in seen.values())
+    t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)  # what a terminal sends on Ctrl-C
     _, err = proc.communicate(timeout=120)
+    print(f"returned {time.monotonic() - t0:.1f} s after Ctrl-C")
     assert proc.returncode == 130, err[-2000:]
-    assert [line for line in err.splitlines() if line.startswith("stoker: ")] == [
-        "stoker: interrupted; run the same command again to resume from the newest valid checkpoint"]
+    ours = [line for line in err.splitlines() if line.startswith("stoker: ")]
+    assert len(ours) == 1 and ours[0].startswith("stoker: interrupted; the ranks were stopped"), err[-2000:]
     assert "Traceback" not in err
     time.sleep(1)
     assert [pid for pid in seen if pid in live_processes()] == []
+    attempts = [json.loads(line) for line in
+                (tmp_path / "store" / "runs" / "ctrlc" / "attempts.jsonl").read_text().splitlines()]
+    assert len(attempts) == 1 and attempts[0]["outcome"].startswith("interrupted"), attempts
+    with sqlite3.connect(home / "prefect.db") as db:
+        states = db.execute("select name, state_type from flow_run").fetchall()
+    assert ("ctrlc", "CRASHED") in states, states
+
+
+def test_a_gpu_recipe_on_a_machine_without_gpus_is_one_line_before_prefect_starts(tmp_path):
+    import time
+
+    from launch.devices import visible_gpu_count
+
+    if visible_gpu_count():
+        pytest.skip("this machine has GPUs")
+    t0 = time.monotonic()
+    out = _cli("run", "--recipe", "gpt2-124m", "--set", f"storage.root=file://{tmp_path}/store")
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    ours = [line for line in out.stderr.splitlines() if line.startswith("stoker: ")]
+    assert len(ours) == 1 and "launch.backend: 'nccl' needs NVIDIA GPUs" in out.stderr
+    assert "Traceback" not in out.stderr and "Starting temporary server" not in out.stdout + out.stderr
+    assert not (tmp_path / "store").exists()  # nothing written
+    print(f"refused in {time.monotonic() - t0:.1f} s")
+
+
+def test_runs_checkpoints_verify_and_config_list_read_the_store_without_prefect(tmp_path):
+    """A store with one run: two committed checkpoints, the newer one with a flipped byte
+    (sizes match, so only verify's checksums find it) and one never committed."""
+    from core.config import load_config
+    from storage.checkpoints import commit_checkpoint, new_checkpoint_key
+    from storage.layout import CONFIG_FILE, run_file_key
+    from storage.store import Store, join
+
+    store = Store(f"file://{tmp_path}/store")
+    store.write_bytes(run_file_key("r1", CONFIG_FILE), load_config("tiny-cpu").model_dump_json().encode())
+    keys = {}
+    for step, commit in ((4, True), (8, True), (12, False)):
+        keys[step] = key = new_checkpoint_key(store, "r1", step)
+        store.write_bytes(join(key, ".metadata"), b"meta" * 10)
+        store.write_bytes(join(key, "__0_0.distcp"), bytes(range(256)) * 4)
+        if commit:
+            commit_checkpoint(store, key, {"step": step, "world_size": 1})
+    shard = join(keys[8], "__0_0.distcp")
+    data = store.read_bytes(shard)
+    store.write_bytes(shard, data[:10] + bytes([data[10] ^ 1]) + data[11:])
+
+    out = _cli("runs", "--root", store.root)
+    assert out.returncode == 0, out.stderr
+    [row] = [line.split() for line in out.stdout.splitlines()[1:]]
+    assert row[:4] == ["r1", "8", "500", "3"]  # the cheap choice: sizes match at step 8
+    out = _cli("checkpoints", "r1", "--root", store.root)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1].startswith("12") and "INVALID: no manifest" in lines[1]
+    assert lines[2].startswith("8") and " valid " in lines[2] and lines[3].startswith("4")
+    good = _cli("verify", store.url(keys[4]))
+    assert good.returncode == 0 and "intact (2 files, every sha256 matches)" in good.stdout
+    bad = _cli("verify", store.url(keys[8]))
+    assert bad.returncode == 1 and "__0_0.distcp fails its sha256 checksum" in bad.stderr
+    listing = _cli("config", "--list")
+    assert listing.returncode == 0
+    assert "engine.parallelism  ['ddp' | 'fsdp']  default: 'ddp'" in listing.stdout
+    assert "train.max_steps  [int (>= 1)]" in listing.stdout
+    typo = _cli("run", "--set", "train.max_step=5")
+    assert typo.returncode == 2 and "did you mean train.max_steps?" in typo.stderr

@@ -9,7 +9,6 @@ import torch.distributed.checkpoint as dcp
 
 from storage.checkpoints import list_checkpoints
 from storage.store import Store
-from launch.attempts import read_attempts
 from core.failures import TrainingFailed
 from tests.conftest import tiny_dict
 from core.config import load_config

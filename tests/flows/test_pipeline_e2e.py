@@ -9,7 +9,7 @@ from storage.checkpoints import list_checkpoints, validate_checkpoint
 from storage.store import Store
 from tests.conftest import tiny_dict
 from training.checkpoint import load_checkpoint
-from core.config import ConfigError, RunConfig, load_config
+from core.config import ConfigError, load_config
 from training.model import GPT
 
 pytestmark = pytest.mark.e2e

@@ -28,21 +28,24 @@ def _prefect_db_files() -> list[str]:
     return [p for p in (path, path + "-wal", path + "-shm") if os.path.exists(p)]
 
 
-def test_credentials_from_the_environment_are_written_nowhere(prefect_server, s3_root, monkeypatch):
+def _fake_credentials() -> tuple[str, str]:
+    return "AKIASTOKER" + uuid.uuid4().hex[:10].upper(), "stoker-fake-secret-" + uuid.uuid4().hex
+
+
+def _run_and_scan(s3_root, key_id: str, secret: str, **storage) -> None:
+    """A whole pipeline on the S3 endpoint, then every object of the bucket, the Prefect
+    database (+ WAL) and the host cache scanned for the credentials: zero hits."""
     import s3fs
 
     from flows.pipeline import train_pipeline
 
-    key_id = "AKIASTOKER" + uuid.uuid4().hex[:10].upper()
-    secret = "stoker-fake-secret-" + uuid.uuid4().hex
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     root, options = s3_root
     cfg = load_config(tiny_dict(root, run_name="secrets", train={"max_steps": 4},
                                 checkpoint={"interval_steps": 2}, eval={"interval_steps": 2}))
-    cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"storage_options": options})})
+    cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(
+        update={"storage_options": options, **storage})})
     result = train_pipeline(cfg)
-    assert result.final_step == 4 and result.checkpoints
+    assert result.final_step == 4 and result.checkpoints and result.last_val_loss is not None
 
     needles = [key_id.encode(), secret.encode()]
     fs = s3fs.S3FileSystem(**options, key=key_id, secret=secret)
@@ -61,6 +64,65 @@ def test_credentials_from_the_environment_are_written_nowhere(prefect_server, s3
         for name in files:
             with open(os.path.join(folder, name), "rb") as f:
                 assert not _scan_bytes(f.read(), needles), os.path.join(folder, name)
+
+
+def test_credentials_from_the_environment_are_written_nowhere(prefect_server, s3_root, monkeypatch):
+    key_id, secret = _fake_credentials()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    _run_and_scan(s3_root, key_id, secret)
+
+
+def _no_credentials_in_the_environment(monkeypatch):
+    """Nothing for botocore to find: what opens the store must come from the block."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def test_credentials_from_a_prefect_secret_block_reach_every_process_and_are_written_nowhere(
+        prefect_server, s3_root, monkeypatch):
+    """No credentials in the environment: the flow loads the Secret block named in the config,
+    its tasks open the store with them and the ranks and evaluations get them as AWS_*
+    variables (each of them writes to the bucket, so each had them)."""
+    import s3fs
+    from prefect.blocks.system import Secret
+
+    from storage import credentials
+
+    key_id, secret = _fake_credentials()
+    name = "stoker-s3-" + uuid.uuid4().hex[:8]
+    Secret(value={"aws_access_key_id": key_id, "aws_secret_access_key": secret}).save(name)
+    _no_credentials_in_the_environment(monkeypatch)
+    root, options = s3_root
+    with pytest.raises(Exception, match="Unable to locate credentials"):  # the test's premise
+        s3fs.S3FileSystem(**{**options, "skip_instance_cache": True}).ls(root.removeprefix("s3://"))
+    try:
+        _run_and_scan(s3_root, key_id, secret, credentials_block=name)
+    finally:
+        credentials.use(None)
+
+
+def test_a_missing_or_wrong_credentials_block_is_one_config_error(prefect_server, tmp_path):
+    from prefect.blocks.system import Secret
+
+    from flows.pipeline import train_pipeline
+
+    cfg = load_config(tiny_dict(f"file://{tmp_path}/store"))
+    missing = cfg.model_copy(update={"storage": cfg.storage.model_copy(
+        update={"credentials_block": "no-such-block-" + uuid.uuid4().hex[:6]})})
+    with pytest.raises(ConfigError, match=r"storage.credentials_block: no Prefect block 'secret/no-such-block-.*create it"):
+        train_pipeline(missing)
+    secret = "stoker-fake-" + uuid.uuid4().hex
+    name = "not-aws-" + uuid.uuid4().hex[:6]
+    Secret(value={"password": secret}).save(name)
+    wrong = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"credentials_block": name})})
+    with pytest.raises(ConfigError, match="does not hold AWS credentials") as err:
+        train_pipeline(wrong)
+    assert secret not in str(err.value)
+    assert not os.path.exists(tmp_path / "store" / "datasets")  # refused before any work
 
 
 def test_a_config_holding_credentials_is_refused_without_repeating_them():

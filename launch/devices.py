@@ -1,0 +1,49 @@
+"""What accelerators this host has, without importing torch (the orchestrator does not):
+the NVIDIA driver's list of GPUs, narrowed by CUDA_VISIBLE_DEVICES as CUDA narrows it."""
+
+from __future__ import annotations
+
+import os
+
+from core.config import RunConfig
+
+NVIDIA_PROC = "/proc/driver/nvidia/gpus"
+
+
+def visible_gpu_count(env: dict[str, str] | None = None, proc: str = NVIDIA_PROC) -> int:
+    """GPUs a process started here would see: those the driver lists, narrowed by
+    CUDA_VISIBLE_DEVICES (indices or UUIDs, comma-separated; '' or -1 hide them all)."""
+    env = os.environ if env is None else env
+    try:
+        physical = len([d for d in os.listdir(proc) if not d.startswith(".")])
+    except OSError:  # no NVIDIA driver on this host
+        return 0
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return physical
+    count = 0
+    for item in visible.split(","):
+        item = item.strip()
+        if not item or item.startswith("-"):  # CUDA stops at the first invalid entry
+            break
+        count += 1
+    return min(count, physical)
+
+
+def device_problems(cfg: RunConfig, gpus: int | None = None) -> list[str]:
+    """Config-time problems of the launch on this host: NCCL without GPUs, or more ranks
+    per host than GPUs (the local launcher puts every simulated node on this host)."""
+    gpus = visible_gpu_count() if gpus is None else gpus
+    lc = cfg.launch
+    nodes_here = lc.num_nodes if lc.launcher == "local" else 1
+    ranks_here = nodes_here * lc.nproc_per_node
+    if lc.backend == "nccl" and gpus == 0:
+        return ["launch.backend: 'nccl' needs NVIDIA GPUs and this machine has none (no driver or "
+                "CUDA_VISIBLE_DEVICES hides them); run a CPU recipe such as tiny-cpu, or set "
+                "launch.backend=gloo with a model small enough for CPUs."]
+    if lc.backend in ("nccl", "auto") and gpus > 0 and ranks_here > gpus:
+        return [f"launch.nproc_per_node: {ranks_here} rank(s) on this host need a GPU each and it "
+                f"has {gpus}; set launch.nproc_per_node to at most {max(1, gpus // nodes_here)} "
+                "(and train.global_batch_size to a multiple of the new world size), or "
+                "launch.backend=gloo to train on CPUs."]
+    return []

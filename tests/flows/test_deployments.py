@@ -1,0 +1,161 @@
+"""Deployments the real way: `prefect server start` on 127.0.0.1, `stoker deploy` (twice: it is
+idempotent), a process worker, a run of the ad-hoc deployment with changed parameters, its
+artifacts read back through the client, and a schedule that fires."""
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import yaml
+
+from core.config import RunConfig, load_config
+from tests.conftest import ROOT, free_port, tiny_dict
+
+PREFECT_YAML = os.path.join(ROOT, "prefect.yaml")
+
+
+def test_prefect_yaml_train_parameters_are_the_tiny_cpu_recipe():
+    """The deployments' defaults cannot drift from the recipe the README runs."""
+    specs = {d["name"]: d for d in yaml.safe_load(open(PREFECT_YAML))["deployments"]}
+    assert set(specs) == {"train-adhoc", "continued-pretraining", "prepare-data", "evaluate-checkpoint"}
+    recipe = load_config("tiny-cpu").model_dump(mode="json")
+    adhoc = RunConfig.model_validate(specs["train-adhoc"]["parameters"]["config"]).model_dump(mode="json")
+    assert adhoc == recipe
+    nightly = RunConfig.model_validate(specs["continued-pretraining"]["parameters"]["config"])
+    assert nightly.run_name == "continued" and nightly.model_dump(mode="json") == {**recipe, "run_name": "continued"}
+    assert specs["continued-pretraining"]["schedules"][0]["cron"] == "0 2 * * *"
+    prep = specs["prepare-data"]["parameters"]
+    assert {k: recipe["data"][k] for k in prep["data"]} == prep["data"]
+
+
+def _start(cmd, env, log):
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _stop(proc):
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _wait(what, check, seconds, logs=()):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(1)
+    tails = "\n".join(f"--- {p}:\n" + open(p).read()[-4000:] for p in logs if os.path.exists(p))
+    pytest.fail(f"gave up waiting for {what}\n{tails}")
+
+
+@pytest.fixture
+def prefect_api(tmp_path):
+    """A real `prefect server start` on 127.0.0.1 with its own home; its scheduler looks for
+    due runs every 2 s."""
+    import httpx
+
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        server = _start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                         "--port", str(port)], env, out)
+    try:
+        def healthy():
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        _wait("the Prefect server", healthy, 120, [log])
+        yield env
+    finally:
+        _stop(server)
+
+
+@pytest.mark.e2e
+def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(prefect_api, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.schedules import IntervalSchedule
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    env = {**prefect_api, "STOKER_ROOT": str(tmp_path / "store"), "STOKER_CACHE": str(tmp_path / "cache")}
+    for round_ in (1, 2):  # idempotent: the second round finds the pool and the limit
+        out = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert ("already there" in out.stdout) == (round_ == 2), out.stdout
+    assert "deployment train-pipeline/train-adhoc: created or updated" in out.stdout
+
+    worker_log = tmp_path / "worker.log"
+    with open(worker_log, "w") as log:
+        worker = _start([sys.executable, "-m", "prefect", "worker", "start", "--pool", "stoker-process",
+                         "--prefetch-seconds", "5"], {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"}, log)
+    try:
+        with temporary_settings({PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}):
+            with get_client(sync_client=True) as client:
+                deployments = {d.name: d for d in client.read_deployments()}
+                assert set(deployments) == {"train-adhoc", "continued-pretraining", "prepare-data",
+                                            "evaluate-checkpoint"}
+                assert client.read_global_concurrency_limit_by_name("stoker-accelerators").limit == 1
+                # the UI's form: every field with its description, choices, bounds
+                schema = deployments["train-adhoc"].parameter_openapi_schema
+                run_config = schema["definitions"]["RunConfig"]["properties"]
+                assert set(run_config) >= {"data", "model", "train", "launch", "engine", "storage"}
+                train = schema["definitions"]["TrainConfig"]["properties"]
+                assert train["max_steps"]["description"] and train["max_steps"]["minimum"] == 1
+                assert schema["definitions"]["EngineConfig"]["properties"]["parallelism"]["enum"] == ["ddp", "fsdp"]
+
+            # an ad-hoc run with changed parameters, as "Custom run" in the UI does
+            run_name = "adhoc-" + uuid.uuid4().hex[:6]
+            params = tiny_dict("file://" + str(tmp_path / "store"), run_name=run_name)
+            flow_run = run_deployment("train-pipeline/train-adhoc", parameters={"config": params},
+                                      timeout=0)
+            with get_client(sync_client=True) as client:
+                done = _wait("the ad-hoc run to finish", lambda: (
+                    lambda r: r if r.state.is_final() else None)(client.read_flow_run(flow_run.id)),
+                    420, [worker_log])
+                assert done.state.type == StateType.COMPLETED, done.state.message
+                assert done.name == run_name and f"run:{run_name}" in done.tags
+                artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id={"any_": [flow_run.id]}))
+                keys = {a.key for a in artifacts if a.key}
+                assert any(k.startswith(f"{run_name}-report-") for k in keys), keys
+                assert any(k.startswith(f"{run_name}-checkpoints-") for k in keys), keys
+            assert (tmp_path / "store" / "runs" / run_name / "checkpoints").is_dir()
+
+            # a schedule fires: the nightly deployment, tiny parameters, due in a few seconds
+            with get_client(sync_client=True) as client:
+                nightly = deployments["continued-pretraining"]
+                client.delete_deployment_schedule(nightly.id, nightly.schedules[0].id)
+                soon = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=5)
+                client.create_deployment_schedules(nightly.id, [(IntervalSchedule(
+                    interval=datetime.timedelta(hours=1), anchor_date=soon), True)],
+                    parameters={"config": tiny_dict("file://" + str(tmp_path / "store"),
+                                                    run_name="nightly", train={"max_steps": 4})})
+                fired = _wait("the scheduled run to finish", lambda: [
+                    r for r in client.read_flow_runs(deployment_filter=DeploymentFilter(
+                        id=DeploymentFilterId(any_=[nightly.id])))
+                    if r.state and r.state.is_final()], 420, [worker_log])
+                assert fired[0].state.type == StateType.COMPLETED, fired[0].state.message
+                assert fired[0].auto_scheduled
+    finally:
+        _stop(worker)

@@ -1,0 +1,41 @@
+"""GPU counting without torch, and the config-time device rules built on it."""
+
+import pytest
+
+from core.config import load_config
+from launch.devices import device_problems, visible_gpu_count
+
+
+@pytest.fixture
+def driver(tmp_path):
+    """A folder laid out as /proc/driver/nvidia/gpus is on a host with four GPUs."""
+    for bus in ("0000:01:00.0", "0000:02:00.0", "0000:41:00.0", "0000:42:00.0"):
+        (tmp_path / bus).mkdir()
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("visible,expected", [
+    (None, 4), ("0,1", 2), ("", 0), ("-1", 0), ("0,1,-1,3", 2), ("GPU-8f3e,GPU-11aa", 2), ("0,1,2,3,4,5", 4)])
+def test_visible_gpus_are_the_drivers_narrowed_by_cuda_visible_devices(driver, visible, expected):
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    assert visible_gpu_count(env, proc=driver) == expected
+
+
+def test_no_driver_is_no_gpu(tmp_path):
+    assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "0,1"}, proc=str(tmp_path / "absent")) == 0
+
+
+def test_device_rules_name_the_field_and_the_fix():
+    gpu8 = load_config("gpt2-124m")
+    [none] = device_problems(gpu8, gpus=0)
+    assert none.startswith("launch.backend: 'nccl' needs NVIDIA GPUs") and "tiny-cpu" in none
+    [few] = device_problems(gpu8, gpus=4)
+    assert few.startswith("launch.nproc_per_node: 8 rank(s) on this host need a GPU each and it has 4")
+    assert "at most 4" in few
+    assert device_problems(gpu8, gpus=8) == []
+    cpu = load_config("tiny-cpu")  # gloo or auto on CPUs: nothing needed
+    assert device_problems(cpu, gpus=0) == []
+    two_nodes = load_config("tiny-cpu", **{"launch.num_nodes": 2, "launch.nproc_per_node": 2,
+                                           "launch.backend": "auto", "train.global_batch_size": 16})
+    [shared] = device_problems(two_nodes, gpus=2)  # simulated nodes share this host's GPUs
+    assert "4 rank(s) on this host" in shared and "at most 1" in shared
