@@ -421,6 +421,15 @@ class LaunchConfig(_Section):
         ge=0,
     )
 
+    startup_timeout_seconds: int = _field(
+        900,
+        "Start-up watchdog: when rank 0 has not reported (its step-0 evaluation or first step) "
+        "this long after the launch, start-up has hung (a rendezvous that never completes, a rank "
+        "stuck loading) and the gang is killed; the launch fails as transient and is retried. "
+        "Give it room for rendezvous, loading the shards and the checkpoint, compiling, and the "
+        "step-0 evaluation. 0 turns it off.",
+        fix="give 0 (off) or the longest start-up plus a margin, e.g. 900", ge=0)
+
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.nproc_per_node

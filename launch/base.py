@@ -86,6 +86,12 @@ def classify(result: GangResult) -> TrainingFailed:
     if result.reason == "timeout":
         return TrainingFailed(f"training exceeded its time limit after {result.seconds:.0f}s",
                               transient=True, reason="timeout")
+    if result.reason == "startup":
+        return TrainingFailed(
+            f"training did not start: no report from rank 0 within launch.startup_timeout_seconds "
+            f"({result.seconds:.0f}s: rendezvous, loading the shards and the checkpoint, the first "
+            "evaluation); the gang was killed. Retrying from the newest valid checkpoint.\n"
+            + "\n".join(result.tail[-15:]), transient=True, reason="startup")
     if result.reason == "hang":
         seen = "none yet" if result.last_step is None else f"step {result.last_step}"
         return TrainingFailed(

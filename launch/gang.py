@@ -122,11 +122,12 @@ class ProcessGang(Launcher):
     """One local process per node (`cmds[i]` with `envs[i]`); see the module docstring."""
 
     def __init__(self, cmds: list[list[str]], envs: list[dict[str, str]], nproc_per_node: int,
-                 timeout: float, hang_timeout: float = 0.0, grace: float = GRACE_SECONDS):
+                 timeout: float, hang_timeout: float = 0.0, grace: float = GRACE_SECONDS,
+                 startup_timeout: float = 0.0):
         self.gang_id = uuid.uuid4().hex
         self.cmds, self.nproc_per_node, self.grace = cmds, nproc_per_node, grace
         self.envs = [{**env, GANG_ENV: self.gang_id} for env in envs]
-        self.watchdog = Watchdog(timeout, hang_timeout)
+        self.watchdog = Watchdog(timeout, hang_timeout, startup_timeout)
         self.procs: list[subprocess.Popen] = []
         self.lines: "queue.Queue[tuple[int, str | None]]" = queue.Queue()
         self.tail: list[str] = []
@@ -183,7 +184,8 @@ class ProcessGang(Launcher):
                           gang_id=self.gang_id, pids=[p.pid for p in self.procs])
 
     def stop(self) -> None:
-        kill_gang(self.procs, HANG_GRACE_SECONDS if self.reason == "hang" else self.grace, self.gang_id)
+        kill_gang(self.procs, HANG_GRACE_SECONDS if self.reason in ("hang", "startup") else self.grace,
+                  self.gang_id)
         while True:  # keep what the pumps read before the kill, for the failure message
             try:
                 node, line = self.lines.get_nowait()
@@ -202,6 +204,7 @@ class ProcessGang(Launcher):
 
 def run_gang(cmds: list[list[str]], env: dict[str, str], nproc_per_node: int, on_line: OnLine,
              on_event: OnEvent, timeout: float, hang_timeout: float = 0.0,
-             grace: float = GRACE_SECONDS) -> GangResult:
+             grace: float = GRACE_SECONDS, startup_timeout: float = 0.0) -> GangResult:
     """Run the agents to the end with one environment; always kill the gang."""
-    return ProcessGang(cmds, [env] * len(cmds), nproc_per_node, timeout, hang_timeout, grace).run(on_line, on_event)
+    return ProcessGang(cmds, [env] * len(cmds), nproc_per_node, timeout, hang_timeout, grace,
+                       startup_timeout).run(on_line, on_event)

@@ -184,7 +184,8 @@ class TorchrunLauncher(Launcher):
         for i in range(len(self.cmds)):
             os.makedirs(os.path.join(self.work_dir, f"node-{i}"), exist_ok=True)
         self.gang = ProcessGang(self.cmds, envs, self.launch.nproc_per_node,
-                                self.launch.timeout_seconds, self.launch.hang_timeout_seconds)
+                                self.launch.timeout_seconds, self.launch.hang_timeout_seconds,
+                                startup_timeout=self.launch.startup_timeout_seconds)
 
     @property
     def description(self) -> str:

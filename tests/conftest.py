@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +50,68 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+# ---- a real `prefect server start` and the processes a test starts around it -----------
+def start_process(cmd: list[str], env: dict, log) -> subprocess.Popen:
+    """`cmd` from the repo root in a session of its own (so stop_process ends all of it),
+    stdout and stderr to the open file `log`."""
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group, SIGKILL what is left after 20 s."""
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def wait_for(what: str, check, seconds: float, logs=()):
+    """Poll `check()` every second until it returns something truthy (returned); fail with
+    the tails of `logs` after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(1)
+    tails = "\n".join(f"--- {p}:\n" + open(p).read()[-4000:] for p in logs if os.path.exists(p))
+    pytest.fail(f"gave up waiting for {what}\n{tails}")
+
+
+@pytest.fixture
+def prefect_api(tmp_path):
+    """A real `prefect server start` on 127.0.0.1 with its own home; its scheduler looks for
+    due runs every 2 s. Yields the environment for processes that talk to it."""
+    import httpx
+
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        server = start_process([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                "--port", str(port)], env, out)
+    try:
+        def healthy():
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_for("the Prefect server", healthy, 120, [log])
+        yield env
+    finally:
+        stop_process(server)
 
 
 class MotoServer:

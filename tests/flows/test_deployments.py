@@ -4,17 +4,15 @@ artifacts read back through the client, and a schedule that fires."""
 
 import datetime
 import os
-import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 import yaml
 
 from core.config import RunConfig, load_config
-from tests.conftest import ROOT, free_port, tiny_dict
+from tests.conftest import ROOT, start_process, stop_process, tiny_dict, wait_for
 
 PREFECT_YAML = os.path.join(ROOT, "prefect.yaml")
 
@@ -31,62 +29,6 @@ def test_prefect_yaml_train_parameters_are_the_tiny_cpu_recipe():
     assert specs["continued-pretraining"]["schedules"][0]["cron"] == "0 2 * * *"
     prep = specs["prepare-data"]["parameters"]
     assert {k: recipe["data"][k] for k in prep["data"]} == prep["data"]
-
-
-def _start(cmd, env, log):
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def _stop(proc):
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def _wait(what, check, seconds, logs=()):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(1)
-    tails = "\n".join(f"--- {p}:\n" + open(p).read()[-4000:] for p in logs if os.path.exists(p))
-    pytest.fail(f"gave up waiting for {what}\n{tails}")
-
-
-@pytest.fixture
-def prefect_api(tmp_path):
-    """A real `prefect server start` on 127.0.0.1 with its own home; its scheduler looks for
-    due runs every 2 s."""
-    import httpx
-
-    port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
-           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
-           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
-    log = tmp_path / "server.log"
-    with open(log, "w") as out:
-        server = _start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                         "--port", str(port)], env, out)
-    try:
-        def healthy():
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-        _wait("the Prefect server", healthy, 120, [log])
-        yield env
-    finally:
-        _stop(server)
 
 
 @pytest.mark.e2e
@@ -108,8 +50,9 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
 
     worker_log = tmp_path / "worker.log"
     with open(worker_log, "w") as log:
-        worker = _start([sys.executable, "-m", "prefect", "worker", "start", "--pool", "stoker-process",
-                         "--prefetch-seconds", "5"], {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"}, log)
+        worker = start_process([sys.executable, "-m", "prefect", "worker", "start", "--pool",
+                                "stoker-process", "--prefetch-seconds", "5"],
+                               {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"}, log)
     try:
         with temporary_settings({PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}):
             with get_client(sync_client=True) as client:
@@ -131,7 +74,7 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
             flow_run = run_deployment("train-pipeline/train-adhoc", parameters={"config": params},
                                       timeout=0)
             with get_client(sync_client=True) as client:
-                done = _wait("the ad-hoc run to finish", lambda: (
+                done = wait_for("the ad-hoc run to finish", lambda: (
                     lambda r: r if r.state.is_final() else None)(client.read_flow_run(flow_run.id)),
                     420, [worker_log])
                 assert done.state.type == StateType.COMPLETED, done.state.message
@@ -151,11 +94,11 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
                     interval=datetime.timedelta(hours=1), anchor_date=soon), True)],
                     parameters={"config": tiny_dict("file://" + str(tmp_path / "store"),
                                                     run_name="nightly", train={"max_steps": 4})})
-                fired = _wait("the scheduled run to finish", lambda: [
+                fired = wait_for("the scheduled run to finish", lambda: [
                     r for r in client.read_flow_runs(deployment_filter=DeploymentFilter(
                         id=DeploymentFilterId(any_=[nightly.id])))
                     if r.state and r.state.is_final()], 420, [worker_log])
                 assert fired[0].state.type == StateType.COMPLETED, fired[0].state.message
                 assert fired[0].auto_scheduled
     finally:
-        _stop(worker)
+        stop_process(worker)

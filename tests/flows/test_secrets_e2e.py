@@ -135,3 +135,33 @@ def test_a_config_holding_credentials_is_refused_without_repeating_them():
     assert secret not in text
     assert "storage.storage_options: holds credentials (client_kwargs.aws_secret_access_key)" in text
     assert "data.storage_options: holds credentials (token)" in text and "AWS_ACCESS_KEY_ID" in text
+
+
+def test_an_aws_credentials_block_gives_the_store_and_the_ranks_its_keys_and_shows_none(prefect_server):
+    """prefect-aws's AwsCredentials block, named 'aws-credentials/NAME': the keys reach fsspec
+    and the AWS_* variables of the processes stoker starts, and no repr shows them."""
+    import pickle
+
+    from prefect_aws import AwsCredentials
+
+    from storage import credentials
+    from tasks.credentials import load_block_credentials
+
+    key_id, secret = _fake_credentials()
+    name = "stoker-aws-" + uuid.uuid4().hex[:6]
+    AwsCredentials(aws_access_key_id=key_id, aws_secret_access_key=secret,
+                   aws_session_token="tok-" + secret).save(name)
+    creds = load_block_credentials(f"aws-credentials/{name}")
+    assert creds.fsspec_options() == {"key": key_id, "secret": secret, "token": "tok-" + secret}
+    assert secret not in repr(creds) and key_id not in str(creds)
+    with pytest.raises(TypeError):
+        pickle.dumps(creds)
+    credentials.use(creds)
+    try:
+        env = credentials.child_env({"AWS_PROFILE": "other", "PATH": "/bin"})
+        assert env == {"PATH": "/bin", "AWS_ACCESS_KEY_ID": key_id, "AWS_SECRET_ACCESS_KEY": secret,
+                       "AWS_SESSION_TOKEN": "tok-" + secret}
+        assert credentials.options_for("s3://b/x", {"endpoint_url": "http://127.0.0.1:9"})["secret"] == secret
+        assert "secret" not in credentials.options_for("file:///tmp/x", {})  # only S3 URLs get them
+    finally:
+        credentials.use(None)

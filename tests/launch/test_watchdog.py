@@ -80,6 +80,25 @@ def test_watchdog_arms_after_start_up_fires_on_silence_and_is_off_at_zero():
     assert res.reason == "completed"
 
 
+def test_a_start_up_that_never_reports_is_killed_and_retried():
+    """A gang whose rank 0 never reports (a rendezvous that never completes): with
+    startup_timeout the gang is killed and the failure is transient; a start-up that reports
+    in time is not affected, and the hang watchdog still arms only at the first report."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    stuck = "import time; time.sleep(60)"
+    res = run_gang([[sys.executable, "-c", stuck]], env, 1, lambda s: None, lambda m: None,
+                   timeout=60, hang_timeout=1, startup_timeout=2)
+    assert res.reason == "startup"  # not "timeout": the start-up limit fired
+    err = classify(res)
+    assert err.transient and err.reason == "startup" and "launch.startup_timeout_seconds" in str(err)
+    slow = ("import time; from core import events as E; time.sleep(2); "
+            "print(E.Eval(step=0, val_loss=5.0, val_ppl=148.0).encode(), flush=True); "
+            "[print(E.Step(step=s).encode(), flush=True) for s in range(1,4)]")
+    res = run_gang([[sys.executable, "-c", slow]], env, 1, lambda s: None, lambda m: None,
+                   timeout=60, hang_timeout=1, startup_timeout=20)
+    assert res.reason == "completed" and res.last_step == 3
+
+
 def test_classify_hang_is_transient_and_names_the_last_step():
     err = classify(GangResult([-9, -9], "hang", 30.0, last_step=41, hang_timeout=20))
     assert err.transient and err.reason == "hang"
