@@ -102,3 +102,38 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
                 assert fired[0].auto_scheduled
     finally:
         stop_process(worker)
+
+
+@pytest.mark.e2e
+def test_serve_runs_the_deployments_from_one_process_without_a_worker(prefect_api, tmp_path):
+    """`stoker serve`: the four deployments served by a runner in this one process (no work
+    pool, no worker); a run of the ad-hoc one with tiny parameters completes."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    env = {**prefect_api, "STOKER_ROOT": str(tmp_path / "store"), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        served = start_process([sys.executable, "-m", "flows.cli", "serve"], env, out)
+    try:
+        with temporary_settings({PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}):
+            with get_client(sync_client=True) as client:
+                deployments = wait_for("the served deployments", lambda: (
+                    lambda ds: ds if len(ds) == 4 else None)(client.read_deployments()), 180, [log])
+                assert {d.name for d in deployments} == {"train-adhoc", "continued-pretraining",
+                                                         "prepare-data", "evaluate-checkpoint"}
+                assert all(d.work_pool_name is None for d in deployments)  # served, not pooled
+                nightly = next(d for d in deployments if d.name == "continued-pretraining")
+                assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
+            params = tiny_dict("file://" + str(tmp_path / "store"), run_name="served")
+            flow_run = run_deployment("train-pipeline/train-adhoc", parameters={"config": params}, timeout=0)
+            with get_client(sync_client=True) as client:
+                done = wait_for("the served run to finish", lambda: (
+                    lambda r: r if r.state.is_final() else None)(client.read_flow_run(flow_run.id)),
+                    420, [log])
+            assert done.state.type == StateType.COMPLETED, done.state.message
+            assert done.name == "served"
+    finally:
+        stop_process(served)
