@@ -623,6 +623,12 @@ class RunConfig(_Section):
         fix="use letters, digits, '.', '_' or '-' (max 128), starting with a letter or digit",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
     )
+    recipe: str | None = _field(
+        None,
+        "The recipe this config started from (load_config sets it from the recipe's name or "
+        "file). Informational: it tags the run's flow runs and is no part of the run's identity.",
+        fix="use letters, digits, '.', '_' or '-'", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+    )
     data: DataConfig = Field(default_factory=DataConfig, description="Raw data source and split.")
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="GPT model size.")
@@ -646,7 +652,7 @@ class RunConfig(_Section):
         launched or computed, nor how the global batch is split (world size, micro-batch),
         since every step trains on the same sequences at any split. A run may resume with
         any of those changed."""
-        payload = self.model_dump(mode="json", exclude={"run_name": True, "storage": True,
+        payload = self.model_dump(mode="json", exclude={"run_name": True, "recipe": True, "storage": True,
                                                         "launch": True, "engine": True,
                                                         "metrics": True,
                                                         "data": {"num_workers"},
@@ -897,6 +903,8 @@ def load_config(source: "RunConfig | dict | str | Path | None" = None, **overrid
             recipes = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
             raise ConfigError([f"config: {str(source)!r} is neither a file nor a recipe ({recipes})."])
         data = yaml.safe_load(path.read_text()) or {}
+        if isinstance(data, dict) and re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", path.stem):
+            data.setdefault("recipe", path.stem)
     if not isinstance(data, dict):
         raise ConfigError([f"config: {str(source)!r} holds {type(data).__name__}, not a mapping of "
                            "sections; start from a recipe such as 'tiny-cpu'"])

@@ -73,3 +73,15 @@ def tag_flow_run(*tags: str) -> None:
         merged = sorted(set(current.tags or []) | set(tags))
         if merged != sorted(current.tags or []):
             client.update_flow_run(flow_run.id, tags=merged)
+
+
+def flow_runs_tagged(tag: str) -> int:
+    """How many flow runs carry this tag (0 when the server cannot say)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    try:
+        with get_client(sync_client=True) as client:
+            return client.count_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])))
+    except Exception:  # a name is not worth failing a run for
+        return 0

@@ -20,20 +20,23 @@ from tasks.training import (
     write_run_config,
 )
 from core.config import DataConfig, RunConfig, StorageConfig, TokenizerConfig
-from flows import fails_in_one_line, tag_flow_run
+from flows import fails_in_one_line, flow_runs_tagged, tag_flow_run
 from tasks.credentials import use_store_credentials
 
 
 def _run_name() -> str:
-    """The flow run's name: the stoker run's (Prefect's random names say nothing)."""
+    """The flow run's name: the stoker run's (Prefect's random names say nothing), and from
+    its second flow run on, which one: `run (flow run 3)` (a resume, a scheduled run)."""
     from prefect.runtime import flow_run
 
     config = flow_run.parameters.get("config")
     try:
         config = config if isinstance(config, RunConfig) else RunConfig.model_validate(config or {})
-        return config.resolved_run_name()
+        run = config.resolved_run_name()
     except Exception:  # the flow's first task reports the config's problems
         return "train-pipeline (config to check)"
+    earlier = flow_runs_tagged(f"run:{run}")
+    return run if not earlier else f"{run} (flow run {earlier + 1})"
 
 
 @flow(name="prepare-data", log_prints=True)
@@ -51,7 +54,8 @@ def prepare_data(data: DataConfig, tokenizer: TokenizerConfig, storage: StorageC
 def train_pipeline(config: RunConfig | None = None) -> PipelineResult:
     """Prepare data, resume or start training on a torchrun gang, evaluate, report."""
     config = validate_config(config or RunConfig())
-    tag_flow_run(f"run:{config.resolved_run_name()}", f"launcher:{config.launch.launcher}",
+    tag_flow_run(f"run:{config.resolved_run_name()}", f"recipe:{config.recipe or 'custom'}",
+                 f"launcher:{config.launch.launcher}",
                  f"world:{config.launch.num_nodes}x{config.launch.nproc_per_node}")
     shards = prepare_data(config.data, config.tokenizer, config.storage)
     config_url = write_run_config(config, shards)

@@ -72,7 +72,10 @@ def test_overrides_and_json_schema_for_the_ui():
 
 
 def test_the_tiny_cpu_recipe_is_the_embedded_default():
-    assert load_config("tiny-cpu") == RunConfig()
+    recipe = load_config("tiny-cpu")
+    assert recipe.recipe == "tiny-cpu"  # the name it was loaded by (no part of the identity)
+    assert recipe.model_copy(update={"recipe": None}) == RunConfig()
+    assert recipe.identity_hash() == RunConfig().identity_hash()
 
 
 def _field_schema(schema, *path):

@@ -57,6 +57,14 @@ def test_pipeline_trains_resumes_and_hits_the_data_cache(prefect_server, tmp_pat
     resumed_at = [i for i, r in enumerate(records) if r["event"] == "resumed"]
     assert len(resumed_at) == 1 and records[resumed_at[0]]["step"] == 8
     assert [r["step"] for r in records[resumed_at[0]:] if r["event"] == "train"] == [9, 10, 11, 12]
+    # flow runs are named after the stoker run (and which flow run of it) and tagged
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=["run:e2e"])))
+    assert sorted(r.name for r in runs) == ["e2e", "e2e (flow run 2)"]
+    assert all({"recipe:custom", "launcher:local", "world:1x2"} <= set(r.tags) for r in runs)
 
     # evaluation is also a flow of its own, for any checkpoint URI
     ev = evaluate_checkpoint_flow(second.final_checkpoint_uri)
