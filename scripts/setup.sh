@@ -10,7 +10,15 @@ PY=${PYTHON:-python3}
 # would otherwise spend ~7 s in pip on every call). Any change to pyproject.toml reinstalls.
 stamp=".setup-stamp${1:+-$1}"
 want="$("$PY" -c 'import sys; print(sys.executable)') $(sha256sum pyproject.toml | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import importlib.metadata as m; m.version('stoker')" 2>/dev/null; then
+# (and the editable install is of this checkout, not of another clone sharing the Python)
+installed_here() {
+  "$PY" - "$PWD" <<'PYEOF' 2>/dev/null
+import json, sys, importlib.metadata as m
+url = json.loads(m.distribution("stoker").read_text("direct_url.json") or "{}").get("url", "")
+sys.exit(0 if url.rstrip("/") == "file://" + sys.argv[1].rstrip("/") else 1)
+PYEOF
+}
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && installed_here; then
   exit 0
 fi
 # torch first, pinned: an unpinned torch pulls several GB of CUDA packages. Any torch>=2.4
