@@ -12,7 +12,7 @@ stamp=".setup-stamp${1:+-$1}"
 want="$("$PY" -c 'import sys; print(sys.executable)') $(sha256sum pyproject.toml | cut -c1-16)"
 # (and the editable install is of this checkout, not of another clone sharing the Python)
 installed_here() {
-  "$PY" - "$PWD" <<'PYEOF' 2>/dev/null
+  "$PY" -I - "$PWD" <<'PYEOF' 2>/dev/null  # -I: not the egg-info in this folder
 import json, sys, importlib.metadata as m
 url = json.loads(m.distribution("stoker").read_text("direct_url.json") or "{}").get("url", "")
 sys.exit(0 if url.rstrip("/") == "file://" + sys.argv[1].rstrip("/") else 1)
