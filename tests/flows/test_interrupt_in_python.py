@@ -1,0 +1,67 @@
+"""Interrupting a flow call in Python, as a notebook's "interrupt kernel" does (SIGINT to the
+kernel's process only): the gang stops through the launcher's stop path, the attempt is
+recorded as interrupted, the flow run ends Crashed in Prefect's database (the embedded
+server, a child of the kernel, is still up to hear it), and nothing of the run is left."""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, descendants, live_processes
+
+pytestmark = pytest.mark.e2e
+
+KERNEL = """
+from core.config import load_config
+from flows.pipeline import train_pipeline
+try:
+    train_pipeline(load_config("tiny-cpu", run_name="kernel", **{"train.max_steps": 100000}))
+except KeyboardInterrupt:
+    print("KeyboardInterrupt reached the caller", flush=True)
+"""
+
+
+def test_an_interrupted_flow_call_crashes_the_flow_run_records_the_attempt_and_leaves_nothing(tmp_path):
+    home = tmp_path / "prefect-home"
+    env = {**os.environ, "STOKER_ROOT": str(tmp_path / "store"), "GLOO_SOCKET_IFNAME": "lo",
+           "PREFECT_HOME": str(home), "PYTHONPATH": ROOT}
+    env.pop("PREFECT_API_URL", None)
+    log = open(tmp_path / "kernel.log", "w")  # a file: the server it starts keeps its output open
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL], cwd=ROOT, env=env, stdout=log,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        seen, deadline = {}, time.monotonic() + 240
+        metrics = tmp_path / "store" / "runs" / "kernel" / "metrics.jsonl"
+        while time.monotonic() < deadline:  # until the ranks train
+            seen.update(descendants(kernel.pid))
+            if any("training.train" in p.cmdline for p in seen.values()) and metrics.exists():
+                break
+            time.sleep(0.5)
+        assert any("training.train" in p.cmdline for p in seen.values())
+        t0 = time.monotonic()
+        os.kill(kernel.pid, signal.SIGINT)  # the kernel only, as Jupyter's interrupt
+        kernel.wait(timeout=120)
+        out = (tmp_path / "kernel.log").read_text()
+        print(f"the call returned {time.monotonic() - t0:.1f} s after the interrupt")
+        assert "KeyboardInterrupt reached the caller" in out, out[-3000:]
+        time.sleep(1)
+        run = {pid for pid, p in seen.items() if "training." in p.cmdline or "torch.distributed" in p.cmdline}
+        assert run and [pid for pid in run if pid in live_processes()] == []  # agents, ranks, evaluations
+        attempts = [json.loads(line) for line in
+                    (tmp_path / "store" / "runs" / "kernel" / "attempts.jsonl").read_text().splitlines()]
+        assert len(attempts) == 1 and attempts[0]["outcome"] == "interrupted (KeyboardInterrupt)", attempts
+        with sqlite3.connect(home / "prefect.db") as db:
+            states = db.execute("select name, state_type from flow_run").fetchall()
+        assert ("kernel", "CRASHED") in states, states
+    finally:  # the kernel's embedded server lives as long as a kernel would; this one is done
+        try:
+            os.killpg(kernel.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        log.close()
