@@ -247,23 +247,13 @@ def _command(args) -> int:
               f"load it with transformers.GPT2LMHeadModel.from_pretrained({done.folder!r})")
         return 0
     if args.command == "evaluate":
-        from tasks.evaluate import check_checkpoint_uri
-
-        check_checkpoint_uri(args.checkpoint_uri)  # before a flow run starts
-        from flows.evaluate import evaluate_checkpoint_flow
+        from flows.evaluate import evaluate_checkpoint_flow  # the URI was checked: _preflight
 
         result = evaluate_checkpoint_flow(args.checkpoint_uri)
         print(f"\nvalidation loss {result.val_loss:.4f}, perplexity {result.val_ppl:.1f} "
               f"at step {result.step} ({result.checkpoint_uri})")
         return 0
-    config = config_from_args(args.recipe, args.set)
-    from core.failures import ConfigError
-    from tasks.training import host_problems
-
-    problems = host_problems(config)  # before a Prefect server starts: GPUs, local files
-    if problems:
-        raise ConfigError(problems)
-
+    config = config_from_args(args.recipe, args.set)  # host checks: _preflight (and the flow)
     from flows.pipeline import train_pipeline
 
     result = train_pipeline(config)

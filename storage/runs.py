@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass
 
 from core.config import RunConfig
-from core.failures import ConfigError
+from core.failures import ConfigError, ExportError
 from core.results import ShardInfo
 from storage.layout import (CONFIG_FILE, SHARDS_FILE, TOKENIZER_FILE, CheckpointLocation,
                             parse_checkpoint_url, run_file_key, run_key)
@@ -113,3 +113,17 @@ def named_checkpoint(checkpoint_url: str, storage_options: dict | None = None) -
         raise ConfigError([f"checkpoint_uri: {url} {mismatch}: its run folder's {CONFIG_FILE} "
                            "does not describe it"])
     return NamedCheckpoint(store, where, config, shards, verdict.manifest)
+
+
+def export_source(checkpoint_url: str, folder: str, storage_options: dict | None = None) -> NamedCheckpoint:
+    """The checks of `stoker export` that read no tensor: the output folder is new or empty,
+    and the checkpoint is named_checkpoint's. ExportError (one line) otherwise."""
+    import os
+
+    folder = os.path.abspath(folder)
+    if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
+        raise ExportError(f"folder: {folder} exists and is not an empty folder; give a new one")
+    try:
+        return named_checkpoint(checkpoint_url, storage_options)
+    except ConfigError as err:
+        raise ExportError("; ".join(err.problems)) from None

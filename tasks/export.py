@@ -11,9 +11,9 @@ import subprocess
 import sys
 
 from core import events
-from core.failures import ConfigError, ExportError
+from core.failures import ExportError
 from launch.torchrun import PROJECT_ROOT, child_env
-from storage.runs import named_checkpoint
+from storage.runs import export_source
 
 EXPORT_TIMEOUT_SECONDS = 1800
 
@@ -29,12 +29,7 @@ def export_checkpoint(checkpoint_uri: str, folder: str, storage_options: dict | 
     checkpoint the safe way (full sha256 check, tensors only) and writes the folder.
     ExportError (a StokerError) for anything that stops it."""
     folder = os.path.abspath(folder)
-    if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
-        raise ExportError(f"folder: {folder} exists and is not an empty folder; give a new one")
-    try:
-        named = named_checkpoint(checkpoint_uri, storage_options)
-    except ConfigError as err:
-        raise ExportError("; ".join(err.problems)) from None
+    named = export_source(checkpoint_uri, folder, storage_options)
     env = child_env(named.config)
     env["STOKER_STORAGE_OPTIONS"] = json.dumps(storage_options or {})
     cmd = [sys.executable, "-m", "training.export", checkpoint_uri, folder]

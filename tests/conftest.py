@@ -409,3 +409,16 @@ def run_ranks(config_url: str, shard_key: str, resume: str | None = None, nproc:
 
 def train_losses(records: list[dict]) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in records if m["event"] == "train"}
+
+
+def wait_until_training(pid: int, metrics, seconds: float = 240) -> dict[int, Proc]:
+    """Every process seen below `pid` until its ranks train (a training.train process is up
+    and rank 0 has stored its first log lines in `metrics`); asserts they got there."""
+    seen, deadline = {}, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        seen.update(descendants(pid))
+        if any("training.train" in p.cmdline for p in seen.values()) and metrics.exists():
+            break
+        time.sleep(0.5)
+    assert any("training.train" in p.cmdline for p in seen.values()), "the ranks never started"
+    return seen

@@ -40,7 +40,7 @@ from core.config import ModelConfig
 from core.failures import ConfigError, ExportError, StokerError, is_transient
 from storage.checkpoints import rehydrate
 from storage.layout import TOKENIZER_FILE, run_file_key
-from storage.runs import named_checkpoint
+from storage.runs import export_source
 from storage.store import default_cache_dir
 from training.checkpoint import load_checkpoint
 from training.model import GPT, padded_vocab
@@ -156,12 +156,7 @@ def export_checkpoint(checkpoint_url: str, folder: str, cache_dir: str,
     from safetensors.torch import save_file
 
     folder = os.path.abspath(folder)
-    if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
-        raise ExportError(f"folder: {folder} exists and is not an empty folder; give a new one")
-    try:
-        named = named_checkpoint(checkpoint_url, storage_options)
-    except ConfigError as err:
-        raise ExportError("; ".join(err.problems)) from None
+    named = export_source(checkpoint_url, folder, storage_options)
     store, where, cfg = named.store, named.where, named.config
     check_exportable(cfg.model)
     vocab_size = int(named.shards["vocab_size"])

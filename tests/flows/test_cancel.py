@@ -15,7 +15,7 @@ import pytest
 
 from storage.checkpoints import find_latest_valid, list_checkpoints
 from storage.store import Store
-from tests.conftest import ROOT, GangWatch, descendants, read_proc, tiny_dict
+from tests.conftest import ROOT, GangWatch, descendants, read_proc, stop_process, tiny_dict
 from core.config import load_config
 
 pytestmark = pytest.mark.e2e
@@ -46,20 +46,6 @@ def _wait(what, check, deadline_s, proc=None, log=None):
 
 def _tail(log) -> str:
     return log.read_text()[-6000:] if log is not None and log.exists() else ""
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the serving process's group (the runner shuts down), then SIGKILL."""
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_server, tmp_path):
@@ -141,7 +127,7 @@ def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_ser
         if stopped[0]["saved"]:
             assert newest.step == stopped[0]["step"]
     finally:
-        _stop(server)
+        stop_process(server)  # the runner shuts down on SIGTERM
         for proc in watch.leftovers():  # only if the test failed: leave nothing running
             try:
                 os.kill(proc.pid, signal.SIGKILL)

@@ -108,7 +108,7 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_running(tmp_path):
     import sqlite3
     import time
 
-    from tests.conftest import descendants, live_processes
+    from tests.conftest import live_processes, wait_until_training
 
     home = tmp_path / "prefect-home"
     env = {**os.environ, "STOKER_ROOT": str(tmp_path / "store"), "GLOO_SOCKET_IFNAME": "lo",
@@ -117,14 +117,7 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_running(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--set", "train.max_steps=100000",
                              "--set", "run_name=ctrlc"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    seen, deadline = {}, time.monotonic() + 240
-    metrics = tmp_path / "store" / "runs" / "ctrlc" / "metrics.jsonl"
-    while time.monotonic() < deadline:  # until the ranks train (their first log lines are stored)
-        seen.update(descendants(proc.pid))
-        if any("training.train" in p.cmdline for p in seen.values()) and metrics.exists():
-            break
-        time.sleep(0.5)
-    assert any("training.train" in p.cmdline for p in seen.values())
+    seen = wait_until_training(proc.pid, tmp_path / "store" / "runs" / "ctrlc" / "metrics.jsonl")
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)  # what a terminal sends on Ctrl-C
     _, err = proc.communicate(timeout=120)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, descendants, live_processes
+from tests.conftest import ROOT, live_processes, wait_until_training
 
 pytestmark = pytest.mark.e2e
 
@@ -36,14 +36,7 @@ def test_an_interrupted_flow_call_crashes_the_flow_run_records_the_attempt_and_l
     kernel = subprocess.Popen([sys.executable, "-c", KERNEL], cwd=ROOT, env=env, stdout=log,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        seen, deadline = {}, time.monotonic() + 240
-        metrics = tmp_path / "store" / "runs" / "kernel" / "metrics.jsonl"
-        while time.monotonic() < deadline:  # until the ranks train
-            seen.update(descendants(kernel.pid))
-            if any("training.train" in p.cmdline for p in seen.values()) and metrics.exists():
-                break
-            time.sleep(0.5)
-        assert any("training.train" in p.cmdline for p in seen.values())
+        seen = wait_until_training(kernel.pid, tmp_path / "store" / "runs" / "kernel" / "metrics.jsonl")
         t0 = time.monotonic()
         os.kill(kernel.pid, signal.SIGINT)  # the kernel only, as Jupyter's interrupt
         kernel.wait(timeout=120)
