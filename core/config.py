@@ -181,6 +181,13 @@ class DataConfig(_Section):
         json_schema_extra={"fix": "use 'auto', or about the number of CPU cores"},
     )
 
+    engine: Literal["local", "ray"] = Field(
+        "local",
+        description="Where the corpus is tokenized: 'local' (num_workers processes on the flow's "
+        "host) or 'ray' (one Ray task per fixed partition on the cluster at ray.address, reading "
+        "the corpus from the store and writing the shard files to it; the manifest is committed "
+        "last). The shard files are byte-identical whatever the engine. Needs the 'ray' extra.")
+
     @field_validator("num_workers", mode="before")
     @classmethod
     def _workers_in_range(cls, n: Any) -> Any:
@@ -385,9 +392,11 @@ class EvalConfig(_Section):
 
 
 class LaunchConfig(_Section):
-    launcher: Literal["local"] = Field(
-        "local", description="'local': N simulated nodes on this host, each a torchrun agent."
-    )
+    launcher: Literal["local", "ray"] = Field(
+        "local", description="'local': torchrun agents (num_nodes simulated nodes on this host, or "
+        "one per host with launch.nodes). 'ray': Ray Train workers (TorchTrainer, num_nodes x "
+        "nproc_per_node of them) on the cluster at ray.address; needs the 'ray' extra: pip "
+        "install 'stoker[ray]'.")
     num_nodes: int = _field(1, "torchrun agents (simulated nodes) meeting by c10d rendezvous.", ge=1)
     nproc_per_node: int = _field(2, "Training ranks per node.", ge=1)
     backend: Literal["auto", "gloo", "nccl"] = Field(
@@ -440,6 +449,38 @@ class LaunchConfig(_Section):
         if 0 < seconds < 5:
             raise _rule("must be 0 (watchdog off) or >= 5")
         return seconds
+
+
+class RayConfig(_Section):
+    """The Ray cluster behind launch.launcher 'ray' and data.engine 'ray'. Where work runs, not
+    what it computes: left out of the run's identity."""
+
+    address: str | None = Field(
+        None,
+        description="The cluster: 'ray://HEAD:10001' (Ray Client, from any host that reaches the "
+        "head), 'auto' or 'HOST:6379' (from a host that is a node of the cluster). Empty: a "
+        "local Ray instance started for the job on 127.0.0.1 and stopped after it. Every node "
+        "needs stoker installed and must reach storage.root (an object store, not a local "
+        "folder, once the cluster spans hosts).",
+        json_schema_extra={"fix": "give ray://HOST:10001, auto or HOST:PORT, or leave it empty"})
+    cpus_per_worker: float = _field(
+        1.0, "CPUs a training worker reserves (Ray's ScalingConfig resources_per_worker).",
+        fix="e.g. 1 or 4", gt=0, le=1024)
+    cpus_per_data_task: float = _field(
+        1.0, "CPUs a tokenizing task reserves (data.engine 'ray').", fix="e.g. 1", gt=0, le=1024)
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, address: str | None) -> str | None:
+        if address is None or not address.strip():
+            return None
+        address = address.strip()
+        if address == "auto" or address.startswith("ray://"):
+            return address
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or "/" in address or not port.isdigit():
+            raise _rule("is not a Ray address")
+        return address
 
 
 class EngineConfig(_Section):
@@ -641,6 +682,8 @@ class RunConfig(_Section):
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Object store.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig,
                                    description="TensorBoard and MLflow sinks of the run's metrics.")
+    ray: RayConfig = Field(default_factory=RayConfig,
+                           description="The Ray cluster of launch.launcher 'ray' and data.engine 'ray'.")
 
     # ---- derived facts -------------------------------------------------------------
     @property
@@ -654,8 +697,8 @@ class RunConfig(_Section):
         any of those changed."""
         payload = self.model_dump(mode="json", exclude={"run_name": True, "recipe": True, "storage": True,
                                                         "launch": True, "engine": True,
-                                                        "metrics": True,
-                                                        "data": {"num_workers"},
+                                                        "metrics": True, "ray": True,
+                                                        "data": {"num_workers", "engine"},
                                                         "train": {"micro_batch_size"}})
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
@@ -867,19 +910,34 @@ def local_resource_problems(cfg: RunConfig) -> list[str]:
     if path and "://" not in path and not Path(path).expanduser().is_file():
         out.append(f"tokenizer.path: {path!r} is not a file; give a tokenizer.json or leave it "
                    "empty to train one.")
-    return out + missing_sink_packages(cfg.metrics)
+    return out + missing_sink_packages(cfg.metrics) + missing_ray(cfg)
+
+
+def missing_ray(cfg: RunConfig) -> list[str]:
+    """The fields that choose Ray, when Ray is not installed on this host."""
+    import importlib.util
+
+    chosen = [name for name, value in (("launch.launcher", getattr(cfg.launch, "launcher", "local")),
+                                       ("data.engine", getattr(cfg.data, "engine", "local")))
+              if value == "ray"]
+    if not chosen or importlib.util.find_spec("ray") is not None:
+        return []
+    return [f"{name}: 'ray' needs Ray, which is not installed here; pip install 'stoker[ray]', or "
+            "use 'local'." for name in chosen]
 
 
 def _resources_of(data: Any, errors: list[Any]) -> RunConfig:
     """The fields local_resource_problems reads, from input that failed validation elsewhere,
     so its problems are reported with the others (a field that failed itself is left out)."""
-    found: dict[str, dict[str, Any]] = {"data": {}, "tokenizer": {}, "metrics": {}}
-    for path in (("data", "source"), ("tokenizer", "path"), *(("metrics", f) for f in _SINK_MODULES)):
+    found: dict[str, dict[str, Any]] = {"data": {}, "tokenizer": {}, "metrics": {}, "launch": {}}
+    for path in (("data", "source"), ("data", "engine"), ("tokenizer", "path"),
+                 ("launch", "launcher"), *(("metrics", f) for f in _SINK_MODULES)):
         if isinstance(data, dict) and not any(_overlaps(e["loc"], path) for e in errors):
             found[path[0]][path[1]] = _read(data, path)
     return RunConfig.model_construct(data=DataConfig.model_construct(**found["data"]),
                                      tokenizer=TokenizerConfig.model_construct(**found["tokenizer"]),
-                                     metrics=MetricsConfig.model_construct(**found["metrics"]))
+                                     metrics=MetricsConfig.model_construct(**found["metrics"]),
+                                     launch=LaunchConfig.model_construct(**found["launch"]))
 
 
 def load_config(source: "RunConfig | dict | str | Path | None" = None, **overrides: Any) -> RunConfig:

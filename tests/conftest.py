@@ -172,6 +172,47 @@ def s3_root(s3_server):
     return f"s3://{bucket}/root", options
 
 
+class RayClusterWithStore:
+    """A two-node Ray cluster (tests.raycluster) and an S3 endpoint every node reaches."""
+
+    def __init__(self, cluster, moto: MotoServer):
+        self.cluster, self.moto = cluster, moto
+
+    def bucket(self) -> tuple[str, dict]:
+        """A fresh bucket: (root URL, storage options)."""
+        import uuid
+
+        import s3fs
+
+        bucket = f"stoker-{uuid.uuid4().hex[:12]}"
+        options = {"endpoint_url": self.moto.url, "skip_instance_cache": True}
+        s3fs.S3FileSystem(**options).mkdir(bucket)
+        return f"s3://{bucket}/root", options
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One real Ray cluster for the session: a head and a worker node, one CPU each, each in a
+    network namespace of its own, and moto on the bridge address both reach. Skipped where
+    namespaces or Ray are not available."""
+    from tests.raycluster import RayCluster, ray_unavailable
+
+    why = ray_unavailable()
+    if why:
+        pytest.skip(why)
+    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"})
+    # in /tmp/stoker-ray-<tag>: Ray's socket paths under its temp folder must stay short
+    cluster = RayCluster(num_nodes=2, cpus_per_node=1).up()
+    moto = MotoServer(host=cluster.bridge_address)
+    try:
+        moto.start()
+        yield RayClusterWithStore(cluster, moto)
+    finally:
+        moto.stop()
+        cluster.down()
+
+
 def tiny_dict(root: str, **sections) -> dict:
     """The smallest config that still trains: ~300 KB of stdlib text, a 2-layer GPT."""
     base = {

@@ -1,0 +1,163 @@
+"""A real Ray cluster for tests: a head and worker raylets, each in a network namespace of its
+own (``tests.netutil.NetnsNodes``), so Ray, gloo and storage traffic between them crosses real
+interfaces, and nothing binds to this machine's outward address.
+
+Each node gets what a real machine would have:
+- its own /etc/hosts (``ip netns exec`` mounts /etc/netns/<ns>/hosts over it), where this host's
+  name resolves to the node's address: Ray's and gloo's own address lookups find that address;
+- ``GLOO_SOCKET_IFNAME`` (its interface), ``STOKER_CACHE`` (its own host cache) and the project
+  on ``PYTHONPATH``, in the environment of its raylet and so of every worker it starts;
+- its own Ray temp folder (one log monitor per node: no line is forwarded twice).
+
+Drivers in this namespace reach the cluster with Ray Client at ``client_address``. The head's
+client server forks a server per client; gRPC's fork handlers crash it ("Check failed:
+next_worker->state == KICKED"), so the head runs with GRPC_ENABLE_FORK_SUPPORT=0 and
+GRPC_POLL_STRATEGY=poll.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+from tests.netutil import NetnsNodes
+
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GCS_PORT = 6379
+CLIENT_PORT = 10001
+
+
+def ray_unavailable() -> str | None:
+    """Why a Ray cluster cannot be made here, or None."""
+    why = NetnsNodes.unavailable()
+    if why:
+        return why
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return "ray is not installed (pip install 'stoker[ray]')"
+    return None
+
+
+class RayCluster:
+    """`num_nodes` Ray nodes (node 0 the head), `cpus_per_node` CPUs each. `up()` starts them;
+    `down()` stops every Ray process and removes the namespaces (safe after a partial up)."""
+
+    def __init__(self, num_nodes: int = 2, cpus_per_node: int = 1, work_dir: str = "/tmp"):
+        self.nodes = NetnsNodes(num_nodes)
+        self.cpus_per_node = cpus_per_node
+        self.work_dir = os.path.join(work_dir, f"stoker-ray-{self.nodes.tag}")
+        self.temp_dirs = [os.path.join(self.work_dir, f"ray-n{i}") for i in range(num_nodes)]
+        self.caches = [os.path.join(self.work_dir, f"cache-n{i}") for i in range(num_nodes)]
+
+    @property
+    def head_address(self) -> str:
+        return self.nodes.addresses[0]
+
+    @property
+    def client_address(self) -> str:
+        """Ray Client address, for drivers outside the cluster (this namespace)."""
+        return f"ray://{self.head_address}:{CLIENT_PORT}"
+
+    @property
+    def gcs_address(self) -> str:
+        """For drivers that run on a node (`exec_prefix(i)`)."""
+        return f"{self.head_address}:{GCS_PORT}"
+
+    @property
+    def bridge_address(self) -> str:
+        """Where servers that every node reaches (moto) bind."""
+        return self.nodes.bridge_address
+
+    def node_env(self, node: int) -> dict[str, str]:
+        env = dict(os.environ)
+        for name in ("RAY_ADDRESS", "STOKER_GANG_ID", "PYTEST_CURRENT_TEST"):
+            env.pop(name, None)
+        env.update(RAY_USAGE_STATS_ENABLED="0", GLOO_SOCKET_IFNAME=self.nodes.ifnames[node],
+                   STOKER_CACHE=self.caches[node], PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, env.get("PYTHONPATH")) if p))
+        if node == 0:
+            env.update(GRPC_ENABLE_FORK_SUPPORT="0", GRPC_POLL_STRATEGY="poll")
+        return env
+
+    def _hosts_file(self, node: int) -> str:
+        return os.path.join("/etc/netns", self.nodes.namespaces[node], "hosts")
+
+    def up(self) -> "RayCluster":
+        try:
+            self.nodes.up()
+            for i, addr in enumerate(self.nodes.addresses):
+                os.makedirs(os.path.dirname(self._hosts_file(i)), exist_ok=True)
+                with open(self._hosts_file(i), "w") as f:
+                    f.write(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
+                os.makedirs(self.temp_dirs[i], exist_ok=True)
+                os.makedirs(self.caches[i], exist_ok=True)
+            for i, addr in enumerate(self.nodes.addresses):
+                common = [f"--node-ip-address={addr}", f"--num-cpus={self.cpus_per_node}",
+                          "--num-gpus=0", "--disable-usage-stats", f"--temp-dir={self.temp_dirs[i]}"]
+                if i == 0:
+                    cmd = ["--head", f"--port={GCS_PORT}", f"--ray-client-server-port={CLIENT_PORT}",
+                           "--include-dashboard=false", *common]
+                else:
+                    cmd = [f"--address={self.gcs_address}", *common]
+                self._ray(i, "start", *cmd)
+            self.wait_for_nodes()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _ray(self, node: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        cmd = [*self.nodes.exec_prefix(node), sys.executable, "-m", "ray.scripts.scripts", *args]
+        out = subprocess.run(cmd, env=self.node_env(node), capture_output=True, text=True,
+                             timeout=120, cwd=self.work_dir)
+        if check and out.returncode != 0:
+            raise OSError(f"ray {args[0]} on node {node} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+        return out
+
+    def wait_for_nodes(self, timeout: float = 60) -> None:
+        """Until every node is alive in the head's view."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = self._ray(0, "status", f"--address={self.gcs_address}", check=False)
+            active = out.stdout.split("Pending:")[0]
+            if len(re.findall(r"^\s*\d+ node_", active, re.M)) >= len(self.nodes.addresses):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the Ray cluster did not come up:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+            time.sleep(1)
+
+    def exec_prefix(self, node: int) -> tuple[str, ...]:
+        return self.nodes.exec_prefix(node)
+
+    def worker_pids(self, pattern: str = "RayTrainWorker") -> dict[int, list[int]]:
+        """{node: pids of processes whose command line holds `pattern`} (Ray names its worker
+        processes after the actor class: ray::RayTrainWorker...)."""
+        found: dict[int, list[int]] = {}
+        for i in range(len(self.nodes.addresses)):
+            for pid in self.nodes.pids(i):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                if pattern in cmdline:
+                    found.setdefault(i, []).append(pid)
+        return found
+
+    def down(self) -> None:
+        for i in range(len(self.nodes.addresses)):
+            if self.nodes.namespaces[i] in [n for kind, n in self.nodes.made if kind == "netns"]:
+                try:
+                    self._ray(i, "stop", "--force", check=False)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+        self.nodes.down()  # kills whatever is left in the namespaces
+        for i in range(len(self.nodes.addresses)):
+            shutil.rmtree(os.path.dirname(self._hosts_file(i)), ignore_errors=True)
+        shutil.rmtree(self.work_dir, ignore_errors=True)
