@@ -391,18 +391,88 @@ class EvalConfig(_Section):
     )
 
 
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class NodeConfig(_Section):
+    """One node of launch.nodes: where its torchrun agent runs and how the others reach it."""
+
+    prefix: list[NonBlank] = Field(
+        default_factory=list,
+        description="Command that starts this node's torchrun agent on its machine, one word per "
+        "item, run as is (no shell): ['srun', '--nodes=1', '--ntasks=1', '--nodelist=host1'] or "
+        "['ssh', 'host1']. The agent gets this host's environment and env only through a "
+        "prefix that passes them on (srun does, ssh does not). Empty: this host.",
+        json_schema_extra={"fix": "give the command as a list of words, e.g. ['ssh', 'host1']"})
+    address: str | None = Field(
+        None,
+        description="Where the other nodes reach this one (torchrun --local-addr), on the "
+        "interface env names. The node whose address is launch.rdzv_host hosts the rendezvous.",
+        json_schema_extra={"fix": "give an IP address or host name, e.g. '10.0.0.11'"})
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Added to the agent's environment: GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME "
+        "(the interface of address), STOKER_CACHE (the node's cache folder). Never credentials.",
+        json_schema_extra={"fix": "give variable names such as GLOO_SOCKET_IFNAME"})
+
+    @field_validator("prefix")
+    @classmethod
+    def _a_list_of_words(cls, prefix: list[str]) -> list[str]:
+        if prefix and len(prefix[0].split()) > 1:  # no program's name holds a space
+            raise _rule("is one shell string", f"give one word per item: {prefix[0].split()!r}; "
+                        "it is run without a shell")
+        return prefix
+
+    @field_validator("address")
+    @classmethod
+    def _an_address(cls, address: str | None) -> str | None:
+        if address is None or not address.strip():
+            return None
+        address = address.strip()
+        if len(address.split()) > 1 or "/" in address:
+            raise _rule("is not an address")
+        return address
+
+    @field_validator("env")
+    @classmethod
+    def _names_without_credentials(cls, env: dict[str, str]) -> dict[str, str]:
+        _no_credentials(env)  # first: the other problem's line would show the values
+        bad = [name for name in env if not _ENV_NAME.match(name)]
+        if bad:
+            raise _rule(f"{bad!r} cannot be an environment variable's name",
+                        "use letters, digits and '_', e.g. GLOO_SOCKET_IFNAME")
+        return env
+
+
 class LaunchConfig(_Section):
     launcher: Literal["local", "ray"] = Field(
         "local", description="'local': torchrun agents (num_nodes simulated nodes on this host, or "
         "one per host with launch.nodes). 'ray': Ray Train workers (TorchTrainer, num_nodes x "
         "nproc_per_node of them) on the cluster at ray.address; needs the 'ray' extra: pip "
         "install 'stoker[ray]'.")
-    num_nodes: int = _field(1, "torchrun agents (simulated nodes) meeting by c10d rendezvous.", ge=1)
+    num_nodes: int = _field(1, "torchrun agents (nodes) meeting by c10d rendezvous: simulated on "
+                            "this host, or where launch.nodes puts them.", ge=1)
     nproc_per_node: int = _field(2, "Training ranks per node.", ge=1)
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Process-group backend; 'auto' is NCCL with GPUs, gloo otherwise."
     )
-    rdzv_host: str = Field("127.0.0.1", description="Host of the c10d rendezvous endpoint.")
+    nodes: list[NodeConfig] | None = Field(
+        None,
+        description="Where each node's torchrun agent runs, one entry per node (num_nodes): "
+        "the command prefix that starts it on its machine, its address and environment. Empty: "
+        "every node on this host.",
+        json_schema_extra={"fix": "give one entry per node, or leave it empty"})
+    rdzv_host: str = Field(
+        "127.0.0.1", validate_default=True,
+        description="Host of the c10d rendezvous endpoint. With launch.nodes: the address of the "
+        "node whose agent hosts it.",
+        json_schema_extra={"fix": "give the address of one node of launch.nodes"})
+    rdzv_port: int | None = _field(
+        None,
+        "Port of the rendezvous endpoint. Needed when its node is another machine (has a "
+        "prefix); empty: a free port of this host.",
+        fix="give the port the rendezvous node listens on, e.g. 29500", ge=1, le=65535,
+        validate_default=True)
     timeout_seconds: int = _field(3600, "Wall-clock limit of one training launch.", ge=10)
     max_attempts: int = _field(
         2, "Launch attempts; each retry resumes from the newest valid checkpoint.", ge=1)
@@ -442,6 +512,50 @@ class LaunchConfig(_Section):
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.nproc_per_node
+
+    @field_validator("nodes")
+    @classmethod
+    def _one_per_node(cls, nodes: list[NodeConfig] | None, info: ValidationInfo) -> list[NodeConfig] | None:
+        if not nodes:
+            return None  # an empty list (the UI form's) is no list
+        if info.data.get("launcher") == "ray":
+            raise _rule("places torchrun agents, and launch.launcher is 'ray'",
+                        "remove launch.nodes (Ray places its workers), or use launcher 'local'")
+        num_nodes = info.data.get("num_nodes")
+        if num_nodes is not None and len(nodes) != num_nodes:
+            raise _rule(f"gives {len(nodes)} node(s) for num_nodes={num_nodes}",
+                        f"give one entry per node, or set launch.num_nodes to {len(nodes)}")
+        return nodes
+
+    @field_validator("rdzv_host")
+    @classmethod
+    def _a_node_hosts_the_rendezvous(cls, host: str, info: ValidationInfo) -> str:
+        nodes = info.data.get("nodes")
+        if not nodes:  # none given, or they failed (reported on their own)
+            return host
+        hosting = [i for i, node in enumerate(nodes) if node.address == host]
+        addresses = [node.address for node in nodes if node.address]
+        if not hosting:
+            raise _rule("is no node's address: the rendezvous is hosted by the node whose "
+                        "address it is", f"give one of {addresses}" if addresses else
+                        "give that node's address in launch.nodes[i].address and here")
+        if len(hosting) > 1:
+            raise _rule(f"is the address of nodes {hosting}",
+                        "give each node its own address: one node hosts the rendezvous")
+        return host
+
+    @field_validator("rdzv_port")
+    @classmethod
+    def _port_of_a_remote_rendezvous(cls, port: int | None, info: ValidationInfo) -> int | None:
+        nodes, host = info.data.get("nodes"), info.data.get("rdzv_host")
+        if port is not None or not nodes or host is None:
+            return port
+        for i, node in enumerate(nodes):
+            if node.address == host and node.prefix:
+                raise _rule(f"is needed: the rendezvous host {host} is node {i}, started on "
+                            f"another machine ({node.prefix[0]}), where no free port can be "
+                            "picked from here")
+        return port
 
     @field_validator("hang_timeout_seconds")
     @classmethod
@@ -758,16 +872,30 @@ _BOUNDS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 _OPS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 
+def _model_in(ann: Any) -> Any:
+    """The section model an annotation holds (``Model``, ``list[Model] | None``), or None."""
+    import typing
+
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    for arg in typing.get_args(ann):
+        model = _model_in(arg)
+        if model is not None:
+            return model
+    return None
+
+
 def _field_at(loc: tuple) -> Any:
     """The FieldInfo an error location names (the deepest one that is a field), or None."""
     model: Any = RunConfig
     field = None
     for part in loc:
+        if isinstance(part, int) and field is not None:  # an item of a list of sections
+            continue
         if model is None or part not in model.model_fields:
             break
         field = model.model_fields[part]
-        ann = field.annotation
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        model = _model_in(field.annotation)
     return field
 
 
@@ -780,7 +908,7 @@ def field_table() -> list[dict]:
         if typing.get_origin(ann) is Literal:
             return " | ".join(repr(a) for a in typing.get_args(ann))
         text = getattr(ann, "__name__", None) or str(ann)
-        return text.replace("typing.", "")
+        return text.replace("typing.", "").replace(f"{__name__}.", "")
 
     rows = []
     for section, sfield in RunConfig.model_fields.items():
@@ -804,9 +932,10 @@ def _did_you_mean(loc: tuple) -> str:
 
     model: Any = RunConfig
     for part in loc[:-1]:
+        if isinstance(part, int):  # an item of a list of sections
+            continue
         field = model.model_fields.get(part) if model is not None else None
-        ann = field.annotation if field is not None else None
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        model = _model_in(field.annotation) if field is not None else None
     if model is None:
         return "remove it or check its spelling"
     names = list(model.model_fields)

@@ -20,6 +20,9 @@ ERROR_INFO_KEY = "stoker"
 # the file (path in this variable) where a rank that failed permanently leaves its Failure,
 # so ranks restarted in place by torchrun end at once instead of failing again
 PERMANENT_MARKER_ENV = "STOKER_PERMANENT_FAILURE_FILE"
+# beside its torchelastic error file, each rank's own numbers ({"rank", "group_rank",
+# "local_rank"}): c10d numbers the nodes in its own order, not in the order they were launched
+RANK_FILE = "rank.json"
 
 
 @dataclass(frozen=True, kw_only=True)

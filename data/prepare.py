@@ -2,7 +2,8 @@
 
 Each function is idempotent against the object store: it first looks for its committed
 output and does no work when it is there. The Prefect tasks in tasks/data.py wrap them.
-Sources live in tasks/sources.py, the multi-process tokenizer in tasks/sharding.py.
+Sources live in data/sources.py, the multi-process tokenizer in data/sharding.py, the Ray
+engine (data.engine 'ray') in data/ray_engine.py.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ from storage.shards import (
     validate_shard_set,
 )
 from storage.store import Store, build_lock, fetch_url, join, sha256_file
-from data.sharding import PARTITION_BYTES, SPLITS, build_shards, partition_jobs
+from data.sharding import (PARTITION_BYTES, SPLITS, available_cores, build_shards, corpus_text,
+                           partition_jobs)
 from data.sources import resolve_source, with_retries, write_corpus
-from core.config import DataConfig, TokenizerConfig
+from core.config import DataConfig, RayConfig, TokenizerConfig
 from core.failures import DataError
 from core.results import DatasetInfo, ShardInfo, TokenizerInfo
 
@@ -103,8 +105,10 @@ def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
 
 def iter_corpus(store: Store, dataset: DatasetInfo) -> Iterator[str]:
     with store.open(join(dataset.key, CORPUS_FILE), "rb") as f:
+        offset = 0
         for line in f:
-            yield json.loads(line)["text"]
+            yield corpus_text(line, offset)
+            offset += len(line)
 
 
 def _corpus_batches(store: Store, dataset: DatasetInfo) -> Iterator[list[str]]:
@@ -196,13 +200,14 @@ def token_dtype(choice: str, vocab_size: int) -> np.dtype:
 
 def tokenize_and_shard(
     dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig, store: Store,
-    partition_bytes: int = PARTITION_BYTES,
+    partition_bytes: int = PARTITION_BYTES, ray: RayConfig | None = None,
 ) -> ShardInfo:
     """Tokenize the corpus once into flat little-endian token files, manifest last.
 
     Returns at once (cache_hit=True) when a valid shard set with the same key exists; a
-    damaged one is rebuilt. The key and the bytes do not depend on cfg.num_workers or
-    partition_bytes."""
+    damaged one is rebuilt. cfg.engine 'ray' runs the work as Ray tasks on the cluster of
+    `ray` (default: a local Ray instance). The key and the bytes do not depend on the
+    engine, cfg.num_workers or partition_bytes."""
     dtype = token_dtype(cfg.token_dtype, tokenizer.vocab_size)  # before any work
     params = {"val_fraction": cfg.val_fraction, "shard_tokens": cfg.shard_tokens,
               "dtype": dtype.str, "eot_id": tokenizer.eot_id}
@@ -220,7 +225,7 @@ def tokenize_and_shard(
                   "params": params}
         staging = staging_key(cache_key)
         try:
-            manifest = _build(dataset, tokenizer, cfg, store, staging, dtype, partition_bytes)
+            manifest = _build(dataset, tokenizer, cfg, store, staging, dtype, partition_bytes, ray)
         except BaseException:
             store.rm(staging)  # nothing half-written survives a failure
             raise
@@ -243,12 +248,8 @@ def _existing(path: str) -> str:
     return path
 
 
-def _check_disk_space(dataset: DatasetInfo, store: Store, tokenizer_path: str, dtype: np.dtype,
-                      shard_tokens: int, tmp: str) -> None:
-    """Before tokenizing: is there room for what the build writes? Estimated from a
-    tokenized sample of the corpus: the per-partition token files and, on a remote store, the
-    corpus copy go to the temp folder; the shards go to the store (local) or one at a time to
-    the temp folder (remote). One DataError naming where, what is needed and the fix."""
+def _token_bytes(dataset: DatasetInfo, store: Store, tokenizer_path: str, dtype: np.dtype) -> int:
+    """The shards' size, estimated from a tokenized sample of the corpus, with a margin."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(tokenizer_path)
@@ -259,15 +260,33 @@ def _check_disk_space(dataset: DatasetInfo, store: Store, tokenizer_path: str, d
         if sampled >= SAMPLE_BYTES:
             break
     tokens = sum(len(e.ids) for e in tok.encode_batch(docs)) + len(docs)  # + end-of-text each
-    token_bytes = int(dataset.num_bytes / max(1, sampled) * tokens * dtype.itemsize * DISK_MARGIN)
-    corpus_bytes = 0 if store.is_local else store.size(join(dataset.key, CORPUS_FILE))
-    needs = [(tmp, token_bytes + corpus_bytes, "the temporary folder (TMPDIR)",
-              "free space there or set TMPDIR to a folder on a bigger disk")]
-    if store.is_local:
-        needs.append((store.local_path(), token_bytes, "storage.root",
-                      "free space there or point storage.root at a bigger disk"))
+    return int(dataset.num_bytes / max(1, sampled) * tokens * dtype.itemsize * DISK_MARGIN)
+
+
+def _check_disk_space(dataset: DatasetInfo, store: Store, tokenizer_path: str, dtype: np.dtype,
+                      shard_tokens: int, tmp: str, ray: RayConfig | None = None) -> None:
+    """Before tokenizing: is there room for what this host writes? Estimated from a tokenized
+    sample of the corpus. Local engine: the per-partition token files and, on a remote store,
+    the corpus copy go to the temp folder; the shards go to the store (local) or one at a
+    time to the temp folder (remote). Ray engine (`ray` given): the pieces and the shards go
+    to the store, a local one on this host's disk; a local Ray instance's tasks each hold one
+    shard in the temp folder; a remote cluster's disks are its own. One DataError naming
+    where, what is needed and the fix."""
+    to_root = ("storage.root", "free space there or point storage.root at a bigger disk")
+    to_tmp = ("the temporary folder (TMPDIR)", "free space there or set TMPDIR to a folder on a bigger disk")
+    if ray is not None:  # pieces, then shards: twice the tokens, in the store
+        needs = [(store.local_path(), 2 * _token_bytes(dataset, store, tokenizer_path, dtype), *to_root)
+                 ] if store.is_local else []
+        if ray.address is None:
+            needs.append((tmp, available_cores() * shard_tokens * dtype.itemsize, *to_tmp))
     else:
-        needs[0] = (tmp, needs[0][1] + shard_tokens * dtype.itemsize, *needs[0][2:])
+        token_bytes = _token_bytes(dataset, store, tokenizer_path, dtype)
+        corpus_bytes = 0 if store.is_local else store.size(join(dataset.key, CORPUS_FILE))
+        needs = [(tmp, token_bytes + corpus_bytes, *to_tmp)]
+        if store.is_local:
+            needs.append((store.local_path(), token_bytes, *to_root))
+        else:
+            needs[0] = (tmp, needs[0][1] + shard_tokens * dtype.itemsize, *needs[0][2:])
     by_device: dict[int, list] = {}
     for path, size, name, fix in needs:
         by_device.setdefault(os.stat(_existing(path)).st_dev, []).append((path, size, name, fix))
@@ -284,40 +303,14 @@ def _check_disk_space(dataset: DatasetInfo, store: Store, tokenizer_path: str, d
 
 
 def _build(dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig, store: Store,
-           staging: str, dtype: np.dtype, partition_bytes: int) -> dict:
+           staging: str, dtype: np.dtype, partition_bytes: int, ray: RayConfig | None = None) -> dict:
     """Build the shard set into `staging`; return its manifest (without key and inputs)."""
     with tempfile.TemporaryDirectory(prefix="stoker-shards-") as tmp:
-        build = store.local_path(staging) if store.is_local else os.path.join(tmp, "build")
-        os.makedirs(build, exist_ok=True)
-        local_tok = os.path.join(build, TOKENIZER_FILE)
-        store.get_file(tokenizer.key, local_tok)
-        _check_disk_space(dataset, store, local_tok, dtype, cfg.shard_tokens, tmp)
-        if store.is_local:
-            corpus = store.local_path(join(dataset.key, CORPUS_FILE))
+        if cfg.engine == "ray":
+            by_split, files = _build_on_ray(dataset, tokenizer, cfg, store, staging, dtype, partition_bytes,
+                                            ray or RayConfig(), tmp)
         else:
-            corpus = os.path.join(tmp, CORPUS_FILE)
-            store.get_file(join(dataset.key, CORPUS_FILE), corpus)
-
-        def on_close(name: str, path: str) -> None:
-            if not store.is_local:  # upload each finished file, so local disk holds one
-                store.put_file(path, join(staging, name))
-                os.remove(path)
-
-        parts = os.path.join(tmp, "parts")
-        os.makedirs(parts)
-        jobs = partition_jobs(corpus, partition_bytes, parts, tokenizer=local_tok, eot_id=tokenizer.eot_id,
-                              dtype=dtype.str, val_fraction=cfg.val_fraction)
-        by_split = build_shards(jobs, build, cfg.shard_tokens, cfg.resolved_workers(), tmp, on_close)
-        for split in SPLITS:
-            if not by_split[split]:
-                raise DataError(
-                    f"data.val_fraction: the {split} split got no document "
-                    f"({dataset.num_docs} documents in all); use more data or change val_fraction."
-                )
-        files = {TOKENIZER_FILE: {"size": os.path.getsize(local_tok), "sha256": sha256_file(local_tok)}}
-        on_close(TOKENIZER_FILE, local_tok)
-        for split_files in by_split.values():
-            files.update(split_files)
+            by_split, files = _build_here(dataset, tokenizer, cfg, store, staging, dtype, partition_bytes, tmp)
     bins = {s: sorted(n for n in by_split[s] if n.endswith(".bin")) for s in SPLITS}
     return {
         "format_version": FORMAT_VERSION,
@@ -329,6 +322,70 @@ def _build(dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig, stor
         "num_docs": {s: sum(files[n]["docs"] for n in bins[s]) for s in SPLITS},
         "files": files,
     }
+
+
+def _every_split_filled(by_split: dict[str, dict], dataset: DatasetInfo) -> None:
+    for split in SPLITS:
+        if not by_split[split]:
+            raise DataError(
+                f"data.val_fraction: the {split} split got no document "
+                f"({dataset.num_docs} documents in all); use more data or change val_fraction."
+            )
+
+
+def _build_here(dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig, store: Store,
+                staging: str, dtype: np.dtype, partition_bytes: int, tmp: str) -> tuple[dict, dict]:
+    """The local engine: cfg.num_workers processes on this host. Returns the shard files by
+    split and every file's manifest entry (tokenizer.json included)."""
+    build = store.local_path(staging) if store.is_local else os.path.join(tmp, "build")
+    os.makedirs(build, exist_ok=True)
+    local_tok = os.path.join(build, TOKENIZER_FILE)
+    store.get_file(tokenizer.key, local_tok)
+    _check_disk_space(dataset, store, local_tok, dtype, cfg.shard_tokens, tmp)
+    if store.is_local:
+        corpus = store.local_path(join(dataset.key, CORPUS_FILE))
+    else:
+        corpus = os.path.join(tmp, CORPUS_FILE)
+        store.get_file(join(dataset.key, CORPUS_FILE), corpus)
+
+    def on_close(name: str, path: str) -> None:
+        if not store.is_local:  # upload each finished file, so local disk holds one
+            store.put_file(path, join(staging, name))
+            os.remove(path)
+
+    parts = os.path.join(tmp, "parts")
+    os.makedirs(parts)
+    jobs = partition_jobs(corpus, partition_bytes, parts, tokenizer=local_tok, eot_id=tokenizer.eot_id,
+                          dtype=dtype.str, val_fraction=cfg.val_fraction)
+    by_split = build_shards(jobs, build, cfg.shard_tokens, cfg.resolved_workers(), tmp, on_close)
+    _every_split_filled(by_split, dataset)
+    files = {TOKENIZER_FILE: {"size": os.path.getsize(local_tok), "sha256": sha256_file(local_tok)}}
+    on_close(TOKENIZER_FILE, local_tok)
+    for split_files in by_split.values():
+        files.update(split_files)
+    return by_split, files
+
+
+def _build_on_ray(dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig, store: Store,
+                  staging: str, dtype: np.dtype, partition_bytes: int, ray: RayConfig,
+                  tmp: str) -> tuple[dict, dict]:
+    """The Ray engine (data/ray_engine.py): Ray tasks read the corpus from the store and write
+    the shard files to staging; this host writes only tokenizer.json there."""
+    from data.ray_engine import build_shards_on_ray
+
+    local_tok = os.path.join(tmp, TOKENIZER_FILE)
+    store.get_file(tokenizer.key, local_tok)
+    _check_disk_space(dataset, store, local_tok, dtype, cfg.shard_tokens, tmp, ray)
+    built = build_shards_on_ray(store, ray, join(dataset.key, CORPUS_FILE), tokenizer.key, staging,
+                                tokenizer.eot_id, dtype, cfg.val_fraction, cfg.shard_tokens, partition_bytes)
+    log.info("data.engine ray: %d tasks on %d node(s), %.1f task CPU-s", built.num_tasks, len(built.nodes),
+             built.task_cpu_s, extra={"ray_nodes": sorted(built.nodes), "ray_task_cpu_s": built.task_cpu_s})
+    _every_split_filled(built.files, dataset)
+    files = {TOKENIZER_FILE: {"size": os.path.getsize(local_tok), "sha256": sha256_file(local_tok)}}
+    store.put_file(local_tok, join(staging, TOKENIZER_FILE))
+    for split_files in built.files.values():
+        files.update(split_files)
+    return built.files, files
 
 
 def _shard_info(store: Store, cache_key: str, manifest: dict, cache_hit: bool) -> ShardInfo:

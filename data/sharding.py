@@ -12,6 +12,11 @@ Workers are fresh interpreters (``python -m data.sharding JOBS``) with
 TOKENIZERS_PARALLELISM=false, so they never import the parent's main module (the
 orchestrator) and never fork a process that holds threads. With one partition or one
 worker the same code runs in this process instead.
+
+The Ray engine (data/ray_engine.py) runs the same three definitions on a cluster: the
+lines of a partition (``range_lines``), the tokens and split of each document
+(``tokenize_docs``) and the cut points of the shard files (``shard_cuts``), so its bytes
+cannot differ from these.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -58,52 +63,119 @@ class PartitionJob:
         return f"{self.out}.{split}.bin", f"{self.out}.{split}.idx"
 
 
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def partition_ranges(size: int, partition_bytes: int) -> list[tuple[int, int]]:
+    """The fixed byte ranges [start, end) of a corpus of `size` bytes (at least one)."""
+    return [(s, min(s + partition_bytes, size)) for s in range(0, max(size, 1), partition_bytes)]
+
+
 def partition_jobs(corpus: str, partition_bytes: int, out_dir: str, **common) -> list[PartitionJob]:
-    size = os.path.getsize(corpus)
-    starts = range(0, max(size, 1), partition_bytes)
-    return [PartitionJob(k, corpus, s, min(s + partition_bytes, size), out=os.path.join(out_dir, f"p-{k:05d}"),
-                         **common) for k, s in enumerate(starts)]
+    ranges = partition_ranges(os.path.getsize(corpus), partition_bytes)
+    return [PartitionJob(k, corpus, s, e, out=os.path.join(out_dir, f"p-{k:05d}"), **common)
+            for k, (s, e) in enumerate(ranges)]
 
 
 # ---- one partition (runs in a worker, or in-process) ------------------------------------
 _TOKENIZERS: dict = {}
 
 
-def _partition_docs(path: str, start: int, end: int) -> Iterator[str]:
-    """Documents of the lines that start in [start, end)."""
-    with open(path, "rb") as f:
-        pos = start
-        if start > 0:
-            f.seek(start - 1)
-            pos = start - 1 + len(f.readline())  # the tail of a line begun before `start`
-        while pos < end:
-            line = f.readline()
-            if not line:
+READ_BYTES = 1 << 20  # of the corpus per read (past the range's end: TAIL_BYTES)
+TAIL_BYTES = 64 << 10
+
+
+def range_lines(read: Callable[[int, int], bytes], start: int, end: int,
+                chunk: int = READ_BYTES) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) for each line that starts in [start, end) of a file read through
+    `read(offset, size)` (b"" at its end): the one definition of a partition, shared by the
+    local and the Ray engine. Reads up to `end` in `chunk`s, then the last line's tail."""
+
+    def more(at: int) -> bytes:
+        return read(at, max(min(chunk, end - at), TAIL_BYTES))
+
+    buf, base, nxt = b"", start, start  # buf holds the file from offset `base`; `nxt` is read next
+    if start > 0:  # skip the tail of a line begun before `start`
+        nxt = start - 1
+        while True:
+            block = more(nxt)
+            if not block:
                 return
-            pos += len(line)
-            yield json.loads(line)["text"]
+            cut = block.find(b"\n")
+            nxt += len(block)
+            if cut >= 0:
+                base = nxt - len(block) + cut + 1
+                buf = block[cut + 1:]
+                break
+    pos = 0  # of the next line in buf
+    while base + pos < end:
+        cut = buf.find(b"\n", pos)
+        if cut < 0:
+            block = more(nxt)
+            if block:
+                buf, base, pos = buf[pos:] + block, base + pos, 0
+                nxt += len(block)
+                continue
+            if pos < len(buf):
+                yield base + pos, buf[pos:]  # the last line, without a newline
+            return
+        yield base + pos, buf[pos:cut + 1]
+        pos = cut + 1
 
 
-def tokenize_partition(job: PartitionJob) -> dict[str, list[int]]:
-    """Write the partition's tokens (dtype, every document ending in eot) and document ends
-    per split; return {split: [num_tokens, num_docs]}."""
+def corpus_text(line: bytes, offset: int) -> str:
+    """The text of one corpus line; a damaged line is one DataError, whatever the engine."""
+    try:
+        text = json.loads(line)["text"]
+    except (ValueError, KeyError, TypeError) as err:  # not UTF-8, not JSON, no "text"
+        text, why = None, f"{type(err).__name__}: {str(err)[:200]}"
+    else:
+        why = f"its text is {type(text).__name__}, not a string"
+    if not isinstance(text, str):
+        raise DataError(f"the stored corpus is damaged: its line at byte {offset} is not a JSON object "
+                        f"with a 'text' string ({why}); delete the dataset's folder under datasets/ "
+                        "in the store and prepare again, which downloads it afresh.")
+    return text
+
+
+def _partition_docs(path: str, start: int, end: int) -> Iterator[str]:
+    """Documents of the lines that start in [start, end) of a local file."""
+    with open(path, "rb") as f:
+        def read(offset: int, size: int) -> bytes:
+            f.seek(offset)
+            return f.read(size)
+
+        for offset, line in range_lines(read, start, end):
+            yield corpus_text(line, offset)
+
+
+def load_tokenizer(path: str):
+    """A tokenizers.Tokenizer from a local file, loaded once per process."""
     from tokenizers import Tokenizer
 
-    tok = _TOKENIZERS.get(job.tokenizer)
+    tok = _TOKENIZERS.get(path)
     if tok is None:
-        tok = _TOKENIZERS[job.tokenizer] = Tokenizer.from_file(job.tokenizer)
-    dtype = np.dtype(job.dtype)
+        tok = _TOKENIZERS[path] = Tokenizer.from_file(path)
+    return tok
+
+
+def tokenize_docs(docs: Iterable[str], tok, eot_id: int, dtype: np.dtype, val_fraction: float,
+                  files: dict[str, tuple[BinaryIO, BinaryIO]]) -> dict[str, list[int]]:
+    """Tokenize documents into `files` ({split: (tokens, document ends)}): every document's ids
+    then eot_id, in `dtype`, to the split its content hash picks; the ends are cumulative
+    little-endian uint64. The one place both engines turn text into shard bytes. Returns
+    {split: [num_tokens, num_docs]}."""
     counts = {s: [0, 0] for s in SPLITS}
-    files = {s: tuple(open(p, "wb") for p in job.paths(s)) for s in SPLITS}
     batch: list[str] = []
     size = 0
 
     def flush() -> None:
         out: dict[str, tuple[list[int], list[int]]] = {s: ([], []) for s in SPLITS}
         for doc, enc in zip(batch, tok.encode_batch_fast(batch)):
-            ids, ends = out["val" if is_val(doc, job.val_fraction) else "train"]
+            ids, ends = out["val" if is_val(doc, val_fraction) else "train"]
             ids.extend(enc.ids)
-            ids.append(job.eot_id)
+            ids.append(eot_id)
             ends.append(len(ids))
         for split, (ids, ends) in out.items():
             if ids:
@@ -114,20 +186,29 @@ def tokenize_partition(job: PartitionJob) -> dict[str, list[int]]:
                 counts[split][1] += len(ends)
         batch.clear()
 
+    for doc in docs:
+        if batch and (len(batch) >= BATCH_DOCS or size + len(doc) > BATCH_BYTES):
+            flush()  # before, not after: a batch holds at most max(BATCH_BYTES, one document)
+            size = 0
+        batch.append(doc)
+        size += len(doc)
+    if batch:
+        flush()
+    return counts
+
+
+def tokenize_partition(job: PartitionJob) -> dict[str, list[int]]:
+    """Write the partition's tokens (dtype, every document ending in eot) and document ends
+    per split; return {split: [num_tokens, num_docs]}."""
+    tok = load_tokenizer(job.tokenizer)
+    files = {s: tuple(open(p, "wb") for p in job.paths(s)) for s in SPLITS}
     try:
-        for doc in _partition_docs(job.corpus, job.start, job.end):
-            if batch and (len(batch) >= BATCH_DOCS or size + len(doc) > BATCH_BYTES):
-                flush()  # before, not after: a batch holds at most max(BATCH_BYTES, one document)
-                size = 0
-            batch.append(doc)
-            size += len(doc)
-        if batch:
-            flush()
+        return tokenize_docs(_partition_docs(job.corpus, job.start, job.end), tok, job.eot_id,
+                             np.dtype(job.dtype), job.val_fraction, files)
     finally:
         for pair in files.values():
             for f in pair:
                 f.close()
-    return counts
 
 
 # ---- running partitions --------------------------------------------------------------
@@ -215,6 +296,36 @@ def _worker_main(job_file: str) -> int:
 
 
 # ---- assembling shard files --------------------------------------------------------------
+def shard_name(split: str, index: int, ext: str) -> str:
+    return f"{split}-{index:05d}.{ext}"
+
+
+def shard_cuts(ends: np.ndarray, count: int, shard_tokens: int) -> Iterator[tuple[int, int, int, int, bool]]:
+    """Where one partition's documents of a split go, the open shard file holding `count`
+    tokens: (first doc, end doc, first token, end token, closes) per run of documents that
+    lands in one file, `closes` when that file is then full (it is cut after the document
+    that reaches shard_tokens). `ends` are the partition's cumulative document ends. The one
+    definition of the cut points, shared by both engines."""
+    done = first = 0  # tokens and documents of this partition already placed
+    while first < len(ends):
+        room = shard_tokens - count
+        last = min(int(np.searchsorted(ends, done + room, side="left")), len(ends) - 1)
+        stop = int(ends[last])
+        count += stop - done
+        closes = count >= shard_tokens
+        yield first, last + 1, done, stop, closes
+        count = 0 if closes else count
+        done, first = stop, last + 1
+
+
+def shard_entries(split: str, index: int, tokens: int, docs: int, itemsize: int,
+                  bin_sha256: str, idx_sha256: str) -> dict[str, dict]:
+    """The manifest entries of one shard file pair."""
+    return {shard_name(split, index, "bin"): {"tokens": tokens, "docs": docs, "size": tokens * itemsize,
+                                              "sha256": bin_sha256},
+            shard_name(split, index, "idx"): {"docs": docs, "size": docs * 8, "sha256": idx_sha256}}
+
+
 class _ShardAssembler:
     """Appends partitions of one split into {split}-00000.bin/.idx ..., cutting a file after
     the document that brings it to shard_tokens; hashes while writing."""
@@ -228,7 +339,7 @@ class _ShardAssembler:
         self.files: dict[str, dict] = {}
 
     def _name(self, ext: str) -> str:
-        return f"{self.split}-{self.index:05d}.{ext}"
+        return shard_name(self.split, self.index, ext)
 
     def _open(self) -> None:
         self.bin = open(os.path.join(self.folder, self._name("bin")), "wb")
@@ -239,21 +350,16 @@ class _ShardAssembler:
         ends = np.fromfile(idx_path, dtype="<u8").astype(np.int64)  # (docs,) cumulative ends
         itemsize = self.dtype.itemsize
         with open(bin_path, "rb") as src:
-            done = first = 0  # tokens and documents of this partition already appended
-            while first < len(ends):
+            for first, end, done, stop, closes in shard_cuts(ends, self.count, self.shard_tokens):
                 if self.bin is None:
                     self._open()
-                room = self.shard_tokens - self.count
-                last = min(int(np.searchsorted(ends, done + room, side="left")), len(ends) - 1)
-                stop = int(ends[last])
                 self._copy(src, (stop - done) * itemsize)
-                block = (ends[first:last + 1] - done + self.count).astype("<u8").tobytes()
+                block = (ends[first:end] - done + self.count).astype("<u8").tobytes()
                 self.idx.write(block)
                 self.idx_hash.update(block)
                 self.count += stop - done
-                self.docs += last + 1 - first
-                done, first = stop, last + 1
-                if self.count >= self.shard_tokens:
+                self.docs += end - first
+                if closes:
                     self.close()
 
     def _copy(self, src, nbytes: int) -> None:
@@ -270,9 +376,8 @@ class _ShardAssembler:
         self.bin.close()
         self.idx.close()
         names = (self._name("bin"), self._name("idx"))
-        self.files[names[0]] = {"tokens": self.count, "docs": self.docs,
-                                "size": self.count * self.dtype.itemsize, "sha256": self.bin_hash.hexdigest()}
-        self.files[names[1]] = {"docs": self.docs, "size": self.docs * 8, "sha256": self.idx_hash.hexdigest()}
+        self.files.update(shard_entries(self.split, self.index, self.count, self.docs, self.dtype.itemsize,
+                                        self.bin_hash.hexdigest(), self.idx_hash.hexdigest()))
         for name in names:
             self.on_close(name, os.path.join(self.folder, name))
         self.index, self.count, self.docs, self.bin, self.idx = self.index + 1, 0, 0, None, None

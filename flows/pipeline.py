@@ -19,7 +19,7 @@ from tasks.training import (
     validate_config,
     write_run_config,
 )
-from core.config import DataConfig, RunConfig, StorageConfig, TokenizerConfig
+from core.config import DataConfig, RayConfig, RunConfig, StorageConfig, TokenizerConfig
 from flows import fails_in_one_line, flow_runs_tagged, tag_flow_run
 from tasks.credentials import use_store_credentials
 
@@ -41,12 +41,14 @@ def _run_name() -> str:
 
 @flow(name="prepare-data", log_prints=True)
 @fails_in_one_line
-def prepare_data(data: DataConfig, tokenizer: TokenizerConfig, storage: StorageConfig) -> ShardInfo:
-    """Download -> tokenizer -> tokenize and shard; each step is a no-op when its output exists."""
+def prepare_data(data: DataConfig, tokenizer: TokenizerConfig, storage: StorageConfig,
+                 ray: RayConfig | None = None) -> ShardInfo:
+    """Download -> tokenizer -> tokenize and shard; each step is a no-op when its output exists.
+    `ray`: the cluster of data.engine 'ray' (empty: a local Ray instance)."""
     use_store_credentials(storage)  # a credentials block named in storage, when run on its own
     dataset = download_dataset(data, storage)
     tok = train_tokenizer(dataset, tokenizer, storage)
-    return tokenize_and_shard(dataset, tok, data, storage)
+    return tokenize_and_shard(dataset, tok, data, storage, ray)
 
 
 @flow(name="train-pipeline", log_prints=True, flow_run_name=_run_name)
@@ -57,7 +59,7 @@ def train_pipeline(config: RunConfig | None = None) -> PipelineResult:
     tag_flow_run(f"run:{config.resolved_run_name()}", f"recipe:{config.recipe or 'custom'}",
                  f"launcher:{config.launch.launcher}",
                  f"world:{config.launch.num_nodes}x{config.launch.nproc_per_node}")
-    shards = prepare_data(config.data, config.tokenizer, config.storage)
+    shards = prepare_data(config.data, config.tokenizer, config.storage, config.ray)
     config_url = write_run_config(config, shards)
     resume = find_resume_checkpoint(config)
     training = launch_training.with_options(retries=config.launch.max_attempts - 1)(

@@ -1,4 +1,4 @@
-"""Launchers behind one small interface (launch.base.Launcher): the torchrun gang first."""
+"""Launchers behind one small interface (launch.base.Launcher): the torchrun gang and Ray."""
 
 from __future__ import annotations
 
@@ -12,4 +12,8 @@ def make_launcher(cfg: RunConfig, config_url: str, shard_key: str, resume_key: s
         from launch.torchrun import TorchrunLauncher
 
         return TorchrunLauncher(cfg, config_url, shard_key, resume_key)
+    if cfg.launch.launcher == "ray":
+        from launch.ray import RayLauncher
+
+        return RayLauncher(cfg, config_url, shard_key, resume_key)
     raise ValueError(f"launch.launcher: unknown launcher {cfg.launch.launcher!r}")  # the config forbids it

@@ -32,10 +32,17 @@ def visible_gpu_count(env: dict[str, str] | None = None, proc: str = NVIDIA_PROC
 
 def device_problems(cfg: RunConfig, gpus: int | None = None) -> list[str]:
     """Config-time problems of the launch on this host: NCCL without GPUs, or more ranks
-    per host than GPUs (the local launcher puts every simulated node on this host)."""
-    gpus = visible_gpu_count() if gpus is None else gpus
+    per host than GPUs (the local launcher puts every simulated node on this host, or those of
+    launch.nodes that have no prefix)."""
     lc = cfg.launch
+    if lc.launcher == "ray":
+        return []  # the GPUs are the cluster's: Ray places the workers (ScalingConfig)
+    gpus = visible_gpu_count() if gpus is None else gpus
     nodes_here = lc.num_nodes if lc.launcher == "local" else 1
+    if lc.nodes:  # launch.nodes: only those without a prefix run here
+        nodes_here = sum(1 for node in lc.nodes if not node.prefix)
+        if nodes_here == 0:
+            return []  # the GPUs are the other machines'
     ranks_here = nodes_here * lc.nproc_per_node
     if lc.backend == "nccl" and gpus == 0:
         return ["launch.backend: 'nccl' needs NVIDIA GPUs and this machine has none (no driver or "

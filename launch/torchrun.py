@@ -5,12 +5,16 @@ Why a launch ended comes from torchelastic's error files, never from log tails: 
 that raised left ``{log_dir}/node-{i}/*/attempt_*/{local_rank}/error.json`` with stoker's
 Failure record in it (training.train's ``@record`` handler); a rank folder without one is a
 rank that ended without raising (a signal, the OOM killer, a crash); an agent that failed
-before its ranks started (a rendezvous time-out) leaves its own error file.
+before its ranks started (a rendezvous time-out) leaves its own error file. Which global rank
+a folder is comes from the rank itself (``core.events.RANK_FILE`` beside its error file): c10d
+numbers the nodes in its own order (their addresses sorted as strings), not ours.
 
-Where each node's agent runs is a ``NodeSpec``: by default every agent runs on this host and
-meets the others on 127.0.0.1. Given an address, a command prefix and an environment per node
-(``ip netns exec <ns>`` in the tests; ``srun --nodelist=<host>`` or ``ssh <host>`` across
-machines), the same torchrun command runs there and reaches the others on that address.
+Where each node's agent runs is a ``NodeSpec``, one per node from ``launch.nodes`` (or given
+in Python): by default every agent runs on this host and meets the others on 127.0.0.1. Given
+an address, a command prefix and an environment per node (``ip netns exec <ns>`` in the
+tests; ``srun --nodelist=<host>`` across machines), the same torchrun command runs there and
+reaches the others on that address. The prefix and the command are exec'd as a list, never
+through a shell here.
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ from dataclasses import dataclass, field
 
 from storage import credentials
 from core.config import LaunchConfig, RunConfig
-from core.events import ERROR_INFO_KEY, PERMANENT_MARKER_ENV, Failure, from_dict
+from core.events import ERROR_INFO_KEY, PERMANENT_MARKER_ENV, RANK_FILE, Failure, from_dict
 from core.failures import PERMANENT, classify_reported
 from launch.base import GangResult, Launcher, OnEvent, OnLine
 from launch.gang import GRACE_SECONDS, PROJECT_ROOT, RANK_STOP_MARGIN_SECONDS, ProcessGang
+
+CPU_THREADS_ENV = "STOKER_CPU_THREADS"  # a CPU rank's torch threads (training.loop.setup_distributed)
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -41,8 +48,9 @@ def _local_port(host: str) -> int:
     try:
         return free_port(host)
     except OSError as err:
-        raise ValueError(f"launch.rdzv_host {host!r} is not an address of this host ({err}); when "
-                         "another node hosts the rendezvous, give its port (rdzv_port)") from err
+        raise ValueError(f"launch.rdzv_host {host!r} is not an address of this host ({err}), so "
+                         "no free port can be picked for it here; give the port its node listens "
+                         "on in launch.rdzv_port") from err
 
 
 @dataclass(frozen=True)
@@ -61,8 +69,10 @@ class NodeSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def node_specs(lc: LaunchConfig, nodes: list[NodeSpec] | None) -> list[NodeSpec]:
-    """One spec per node: the ones given, or every node on this host."""
+def node_specs(lc: LaunchConfig, nodes: list[NodeSpec] | None = None) -> list[NodeSpec]:
+    """One spec per node: the ones given, else launch.nodes, else every node on this host."""
+    if nodes is None and lc.nodes:
+        nodes = [NodeSpec(tuple(n.prefix), n.address, dict(n.env)) for n in lc.nodes]
     if nodes is None:
         return [NodeSpec()] * lc.num_nodes
     if len(nodes) != lc.num_nodes:
@@ -75,8 +85,10 @@ def torchrun_commands(cfg: RunConfig, config_url: str, shard_key: str, resume_ke
                       nodes: list[NodeSpec] | None = None) -> list[list[str]]:
     """The torchrun command of each node (no prefix), all meeting at one c10d endpoint."""
     lc = cfg.launch
+    specs = node_specs(lc, nodes)
+    placed = any(spec.address for spec in specs)
     cmds = []
-    for node, spec in enumerate(node_specs(lc, nodes)):
+    for node, spec in enumerate(specs):
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={lc.num_nodes}", f"--nproc-per-node={lc.nproc_per_node}",
@@ -85,8 +97,9 @@ def torchrun_commands(cfg: RunConfig, config_url: str, shard_key: str, resume_ke
             f"--max-restarts={lc.max_restarts}", "--tee=3",
         ]
         if spec.address:
-            cmd += [f"--local-addr={spec.address}",
-                    f"--rdzv-conf=is_host={str(spec.address == lc.rdzv_host).lower()}"]
+            cmd.append(f"--local-addr={spec.address}")
+        if placed:  # said for every node: torchrun's guess hosts it wherever a name matches
+            cmd.append(f"--rdzv-conf=is_host={str(spec.address == lc.rdzv_host).lower()}")
         if log_dir:
             cmd.append(f"--log-dir={os.path.join(log_dir, f'node-{node}')}")
         cmd += ["-m", "training.train", "--config", config_url, "--shards", shard_key]
@@ -132,7 +145,7 @@ def read_error_files(log_dir: str, nproc_per_node: int) -> tuple[list[Failure], 
         for rank_dir in sorted(glob.glob(os.path.join(node_dir, "*", "attempt_*", "*"))):
             if not os.path.basename(rank_dir).isdigit():
                 continue
-            rank = node * nproc_per_node + int(os.path.basename(rank_dir))
+            rank = _global_rank(rank_dir, node * nproc_per_node + int(os.path.basename(rank_dir)))
             record = _error_record(os.path.join(rank_dir, "error.json"))
             if record is None:
                 lost.append(rank)
@@ -151,6 +164,29 @@ def read_error_files(log_dir: str, nproc_per_node: int) -> tuple[list[Failure], 
     return failures, lost, agents
 
 
+def _cpu_threads(nodes: list[NodeSpec], nproc_per_node: int, env: dict[str, str]) -> dict[str, str]:
+    """The CPU threads of each rank of a node on this host, when several agents share it: a
+    rank divides the cores only among the ranks of its own agent (training.loop reads
+    STOKER_CPU_THREADS first), so 2 agents x 1 rank on 2 cores ran 4 threads, 7-10x slower
+    than 1 x 2 (benchmarks/bench_multinode.py). Nothing when one agent runs here, or when the
+    environment already says."""
+    here = sum(1 for spec in nodes if not spec.prefix)
+    if here < 2 or CPU_THREADS_ENV in env:
+        return {}
+    return {CPU_THREADS_ENV: str(max(1, (os.cpu_count() or 1) // (here * nproc_per_node)))}
+
+
+def _global_rank(rank_dir: str, launch_order: int) -> int:
+    """The rank's own RANK, as it wrote it at start (see core.events.RANK_FILE); else (a rank
+    killed before it wrote it) the launch-order guess, right while c10d keeps that order."""
+    try:
+        with open(os.path.join(rank_dir, RANK_FILE)) as f:
+            rank = json.load(f)["rank"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return launch_order
+    return rank if isinstance(rank, int) else launch_order
+
+
 def _error_record(path: str) -> dict | None:
     try:
         with open(path) as f:
@@ -163,15 +199,16 @@ def _error_record(path: str) -> dict | None:
 
 class TorchrunLauncher(Launcher):
     """`launch.num_nodes` torchrun agents, one process gang: on this host (simulated nodes),
-    or each where its `NodeSpec` puts it. `rdzv_port`: the port the rendezvous host listens
-    on (default: one free on this host, which hosts it unless `nodes` say otherwise)."""
+    or each where its `NodeSpec` puts it (`nodes`, else launch.nodes). `rdzv_port`: the port the
+    rendezvous host listens on (else launch.rdzv_port, else one free on this host, which then
+    hosts it)."""
 
     def __init__(self, cfg: RunConfig, config_url: str, shard_key: str, resume_key: str | None,
                  env: dict[str, str] | None = None, nodes: list[NodeSpec] | None = None,
                  rdzv_port: int | None = None):
         self.launch: LaunchConfig = cfg.launch
         nodes = node_specs(cfg.launch, nodes)
-        port = rdzv_port or _local_port(cfg.launch.rdzv_host)
+        port = rdzv_port or cfg.launch.rdzv_port or _local_port(cfg.launch.rdzv_host)
         self.work_dir = tempfile.mkdtemp(prefix="stoker-launch-")
         self.torchrun_cmds = torchrun_commands(cfg, config_url, shard_key, resume_key, port,
                                                log_dir=self.work_dir, nodes=nodes)
@@ -181,6 +218,9 @@ class TorchrunLauncher(Launcher):
                  "TORCHELASTIC_ERROR_FILE": os.path.join(self.work_dir, f"node-{i}", "agent-error.json"),
                  PERMANENT_MARKER_ENV: os.path.join(self.work_dir, "permanent-failure.json")}
                 for i, spec in enumerate(nodes)]
+        for spec, node_env in zip(nodes, envs):
+            if not spec.prefix:
+                node_env.update(_cpu_threads(nodes, self.launch.nproc_per_node, node_env))
         for i in range(len(self.cmds)):
             os.makedirs(os.path.join(self.work_dir, f"node-{i}"), exist_ok=True)
         self.gang = ProcessGang(self.cmds, envs, self.launch.nproc_per_node,

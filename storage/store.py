@@ -93,6 +93,11 @@ class Store:
     def read_bytes(self, key: str) -> bytes:
         return self.fs.cat_file(self._path(key))
 
+    def read_range(self, key: str, start: int, size: int) -> bytes:
+        """Bytes [start, start + size) of an object, in one ranged read (a range GET on
+        object stores); the range must lie within the object."""
+        return self.fs.cat_file(self._path(key), start=start, end=start + size) if size > 0 else b""
+
     def write_bytes(self, key: str, data: bytes) -> None:
         """Write a whole object atomically: tmp + rename on local disks, one PUT elsewhere."""
         path = self._path(key)

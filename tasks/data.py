@@ -13,7 +13,7 @@ from storage.store import Store
 from core.results import DatasetInfo, ShardInfo, TokenizerInfo
 from data import prepare
 from tasks.policy import BACKOFF, JITTER, retry_if_transient
-from core.config import DataConfig, StorageConfig, TokenizerConfig
+from core.config import DataConfig, RayConfig, StorageConfig, TokenizerConfig
 
 
 def vocabulary_note(got: int, asked: int) -> str:
@@ -63,12 +63,16 @@ def train_tokenizer(dataset: DatasetInfo, tokenizer: TokenizerConfig,
 @task(name="tokenize_and_shard", timeout_seconds=14400, retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
       retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
 def tokenize_and_shard(dataset: DatasetInfo, tokenizer: TokenizerInfo,
-                       data: DataConfig, storage: StorageConfig) -> ShardInfo:
+                       data: DataConfig, storage: StorageConfig, ray: RayConfig | None = None) -> ShardInfo:
     """Tokenize once into shards keyed by content; a valid shard set is reused as is.
-    data.num_workers worker processes share the work; the bytes do not depend on it."""
-    info = prepare.tokenize_and_shard(dataset, tokenizer, data, _store(storage))
+    data.num_workers worker processes share the work, or with data.engine 'ray' Ray tasks on
+    the cluster of `ray`; the bytes depend on neither."""
+    info = prepare.tokenize_and_shard(dataset, tokenizer, data, _store(storage), ray=ray)
+    if data.engine == "ray":
+        where = f"Ray tasks on {ray.address}" if ray and ray.address else "Ray tasks on a local Ray instance"
+    else:
+        where = f"up to {data.resolved_workers()} worker process(es)"
     get_run_logger().info(
         "shards %s: %d train / %d val tokens, %s (%s)", info.cache_key, info.num_train_tokens,
-        info.num_val_tokens, info.dtype,
-        "cache hit, no tokenization" if info.cache_hit else f"tokenized, up to {data.resolved_workers()} worker process(es)")
+        info.num_val_tokens, info.dtype, "cache hit, no tokenization" if info.cache_hit else f"tokenized, {where}")
     return info

@@ -78,7 +78,9 @@ class RayCluster:
         env = dict(os.environ)
         for name in ("RAY_ADDRESS", "STOKER_GANG_ID", "PYTEST_CURRENT_TEST"):
             env.pop(name, None)
-        env.update(RAY_USAGE_STATS_ENABLED="0", GLOO_SOCKET_IFNAME=self.nodes.ifnames[node],
+        # token authentication off, said explicitly: a local Ray started on this machine before
+        # (ray.init) leaves ~/.ray/auth_token, and a head that finds it would require tokens
+        env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", GLOO_SOCKET_IFNAME=self.nodes.ifnames[node],
                    STOKER_CACHE=self.caches[node], PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, env.get("PYTHONPATH")) if p))
         if node == 0:
@@ -151,13 +153,10 @@ class RayCluster:
         return found
 
     def down(self) -> None:
-        for i in range(len(self.nodes.addresses)):
-            if self.nodes.namespaces[i] in [n for kind, n in self.nodes.made if kind == "netns"]:
-                try:
-                    self._ray(i, "stop", "--force", check=False)
-                except (OSError, subprocess.TimeoutExpired):
-                    pass
-        self.nodes.down()  # kills whatever is left in the namespaces
+        # never `ray stop`: it finds Ray processes by name on the whole machine (a namespace
+        # isolates the network only) and would stop every other cluster too; every process
+        # of this cluster's nodes is in their namespaces, which down() empties
+        self.nodes.down()
         for i in range(len(self.nodes.addresses)):
             shutil.rmtree(os.path.dirname(self._hosts_file(i)), ignore_errors=True)
         shutil.rmtree(self.work_dir, ignore_errors=True)

@@ -43,7 +43,23 @@ def emit(event: events.Event) -> None:
         sys.stdout.write(event.encode() + "\n")
         sys.stdout.flush()
 
-STOP_GRACE_SECONDS = float(os.environ.get("STOKER_STOP_GRACE_SECONDS", "15"))
+def stop_grace_seconds() -> float:
+    """The ranks' stop budget (read when asked: a Ray worker sets its environment after import)."""
+    return float(os.environ.get("STOKER_STOP_GRACE_SECONDS", "15"))
+
+
+_STOP_ASKED = threading.Event()  # a stop asked for without a signal (a Ray worker's relay)
+
+
+def request_stop() -> None:
+    """Ask this rank to stop as SIGTERM does, from any thread (Ray workers get no signal:
+    their driver relays the stop)."""
+    _STOP_ASKED.set()
+    for stop in list(_STOP_REQUESTS):
+        stop.ask()
+
+
+_STOP_REQUESTS: "list[StopRequest]" = []
 FAILED_UPLOAD_WAIT_SECONDS = 10.0
 
 
@@ -62,10 +78,18 @@ class StopRequest:
     def __init__(self, group: "dist.ProcessGroup | None" = None):
         self.flag, self.since, self.group = False, None, group
         self.pending: tuple | None = None  # (work, tensor) of the vote in flight
-        signal.signal(signal.SIGTERM, self._handler)
+        if threading.current_thread() is threading.main_thread():  # a Ray worker's is not
+            signal.signal(signal.SIGTERM, self._handler)
+        _STOP_REQUESTS[:] = [self]
+        if _STOP_ASKED.is_set():
+            self.ask()
 
     def _handler(self, signum, frame) -> None:
-        self.flag, self.since = True, time.monotonic()
+        self.ask()
+
+    def ask(self) -> None:
+        if not self.flag:
+            self.flag, self.since = True, time.monotonic()
 
     def agreed(self) -> bool:
         if self.group is None:
@@ -89,7 +113,7 @@ class StopRequest:
             self.pending = None
 
     def seconds_left(self) -> float:
-        return STOP_GRACE_SECONDS - (time.monotonic() - (self.since or time.monotonic()))
+        return stop_grace_seconds() - (time.monotonic() - (self.since or time.monotonic()))
 
 
 @dataclass(frozen=True)
@@ -135,9 +159,10 @@ def setup_distributed(cfg: RunConfig) -> RankInfo:
     if "MASTER_ADDR" in os.environ and not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         dist.init_process_group(backend=backend, store=_restart_store(), rank=rank, world_size=world)
-    if device.type == "cpu":
+    if device.type == "cpu":  # the CPUs the launcher gave this rank (Ray: its reservation)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        threads = int(os.environ.get("STOKER_CPU_THREADS", "0")) or (os.cpu_count() or 1) // local_world
+        torch.set_num_threads(max(1, threads))
     return RankInfo(rank, local_rank, world, device)
 
 

@@ -32,13 +32,18 @@ from storage.shards import materialize
 from storage.store import Store, default_cache_dir
 from training.loop import Trainer, emit, setup_distributed
 
+def failure_of(e: BaseException) -> events.Failure:
+    """This rank's Failure record of an exception: its type, message and whether a retry helps."""
+    cause = e.__cause__ if isinstance(e, RankAborted) and e.__cause__ is not None else e
+    return events.Failure(rank=int(os.environ.get("RANK", "0")), type=type(cause).__name__,
+                          message=str(cause)[:800], transient=is_transient(e))
+
+
 class RankErrorHandler(ErrorHandler):
     """torchelastic's structured error file, plus the Failure record the launcher classifies by."""
 
     def record_exception(self, e: BaseException) -> None:
-        cause = e.__cause__ if isinstance(e, RankAborted) and e.__cause__ is not None else e
-        failure = events.Failure(rank=int(os.environ.get("RANK", "0")), type=type(cause).__name__,
-                                 message=str(cause)[:800], transient=is_transient(e))
+        failure = failure_of(e)
         emit(failure)
         path = self._get_error_file_path()
         if not path:
@@ -99,6 +104,40 @@ def any_rank_restarted(mine: bool) -> bool:
     return any(flags)
 
 
+def run_rank(config_url: str, shards: str, resume_from: str | None, cache_dir: str,
+             restarted: bool) -> dict:
+    """One rank's whole run, under any launcher: join the process group (torchrun's or Ray's),
+    load the shards once per host, resume (a restart round from the newest valid checkpoint,
+    else from `resume_from`), train."""
+    shard_key = shards.rstrip("/").rsplit("/", 1)[-1]
+    cfg = read_config(config_url)
+    ranks = setup_distributed(cfg)
+    restarted = any_rank_restarted(restarted)
+    store = Store(cfg.storage.root, cfg.storage.storage_options)
+    trainer = Trainer(cfg, ranks, materialize(store, shard_key, cache_dir), store, shard_key,
+                      cache_dir=cache_dir)
+    resume = newest_checkpoint(store, cfg) if restarted else resume_from
+    if resume:
+        trainer.resume(resume)
+    return trainer.fit()
+
+
+def file_rank_numbers() -> None:
+    """Leave this rank's global, group and local rank beside its torchelastic error file, where
+    the launcher looks for its fate: c10d numbers the nodes in its own order, so the launcher
+    cannot work a global rank out from the order it started the nodes in."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file or "RANK" not in os.environ:  # not a torchrun rank
+        return
+    numbers = {name.lower(): int(os.environ[name]) for name in ("RANK", "GROUP_RANK", "LOCAL_RANK")
+               if os.environ.get(name, "").isdigit()}
+    try:
+        with open(os.path.join(os.path.dirname(error_file), events.RANK_FILE), "w") as f:
+            json.dump(numbers, f)
+    except OSError:  # evidence only: the launcher falls back to the launch order
+        pass
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train one rank of a stoker run.")
     p.add_argument("--config", required=True, help="URL or path of the run's config.json")
@@ -110,22 +149,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 @partial(record, error_handler=RankErrorHandler())
 def main(argv: list[str] | None = None) -> None:
+    file_rank_numbers()
     args = parse_args(argv)
-    shard_key = args.shards.rstrip("/").rsplit("/", 1)[-1]
     try:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         if restarted:
             _end_if_failed_for_good()
-        cfg = read_config(args.config)
-        ranks = setup_distributed(cfg)
-        restarted = any_rank_restarted(restarted)
-        store = Store(cfg.storage.root, cfg.storage.storage_options)
-        trainer = Trainer(cfg, ranks, materialize(store, shard_key, args.cache_dir), store, shard_key,
-                          cache_dir=args.cache_dir)
-        resume = newest_checkpoint(store, cfg) if restarted else args.resume_from
-        if resume:
-            trainer.resume(resume)
-        trainer.fit()
+        run_rank(args.config, args.shards, args.resume_from, args.cache_dir, restarted)
     except (Exception, SystemExit, KeyboardInterrupt):
         raise
     except BaseException as exc:  # e.g. DCP's CheckpointException, which @record would not see

@@ -183,3 +183,67 @@ def test_max_pending_uploads_below_one_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="checkpoint.max_pending_uploads") as err:
         load_config(tiny_dict("file://" + str(tmp_path), checkpoint={"max_pending_uploads": 0}))
     assert "give at least 1" in str(err.value)
+
+
+_TWO_HOSTS = [{"prefix": ["ssh", "host0"], "address": "10.0.0.10"},
+              {"prefix": ["ssh", "host1"], "address": "10.0.0.11"}]
+
+
+@pytest.mark.parametrize("launch,field,says", [
+    ({"nodes": _TWO_HOSTS[:1], "rdzv_host": "10.0.0.10", "rdzv_port": 29500}, "launch.nodes",
+     "gives 1 node(s) for num_nodes=2 (got [{'prefix': ['ssh', 'host0']"),
+    ({"nodes": _TWO_HOSTS, "rdzv_port": 29500}, "launch.rdzv_host",
+     "is no node's address: the rendezvous is hosted by the node whose address it is (got "
+     "'127.0.0.1'); give one of ['10.0.0.10', '10.0.0.11']"),
+    ({"nodes": [{"address": "10.0.0.10"}, {"address": "10.0.0.10"}], "rdzv_host": "10.0.0.10"},
+     "launch.rdzv_host", "is the address of nodes [0, 1]"),
+    ({"nodes": _TWO_HOSTS, "rdzv_host": "10.0.0.11"}, "launch.rdzv_port",
+     "is needed: the rendezvous host 10.0.0.11 is node 1, started on another machine (ssh)"),
+    ({"nodes": [{"prefix": ["ssh host0"], "address": "10.0.0.10"}, _TWO_HOSTS[1]],
+      "rdzv_host": "10.0.0.10"}, "launch.nodes.0.prefix",
+     "is one shell string (got ['ssh host0']); give one word per item: ['ssh', 'host0']"),
+    ({"nodes": [{"prefix": "ssh host0", "address": "10.0.0.10"}, _TWO_HOSTS[1]],
+      "rdzv_host": "10.0.0.10"}, "launch.nodes.0.prefix", "give the command as a list of words"),
+    ({"nodes": [_TWO_HOSTS[0], {**_TWO_HOSTS[1], "adress": "10.0.0.11"}], "rdzv_host": "10.0.0.10",
+      "rdzv_port": 29500}, "launch.nodes.1.adress", "did you mean launch.nodes.1.address?"),
+    ({"nodes": [{"address": "10.0.0.10"}, {"address": "host 1"}], "rdzv_host": "10.0.0.10"},
+     "launch.nodes.1.address", "is not an address (got 'host 1'); give an IP address or host name"),
+    ({"nodes": [{"address": "10.0.0.10", "env": {"GLOO-IFNAME": "eth1"}}, {}], "rdzv_host": "10.0.0.10"},
+     "launch.nodes.0.env", "['GLOO-IFNAME'] cannot be an environment variable's name"),
+    ({"launcher": "ray", "nodes": _TWO_HOSTS, "rdzv_host": "10.0.0.10", "rdzv_port": 29500},
+     "launch.nodes", "remove launch.nodes (Ray places its workers)"),
+])
+def test_launch_nodes_rules_name_the_field_and_the_fix(launch, field, says, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(tiny_dict("file://" + str(tmp_path), launch={"num_nodes": 2, "nproc_per_node": 1, **launch}))
+    problems = [p for p in err.value.problems if not p.startswith("launch.launcher")]  # Ray may be absent
+    [line] = problems
+    assert line.startswith(field + ":") and says in line, line
+
+
+def test_credentials_in_a_nodes_env_are_refused_and_never_shown(tmp_path):
+    nodes = [{"address": "10.0.0.10", "env": {"AWS_SECRET_ACCESS_KEY": "hunter2", "STOKER_CACHE": "/c"}}, {}]
+    with pytest.raises(ConfigError) as err:
+        load_config(tiny_dict("file://" + str(tmp_path), launch={
+            "num_nodes": 2, "nproc_per_node": 1, "rdzv_host": "10.0.0.10", "nodes": nodes}))
+    [line] = err.value.problems
+    assert line.startswith("launch.nodes.0.env: holds credentials (AWS_SECRET_ACCESS_KEY)")
+    assert "hunter2" not in str(err.value) and "AWS_PROFILE" in line
+
+
+def test_launch_nodes_that_follow_the_rules_load(tmp_path):
+    """Remote rendezvous with its port; a rendezvous node on this host (no prefix) without one,
+    its port picked at launch; an empty list is no list (the UI form's)."""
+    def launch(**values):
+        return load_config(tiny_dict("file://" + str(tmp_path), launch={
+            "num_nodes": 2, "nproc_per_node": 1, **values})).launch
+
+    remote = launch(nodes=_TWO_HOSTS, rdzv_host="10.0.0.11", rdzv_port=29500)
+    assert [n.prefix for n in remote.nodes] == [["ssh", "host0"], ["ssh", "host1"]]
+    here = launch(nodes=[{"address": "10.0.0.10"}, _TWO_HOSTS[1]], rdzv_host="10.0.0.10")
+    assert here.rdzv_port is None and here.nodes[0].prefix == []
+    assert launch(nodes=[]).nodes is None
+    cfg = load_config(tiny_dict("file://" + str(tmp_path)))
+    assert cfg.identity_hash() == load_config(tiny_dict("file://" + str(tmp_path), launch={
+        "num_nodes": 2, "nproc_per_node": 1, "nodes": _TWO_HOSTS, "rdzv_host": "10.0.0.10",
+        "rdzv_port": 29500})).identity_hash()  # where it runs is no part of what it is

@@ -133,3 +133,82 @@ def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_ser
                 os.kill(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_cancelling_a_flow_run_on_ray_stops_the_ray_job_and_leaves_no_worker(prefect_server, ray_cluster,
+                                                                               tmp_path):
+    """launch.launcher: ray, through the same served deployment: the cancel reaches the Ray
+    driver (SIGTERM from the launcher's stop), the workers write a stop checkpoint, and no Ray
+    Train worker or controller is left on either node of the cluster."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.settings import PREFECT_API_URL
+    from prefect.states import Cancelling
+
+    root, options = ray_cluster.bucket()
+    cfg = load_config(tiny_dict(
+        root, run_name="cancel-ray", train={"max_steps": 100_000}, checkpoint={"interval_steps": 20},
+        eval={"interval_steps": 100_000, "per_checkpoint_enabled": False},
+        storage={"root": root, "storage_options": options},
+        ray={"address": ray_cluster.cluster.client_address},
+        launch={"launcher": "ray", "num_nodes": 2, "nproc_per_node": 1, "timeout_seconds": 600}))
+    store = Store(root, options)
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
+           "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PYTHONPATH": ROOT}
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "-c", SERVE], cwd=ROOT, env=env, stdout=out,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    watch = GangWatch("training.ray_main")
+    try:
+        with get_client(sync_client=True) as client:
+            def deployment():
+                try:
+                    return client.read_deployment_by_name("train-pipeline/cancel-test")
+                except Exception:
+                    return None
+
+            dep = _wait("the deployment", deployment, 180, server, log)
+            run = client.create_flow_run_from_deployment(
+                dep.id, parameters={"config": cfg.model_dump(mode="json")})
+
+            def training():
+                watch.record()
+                state = client.read_flow_run(run.id).state
+                if state is not None and state.is_final():
+                    pytest.fail(f"the flow run ended before the cancel: {state!r}\n" + _tail(log))
+                workers = ray_cluster.cluster.worker_pids("RayTrainWorker")
+                return len(workers) == 2 and find_latest_valid(store, "cancel-ray").checkpoint
+
+            _wait("Ray workers on both nodes and a committed checkpoint", training, 300, server, log)
+            client.set_flow_run_state(run.id, Cancelling(message="cancel test"))
+
+            def ended():
+                watch.record()
+                state = client.read_flow_run(run.id).state
+                return state if state is not None and state.is_final() else None
+
+            final = _wait("the flow run to end", ended, 180, server, log)
+            assert final.type == StateType.CANCELLED, f"{final!r}\n" + _tail(log)
+
+        def nothing_left():
+            return not any(ray_cluster.cluster.worker_pids(p) for p in ("RayTrainWorker", "TrainController"))
+
+        _wait("the Ray workers to end", nothing_left, 120)
+        assert any("training.ray_main" in p.cmdline for p in watch.seen.values())
+        assert _wait("the driver to end", lambda: watch.leftovers() == [], 60)
+        store = Store(root, options)  # a fresh listing cache: the one above predates the files
+        records = [json.loads(line) for line in store.read_bytes("runs/cancel-ray/metrics.jsonl").splitlines()]
+        stopped = [r for r in records if r["event"] == "stopped"]
+        assert len(stopped) == 1, records[-5:]
+        newest = list_checkpoints(store, "cancel-ray")[0]
+        assert find_latest_valid(store, "cancel-ray").checkpoint.key == newest.key
+        if stopped[0]["saved"]:
+            assert newest.step == stopped[0]["step"]
+    finally:
+        stop_process(server)
+        for proc in watch.leftovers():
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -39,3 +39,15 @@ def test_device_rules_name_the_field_and_the_fix():
                                            "launch.backend": "auto", "train.global_batch_size": 16})
     [shared] = device_problems(two_nodes, gpus=2)  # simulated nodes share this host's GPUs
     assert "4 rank(s) on this host" in shared and "at most 1" in shared
+
+
+def test_nodes_on_other_machines_bring_their_own_gpus():
+    """launch.nodes: only the nodes without a prefix run on this host, whose GPUs are checked."""
+    def two_nodes(first: dict):
+        return load_config("gpt2-124m", **{
+            "launch.num_nodes": 2, "train.global_batch_size": 384, "launch.rdzv_host": "10.0.0.10",
+            "launch.rdzv_port": 29500, "launch.nodes": [first, {"prefix": ["ssh", "host1"], "address": "10.0.0.11"}]})
+
+    assert device_problems(two_nodes({"prefix": ["ssh", "host0"], "address": "10.0.0.10"}), gpus=0) == []
+    [few] = device_problems(two_nodes({"address": "10.0.0.10"}), gpus=4)  # node 0 runs here
+    assert few.startswith("launch.nproc_per_node: 8 rank(s) on this host need a GPU each and it has 4")

@@ -4,7 +4,9 @@ the test makes. Rendezvous, gloo traffic and S3 (moto_server, bound to the bridg
 cross real interfaces, and each node has its own cache, as separate machines would.
 
 - Each node downloads the shard set and the resume checkpoint once for its 2 ranks (moto's
-  request log: one GET per file from each node's address).
+  request log: one GET per file from each node's address). This one places the nodes through
+  the config (launch.nodes, launch.rdzv_port) and launch.make_launcher, as the flow does; the
+  others give `NodeSpec`s in Python.
 - Losing a node (every process in its namespace SIGKILLed) makes the other node's ranks fail
   at once (gloo: the peer closed the connection), not hang; the launch fails as transient,
   and a relaunch from the newest valid checkpoint ends bit for bit where an unbroken run of
@@ -34,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 
 from core import events
 from core.config import load_config
+from launch import make_launcher
 from launch.torchrun import NodeSpec, TorchrunLauncher, child_env
 from storage.checkpoints import find_latest_valid, list_checkpoints, rehydrate, validate_checkpoint
 from storage.store import Store
@@ -66,14 +69,18 @@ class Cluster:
                          env={"GLOO_SOCKET_IFNAME": self.nodes.ifnames[i], "STOKER_CACHE": self.caches[i]})
                 for i in range(NUM_NODES)]
 
-    def config(self, run: str, nproc: int, max_steps: int = MAX_STEPS, max_restarts: int = 0):
-        """The run's config, pinned in the store: (config, its URL)."""
+    def config(self, run: str, nproc: int, max_steps: int = MAX_STEPS, max_restarts: int = 0,
+               nodes_in_config: bool = False):
+        """The run's config, pinned in the store: (config, its URL). `nodes_in_config`: the
+        nodes and the rendezvous port are in launch.nodes / launch.rdzv_port."""
+        placed = {"nodes": [{"prefix": list(s.prefix), "address": s.address, "env": s.env} for s in self.specs()],
+                  "rdzv_port": next(self.ports)} if nodes_in_config else {}
         cfg = load_config(tiny_dict(
             self.root, run_name=run, train={"max_steps": max_steps},
             checkpoint={"interval_steps": INTERVAL}, eval={"per_checkpoint_enabled": False},
             storage={"root": self.root, "storage_options": self.options},
             launch={"num_nodes": NUM_NODES, "nproc_per_node": nproc, "timeout_seconds": 240,
-                    "rdzv_host": self.nodes.addresses[0], "max_restarts": max_restarts}))
+                    "rdzv_host": self.nodes.addresses[0], "max_restarts": max_restarts, **placed}))
         name = f"runs/{run}/config-{max_steps}.json"
         self.store.write_bytes(name, cfg.to_json().encode())
         return cfg, self.store.url(name)
@@ -88,9 +95,14 @@ class Cluster:
             if on_event is not None:
                 on_event(seen)
 
-        launcher = TorchrunLauncher(cfg, config_url, self.shard_key, resume_key,
-                                    env={**child_env(cfg), **(env or {})}, nodes=self.specs(),
-                                    rdzv_port=next(self.ports))
+        if cfg.launch.nodes:  # as the flow launches: everything from the config
+            launcher = make_launcher(cfg, config_url, self.shard_key, resume_key)
+            for node_env in launcher.gang.envs:
+                node_env.update(env or {})
+        else:
+            launcher = TorchrunLauncher(cfg, config_url, self.shard_key, resume_key,
+                                        env={**child_env(cfg), **(env or {})}, nodes=self.specs(),
+                                        rdzv_port=next(self.ports))
         result = launcher.run(lines.append, event)
         return launcher, result, seen, lines
 
@@ -175,9 +187,9 @@ def _assert_bitwise_equal(a: dict, b: dict) -> None:
 
 def test_each_node_fetches_the_shards_and_the_resume_checkpoint_once_for_its_ranks(cluster):
     run = "mn-cache"
-    cfg, url = cluster.config(run, nproc=2, max_steps=INTERVAL)
+    cfg, url = cluster.config(run, nproc=2, max_steps=INTERVAL, nodes_in_config=True)
     assert sorted(_losses(cluster.completed(cfg, url))) == list(range(1, INTERVAL + 1))
-    longer, longer_url = cluster.config(run, nproc=2, max_steps=INTERVAL + 1)
+    longer, longer_url = cluster.config(run, nproc=2, max_steps=INTERVAL + 1, nodes_in_config=True)
     key = list_checkpoints(cluster.store, run)[0].key
     seen = cluster.completed(longer, longer_url, resume_key=key)
     assert [e.step for e in seen if isinstance(e, events.Resumed)] == [INTERVAL]

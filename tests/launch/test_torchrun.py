@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 import signal
@@ -8,9 +9,12 @@ import time
 import pytest
 
 from core import events
+from core.config import load_config
+from launch import make_launcher
 from launch.base import GangResult, classify
 from launch.gang import kill_gang, run_gang
-from launch.torchrun import NodeSpec, TorchrunLauncher
+from launch.torchrun import NodeSpec, TorchrunLauncher, read_error_files
+from tests.conftest import prepare_shards, tiny_dict
 
 TRAIN = events.Train(step=1, loss=2.5, lr=1e-3, step_seconds=0.1, tokens_seen=64, time=1.0)
 
@@ -94,3 +98,95 @@ def test_node_specs_place_each_agent_and_say_which_node_hosts_the_rendezvous(tin
         TorchrunLauncher(cfg, "file:///s/runs/r/config.json", "shards/k", None, nodes=specs[:1])
     with pytest.raises(ValueError, match="not an address of this host"):  # no port can be chosen here
         TorchrunLauncher(cfg, "file:///s/runs/r/config.json", "shards/k", None, nodes=specs)
+
+
+def test_launch_nodes_in_the_config_place_each_agent_through_make_launcher(tiny_config):
+    """launch.nodes and launch.rdzv_port, as the flow gives them: make_launcher builds the same
+    commands the NodeSpecs above do; the prefix is a list, exec'd as is."""
+    nodes = [{"prefix": ["srun", "--nodes=1", "--ntasks=1", f"--nodelist=host{i}"],
+              "address": f"198.51.100.1{i}", "env": {"NCCL_SOCKET_IFNAME": "eth1",
+                                                     "STOKER_CACHE": f"/cache/{i}"}} for i in range(2)]
+    cfg = tiny_config(launch={"num_nodes": 2, "nproc_per_node": 1, "rdzv_host": "198.51.100.11",
+                              "rdzv_port": 29400, "nodes": nodes})
+    launcher = make_launcher(cfg, "file:///s/runs/r/config.json", "shards/k", None)
+    try:
+        assert isinstance(launcher, TorchrunLauncher)
+        for i, cmd in enumerate(launcher.cmds):
+            assert cmd[:4] == nodes[i]["prefix"] and cmd[4:7] == [sys.executable, "-m", "torch.distributed.run"]
+            assert "--rdzv-endpoint=198.51.100.11:29400" in cmd and f"--local-addr=198.51.100.1{i}" in cmd
+            assert f"--rdzv-conf=is_host={'true' if i == 1 else 'false'}" in cmd  # node 1 hosts it
+        assert [e["STOKER_CACHE"] for e in launcher.gang.envs] == ["/cache/0", "/cache/1"]
+        assert all(e["NCCL_SOCKET_IFNAME"] == "eth1" for e in launcher.gang.envs)
+        assert all("STOKER_CPU_THREADS" not in e for e in launcher.gang.envs)  # their own cores
+    finally:
+        shutil.rmtree(launcher.work_dir, ignore_errors=True)
+
+
+def test_agents_sharing_this_host_share_its_cores(tiny_config, monkeypatch):
+    """2 simulated nodes x 1 rank take the threads 1 node x 2 ranks takes (a rank alone on its
+    agent would take every core: 4 threads on 2 cores, 7-10x slower in bench_multinode)."""
+    monkeypatch.delenv("STOKER_CPU_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    cfg = tiny_config(launch={"num_nodes": 2, "nproc_per_node": 1})
+    launcher = TorchrunLauncher(cfg, "file:///s/runs/r/config.json", "shards/k", None)
+    try:
+        assert [e["STOKER_CPU_THREADS"] for e in launcher.gang.envs] == ["4", "4"]
+    finally:
+        shutil.rmtree(launcher.work_dir, ignore_errors=True)
+    alone = TorchrunLauncher(tiny_config(launch={"num_nodes": 1, "nproc_per_node": 2}),
+                             "file:///s/runs/r/config.json", "shards/k", None)
+    try:  # one agent: the ranks divide the cores among themselves (training.loop)
+        assert all("STOKER_CPU_THREADS" not in e for e in alone.gang.envs)
+    finally:
+        shutil.rmtree(alone.work_dir, ignore_errors=True)
+
+
+def _rank_folder(log_dir, node: int, local_rank: int, rank: int | None, raised: bool = False):
+    folder = log_dir / f"node-{node}" / "run_abc" / "attempt_0" / str(local_rank)
+    folder.mkdir(parents=True)
+    if rank is not None:
+        (folder / events.RANK_FILE).write_text(json.dumps({"rank": rank, "group_rank": rank // 2,
+                                                           "local_rank": local_rank}))
+    if raised:
+        failure = events.Failure(rank=rank, type="DistBackendError", message="peer gone", transient=True)
+        (folder / "error.json").write_text(json.dumps({"message": {
+            "message": "DistBackendError: peer gone", "extraInfo": {events.ERROR_INFO_KEY: failure.to_dict()}}}))
+
+
+def test_lost_ranks_are_the_ranks_own_numbers_not_the_launch_order(tmp_path):
+    """c10d sorts the nodes by address: the node launched second can be group rank 0. Its
+    ranks said so in their rank files; a rank folder without one falls back to the order."""
+    _rank_folder(tmp_path, node=0, local_rank=0, rank=2)  # killed
+    _rank_folder(tmp_path, node=0, local_rank=1, rank=3, raised=True)
+    _rank_folder(tmp_path, node=1, local_rank=0, rank=0, raised=True)
+    _rank_folder(tmp_path, node=1, local_rank=1, rank=1)  # killed
+    failures, lost, agents = read_error_files(str(tmp_path), nproc_per_node=2)
+    assert sorted(lost) == [1, 2] and sorted(f.rank for f in failures) == [0, 3] and agents == []
+    _rank_folder(tmp_path, node=2, local_rank=0, rank=None)  # killed before it wrote its numbers
+    assert sorted(read_error_files(str(tmp_path), nproc_per_node=2)[1]) == [1, 2, 4]
+
+
+def test_a_killed_rank_is_reported_as_its_own_rank_when_c10d_orders_the_nodes_otherwise(tmp_path):
+    """Two nodes on this host, placed by launch.nodes at 127.0.0.9 and 127.0.0.10: c10d sorts
+    the addresses as strings, so node 1 (127.0.0.10) is group rank 0 and the rank of node 0 is
+    global rank 1. That rank SIGKILLs itself; the launcher must name rank 1 as lost, where
+    node x nproc + local rank says 0."""
+    root = "file://" + str(tmp_path / "store")
+    cfg = load_config(tiny_dict(root, run_name="order", train={"max_steps": 4},
+                                eval={"per_checkpoint_enabled": False, "interval_steps": 100},
+                                launch={"num_nodes": 2, "nproc_per_node": 1, "max_restarts": 0,
+                                        "rdzv_host": "127.0.0.9",
+                                        "nodes": [{"address": f"127.0.0.{a}", "env": {"GLOO_SOCKET_IFNAME": "lo"}}
+                                                  for a in (9, 10)]}))
+    store, shards = prepare_shards(cfg)
+    store.write_bytes("runs/order/config.json", cfg.to_json().encode())
+    env = {"STOKER_FAULT": "kill:rank=1:step=2", "STOKER_FAULT_ONCE": str(tmp_path / "fired")}
+    launcher = make_launcher(cfg, store.url("runs/order/config.json"), shards.key, None)
+    for e in launcher.gang.envs:
+        e.update(env)
+    lines: list[str] = []
+    result = launcher.run(lines.append, lambda e: None)
+    assert (tmp_path / "fired").exists(), "\n".join(lines[-40:])
+    assert result.lost_ranks == [1], (result.lost_ranks, lines[-40:])
+    assert [f.rank for f in result.failures] == [0]  # its peer saw the loss and said so
+    assert launcher.classify(result).reason == "lost-rank"

@@ -46,6 +46,12 @@ class TestStoreProtocol:
         store.rm("moved")
         assert not store.exists("moved/f")
 
+    def test_range_read(self, store):
+        store.write_bytes("r.bin", bytes(range(100)))
+        assert store.read_range("r.bin", 10, 5) == bytes(range(10, 15))
+        assert store.read_range("r.bin", 90, 10) == bytes(range(90, 100))
+        assert store.read_range("r.bin", 3, 0) == b""
+
     def test_put_get_and_checksum(self, store, tmp_path):
         local = tmp_path / "in.bin"
         local.write_bytes(b"x" * 1000)
