@@ -202,6 +202,22 @@ class ProcessGang(Launcher):
         return result
 
 
+class GangLauncher(Launcher):
+    """A launcher whose processes are one ProcessGang (`self.gang`, made by the subclass):
+    start, stream and stop are the gang's; `collect` adds the launcher's own evidence."""
+
+    gang: ProcessGang
+
+    def start(self) -> None:
+        self.gang.start()
+
+    def stream(self, on_line: OnLine, on_event: OnEvent) -> GangResult:
+        return self.gang.stream(on_line, on_event)
+
+    def stop(self) -> None:
+        self.gang.stop()
+
+
 def run_gang(cmds: list[list[str]], env: dict[str, str], nproc_per_node: int, on_line: OnLine,
              on_event: OnEvent, timeout: float, hang_timeout: float = 0.0,
              grace: float = GRACE_SECONDS, startup_timeout: float = 0.0) -> GangResult:

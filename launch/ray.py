@@ -21,8 +21,8 @@ import tempfile
 
 from core.config import LaunchConfig, RunConfig
 from core.events import Failure, from_dict
-from launch.base import GangResult, Launcher, OnEvent, OnLine
-from launch.gang import ProcessGang
+from launch.base import GangResult
+from launch.gang import GangLauncher, ProcessGang
 from launch.torchrun import child_env
 
 RESULT_FILE = "ray-result.json"
@@ -37,7 +37,7 @@ def driver_command(config_url: str, shard_key: str, resume_key: str | None,
     return cmd
 
 
-class RayLauncher(Launcher):
+class RayLauncher(GangLauncher):
     """One launch attempt on Ray: `launch.world_size` workers (num_nodes x nproc_per_node)."""
 
     def __init__(self, cfg: RunConfig, config_url: str, shard_key: str, resume_key: str | None,
@@ -60,15 +60,6 @@ class RayLauncher(Launcher):
     def description(self) -> str:
         where = self.address or "a local Ray on 127.0.0.1"
         return f"{self.launch.world_size} Ray Train worker(s) on {where}"
-
-    def start(self) -> None:
-        self.gang.start()
-
-    def stream(self, on_line: OnLine, on_event: OnEvent) -> GangResult:
-        return self.gang.stream(on_line, on_event)
-
-    def stop(self) -> None:
-        self.gang.stop()
 
     def collect(self, result: GangResult) -> GangResult:
         result = self.gang.collect(result)

@@ -32,8 +32,9 @@ from storage import credentials
 from core.config import LaunchConfig, RunConfig
 from core.events import ERROR_INFO_KEY, PERMANENT_MARKER_ENV, RANK_FILE, Failure, from_dict
 from core.failures import PERMANENT, classify_reported
-from launch.base import GangResult, Launcher, OnEvent, OnLine
-from launch.gang import GRACE_SECONDS, PROJECT_ROOT, RANK_STOP_MARGIN_SECONDS, ProcessGang
+from launch.base import GangResult
+from launch.gang import (GRACE_SECONDS, PROJECT_ROOT, RANK_STOP_MARGIN_SECONDS, GangLauncher,
+                         ProcessGang)
 
 CPU_THREADS_ENV = "STOKER_CPU_THREADS"  # a CPU rank's torch threads (training.loop.setup_distributed)
 
@@ -197,7 +198,7 @@ def _error_record(path: str) -> dict | None:
     return message if isinstance(message, dict) else {"message": str(message)}
 
 
-class TorchrunLauncher(Launcher):
+class TorchrunLauncher(GangLauncher):
     """`launch.num_nodes` torchrun agents, one process gang: on this host (simulated nodes),
     or each where its `NodeSpec` puts it (`nodes`, else launch.nodes). `rdzv_port`: the port the
     rendezvous host listens on (else launch.rdzv_port, else one free on this host, which then
@@ -230,15 +231,6 @@ class TorchrunLauncher(Launcher):
     @property
     def description(self) -> str:
         return f"{self.launch.num_nodes} node(s) x {self.launch.nproc_per_node} rank(s): " + " ".join(self.torchrun_cmds[0][2:])
-
-    def start(self) -> None:
-        self.gang.start()
-
-    def stream(self, on_line: OnLine, on_event: OnEvent) -> GangResult:
-        return self.gang.stream(on_line, on_event)
-
-    def stop(self) -> None:
-        self.gang.stop()
 
     def collect(self, result: GangResult) -> GangResult:
         result = self.gang.collect(result)

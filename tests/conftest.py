@@ -448,6 +448,52 @@ def run_ranks(config_url: str, shard_key: str, resume: str | None = None, nproc:
             if "STOKER_METRIC " in line]
 
 
+def run_collecting(launcher, on_event=None):
+    """Run one launch attempt to its end: (GangResult, its events, its output lines).
+    `on_event(events so far)` sees each event as it arrives."""
+    seen, lines = [], []
+
+    def event(e):
+        seen.append(e)
+        if on_event is not None:
+            on_event(seen)
+
+    return launcher.run(lines.append, event), seen, lines
+
+
+def event_losses(seen) -> dict[int, float]:
+    """{step: loss} of the Train events (a step reported twice: the last report)."""
+    from core import events
+
+    return {e.step: e.loss for e in seen if isinstance(e, events.Train)}
+
+
+def newest_weights(store, run: str, step: int, cache: str) -> dict:
+    """Every tensor of the run's newest checkpoint (asserted to be of `step`), rehydrated
+    into `cache` and read without a process group."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from storage.checkpoints import list_checkpoints, rehydrate
+
+    newest = list_checkpoints(store, run)[0]
+    assert newest.step == step
+    path = rehydrate(store, newest.key, cache)
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items()}
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return sd
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    """Two checkpoints' tensors equal bit for bit (NaN where both are NaN: an unset RNG slot)."""
+    import torch
+
+    assert a.keys() == b.keys() and any(k.startswith("optim.") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]) or (a[k].isnan().all() and b[k].isnan().all()), k
+
+
 def train_losses(records: list[dict]) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in records if m["event"] == "train"}
 

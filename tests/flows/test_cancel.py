@@ -48,10 +48,30 @@ def _tail(log) -> str:
     return log.read_text()[-6000:] if log is not None and log.exists() else ""
 
 
+def _serve(log):
+    """The deployment served by a runner in a subprocess against the session's server."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
+           "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PYTHONPATH": ROOT}
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-c", SERVE], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _deployment(client, server, log):
+    def registered():
+        try:
+            return client.read_deployment_by_name("train-pipeline/cancel-test")
+        except Exception:  # not registered yet
+            return None
+
+    return _wait("the deployment", registered, 180, server, log)
+
+
 def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_server, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
-    from prefect.settings import PREFECT_API_URL
     from prefect.states import Cancelling
 
     root = "file://" + str(tmp_path / "store")
@@ -61,21 +81,11 @@ def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_ser
     config_marker = f"{tmp_path}/store/runs/cancel/config.json"  # on every rank's command line
     store = Store(root)
     log = tmp_path / "serve.log"
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
-           "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PYTHONPATH": ROOT}
-    with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, "-c", SERVE], cwd=ROOT, env=env, stdout=out,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+    server = _serve(log)
     watch = GangWatch(config_marker)
     try:
         with get_client(sync_client=True) as client:
-            def deployment():
-                try:
-                    return client.read_deployment_by_name("train-pipeline/cancel-test")
-                except Exception:  # not registered yet
-                    return None
-
-            dep = _wait("the deployment", deployment, 180, server, log)
+            dep = _deployment(client, server, log)
             run = client.create_flow_run_from_deployment(
                 dep.id, parameters={"config": cfg.model_dump(mode="json")})
 
@@ -142,7 +152,6 @@ def test_cancelling_a_flow_run_on_ray_stops_the_ray_job_and_leaves_no_worker(pre
     Train worker or controller is left on either node of the cluster."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
-    from prefect.settings import PREFECT_API_URL
     from prefect.states import Cancelling
 
     root, options = ray_cluster.bucket()
@@ -154,21 +163,11 @@ def test_cancelling_a_flow_run_on_ray_stops_the_ray_job_and_leaves_no_worker(pre
         launch={"launcher": "ray", "num_nodes": 2, "nproc_per_node": 1, "timeout_seconds": 600}))
     store = Store(root, options)
     log = tmp_path / "serve.log"
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
-           "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PYTHONPATH": ROOT}
-    with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, "-c", SERVE], cwd=ROOT, env=env, stdout=out,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+    server = _serve(log)
     watch = GangWatch("training.ray_main")
     try:
         with get_client(sync_client=True) as client:
-            def deployment():
-                try:
-                    return client.read_deployment_by_name("train-pipeline/cancel-test")
-                except Exception:
-                    return None
-
-            dep = _wait("the deployment", deployment, 180, server, log)
+            dep = _deployment(client, server, log)
             run = client.create_flow_run_from_deployment(
                 dep.id, parameters={"config": cfg.model_dump(mode="json")})
 

@@ -17,7 +17,12 @@ from tests.conftest import ROOT, live_processes, wait_until_training
 
 pytestmark = pytest.mark.e2e
 
+# a kernel handles SIGINT itself (ipykernel installs a handler); said explicitly here, because
+# a process started in the background by a non-interactive shell (a CI runner's `cmd &`)
+# inherits SIGINT ignored, and Python then leaves it ignored
 KERNEL = """
+import signal
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from core.config import load_config
 from flows.pipeline import train_pipeline
 try:
@@ -35,6 +40,7 @@ def test_an_interrupted_flow_call_crashes_the_flow_run_records_the_attempt_and_l
     log = open(tmp_path / "kernel.log", "w")  # a file: the server it starts keeps its output open
     kernel = subprocess.Popen([sys.executable, "-c", KERNEL], cwd=ROOT, env=env, stdout=log,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = {}
     try:
         seen = wait_until_training(kernel.pid, tmp_path / "store" / "runs" / "kernel" / "metrics.jsonl")
         t0 = time.monotonic()
@@ -57,4 +63,11 @@ def test_an_interrupted_flow_call_crashes_the_flow_run_records_the_attempt_and_l
             os.killpg(kernel.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        live = live_processes()
+        for pid, proc in seen.items():  # a failed test leaves no gang running
+            if pid in live and live[pid].start == proc.start:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         log.close()

@@ -32,15 +32,15 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from core import events
 from core.config import load_config
 from launch import make_launcher
 from launch.torchrun import NodeSpec, TorchrunLauncher, child_env
-from storage.checkpoints import find_latest_valid, list_checkpoints, rehydrate, validate_checkpoint
+from storage.checkpoints import find_latest_valid, list_checkpoints, validate_checkpoint
 from storage.store import Store
-from tests.conftest import MotoServer, prepare_shards, tiny_dict
+from tests.conftest import (MotoServer, assert_bitwise_equal, event_losses, newest_weights,
+                            prepare_shards, run_collecting, tiny_dict)
 from tests.netutil import NetnsNodes
 
 pytestmark = pytest.mark.e2e
@@ -88,13 +88,6 @@ class Cluster:
     def launch(self, cfg, config_url: str, resume_key: str | None = None, env: dict | None = None,
                on_event=None):
         """One launch attempt across the nodes: (launcher, GangResult, events, output lines)."""
-        seen, lines = [], []
-
-        def event(e):
-            seen.append(e)
-            if on_event is not None:
-                on_event(seen)
-
         if cfg.launch.nodes:  # as the flow launches: everything from the config
             launcher = make_launcher(cfg, config_url, self.shard_key, resume_key)
             for node_env in launcher.gang.envs:
@@ -103,8 +96,7 @@ class Cluster:
             launcher = TorchrunLauncher(cfg, config_url, self.shard_key, resume_key,
                                         env={**child_env(cfg), **(env or {})}, nodes=self.specs(),
                                         rdzv_port=next(self.ports))
-        result = launcher.run(lines.append, event)
-        return launcher, result, seen, lines
+        return (launcher, *run_collecting(launcher, on_event))
 
     def completed(self, cfg, config_url: str, resume_key: str | None = None, env: dict | None = None):
         _, result, seen, lines = self.launch(cfg, config_url, resume_key, env)
@@ -126,13 +118,7 @@ class Cluster:
             assert [gets[(addr, path)] for addr in self.nodes.addresses] == [1] * NUM_NODES, path
 
     def final_weights(self, run: str) -> dict[str, torch.Tensor]:
-        newest = list_checkpoints(self.store, run)[0]
-        assert newest.step == MAX_STEPS
-        path = rehydrate(self.store, newest.key, self.test_cache)
-        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items()}
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-        return sd
+        return newest_weights(self.store, run, MAX_STEPS, self.test_cache)
 
 
 @pytest.fixture(scope="module")
@@ -172,28 +158,18 @@ def unbroken(cluster):
     """A 2 x 1 run that nothing interrupts: (its losses, its final weights)."""
     cfg, url = cluster.config("mn-unbroken", nproc=1)
     seen = cluster.completed(cfg, url)
-    return _losses(seen), cluster.final_weights("mn-unbroken")
-
-
-def _losses(seen) -> dict[int, float]:
-    return {e.step: e.loss for e in seen if isinstance(e, events.Train)}
-
-
-def _assert_bitwise_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys() and any(k.startswith("optim.") for k in a)
-    for k in a:
-        assert torch.equal(a[k], b[k]) or (a[k].isnan().all() and b[k].isnan().all()), k
+    return event_losses(seen), cluster.final_weights("mn-unbroken")
 
 
 def test_each_node_fetches_the_shards_and_the_resume_checkpoint_once_for_its_ranks(cluster):
     run = "mn-cache"
     cfg, url = cluster.config(run, nproc=2, max_steps=INTERVAL, nodes_in_config=True)
-    assert sorted(_losses(cluster.completed(cfg, url))) == list(range(1, INTERVAL + 1))
+    assert sorted(event_losses(cluster.completed(cfg, url))) == list(range(1, INTERVAL + 1))
     longer, longer_url = cluster.config(run, nproc=2, max_steps=INTERVAL + 1, nodes_in_config=True)
     key = list_checkpoints(cluster.store, run)[0].key
     seen = cluster.completed(longer, longer_url, resume_key=key)
     assert [e.step for e in seen if isinstance(e, events.Resumed)] == [INTERVAL]
-    assert sorted(_losses(seen)) == [INTERVAL + 1]
+    assert sorted(event_losses(seen)) == [INTERVAL + 1]
     # 4 ranks on 2 nodes: each node's lock let one rank read, the other reused its copy; the
     # second launch found the shards in each node's cache
     manifest = cluster.store.read_json(f"{cluster.shard_key}/manifest.json")
@@ -229,16 +205,16 @@ def test_a_lost_node_fails_the_other_fast_and_the_relaunch_ends_bitwise(cluster,
     assert first.lost_ranks == [1]  # killed: no error file
     error = launcher.classify(first)
     assert error is not None and error.transient and error.reason == "lost-rank"
-    assert max(_losses(seen)) == 5
+    assert max(event_losses(seen)) == 5
 
     choice = find_latest_valid(cluster.store, run, {"run_name": run, "model_hash": cfg.model_hash()})
     assert choice.checkpoint is not None and choice.checkpoint.step == INTERVAL
     seen = cluster.completed(cfg, url, resume_key=choice.checkpoint.key, env=freeze)
     assert [e.step for e in seen if isinstance(e, events.Resumed)] == [INTERVAL]
-    losses = _losses(seen)
+    losses = event_losses(seen)
     assert sorted(losses) == list(range(INTERVAL + 1, MAX_STEPS + 1))
     assert all(losses[s] == whole[s] for s in losses)
-    _assert_bitwise_equal(whole_weights, cluster.final_weights(run))
+    assert_bitwise_equal(whole_weights, cluster.final_weights(run))
 
 
 def test_a_killed_rank_is_restarted_in_place_on_both_nodes_and_ends_bitwise(cluster, unbroken, tmp_path):
@@ -254,7 +230,7 @@ def test_a_killed_rank_is_restarted_in_place_on_both_nodes_and_ends_bitwise(clus
     seen = cluster.completed(cfg, url, env=fault)
     assert (tmp_path / "fired").exists()
     assert [e.step for e in seen if isinstance(e, events.Resumed)] == [INTERVAL]
-    losses = _losses(seen)  # steps 5 and on twice: the last report of each counts
+    losses = event_losses(seen)  # steps 5 and on twice: the last report of each counts
     assert sorted(losses) == list(range(1, MAX_STEPS + 1))
     assert all(losses[s] == whole[s] for s in losses)
-    _assert_bitwise_equal(whole_weights, cluster.final_weights(run))
+    assert_bitwise_equal(whole_weights, cluster.final_weights(run))

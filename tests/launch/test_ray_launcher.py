@@ -14,15 +14,15 @@ import time
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from core import events
 from core.config import load_config
 from launch import make_launcher
 from launch.ray import RayLauncher
-from storage.checkpoints import list_checkpoints, rehydrate
+from storage.checkpoints import list_checkpoints
 from storage.store import Store
-from tests.conftest import ROOT, prepare_shards, tiny_dict
+from tests.conftest import (ROOT, assert_bitwise_equal, event_losses, newest_weights, prepare_shards,
+                            run_collecting, tiny_dict)
 
 MAX_STEPS, INTERVAL = 8, 4
 RAY_PROCESSES = ("RayTrainWorker", "TrainController")
@@ -54,18 +54,10 @@ class Runs:
     def launch(self, cfg, url: str, resume_key: str | None = None, env: dict | None = None,
                on_event=None):
         """(launcher, GangResult, events, lines) of one launch attempt."""
-        seen, lines = [], []
-
-        def event(e):
-            seen.append(e)
-            if on_event is not None:
-                on_event(seen)
-
         launcher = make_launcher(cfg, url, self.shard_key, resume_key)
         if env:
             launcher.gang.envs = [{**e, **env} for e in launcher.gang.envs]
-        result = launcher.run(lines.append, event)
-        return launcher, result, seen, lines
+        return (launcher, *run_collecting(launcher, on_event))
 
     def completed(self, cfg, url: str, **kw):
         _, result, seen, lines = self.launch(cfg, url, **kw)
@@ -73,13 +65,7 @@ class Runs:
         return seen, lines
 
     def final_weights(self, run: str) -> dict[str, torch.Tensor]:
-        newest = list_checkpoints(self.store, run)[0]
-        assert newest.step == MAX_STEPS
-        path = rehydrate(self.store, newest.key, self.cache)
-        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items()}
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-        return sd
+        return newest_weights(self.store, run, MAX_STEPS, self.cache)
 
 
 @pytest.fixture(scope="module")
@@ -95,17 +81,7 @@ def local_run(runs):
     """The local launcher's run (torchrun, 1 node x 2 ranks): (losses, final weights)."""
     cfg, url = runs.config("local-2", "local")
     seen, _ = runs.completed(cfg, url)
-    return _losses(seen), runs.final_weights("local-2")
-
-
-def _losses(seen) -> dict[int, float]:
-    return {e.step: e.loss for e in seen if isinstance(e, events.Train)}
-
-
-def _assert_bitwise_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys() and any(k.startswith("optim.") for k in a)
-    for k in a:
-        assert torch.equal(a[k], b[k]) or (a[k].isnan().all() and b[k].isnan().all()), k
+    return event_losses(seen), runs.final_weights("local-2")
 
 
 def _no_ray_workers_left(cluster, seconds: float = 60) -> None:
@@ -124,12 +100,12 @@ def test_a_ray_run_on_two_nodes_equals_the_local_launchers_run(runs, local_run):
     cfg, url = runs.config("ray-2", "ray")
     seen, lines = runs.completed(cfg, url)
     # events and lines reach the launcher as torchrun's do: rank-prefixed, once each
-    assert sorted(_losses(seen)) == list(range(1, MAX_STEPS + 1))
+    assert sorted(event_losses(seen)) == list(range(1, MAX_STEPS + 1))
     assert len([e for e in seen if isinstance(e, events.Train)]) == MAX_STEPS
     assert [e.step for e in seen if isinstance(e, events.CheckpointCommitted)] == [INTERVAL, MAX_STEPS]
     assert any(line.startswith("[rank 1] ") for line in lines), lines[-30:]
-    _assert_bitwise_equal(local_weights, runs.final_weights("ray-2"))
-    assert _losses(seen) == local_losses
+    assert_bitwise_equal(local_weights, runs.final_weights("ray-2"))
+    assert event_losses(seen) == local_losses
     # one worker on each node: each node's own cache holds the shards its rank loaded
     for cache in runs.cluster.caches:
         assert os.path.isfile(os.path.join(cache, runs.shard_key, "manifest.json")), cache
@@ -160,10 +136,10 @@ def test_a_killed_worker_is_recovered_by_ray_and_the_run_ends_bitwise(runs, loca
     assert killed, "the worker was never killed:\n" + "\n".join(lines[-40:])
     assert result.reason == "completed", "\n".join(lines[-60:])
     assert [e.step for e in seen if isinstance(e, events.Resumed)] == [INTERVAL]
-    losses = _losses(seen)  # steps 5 and on twice: the last report of each counts
+    losses = event_losses(seen)  # steps 5 and on twice: the last report of each counts
     assert sorted(losses) == list(range(1, MAX_STEPS + 1))
     assert losses == local_losses
-    _assert_bitwise_equal(local_weights, runs.final_weights("ray-killed"))
+    assert_bitwise_equal(local_weights, runs.final_weights("ray-killed"))
     _no_ray_workers_left(runs.cluster)
 
 
@@ -210,7 +186,7 @@ def test_a_permanent_failure_is_not_retried_by_ray(runs, tmp_path):
     assert error is not None and not error.transient, error
     assert "injected fault" in str(error)
     # Ray restarted the group (max_failures 1), and the restarted workers ended at once
-    assert max(_losses(seen)) == 2
+    assert max(event_losses(seen)) == 2
     _no_ray_workers_left(runs.cluster)
 
 
