@@ -102,8 +102,12 @@ def classify(result: GangResult) -> TrainingFailed:
     agents_transient = any(classify_reported(k, m) != PERMANENT for k, m in result.launcher_errors)
     signalled = any(rc is not None and rc < 0 for rc in result.returncodes)
     if result.failures or result.lost_ranks or signalled or agents_transient:
-        what = (f"rank(s) {sorted(result.lost_ranks)} ended without raising (killed?)"
-                if result.lost_ranks else "a rank or node was lost (signal, network or storage)")
+        if result.lost_ranks:
+            what = f"rank(s) {sorted(result.lost_ranks)} ended without raising (killed?)"
+        elif result.launcher_errors and not result.failures:  # no rank got to say anything
+            what = "the launch failed: " + "; ".join(f"{k}: {m}" for k, m in result.launcher_errors)
+        else:
+            what = "a rank or node was lost (signal, network or storage)"
         return TrainingFailed(f"{what}; retrying from the newest valid checkpoint.\n"
                               + "\n".join(result.tail[-15:]), transient=True, reason="lost-rank")
     errors = "; ".join(f"{k}: {m}" for k, m in result.launcher_errors)

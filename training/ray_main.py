@@ -228,11 +228,11 @@ def drive(args: argparse.Namespace) -> int:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    cfg = read_config(args.config)
-    lc, world = cfg.launch, cfg.launch.world_size
     stop_asked = threading.Event()
     result = {"failures": [], "running": [], "launcher_errors": [], "completed": False}
     try:
+        cfg = read_config(args.config)
+        lc, world = cfg.launch, cfg.launch.world_size
         _connect(cfg.ray.address, world * cfg.ray.cpus_per_worker)
         # after ray.init, which sets a SIGTERM handler of its own that exits at once
         signal.signal(signal.SIGTERM, lambda *_: stop_asked.set())

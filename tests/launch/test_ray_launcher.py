@@ -256,3 +256,15 @@ def test_the_launcher_is_chosen_by_the_config(tiny_config):
         import shutil
 
         shutil.rmtree(launcher.work_dir, ignore_errors=True)
+
+
+def test_an_unreachable_cluster_is_said_as_such(tiny_config, tmp_path):
+    """ray.address naming a port where no Ray listens: the driver fails at once and the launch's
+    error names ray.address, not a lost rank."""
+    cfg = tiny_config(launch={"launcher": "ray"}, ray={"address": "127.0.0.1:9"})
+    config = tmp_path / "config.json"
+    config.write_text(cfg.to_json())
+    launcher = make_launcher(cfg, f"file://{config}", "shards/k", None)
+    result, _, lines = run_collecting(launcher)
+    error = launcher.classify(result)
+    assert error is not None and str(error).startswith("the launch failed: ConnectionError: ray.address: "), (error, lines[-10:])
