@@ -17,9 +17,10 @@ setup-test:
 run: setup
 	$(PY) -m flows.cli run $(ARGS)
 
-## The whole test suite
+## The whole test suite, on 2 pytest-xdist workers (PYTEST_WORKERS=0: one process)
+PYTEST_WORKERS ?= 2
 test: setup-test
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 ## Benchmarks: each prints a ratio against a baseline measured in the same run
 bench: setup

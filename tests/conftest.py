@@ -33,6 +33,14 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) every test on the
+    session's Ray cluster runs on one worker, so one cluster is started, not one per worker."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray-cluster"))
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_PREFECT_HOME, ignore_errors=True)
 
@@ -97,6 +105,7 @@ def prefect_api(tmp_path):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+           "PREFECT_SERVER_LOG_RETRYABLE_ERRORS": "true",  # what a 503 was, in server.log
            "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
     log = tmp_path / "server.log"
     with open(log, "w") as out:
