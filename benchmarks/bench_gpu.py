@@ -181,12 +181,14 @@ def bench_throughput(cfg, store, shard_key, cache_dir, rounds: int, steps: int) 
     mfu = ours.flops_per_token * tps_ours / ours.peak_flops if ours.peak_flops else None
     mfu_bare = ours.flops_per_token * tps_bare / ours.peak_flops if ours.peak_flops else None
     out = {"micro_batch": cfg.train.micro_batch_size, "tokens_per_step": tokens,
+           "model_params": ours.raw_model.num_params(), "vocab_size": ours.raw_model.vocab_size,
            "warmup_seconds": round(warm, 1), "ours_tokens_per_second": round(tps_ours),
            "bare_tokens_per_second": round(tps_bare), "ratio": round(tps_ours / tps_bare, 3),
            "mfu": None if mfu is None else round(mfu, 4),
            "bare_mfu": None if mfu_bare is None else round(mfu_bare, 4),
            "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
            "rounds": {"ours": [round(x) for x in a], "bare": [round(x) for x in b]}}
+    print(f"  model: {out['model_params'] / 1e6:.1f}M parameters, vocabulary {out['vocab_size']:,}")
     print(f"  micro-batch {out['micro_batch']}: ours {tps_ours:,.0f} tok/s, bare {tps_bare:,.0f} tok/s; "
           f"RATIO ours/bare = {out['ratio']:.3f} (goal >= 1.0: {'met' if out['ratio'] >= 1 else 'NOT met'}); "
           f"MFU {100 * (mfu or 0):.1f}% (bare {100 * (mfu_bare or 0):.1f}%; goal >= 45%)", flush=True)

@@ -615,9 +615,11 @@ class EngineConfig(_Section):
         "ddp", description="'ddp': replicated model, gradients all-reduced. 'fsdp': FSDP2 "
         "(fully_shard per block and on the root; bf16 params, fp32 gradient reduction under "
         "bf16) for models whose state does not fit on one device.")
-    activation_checkpointing: Literal["none", "full"] = Field(
-        "none", description="'full': recompute each block's activations in the backward pass "
-        "(about a third more compute for much less activation memory).")
+    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+        "none", description="'full': recompute each block in the backward pass (about a third "
+        "more compute for the least activation memory). 'selective': keep the outputs of the "
+        "matmuls and attention and recompute only the cheap ops between them (LayerNorm, GELU, "
+        "dropout, residual adds): less memory than 'none' for little extra compute.")
     prefetch: bool = Field(
         True, description="Prepare the next batch in a background thread while the step runs "
         "(pinned memory, non-blocking copies on CUDA).")

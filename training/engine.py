@@ -51,7 +51,7 @@ class Engine:
     compile: bool
     fused: bool
     fsdp: bool
-    activation_checkpointing: bool
+    activation_checkpointing: str  # "none", "selective" or "full"
     prefetch: bool
 
     @classmethod
@@ -68,7 +68,7 @@ class Engine:
                    compile=e.compile == "on" or (e.compile == "auto" and cuda),
                    fused=e.fused_optimizer == "on" or (e.fused_optimizer == "auto" and cuda),
                    fsdp=e.parallelism == "fsdp",
-                   activation_checkpointing=e.activation_checkpointing == "full",
+                   activation_checkpointing=e.activation_checkpointing,
                    prefetch=e.prefetch)
 
     def describe(self) -> dict:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from core.config import ModelConfig
 
@@ -63,6 +64,34 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def _kept_ops() -> frozenset:
+    """What selective activation checkpointing keeps: the outputs of the matmuls and of the
+    attention kernels (every backend's), the block's expensive ops. The rest (LayerNorm,
+    GELU, dropout, residual adds, reshapes) is recomputed in the backward pass."""
+    names = ("mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math")
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+
+
+_KEPT = _kept_ops()
+
+
+def _keep_matmuls_and_attention(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpointed(block: nn.Module, x: torch.Tensor, mode: str) -> torch.Tensor:
+    """A block under activation checkpointing: 'full' keeps only its input and recomputes
+    the whole block in the backward pass; 'selective' also keeps the outputs of its matmuls
+    and attention and recomputes only the cheap ops between them."""
+    if mode == "selective":
+        return checkpoint(block, x, use_reentrant=False,
+                          context_fn=partial(create_selective_checkpoint_contexts,
+                                             _keep_matmuls_and_attention))
+    return checkpoint(block, x, use_reentrant=False)
+
+
 def padded_vocab(vocab_size: int, multiple: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
@@ -72,7 +101,7 @@ class GPT(nn.Module):
         """seed=None leaves the weights uninitialized (meta-device build; see init_weights)."""
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
-        self.activation_checkpointing = False
+        self.activation_checkpointing = "none"  # or "selective", "full" (engine.activation_checkpointing)
         vocab_size = padded_vocab(vocab_size, cfg.vocab_pad_multiple)
         self.wte = nn.Embedding(vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
@@ -100,8 +129,8 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
-            if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
+            if self.activation_checkpointing != "none" and self.training:
+                x = checkpointed(block, x, self.activation_checkpointing)
             else:
                 x = block(x)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V_padded)
