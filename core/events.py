@@ -193,8 +193,20 @@ class Exported(Event):
     num_params: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class Joined(Event):
+    """A torchrun rank's own numbers, once at its start. c10d numbers the nodes in its own
+    order, so the launcher learns from this which global rank prints each of its lines."""
+
+    kind: ClassVar[str] = "joined"
+    stored: ClassVar[bool] = False
+    rank: int
+    group_rank: int
+    local_rank: int
+
+
 TYPES: dict[str, type[Event]] = {
-    cls.kind: cls for cls in (Step, Train, Eval, CheckpointStaged, CheckpointCommitted, UploadRetry,
+    cls.kind: cls for cls in (Step, Joined, Train, Eval, CheckpointStaged, CheckpointCommitted, UploadRetry,
                               CheckpointFailed, CheckpointDropped, Resumed, Failure, Stopped, Done,
                               Evaluated, Exported)}
 

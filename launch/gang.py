@@ -111,10 +111,13 @@ def _pump(node: int, stream, out: "queue.Queue[tuple[int, str | None]]") -> None
     out.put((node, None))
 
 
-def _prefixed(node: int, line: str, nproc_per_node: int) -> str:
+def _prefixed(node: int, line: str, nproc_per_node: int, ranks: dict[tuple[int, int], int]) -> str:
+    """`[rank R] text` for a rank's line: R as the rank said it (a Joined event, `ranks`),
+    else worked out from the launch order; `[node N] line` for the agent's own lines."""
     m = _RANK_PREFIX.match(line)
     if m:
-        return f"[rank {node * nproc_per_node + int(m.group(1))}] {m.group(2)}"
+        local = int(m.group(1))
+        return f"[rank {ranks.get((node, local), node * nproc_per_node + local)}] {m.group(2)}"
     return f"[node {node}] {line}"
 
 
@@ -132,6 +135,7 @@ class ProcessGang(Launcher):
         self.lines: "queue.Queue[tuple[int, str | None]]" = queue.Queue()
         self.tail: list[str] = []
         self.reason = "completed"
+        self.ranks: dict[tuple[int, int], int] = {}  # (node, local rank) -> global rank, as said
 
     def start(self) -> None:
         for node, (cmd, env) in enumerate(zip(self.cmds, self.envs)):
@@ -163,9 +167,12 @@ class ProcessGang(Launcher):
             if line is None:
                 open_streams -= 1
                 continue
-            text = _prefixed(node, line, self.nproc_per_node)
-            self._keep(text)
             event = events.decode(line)
+            if isinstance(event, events.Joined):  # feeds the prefixes only
+                self.ranks[(node, event.local_rank)] = event.rank
+                continue
+            text = _prefixed(node, line, self.nproc_per_node, self.ranks)
+            self._keep(text)
             if event is None:
                 on_line(text)
                 continue
@@ -192,7 +199,7 @@ class ProcessGang(Launcher):
             except queue.Empty:
                 break
             if line is not None:
-                self._keep(_prefixed(node, line, self.nproc_per_node))
+                self._keep(_prefixed(node, line, self.nproc_per_node, self.ranks))
         for p in self.procs:
             p.poll()
 

@@ -42,6 +42,7 @@ def maybe_inject(rank: int, step: int) -> None:
         if os.path.exists(once):
             return
         open(once, "w").write(spec)
+    print(f"injected fault: {kind} at step {step} on rank {rank}", flush=True)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "hang":

@@ -123,14 +123,17 @@ def run_rank(config_url: str, shards: str, resume_from: str | None, cache_dir: s
 
 
 def file_rank_numbers() -> None:
-    """Leave this rank's global, group and local rank beside its torchelastic error file, where
-    the launcher looks for its fate: c10d numbers the nodes in its own order, so the launcher
+    """Say this rank's global, group and local rank: on stdout (a Joined event, from which the
+    launcher prefixes this rank's lines) and beside its torchelastic error file (where the
+    launcher looks for its fate). c10d numbers the nodes in its own order, so the launcher
     cannot work a global rank out from the order it started the nodes in."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not error_file or "RANK" not in os.environ:  # not a torchrun rank
         return
     numbers = {name.lower(): int(os.environ[name]) for name in ("RANK", "GROUP_RANK", "LOCAL_RANK")
                if os.environ.get(name, "").isdigit()}
+    if len(numbers) == 3:
+        print(events.Joined(**numbers).encode(), flush=True)
     try:
         with open(os.path.join(os.path.dirname(error_file), events.RANK_FILE), "w") as f:
             json.dump(numbers, f)

@@ -189,4 +189,6 @@ def test_a_killed_rank_is_reported_as_its_own_rank_when_c10d_orders_the_nodes_ot
     assert (tmp_path / "fired").exists(), "\n".join(lines[-40:])
     assert result.lost_ranks == [1], (result.lost_ranks, lines[-40:])
     assert [f.rank for f in result.failures] == [0]  # its peer saw the loss and said so
+    # the live log names each line's rank as the rank said it (a Joined event), not by order
+    assert "[rank 1] injected fault: kill at step 2 on rank 1" in lines, lines[-40:]
     assert launcher.classify(result).reason == "lost-rank"
