@@ -35,9 +35,11 @@ if ROOT not in sys.path:
 
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) every test on the
-    session's Ray cluster runs on one worker, so one cluster is started, not one per worker."""
+    session's Ray cluster, and every test marked `ray_instance` (it starts a Ray of its own),
+    runs on one worker: one cluster is started, not one per worker, and there is one Ray on
+    the machine at a time (ray.address 'auto' finds a cluster by its processes)."""
     for item in items:
-        if "ray_cluster" in getattr(item, "fixturenames", ()):
+        if "ray_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ray_instance"):
             item.add_marker(pytest.mark.xdist_group("ray-cluster"))
 
 

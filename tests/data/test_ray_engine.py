@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import subprocess
 import sys
 import time
 
@@ -193,8 +194,54 @@ def test_a_store_the_nodes_cannot_reach_is_a_config_error(ray_cluster, tmp_path)
     assert store.walk_files("shards") == {}
 
 
+DRIVER_ON_A_NODE = """
+import json, logging, sys
+from core.config import RayConfig
+from storage.store import Store
+from tests.data.test_ray_engine import _build, _prepared
+root, options, address = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+class Nodes(logging.Handler):  # the nodes the engine's tasks ran on
+    def emit(self, record):
+        if hasattr(record, "ray_nodes"):
+            print("NODES", len(set(record.ray_nodes)), flush=True)
+logging.getLogger("stoker.data").setLevel(logging.INFO)
+logging.getLogger("stoker.data").addHandler(Nodes())
+store = Store(root, options)
+cfg, ds, tk = _prepared(store)  # cache hits: the test made them
+print("SHARDS", _build(store, ds, tk, cfg, "ray", RayConfig(address=address)).cache_key, flush=True)
+"""
+
+
 @pytest.mark.e2e  # a Ray instance or the two-node cluster: not in the quick subset
 @needs_ray
+@pytest.mark.parametrize("how", ["HOST:PORT", "auto"])
+def test_a_driver_on_a_node_joins_by_gcs_address_or_auto_with_the_same_bytes(ray_cluster, tmp_path, how):
+    """A flow run on a cluster node (no Ray Client): ray.address is the head's GCS HOST:PORT, or
+    'auto', which finds the cluster this node runs. The shards equal the local engine's."""
+    cluster = ray_cluster.cluster
+    root, options = ray_cluster.bucket()
+    store = Store(root, options)
+    cfg, ds, tk = _prepared(store)
+    local = _build(store, ds, tk, cfg, "local")
+    local_manifest, local_files = _shard_set(store, local)
+    store.rm("shards")
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER_ON_A_NODE)
+    address = cluster.gcs_address if how == "HOST:PORT" else "auto"
+    out = subprocess.run([*cluster.exec_prefix(0), sys.executable, str(script), root, json.dumps(options),
+                          address], env=cluster.node_env(0), cwd=str(tmp_path), capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"SHARDS {local.cache_key}" in out.stdout
+    assert "NODES 2" in out.stdout.splitlines(), out.stdout[-2000:]  # the cluster's two nodes
+    manifest, files = _shard_set(store, local)
+    assert manifest == local_manifest and files == local_files
+    assert store.listdir("shards") == [local.cache_key]  # no staging, no pieces left
+
+
+@pytest.mark.e2e  # a Ray instance or the two-node cluster: not in the quick subset
+@needs_ray
+@pytest.mark.ray_instance  # with the Ray cluster's tests: one Ray on this machine at a time
 def test_an_empty_ray_address_runs_a_local_ray_instance_with_the_same_bytes(tmp_path, caplog):
     store = Store(f"file://{tmp_path}/store")
     cfg, ds, tk = _prepared(store, max_bytes=100_000)

@@ -191,6 +191,7 @@ def test_a_permanent_failure_is_not_retried_by_ray(runs, tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.ray_instance  # with the Ray cluster's tests: one Ray on this machine at a time
 def test_a_local_ray_is_started_when_no_address_is_given(tmp_path):
     """ray.address empty: the driver starts a Ray of its own for the launch and stops it. Run
     in a fresh network namespace where loopback is the only address (a local Ray also binds
