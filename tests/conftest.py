@@ -33,6 +33,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+# tryfirst: before xdist's own hook, which reads the groups into the node ids (after it, the
+# marks were ignored and each worker started a Ray cluster of its own)
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) every test on the
     session's Ray cluster, and every test marked `ray_instance` (it starts a Ray of its own),
