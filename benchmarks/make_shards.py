@@ -45,21 +45,21 @@ def main(argv: list[str] | None = None) -> None:
     store = Store(cfg.storage.root)
     dataset = prepare.download_dataset(cfg.data, store)
     tokenizer = prepare.train_tokenizer(dataset, cfg.tokenizer, store)
-    padded = tempfile.mkdtemp(prefix="stoker-make-shards-")
     if tokenizer.vocab_size < args.vocab:
-        path = pad_tokenizer(store.local_path(tokenizer.key), args.vocab, os.path.join(padded, "tokenizer.json"))
+        path = os.path.join(tempfile.mkdtemp(dir=out), "tokenizer.json")
+        pad_tokenizer(store.local_path(tokenizer.key), args.vocab, path)
         cfg = cfg.model_copy(update={"tokenizer": cfg.tokenizer.model_copy(update={"path": path})})
         tokenizer = prepare.train_tokenizer(dataset, cfg.tokenizer, store)
+        shutil.rmtree(os.path.dirname(path))
     shards = prepare.tokenize_and_shard(dataset, tokenizer, cfg.data, store)
     for folder in ("datasets", "tokenizers"):  # only the shards travel
         shutil.rmtree(os.path.join(out, folder), ignore_errors=True)
-    shutil.rmtree(padded, ignore_errors=True)
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
     print(f"shards {shards.key}: {shards.num_train_tokens} train tokens, {size / 2**20:.1f} MiB under {out}")
     print(model_line(cfg, tokenizer.vocab_size))
 
 
-def pad_tokenizer(src: str, vocab: int, dst: str) -> str:
+def pad_tokenizer(src: str, vocab: int, dst: str) -> None:
     """A copy of the tokenizer at src with unused special tokens appended up to `vocab` ids."""
     from tokenizers import Tokenizer
 
@@ -67,7 +67,6 @@ def pad_tokenizer(src: str, vocab: int, dst: str) -> str:
     have = tok.get_vocab_size()
     tok.add_special_tokens([f"<|unused-{i}|>" for i in range(vocab - have)])
     tok.save(dst)
-    return dst
 
 
 def model_line(cfg, vocab_size: int) -> str:

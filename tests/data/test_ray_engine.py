@@ -113,12 +113,20 @@ def test_the_ray_plan_cuts_and_numbers_shards_as_the_local_assembler_does(tmp_pa
 
 
 # ---- on Ray ------------------------------------------------------------------------------
-@pytest.mark.e2e  # a Ray instance or the two-node cluster: not in the quick subset
-@needs_ray
-def test_ray_engine_shards_match_the_local_engine_byte_for_byte_and_use_both_nodes(ray_cluster, caplog):
+@pytest.fixture
+def cluster_bucket(ray_cluster):
+    """A fresh bucket that every node of the Ray cluster reaches, with the corpus and the
+    tokenizer prepared in it: (root, options, store, cfg, ds, tk)."""
     root, options = ray_cluster.bucket()
     store = Store(root, options)
-    cfg, ds, tk = _prepared(store)
+    return (root, options, store, *_prepared(store))
+
+
+@pytest.mark.e2e  # a Ray instance or the two-node cluster: not in the quick subset
+@needs_ray
+def test_ray_engine_shards_match_the_local_engine_byte_for_byte_and_use_both_nodes(ray_cluster, cluster_bucket,
+                                                                                  caplog):
+    root, options, store, cfg, ds, tk = cluster_bucket
     local = _build(store, ds, tk, cfg, "local")
     local_manifest, local_files = _shard_set(store, local)
     assert len(local_manifest["splits"]["train"]) >= 3  # several shard files, cut in several places
@@ -138,12 +146,10 @@ def test_ray_engine_shards_match_the_local_engine_byte_for_byte_and_use_both_nod
 
 @pytest.mark.e2e  # a Ray instance or the two-node cluster: not in the quick subset
 @needs_ray
-def test_a_damaged_corpus_fails_both_engines_with_the_same_data_error_and_leaves_nothing(ray_cluster,
+def test_a_damaged_corpus_fails_both_engines_with_the_same_data_error_and_leaves_nothing(ray_cluster, cluster_bucket,
                                                                                         monkeypatch):
     monkeypatch.setattr(data_prep, "SAMPLE_BYTES", 20_000)  # the disk estimate's sample stops before it
-    root, options = ray_cluster.bucket()
-    store = Store(root, options)
-    cfg, ds, tk = _prepared(store)
+    root, options, store, cfg, ds, tk = cluster_bucket
     key = join(ds.key, CORPUS_FILE)
     lines = store.read_bytes(key).splitlines(keepends=True)
     bad = len(lines) * 2 // 3  # a line in a later partition, not the first one
@@ -164,10 +170,9 @@ def test_a_damaged_corpus_fails_both_engines_with_the_same_data_error_and_leaves
 
 @pytest.mark.e2e  # a Ray instance or the two-node cluster: not in the quick subset
 @needs_ray
-def test_an_interrupted_build_cancels_its_tasks_disconnects_and_leaves_nothing(ray_cluster, monkeypatch):
-    root, options = ray_cluster.bucket()
-    store = Store(root, options)
-    cfg, ds, tk = _prepared(store)
+def test_an_interrupted_build_cancels_its_tasks_disconnects_and_leaves_nothing(ray_cluster, cluster_bucket,
+                                                                               monkeypatch):
+    root, options, store, cfg, ds, tk = cluster_bucket
     results = []
     real = ray_engine._result
 
@@ -215,13 +220,12 @@ print("SHARDS", _build(store, ds, tk, cfg, "ray", RayConfig(address=address)).ca
 @pytest.mark.e2e  # a Ray instance or the two-node cluster: not in the quick subset
 @needs_ray
 @pytest.mark.parametrize("how", ["HOST:PORT", "auto"])
-def test_a_driver_on_a_node_joins_by_gcs_address_or_auto_with_the_same_bytes(ray_cluster, tmp_path, how):
+def test_a_driver_on_a_node_joins_by_gcs_address_or_auto_with_the_same_bytes(ray_cluster, cluster_bucket,
+                                                                            tmp_path, how):
     """A flow run on a cluster node (no Ray Client): ray.address is the head's GCS HOST:PORT, or
     'auto', which finds the cluster this node runs. The shards equal the local engine's."""
     cluster = ray_cluster.cluster
-    root, options = ray_cluster.bucket()
-    store = Store(root, options)
-    cfg, ds, tk = _prepared(store)
+    root, options, store, cfg, ds, tk = cluster_bucket
     local = _build(store, ds, tk, cfg, "local")
     local_manifest, local_files = _shard_set(store, local)
     store.rm("shards")

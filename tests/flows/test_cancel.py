@@ -69,6 +69,18 @@ def _deployment(client, server, log):
     return _wait("the deployment", registered, 180, server, log)
 
 
+def _still_running(client, run_id, watch, log, ready):
+    """A check for _wait: records the run's processes, fails if the flow run already ended
+    (before the cancel), else says whether `ready()`."""
+    def check():
+        watch.record()
+        state = client.read_flow_run(run_id).state
+        if state is not None and state.is_final():
+            pytest.fail(f"the flow run ended before the cancel: {state!r}\n" + _tail(log))
+        return ready()
+    return check
+
+
 def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_server, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
@@ -91,15 +103,12 @@ def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_ser
 
             # wait until the gang trains and has committed a checkpoint: mid-training
             def training():
-                watch.record()
-                state = client.read_flow_run(run.id).state
-                if state is not None and state.is_final():
-                    pytest.fail(f"the flow run ended before the cancel: {state!r}\n" + _tail(log))
                 ranks = [p for p in watch.seen.values() if "torch.distributed.run" not in p.cmdline
                          and "training.train" in p.cmdline and read_proc(p.pid)]
                 return len(ranks) == 2 and find_latest_valid(store, "cancel").checkpoint
 
-            _wait("training with a committed checkpoint", training, 300, server, log)
+            _wait("training with a committed checkpoint", _still_running(client, run.id, watch, log, training),
+                  300, server, log)
             agents = [p for p in watch.seen.values() if "torch.distributed.run" in p.cmdline]
             assert len(agents) == 1
             flow_run_proc = read_proc(agents[0].ppid)  # the runner's flow-run process
@@ -172,14 +181,11 @@ def test_cancelling_a_flow_run_on_ray_stops_the_ray_job_and_leaves_no_worker(pre
                 dep.id, parameters={"config": cfg.model_dump(mode="json")})
 
             def training():
-                watch.record()
-                state = client.read_flow_run(run.id).state
-                if state is not None and state.is_final():
-                    pytest.fail(f"the flow run ended before the cancel: {state!r}\n" + _tail(log))
                 workers = ray_cluster.cluster.worker_pids("RayTrainWorker")
                 return len(workers) == 2 and find_latest_valid(store, "cancel-ray").checkpoint
 
-            _wait("Ray workers on both nodes and a committed checkpoint", training, 300, server, log)
+            _wait("Ray workers on both nodes and a committed checkpoint",
+                  _still_running(client, run.id, watch, log, training), 300, server, log)
             client.set_flow_run_state(run.id, Cancelling(message="cancel test"))
 
             def ended():
