@@ -12,6 +12,10 @@ checkpoint stall. Skipped (exit 0, a line saying so) without CUDA.
    host buffers) over a synchronous save+write+commit of the same state, each measured as
    the extra time of the steps around a save over the same steps without one.
                                                                               goal <= 0.15
+3. With --profile: where our trainer's step spends the GPU's time, by kind of kernel
+   (matmuls, attention, inductor's fused kernels, optimizer, copies) and the top kernels.
+--cross-entropy-chunk N runs the trainer and the bare loop with the chunked cross-entropy;
+--explore times bare-loop variants (micro-batch, attention kernel, chunked loss) first.
 The store is a local folder (the GPU host has no S3 endpoint), so "upload" is the checksum
 and commit of files DCP wrote in place.
 
@@ -27,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import tempfile
 import time
@@ -63,6 +68,11 @@ def _trainer(cfg, store, shard_key, cache_dir):
     return Trainer(cfg, ranks, materialize(store, shard_key, cache_dir), store, shard_key, cache_dir)
 
 
+def _chunked(chunk: int) -> dict:
+    """Engine settings for the chunked cross-entropy (chunk tokens a chunk; 0: the full logits)."""
+    return {"cross_entropy": "chunked", "cross_entropy_chunk": chunk} if chunk else {}
+
+
 def _sdpa(name: str):
     """A context for the attention kernels: 'default' (PyTorch's choice) or one backend first."""
     from contextlib import nullcontext
@@ -78,8 +88,9 @@ def _sdpa(name: str):
 
 
 def explore(store_root: str, store, key: str, cache_dir: str, variants: list[str], steps: int) -> list[dict]:
-    """Tokens/s and MFU of the bare loop under variants "micro:attention[:cdt]" (cdt:
-    inductor's coordinate-descent tuning), to pick the settings the trainer should use."""
+    """Tokens/s and MFU of the bare loop under variants "micro:attention[:cdt][:ce<N>]" (cdt:
+    inductor's coordinate-descent tuning; ce<N>: the chunked cross-entropy, N tokens a chunk),
+    to pick the settings the trainer should use."""
     from storage.shards import materialize
     from training.engine import peak_flops
 
@@ -88,7 +99,8 @@ def explore(store_root: str, store, key: str, cache_dir: str, variants: list[str
         micro, attention, *extra = variant.split(":")
         torch._dynamo.reset()
         torch._inductor.config.coordinate_descent_tuning = "cdt" in extra
-        cfg = _config(store_root, int(micro))
+        chunk = next((int(e[2:]) for e in extra if e.startswith("ce")), 0)
+        cfg = _config(store_root, int(micro), **_chunked(chunk))
         bare = BareLoop(cfg, materialize(store, key, cache_dir), attention)
         t0 = time.perf_counter()
         for _ in range(3):
@@ -127,6 +139,8 @@ class BareLoop:
         self.T, self.B = cfg.model.block_size, cfg.train.micro_batch_size
         self.accum = cfg.train.global_batch_size // self.B
         self.model = GPT(cfg.model, self.stream.vocab_size, seed=0).cuda()
+        if cfg.engine.cross_entropy == "chunked":  # the same loss, as the trainer computes it
+            self.model.loss_chunk = cfg.engine.cross_entropy_chunk
         self.opt = torch.optim.AdamW(param_groups(self.model, 0.1), lr=6e-4, betas=(0.9, 0.95),
                                      fused=True)
         self.step_fn = torch.compile(self.model)
@@ -181,6 +195,7 @@ def bench_throughput(cfg, store, shard_key, cache_dir, rounds: int, steps: int) 
     mfu = ours.flops_per_token * tps_ours / ours.peak_flops if ours.peak_flops else None
     mfu_bare = ours.flops_per_token * tps_bare / ours.peak_flops if ours.peak_flops else None
     out = {"micro_batch": cfg.train.micro_batch_size, "tokens_per_step": tokens,
+           "cross_entropy": ours.engine.describe()["cross_entropy"],
            "model_params": ours.raw_model.num_params(), "vocab_size": ours.raw_model.vocab_size,
            "warmup_seconds": round(warm, 1), "ours_tokens_per_second": round(tps_ours),
            "bare_tokens_per_second": round(tps_bare), "ratio": round(tps_ours / tps_bare, 3),
@@ -189,11 +204,69 @@ def bench_throughput(cfg, store, shard_key, cache_dir, rounds: int, steps: int) 
            "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
            "rounds": {"ours": [round(x) for x in a], "bare": [round(x) for x in b]}}
     print(f"  model: {out['model_params'] / 1e6:.1f}M parameters, vocabulary {out['vocab_size']:,}")
-    print(f"  micro-batch {out['micro_batch']}: ours {tps_ours:,.0f} tok/s, bare {tps_bare:,.0f} tok/s; "
+    print(f"  micro-batch {out['micro_batch']} ({out['cross_entropy']} cross-entropy): ours {tps_ours:,.0f} tok/s, bare {tps_bare:,.0f} tok/s; "
           f"RATIO ours/bare = {out['ratio']:.3f} (goal >= 1.0: {'met' if out['ratio'] >= 1 else 'NOT met'}); "
           f"MFU {100 * (mfu or 0):.1f}% (bare {100 * (mfu_bare or 0):.1f}%; goal >= 45%)", flush=True)
     ours.batches.close()
     del ours, bare
+    torch.cuda.empty_cache()
+    return out
+
+
+# where a kernel's time goes, by the first pattern its name matches (CUDA kernel names, and
+# aten op names when profiling on CPU)
+KERNEL_KINDS = (
+    ("attention", re.compile(r"flash|fmha|cudnn.*attn|attention|sdpa|_efficient_", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|sm\d+_|^triton_tem|aten::(mm|addmm|bmm|matmul)$", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    ("communication", re.compile(r"nccl|allreduce|all_reduce|reduce_scatter", re.I)),
+    ("copies", re.compile(r"memcpy|memset|copy_|aten::to$|_to_copy", re.I)),
+    ("fused by inductor", re.compile(r"^triton_|^cpp_fused", re.I)),
+)
+
+
+def kernel_breakdown(run_steps, steps: int, device: torch.device, top: int = 12) -> dict:
+    """Run `run_steps(steps)` under torch.profiler: the device time of each kind of kernel
+    (matmuls, attention, inductor's fused kernels, optimizer, copies) as a share of all, and
+    the kernels that take the most. On CPU: the ops' own CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        run_steps(steps)
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+             if cuda else e.self_cpu_time_total)
+        if t > 0 and (not cuda or str(getattr(e, "device_type", "")).endswith("CUDA")):
+            rows.append((e.key, t, e.count))
+    total = sum(t for _, t, _ in rows) or 1
+    kinds: dict[str, float] = {}
+    for name, t, _ in rows:
+        kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+        kinds[kind] = kinds.get(kind, 0) + t
+    rows.sort(key=lambda r: -r[1])
+    out = {"steps": steps, "device_ms_per_step": round(total / 1000 / steps, 2),
+           "share": {k: round(v / total, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+           "top": [{"kernel": name[:120], "share": round(t / total, 4), "calls": n}
+                   for name, t, n in rows[:top]]}
+    print(f"  kernel time per step {out['device_ms_per_step']} ms: " + ", ".join(
+        f"{k} {100 * v:.1f}%" for k, v in out["share"].items()), flush=True)
+    for row in out["top"]:
+        print(f"    {100 * row['share']:5.1f}%  x{row['calls']:<5} {row['kernel']}")
+    return out
+
+
+def bench_profile(cfg, store, shard_key, cache_dir, steps: int = 2) -> dict:
+    """Where our trainer's step spends the GPU's time (after compile and warm-up)."""
+    ours = _trainer(cfg, store, shard_key, cache_dir)
+    for _ in range(3):
+        ours.train_step()
+    out = kernel_breakdown(lambda n: [ours.train_step() for _ in range(n)], steps, ours.ranks.device)
+    ours.batches.close()
+    del ours
     torch.cuda.empty_cache()
     return out
 
@@ -256,8 +329,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per round")
     p.add_argument("--skip-stall", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile our trainer's step: kernel time by kind, the top kernels")
     p.add_argument("--explore", default="", help="bare-loop variants to time first, e.g. "
-                   "'32:default,32:cudnn,48:cudnn:cdt' (micro-batch:attention[:cdt])")
+                   "'32:default,32:cudnn,48:cudnn:cdt,64:default:ce4096' "
+                   "(micro-batch:attention[:cdt][:ce<tokens a chunk>])")
+    p.add_argument("--cross-entropy-chunk", type=int, default=0,
+                   help="the trainer and the bare loop both compute the loss chunked, this many "
+                   "tokens a chunk (engine.cross_entropy 'chunked'); 0: the full logits")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("  no CUDA device: skipped (see ../shared/gpu/README.md to run it on a lent GPU)")
@@ -274,10 +353,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.explore:
         result["explore"] = explore(args.store, store, key, cache_dir, args.explore.split(","), args.steps)
     for micro in (int(m) for m in args.micro_batch.split(",") if m):
-        cfg = _config(args.store, micro)
+        cfg = _config(args.store, micro, **_chunked(args.cross_entropy_chunk))
         result["throughput"].append(bench_throughput(cfg, store, key, cache_dir, args.rounds, args.steps))
+    if args.profile and args.micro_batch:
+        result["profile"] = bench_profile(_config(args.store, int(args.micro_batch.split(",")[0]),
+                                                  **_chunked(args.cross_entropy_chunk)),
+                                          store, key, cache_dir)
     if not args.skip_stall and args.micro_batch:
-        result["stall"] = bench_stall(_config(args.store, int(args.micro_batch.split(",")[0])),
+        result["stall"] = bench_stall(_config(args.store, int(args.micro_batch.split(",")[0]),
+                                              **_chunked(args.cross_entropy_chunk)),
                                       store, key, cache_dir)
     os.makedirs(RESULTS, exist_ok=True)
     name = "gpu-" + "".join(c if c.isalnum() else "-" for c in result["device"]).strip("-").lower()

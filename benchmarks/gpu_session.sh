@@ -4,6 +4,9 @@
 #   python -m benchmarks.make_shards           # GPT-2-vocabulary shards into .gpu/store
 # then `device run` with carry [".whl", ".gpu"] and the command
 #   bash benchmarks/gpu_session.sh [tests|bench|explore|all]     (default: all)
+# tests: the CUDA tests. bench: bench_gpu (ours vs the bare loop, MFU, checkpoint stall, where
+# the step's kernel time goes) and bench_memory at GPT-2 124M's shape. explore: the bare loop
+# at other micro-batches, with the chunked cross-entropy, cuDNN attention.
 # Each part has its own time limit so that "all" fits one 600 s call; the logs and the
 # benchmark JSON land in $OUT.
 set -u
@@ -28,13 +31,13 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   part cuda-tests 200 python3 -m pytest -m cuda tests/training/test_cuda.py -p no:cacheprovider -q
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  part bench-gpu 300 python3 -m benchmarks.bench_gpu --store "$STOKER_GPU_STORE"
-  part bench-ac 90 python3 -m benchmarks.bench_activation_checkpointing \
-    --layers 12 --width 768 --block 1024 --batch 16 --vocab 50304
+  part bench-gpu 300 python3 -m benchmarks.bench_gpu --store "$STOKER_GPU_STORE" --profile
+  part bench-memory 90 python3 -m benchmarks.bench_memory \
+    --layers 12 --width 768 --block 1024 --batch 16 --vocab 50304 --chunk 4096
 fi
 if [ "$what" = explore ]; then
   part explore 580 python3 -m benchmarks.bench_gpu --store "$STOKER_GPU_STORE" --skip-stall \
-    --micro-batch "" --explore 32:default,48:default,64:default,32:cudnn:cdt
+    --micro-batch "" --explore 32:default,32:default:ce4096,64:default,64:default:ce4096,32:cudnn:cdt
 fi
 cp -f benchmarks/results/gpu-*.json "$OUT/" 2>/dev/null
 exit 0

@@ -620,6 +620,15 @@ class EngineConfig(_Section):
         "more compute for the least activation memory). 'selective': keep the outputs of the "
         "matmuls and attention and recompute only the cheap ops between them (LayerNorm, GELU, "
         "dropout, residual adds): less memory than 'none' for little extra compute.")
+    cross_entropy: Literal["standard", "chunked"] = Field(
+        "standard", description="'standard': the output matmul makes the whole (tokens x "
+        "vocabulary) logits, then the loss. 'chunked': the matmul and the loss run "
+        "engine.cross_entropy_chunk tokens at a time, with the gradient made in the forward "
+        "pass, so the whole logits, their fp32 copy and their gradient never exist (GBs at "
+        "GPT-2's vocabulary): a larger micro-batch fits. The same loss up to rounding.")
+    cross_entropy_chunk: int = _field(
+        4096, "Tokens per chunk of the 'chunked' cross-entropy: fewer hold less memory and make "
+        "smaller matmuls.", ge=1)
     prefetch: bool = Field(
         True, description="Prepare the next batch in a background thread while the step runs "
         "(pinned memory, non-blocking copies on CUDA).")

@@ -53,6 +53,7 @@ class Engine:
     fsdp: bool
     activation_checkpointing: str  # "none", "selective" or "full"
     prefetch: bool
+    loss_chunk: int = 0  # tokens per chunk of a chunked cross-entropy; 0: the full logits
 
     @classmethod
     def resolve(cls, cfg: RunConfig, device: torch.device) -> "Engine":
@@ -69,13 +70,15 @@ class Engine:
                    fused=e.fused_optimizer == "on" or (e.fused_optimizer == "auto" and cuda),
                    fsdp=e.parallelism == "fsdp",
                    activation_checkpointing=e.activation_checkpointing,
-                   prefetch=e.prefetch)
+                   prefetch=e.prefetch,
+                   loss_chunk=e.cross_entropy_chunk if e.cross_entropy == "chunked" else 0)
 
     def describe(self) -> dict:
         return {"device": str(self.device), "precision": "bf16" if self.bf16 else "fp32",
                 "compile": self.compile, "fused_optimizer": self.fused,
                 "parallelism": "fsdp" if self.fsdp else "ddp",
-                "activation_checkpointing": self.activation_checkpointing}
+                "activation_checkpointing": self.activation_checkpointing,
+                "cross_entropy": f"chunked by {self.loss_chunk}" if self.loss_chunk else "standard"}
 
     def autocast(self):
         if not self.bf16:
@@ -105,7 +108,7 @@ def build_model(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
 
         with torch.device("meta"):
             raw = GPT(cfg.model, vocab_size, seed=None)
-        raw.activation_checkpointing = engine.activation_checkpointing
+        raw.activation_checkpointing, raw.loss_chunk = engine.activation_checkpointing, engine.loss_chunk
         mesh = init_device_mesh(device.type, (world_size,))
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if engine.bf16 else MixedPrecisionPolicy())
@@ -118,7 +121,7 @@ def build_model(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
         init_weights(raw, seed)
         return raw, raw
     raw = GPT(cfg.model, vocab_size, seed=seed).to(device)
-    raw.activation_checkpointing = engine.activation_checkpointing
+    raw.activation_checkpointing, raw.loss_chunk = engine.activation_checkpointing, engine.loss_chunk
     model = torch.compile(raw) if engine.compile else raw
     if world_size > 1 or (dist.is_available() and dist.is_initialized()):
         ids = [device.index] if device.type == "cuda" else None

@@ -1,7 +1,9 @@
 """A nanoGPT-sized GPT: pre-norm blocks, causal self-attention, tied embeddings.
 
 The embedding and output rows are padded to ``model.vocab_pad_multiple`` (the extra rows are
-never a target, so token ids and the loss are unchanged in meaning). Initial weights are a
+never a target, so token ids and the loss are unchanged in meaning). The loss is the full
+logits' cross-entropy, or the same loss a chunk of tokens at a time (``chunked_cross_entropy``,
+engine.cross_entropy: 'chunked'), which never holds the whole (tokens x vocabulary) logits. Initial weights are a
 pure function of the seed and each parameter's name (``init_weights``), so a model built on
 the meta device and sharded by FSDP2 starts from the same values as a replicated one.
 """
@@ -92,6 +94,61 @@ def checkpointed(block: nn.Module, x: torch.Tensor, mode: str) -> torch.Tensor:
     return checkpoint(block, x, use_reentrant=False)
 
 
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``h @ weight.T`` against ``targets``, ``chunk`` rows at a time.
+    The gradients of h and weight are computed in the forward pass, chunk by chunk (the
+    softmax minus the one-hot target, through the two matmuls), so at most one chunk's logits
+    exist at a time and the backward pass only scales them. The matmuls run in the autocast
+    dtype as the full-logits path does; the log-softmax in fp32."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk: int):
+        n = h.shape[0]
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        rows = torch.arange(min(chunk, n), device=h.device)
+        for start in range(0, n, chunk):
+            hc, tc = h[start : start + chunk], targets[start : start + chunk]
+            raw = hc @ weight.t()  # (chunk, V) in the matmul dtype
+            logits = raw.float()
+            lse = torch.logsumexp(logits, dim=-1)
+            at = rows[: len(tc)]
+            loss += (lse - logits[at, tc]).sum()
+            g = torch.exp(logits - lse[:, None])  # softmax
+            g[at, tc] -= 1.0
+            g = (g / n).to(raw.dtype)
+            grad_h[start : start + chunk] = g @ weight
+            grad_w += g.t() @ hc
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss, (grad_w * grad_loss).to(ctx.weight_dtype), None, None
+
+
+@torch.no_grad()
+def _chunked_loss_only(h, weight, targets, chunk: int) -> torch.Tensor:
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    for start in range(0, h.shape[0], chunk):
+        loss += F.cross_entropy((h[start : start + chunk] @ weight.t()).float(),
+                                targets[start : start + chunk], reduction="sum")
+    return loss / h.shape[0]
+
+
+def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          chunk: int) -> torch.Tensor:
+    """The mean cross-entropy of the logits ``h @ weight.T`` (h: (N, C), weight: (V, C),
+    targets: (N,)), computed ``chunk`` tokens at a time: equal to the full-logits loss up to
+    rounding, and its gradients too, while holding one chunk of logits instead of N."""
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return _ChunkedCrossEntropy.apply(h, weight, targets, chunk)
+    return _chunked_loss_only(h, weight, targets, chunk)
+
+
 def padded_vocab(vocab_size: int, multiple: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
@@ -102,6 +159,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
         self.activation_checkpointing = "none"  # or "selective", "full" (engine.activation_checkpointing)
+        self.loss_chunk = 0  # tokens per chunk of a chunked cross-entropy; 0: the full logits
         vocab_size = padded_vocab(vocab_size, cfg.vocab_pad_multiple)
         self.wte = nn.Embedding(vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
@@ -133,6 +191,10 @@ class GPT(nn.Module):
                 x = checkpointed(block, x, self.activation_checkpointing)
             else:
                 x = block(x)
+        if targets is not None and self.loss_chunk:  # the full logits never exist
+            h = self.ln_f(x)
+            return None, chunked_cross_entropy(h.view(B * T, -1), self.lm_head.weight,
+                                               targets.reshape(-1), self.loss_chunk)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V_padded)
         if targets is None:
             return logits[..., : self.vocab_size], None

@@ -153,21 +153,19 @@ def test_bf16_and_compile_are_faster_than_fp32(gpu_shards, tmp_path):
     assert ratio > 1.0
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_activation_checkpointing_on_cuda_keeps_the_loss_and_holds_less(compiled):
-    """bf16 autocast, eager and compiled: 'selective' and 'full' give the loss and gradients
-    of 'none' (close: a compiled recompute may fuse otherwise) and a lower allocator peak,
-    full < selective < none."""
+def _bf16_steps_on_cuda(variants: dict, compiled: bool, vocab: int = 8192) -> dict:
+    """variant -> (loss, output-matrix gradient, allocator peak above the model) of a bf16
+    training step of one GPT, the variant's (activation checkpointing, loss chunk) set."""
     from core.config import ModelConfig
     from training.model import GPT
 
     dev = torch.device("cuda", 0)
     cfg = ModelConfig(n_layer=4, n_head=8, n_embd=512, block_size=512, dropout=0.0)
-    x = torch.randint(0, 8192, (8, 512), device=dev, generator=torch.Generator(dev).manual_seed(0))
+    x = torch.randint(0, vocab, (8, 512), device=dev, generator=torch.Generator(dev).manual_seed(0))
     out = {}
-    for mode in ("none", "selective", "full"):
-        model = GPT(cfg, 8192, seed=0).to(dev)
-        model.activation_checkpointing = mode
+    for name, (ac, chunk) in variants.items():
+        model = GPT(cfg, vocab, seed=0).to(dev)
+        model.activation_checkpointing, model.loss_chunk = ac, chunk
         step = torch.compile(model) if compiled else model
         for _ in range(2):  # the first compiles
             model.zero_grad(set_to_none=True)
@@ -178,16 +176,39 @@ def test_activation_checkpointing_on_cuda_keeps_the_loss_and_holds_less(compiled
                 _, loss = step(x, x)
             loss.backward()
             torch.cuda.synchronize()
-        out[mode] = (loss.item(), model.lm_head.weight.grad.float().clone(),
+        out[name] = (loss.item(), model.lm_head.weight.grad.float().clone(),
                      torch.cuda.max_memory_allocated(dev) - base)
         del model, step
         torch.cuda.empty_cache()
+    peaks = {m: round(v[2] / 2**20) for m, v in out.items()}
+    print(f"allocator peak above the model, MiB: {peaks}")
+    return out
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_activation_checkpointing_on_cuda_keeps_the_loss_and_holds_less(compiled):
+    """bf16 autocast, eager and compiled: 'selective' and 'full' give the loss and gradients
+    of 'none' (close: a compiled recompute may fuse otherwise) and a lower allocator peak,
+    full < selective < none."""
+    out = _bf16_steps_on_cuda({m: (m, 0) for m in ("none", "selective", "full")}, compiled)
     for mode in ("selective", "full"):
         assert out[mode][0] == pytest.approx(out["none"][0], rel=1e-3), (mode, out[mode][0], out["none"][0])
         assert torch.allclose(out[mode][1], out["none"][1], rtol=2e-2, atol=1e-4), mode
     peaks = {m: v[2] for m, v in out.items()}
-    print(f"allocator peak above the model, MiB: { {m: round(p / 2**20) for m, p in peaks.items()} }")
     assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_chunked_cross_entropy_on_cuda_keeps_the_loss_and_holds_less(compiled):
+    """At GPT-2's vocabulary the logits dominate the step's memory: the chunked cross-entropy
+    (1024 tokens a chunk) gives the loss and output-matrix gradient of the full logits (close:
+    bf16 rounding) at a lower allocator peak."""
+    out = _bf16_steps_on_cuda({"full": ("none", 0), "chunked": ("none", 1024)}, compiled,
+                              vocab=50304)
+    assert out["chunked"][0] == pytest.approx(out["full"][0], rel=1e-3)
+    a, b = out["chunked"][1], out["full"][1]
+    assert (a - b).norm() <= 2e-2 * b.norm()
+    assert out["chunked"][2] < 0.7 * out["full"][2], (out["chunked"][2], out["full"][2])
 
 
 def test_async_checkpoint_copy_on_cuda_writes_the_state_of_its_step(tmp_path):

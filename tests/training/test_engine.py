@@ -29,12 +29,14 @@ def test_fsdp2_on_two_gloo_ranks_trains_like_ddp_and_checkpoints_move_both_ways(
     """FSDP2 starts from the same weights as DDP (meta-device build, then init by name) and
     follows the same losses; a DDP checkpoint resumes under FSDP2 and an FSDP2 checkpoint
     under DDP (DCP reshards). Not bitwise: reduce-scatter sums in another order. The FSDP2 runs
-    also checkpoint activations selectively (recomputing changes no value)."""
+    also checkpoint activations selectively (recomputing changes no value) and compute the
+    loss in uneven chunks (within rounding of the full logits')."""
     ddp = tiny_config(run_name="eng", train={"max_steps": 4},
                       checkpoint={"interval_steps": 2, "keep_latest_k": 10},
                       eval={"interval_steps": 2})
     fsdp = ddp.model_copy(update={"engine": ddp.engine.model_copy(update={
-        "parallelism": "fsdp", "activation_checkpointing": "selective"})})
+        "parallelism": "fsdp", "activation_checkpointing": "selective",
+        "cross_entropy": "chunked", "cross_entropy_chunk": 100})})
     store, shards = prepare_shards(ddp)
     ddp_url, fsdp_url = _write_config(store, ddp, "config"), _write_config(store, fsdp, "config-fsdp")
 
@@ -56,9 +58,11 @@ def test_engine_settings_resolve_for_the_device():
     cpu = Engine.resolve(cfg, torch.device("cpu"))
     assert (cpu.bf16, cpu.compile, cpu.fused, cpu.fsdp, cpu.prefetch) == (False, False, False, False, True)
     on = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={
-        "precision": "bf16", "compile": "on", "parallelism": "fsdp", "activation_checkpointing": "full"})})
+        "precision": "bf16", "compile": "on", "parallelism": "fsdp", "activation_checkpointing": "full",
+        "cross_entropy": "chunked"})})
     e = Engine.resolve(on, torch.device("cpu"))
     assert (e.bf16, e.compile, e.fsdp, e.activation_checkpointing) == (True, True, True, "full")
+    assert (cpu.loss_chunk, e.loss_chunk) == (0, on.engine.cross_entropy_chunk)
     assert peak_flops(torch.device("cpu")) is None  # tokens/s only
 
 
@@ -73,6 +77,8 @@ def test_fused_optimizer_on_cpu_is_one_clear_error():
     ("compile", "yes", "engine.compile"),
     ("parallelism", "tp", "engine.parallelism"),
     ("activation_checkpointing", "some", "engine.activation_checkpointing"),
+    ("cross_entropy", "fused", "engine.cross_entropy"),
+    ("cross_entropy_chunk", 0, "engine.cross_entropy_chunk"),
 ])
 def test_bad_engine_settings_are_named_with_their_choices(field, value, expect):
     with pytest.raises(ConfigError) as err:
@@ -160,3 +166,74 @@ def test_selective_checkpointing_holds_less_than_none_and_more_than_full():
         (stats,) = tracker.get_tracker_snapshot("peak").values()
         peak[mode] = stats[mem_tracker._MemRefType.ACT]
     assert peak["full"] < peak["selective"] < peak["none"], peak
+
+def _loss_and_grads(model, x, y, autocast: bool = False):
+    torch.manual_seed(7)  # the same dropout draws
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        _, loss = model(x, y)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("chunk", [7, 48, 1000])  # uneven chunks, one per batch row, one for all
+def test_chunked_cross_entropy_gives_the_loss_and_gradients_of_the_full_logits(chunk):
+    """engine.cross_entropy 'chunked' computes the output matmul and the loss a chunk of
+    tokens at a time, its gradient in the forward pass: the loss and every gradient (the tied
+    embedding's included) equal the full logits' up to fp32 rounding, with dropout on; the
+    evaluation path (no grad) gives the same loss."""
+    from core.config import ModelConfig
+    from training.model import GPT
+
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.1)
+    x, y = torch.randint(0, 100, (3, 16)), torch.randint(0, 100, (3, 16))
+    full = GPT(cfg, 100, seed=3)
+    chunked = GPT(cfg, 100, seed=3)
+    chunked.loss_chunk = chunk
+    (loss, grads), (c_loss, c_grads) = _loss_and_grads(full, x, y), _loss_and_grads(chunked, x, y)
+    torch.testing.assert_close(c_loss, loss)
+    for (name, _), g, h in zip(full.named_parameters(), grads, c_grads):
+        torch.testing.assert_close(h, g, msg=name)
+    full.eval(), chunked.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(chunked(x, y)[1], full(x, y)[1])
+
+
+def test_chunked_cross_entropy_under_bf16_autocast_stays_close_to_the_full_logits():
+    """Under bf16 autocast both paths run the matmuls in bf16 and the log-softmax in fp32; the
+    chunked one adds its chunks' weight gradients in fp32, so they differ by bf16 rounding."""
+    from core.config import ModelConfig
+    from training.model import GPT
+
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, dropout=0.0)
+    x, y = torch.randint(0, 500, (4, 32)), torch.randint(0, 500, (4, 32))
+    chunked = GPT(cfg, 500, seed=3)
+    chunked.loss_chunk = 24
+    (loss, grads), (c_loss, c_grads) = (_loss_and_grads(GPT(cfg, 500, seed=3), x, y, True),
+                                        _loss_and_grads(chunked, x, y, True))
+    assert c_loss.item() == pytest.approx(loss.item(), rel=1e-3)
+    for g, h in zip(grads, c_grads):
+        assert h.dtype == g.dtype == torch.float32
+        assert (h - g).norm() <= 2e-2 * g.norm()
+
+
+def test_chunked_cross_entropy_holds_less_memory_than_the_full_logits():
+    """Peak memory of a training step (MemTracker): the full logits, their fp32 copy and their
+    gradient dominate at a large vocabulary; chunked, only one chunk's exist at a time."""
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+    from core.config import ModelConfig
+    from training.model import GPT
+
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, dropout=0.0)
+    x = torch.randint(0, 4096, (4, 64))
+    peak = {}
+    for chunk in (0, 64):
+        model = GPT(cfg, 4096, seed=0)
+        model.loss_chunk = chunk
+        tracker = mem_tracker.MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            _, loss = model(x, x)
+            loss.backward()
+        (stats,) = tracker.get_tracker_snapshot("peak").values()
+        peak[chunk] = stats["Total"]
+    assert peak[64] < 0.6 * peak[0], peak
