@@ -39,6 +39,8 @@ import time
 import numpy as np
 import torch
 
+from training.engine import compile_options
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -88,9 +90,10 @@ def _sdpa(name: str):
 
 
 def explore(store_root: str, store, key: str, cache_dir: str, variants: list[str], steps: int) -> list[dict]:
-    """Tokens/s and MFU of the bare loop under variants "micro:attention[:cdt][:ce<N>]" (cdt:
-    inductor's coordinate-descent tuning; ce<N>: the chunked cross-entropy, N tokens a chunk),
-    to pick the settings the trainer should use."""
+    """Tokens/s and MFU of the bare loop under variants "micro:attention[:cdt|:ma][:ce<N>]"
+    (cdt: inductor's coordinate-descent tuning, ma: max-autotune, as engine.compile_tuning
+    does them; ce<N>: the chunked cross-entropy, N tokens a chunk), to pick the settings the
+    trainer should use."""
     from storage.shards import materialize
     from training.engine import peak_flops
 
@@ -98,9 +101,9 @@ def explore(store_root: str, store, key: str, cache_dir: str, variants: list[str
     for variant in variants:
         micro, attention, *extra = variant.split(":")
         torch._dynamo.reset()
-        torch._inductor.config.coordinate_descent_tuning = "cdt" in extra
         chunk = next((int(e[2:]) for e in extra if e.startswith("ce")), 0)
-        cfg = _config(store_root, int(micro), **_chunked(chunk))
+        tuning = "coordinate-descent" if "cdt" in extra else "max-autotune" if "ma" in extra else "none"
+        cfg = _config(store_root, int(micro), compile_tuning=tuning, **_chunked(chunk))
         bare = BareLoop(cfg, materialize(store, key, cache_dir), attention)
         t0 = time.perf_counter()
         for _ in range(3):
@@ -120,7 +123,7 @@ def explore(store_root: str, store, key: str, cache_dir: str, variants: list[str
         del bare
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    torch._inductor.config.coordinate_descent_tuning = False
+    compile_options("none")
     return out
 
 
@@ -143,7 +146,7 @@ class BareLoop:
             self.model.loss_chunk = cfg.engine.cross_entropy_chunk
         self.opt = torch.optim.AdamW(param_groups(self.model, 0.1), lr=6e-4, betas=(0.9, 0.95),
                                      fused=True)
-        self.step_fn = torch.compile(self.model)
+        self.step_fn = torch.compile(self.model, **compile_options(cfg.engine.compile_tuning))
         self.rng = np.random.default_rng(0)
         self.attention = _sdpa(attention)
 
@@ -333,7 +336,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="also profile our trainer's step: kernel time by kind, the top kernels")
     p.add_argument("--explore", default="", help="bare-loop variants to time first, e.g. "
                    "'32:default,32:cudnn,48:cudnn:cdt,64:default:ce4096' "
-                   "(micro-batch:attention[:cdt][:ce<tokens a chunk>])")
+                   "(micro-batch:attention[:cdt|:ma][:ce<tokens a chunk>])")
+    p.add_argument("--compile-tuning", default="none",
+                   choices=("none", "coordinate-descent", "max-autotune"),
+                   help="engine.compile_tuning of the trainer and the bare loop alike")
     p.add_argument("--cross-entropy-chunk", type=int, default=0,
                    help="the trainer and the bare loop both compute the loss chunked, this many "
                    "tokens a chunk (engine.cross_entropy 'chunked'); 0: the full logits")
@@ -350,19 +356,18 @@ def main(argv: list[str] | None = None) -> None:
     cache_dir = tempfile.mkdtemp(prefix="stoker-bench-gpu-")
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "python": platform.python_version(), "shards": key, "throughput": []}
+    # the trainer's engine settings; the bare loop follows them (compile tuning, chunked loss)
+    engine = {"compile_tuning": args.compile_tuning, **_chunked(args.cross_entropy_chunk)}
     if args.explore:
         result["explore"] = explore(args.store, store, key, cache_dir, args.explore.split(","), args.steps)
     for micro in (int(m) for m in args.micro_batch.split(",") if m):
-        cfg = _config(args.store, micro, **_chunked(args.cross_entropy_chunk))
+        cfg = _config(args.store, micro, **engine)
         result["throughput"].append(bench_throughput(cfg, store, key, cache_dir, args.rounds, args.steps))
-    if args.profile and args.micro_batch:
-        result["profile"] = bench_profile(_config(args.store, int(args.micro_batch.split(",")[0]),
-                                                  **_chunked(args.cross_entropy_chunk)),
-                                          store, key, cache_dir)
-    if not args.skip_stall and args.micro_batch:
-        result["stall"] = bench_stall(_config(args.store, int(args.micro_batch.split(",")[0]),
-                                              **_chunked(args.cross_entropy_chunk)),
-                                      store, key, cache_dir)
+    first = int(args.micro_batch.split(",")[0]) if args.micro_batch else 0
+    if args.profile and first:
+        result["profile"] = bench_profile(_config(args.store, first, **engine), store, key, cache_dir)
+    if not args.skip_stall and first:
+        result["stall"] = bench_stall(_config(args.store, first, **engine), store, key, cache_dir)
     os.makedirs(RESULTS, exist_ok=True)
     name = "gpu-" + "".join(c if c.isalnum() else "-" for c in result["device"]).strip("-").lower()
     for path in [os.path.join(RESULTS, name + ".json")] + (

@@ -4,9 +4,11 @@
 #   python -m benchmarks.make_shards           # GPT-2-vocabulary shards into .gpu/store
 # then `device run` with carry [".whl", ".gpu"] and the command
 #   bash benchmarks/gpu_session.sh [tests|bench|explore|all]     (default: all)
+#   bash benchmarks/gpu_session.sh tuned [bench_gpu's options]   e.g. --micro-batch 48
+#        --compile-tuning coordinate-descent --cross-entropy-chunk 4096 (what explore found)
 # tests: the CUDA tests. bench: bench_gpu (ours vs the bare loop, MFU, checkpoint stall, where
 # the step's kernel time goes) and bench_memory at GPT-2 124M's shape. explore: the bare loop
-# at other micro-batches, with the chunked cross-entropy, cuDNN attention.
+# at micro-batches 32 and 64, with the chunked cross-entropy, with coordinate-descent tuning.
 # Each part has its own time limit so that "all" fits one 600 s call; the logs and the
 # benchmark JSON land in $OUT.
 set -u
@@ -17,6 +19,7 @@ export STOKER_GPU_STORE=${STOKER_GPU_STORE:-file://$PWD/.gpu/store}
 OUT=${OUT:-$PWD/.gpu/out}
 mkdir -p "$OUT"
 what=${1:-all}
+shift $(( $# > 0 ? 1 : 0 ))
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch; print(torch.__version__, torch.version.cuda)" >> "$OUT/gpu.txt" 2>&1
 
@@ -37,7 +40,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
 fi
 if [ "$what" = explore ]; then
   part explore 580 python3 -m benchmarks.bench_gpu --store "$STOKER_GPU_STORE" --skip-stall \
-    --micro-batch "" --explore 32:default,32:default:ce4096,64:default,64:default:ce4096,32:cudnn:cdt
+    --micro-batch "" --explore 32:default,32:default:ce4096,64:default,64:default:ce4096,48:default:cdt
+fi
+if [ "$what" = tuned ]; then  # ours vs the bare loop, both with the given settings
+  part bench-tuned 580 python3 -m benchmarks.bench_gpu --store "$STOKER_GPU_STORE" --skip-stall --profile "$@"
 fi
 cp -f benchmarks/results/gpu-*.json "$OUT/" 2>/dev/null
 exit 0

@@ -54,6 +54,7 @@ class Engine:
     activation_checkpointing: str  # "none", "selective" or "full"
     prefetch: bool
     loss_chunk: int = 0  # tokens per chunk of a chunked cross-entropy; 0: the full logits
+    compile_tuning: str = "none"  # or "coordinate-descent", "max-autotune"
 
     @classmethod
     def resolve(cls, cfg: RunConfig, device: torch.device) -> "Engine":
@@ -64,18 +65,26 @@ class Engine:
         if e.fused_optimizer == "on" and not cuda:
             raise ConfigError(["engine.fused_optimizer: fused AdamW needs a CUDA device and this "
                                "rank runs on CPU; use 'auto' or 'off'."])
+        compiled = e.compile == "on" or (e.compile == "auto" and cuda)
+        if e.compile_tuning != "none" and not compiled:
+            raise ConfigError([f"engine.compile_tuning: '{e.compile_tuning}' tunes torch.compile, "
+                               "which is off here (engine.compile: "
+                               f"'{e.compile}' on {device.type.upper()}); use 'none' or set "
+                               "engine.compile to 'on'."])
         bf16 = e.precision == "bf16" or (e.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
         return cls(device=device, bf16=bf16,
-                   compile=e.compile == "on" or (e.compile == "auto" and cuda),
+                   compile=compiled,
                    fused=e.fused_optimizer == "on" or (e.fused_optimizer == "auto" and cuda),
                    fsdp=e.parallelism == "fsdp",
                    activation_checkpointing=e.activation_checkpointing,
                    prefetch=e.prefetch,
-                   loss_chunk=e.cross_entropy_chunk if e.cross_entropy == "chunked" else 0)
+                   loss_chunk=e.cross_entropy_chunk if e.cross_entropy == "chunked" else 0,
+                   compile_tuning=e.compile_tuning)
 
     def describe(self) -> dict:
         return {"device": str(self.device), "precision": "bf16" if self.bf16 else "fp32",
-                "compile": self.compile, "fused_optimizer": self.fused,
+                "compile": self.compile, "compile_tuning": self.compile_tuning,
+                "fused_optimizer": self.fused,
                 "parallelism": "fsdp" if self.fsdp else "ddp",
                 "activation_checkpointing": self.activation_checkpointing,
                 "cross_entropy": f"chunked by {self.loss_chunk}" if self.loss_chunk else "standard"}
@@ -97,6 +106,16 @@ def configure_backends(cfg: RunConfig, device: torch.device) -> None:
         torch.use_deterministic_algorithms(True)
 
 
+def compile_options(tuning: str) -> dict:
+    """torch.compile's arguments for engine.compile_tuning. Coordinate-descent tuning is an
+    inductor setting of the process (one model per process here), set before the first
+    compile."""
+    import torch._inductor.config as inductor
+
+    inductor.coordinate_descent_tuning = tuning == "coordinate-descent"
+    return {"mode": "max-autotune-no-cudagraphs"} if tuning == "max-autotune" else {}
+
+
 def build_model(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int):
     """(raw_model, model): the module whose parameters the optimizer and checkpoints see,
     and the one the step calls (compiled and/or DDP-wrapped). Initial weights are the same
@@ -113,8 +132,8 @@ def build_model(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if engine.bf16 else MixedPrecisionPolicy())
         for block in raw.blocks:
-            if engine.compile:
-                block.compile()  # per block, as torchtitan does under FSDP2
+            if engine.compile:  # per block, as torchtitan does under FSDP2
+                block.compile(**compile_options(engine.compile_tuning))
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(raw, mesh=mesh, mp_policy=mp)
         raw.to_empty(device=device)
@@ -122,7 +141,7 @@ def build_model(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
         return raw, raw
     raw = GPT(cfg.model, vocab_size, seed=seed).to(device)
     raw.activation_checkpointing, raw.loss_chunk = engine.activation_checkpointing, engine.loss_chunk
-    model = torch.compile(raw) if engine.compile else raw
+    model = torch.compile(raw, **compile_options(engine.compile_tuning)) if engine.compile else raw
     if world_size > 1 or (dist.is_available() and dist.is_initialized()):
         ids = [device.index] if device.type == "cuda" else None
         # DDP rebuilds its gradient buckets after its first step, in the order gradients became

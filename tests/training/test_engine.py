@@ -78,12 +78,39 @@ def test_fused_optimizer_on_cpu_is_one_clear_error():
     ("parallelism", "tp", "engine.parallelism"),
     ("activation_checkpointing", "some", "engine.activation_checkpointing"),
     ("cross_entropy", "fused", "engine.cross_entropy"),
+    ("compile_tuning", "fast", "engine.compile_tuning"),
     ("cross_entropy_chunk", 0, "engine.cross_entropy_chunk"),
 ])
 def test_bad_engine_settings_are_named_with_their_choices(field, value, expect):
     with pytest.raises(ConfigError) as err:
         load_config(tiny_dict("file:///tmp/x", engine={field: value}))
     assert expect in str(err.value)
+
+
+def test_compile_tuning_needs_a_compile_and_sets_inductor_before_it():
+    """engine.compile_tuning with compile 'off' is a config error; with 'auto' on a CPU (no
+    compile there) one at the rank, naming the field; with compile on, coordinate-descent
+    tuning is inductor's setting when the model is compiled, and max-autotune its mode."""
+    import torch._inductor.config as inductor
+
+    from training.engine import build_model, compile_options
+
+    with pytest.raises(ConfigError, match="engine.compile_tuning: tunes torch.compile, which "
+                       "engine.compile turns off .*use 'none'"):
+        load_config(tiny_dict("file:///tmp/x", engine={"compile": "off", "compile_tuning": "max-autotune"}))
+    auto = load_config(tiny_dict("file:///tmp/x", engine={"compile_tuning": "coordinate-descent"}))
+    with pytest.raises(ConfigError, match="engine.compile_tuning: .* 'auto' on CPU"):
+        Engine.resolve(auto, torch.device("cpu"))
+    on = load_config(tiny_dict("file:///tmp/x", engine={"compile": "on", "compile_tuning": "coordinate-descent"}))
+    engine = Engine.resolve(on, torch.device("cpu"))
+    assert engine.describe()["compile_tuning"] == "coordinate-descent"
+    try:
+        build_model(on, 384, engine, 1)
+        assert inductor.coordinate_descent_tuning is True
+        assert compile_options("max-autotune") == {"mode": "max-autotune-no-cudagraphs"}
+        assert inductor.coordinate_descent_tuning is False
+    finally:
+        inductor.coordinate_descent_tuning = False
 
 
 def test_vocab_padding_is_validated_and_engine_is_not_part_of_the_run_identity():
