@@ -31,11 +31,11 @@ part() {  # part NAME SECONDS COMMAND...: one log per part, its exit status in s
 }
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  part cuda-tests 200 python3 -m pytest -m cuda tests/training/test_cuda.py -p no:cacheprovider -q
+  part cuda-tests 230 python3 -m pytest -m cuda tests/training/test_cuda.py -p no:cacheprovider -v -s
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  part bench-gpu 300 python3 -m benchmarks.bench_gpu --store "$STOKER_GPU_STORE" --profile
-  part bench-memory 90 python3 -m benchmarks.bench_memory \
+  part bench-gpu 280 python3 -m benchmarks.bench_gpu --store "$STOKER_GPU_STORE" --profile
+  part bench-memory 80 python3 -m benchmarks.bench_memory \
     --layers 12 --width 768 --block 1024 --batch 16 --vocab 50304 --chunk 4096
 fi
 if [ "$what" = explore ]; then
