@@ -20,6 +20,7 @@ The store is a local folder (the GPU host has no S3 endpoint), so "upload" is th
 and commit of files DCP wrote in place.
 
     python -m benchmarks.bench_gpu --store file:///path/with/shards [--micro-batch 16,32]
+    python -m benchmarks.bench_gpu --smoke --store ...   # every part, tiny, on the CPU
 
 The shard set: ``python -m benchmarks.make_shards`` here, carried to the GPU host.
 Writes benchmarks/results/gpu-<device>.json (and $OUT/bench_gpu.json when $OUT is set).
@@ -28,10 +29,12 @@ Writes benchmarks/results/gpu-<device>.json (and $OUT/bench_gpu.json when $OUT i
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import tempfile
 import time
@@ -42,6 +45,30 @@ import torch
 from training.engine import compile_options
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DEVICE = torch.device("cuda", 0)  # --smoke: the CPU
+# --smoke: every part at a tiny size on the CPU, to check the benchmark itself before a GPU
+# session spends its minutes on it (its figures mean nothing)
+SMOKE = {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "model.block_size": 64,
+         "engine.compile": "off"}
+
+
+def _cuda() -> bool:
+    return DEVICE.type == "cuda"
+
+
+def _sync() -> None:
+    if _cuda():
+        torch.cuda.synchronize()
+
+
+def _peak_gb() -> float:
+    return round(torch.cuda.max_memory_allocated() / 1e9, 2) if _cuda() else 0.0
+
+
+def _free() -> None:
+    if _cuda():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _config(store_root: str, micro: int, **engine):
@@ -52,6 +79,8 @@ def _config(store_root: str, micro: int, **engine):
             "train.deterministic": False, "eval.per_checkpoint_enabled": False,
             "launch.nproc_per_node": 1}
     over.update({f"engine.{k}": v for k, v in engine.items()})
+    if not _cuda():
+        over.update(SMOKE)
     return load_config("gpt2-124m-1gpu", **over)
 
 
@@ -66,7 +95,7 @@ def _trainer(cfg, store, shard_key, cache_dir):
     from storage.shards import materialize
     from training.loop import RankInfo, Trainer
 
-    ranks = RankInfo(0, 0, 1, torch.device("cuda", 0))
+    ranks = RankInfo(0, 0, 1, DEVICE)
     return Trainer(cfg, ranks, materialize(store, shard_key, cache_dir), store, shard_key, cache_dir)
 
 
@@ -108,21 +137,20 @@ def explore(store_root: str, store, key: str, cache_dir: str, variants: list[str
         t0 = time.perf_counter()
         for _ in range(3):
             bare.train_step()
-        torch.cuda.synchronize()
+        _sync()
         warm = time.perf_counter() - t0
         tokens = cfg.train.global_batch_size * cfg.model.block_size
         tps = statistics.median(_tokens_per_second(bare.train_step, steps, tokens) for _ in range(3))
-        peak = peak_flops(torch.device("cuda", 0))
+        peak = peak_flops(DEVICE)
         mfu = bare.model.flops_per_token() * tps / peak if peak else None
         row = {"variant": variant, "tokens_per_second": round(tps), "mfu": mfu and round(mfu, 4),
                "warmup_seconds": round(warm, 1),
-               "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
+               "peak_memory_gb": _peak_gb()}
         print(f"  explore {variant}: {tps:,.0f} tok/s, MFU {100 * (mfu or 0):.1f}%, "
               f"compile+warm-up {warm:.0f}s", flush=True)
         out.append(row)
         del bare
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        _free()
     compile_options("none")
     return out
 
@@ -141,25 +169,29 @@ class BareLoop:
         self.data = self.stream.parts[0]
         self.T, self.B = cfg.model.block_size, cfg.train.micro_batch_size
         self.accum = cfg.train.global_batch_size // self.B
-        self.model = GPT(cfg.model, self.stream.vocab_size, seed=0).cuda()
+        self.model = GPT(cfg.model, self.stream.vocab_size, seed=0).to(DEVICE)
         if cfg.engine.cross_entropy == "chunked":  # the same loss, as the trainer computes it
             self.model.loss_chunk = cfg.engine.cross_entropy_chunk
         self.opt = torch.optim.AdamW(param_groups(self.model, 0.1), lr=6e-4, betas=(0.9, 0.95),
-                                     fused=True)
-        self.step_fn = torch.compile(self.model, **compile_options(cfg.engine.compile_tuning))
+                                     fused=_cuda())
+        self.step_fn = (torch.compile(self.model, **compile_options(cfg.engine.compile_tuning))
+                        if _cuda() else self.model)
         self.rng = np.random.default_rng(0)
         self.attention = _sdpa(attention)
 
     def batch(self):
         ix = self.rng.integers(0, len(self.data) - self.T - 1, size=self.B)
         rows = np.stack([self.data[i : i + self.T + 1] for i in ix]).astype(np.int64)
-        t = torch.from_numpy(rows).pin_memory()
+        t = torch.from_numpy(rows)
+        if not _cuda():
+            return t[:, :-1], t[:, 1:]
+        t = t.pin_memory()
         return t[:, :-1].cuda(non_blocking=True), t[:, 1:].cuda(non_blocking=True)
 
     def train_step(self):
         x, y = self.batch()
         for micro in range(self.accum):
-            with torch.autocast("cuda", dtype=torch.bfloat16), self.attention():
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=_cuda()), self.attention():
                 _, loss = self.step_fn(x, y)
             x, y = self.batch()  # next batch while the GPU works
             (loss / self.accum).backward()
@@ -170,7 +202,7 @@ class BareLoop:
 
 
 def _tokens_per_second(step, steps: int, tokens_per_step: int) -> float:
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = step()
@@ -187,7 +219,7 @@ def bench_throughput(cfg, store, shard_key, cache_dir, rounds: int, steps: int) 
     t0 = time.perf_counter()
     for _ in range(3):  # compile and warm both
         ours.train_step(); bare.train_step()
-    torch.cuda.synchronize()
+    _sync()
     warm = time.perf_counter() - t0
     a, b = [], []
     for i in range(rounds):  # ABBA order: neither loop always runs first
@@ -204,17 +236,17 @@ def bench_throughput(cfg, store, shard_key, cache_dir, rounds: int, steps: int) 
            "bare_tokens_per_second": round(tps_bare), "ratio": round(tps_ours / tps_bare, 3),
            "mfu": None if mfu is None else round(mfu, 4),
            "bare_mfu": None if mfu_bare is None else round(mfu_bare, 4),
-           "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
+           "peak_memory_gb": _peak_gb(),
            "rounds": {"ours": [round(x) for x in a], "bare": [round(x) for x in b]}}
     print(f"  model: {out['model_params'] / 1e6:.1f}M parameters, vocabulary {out['vocab_size']:,}")
     e = out["engine"]
-    print(f"  micro-batch {out['micro_batch']} ({e['cross_entropy']} cross-entropy, compile tuning "
+    print(f"  micro-batch {out['micro_batch']} (cross-entropy {e['cross_entropy']}, compile tuning "
           f"{e['compile_tuning']}): ours {tps_ours:,.0f} tok/s, bare {tps_bare:,.0f} tok/s; "
           f"RATIO ours/bare = {out['ratio']:.3f} (goal >= 1.0: {'met' if out['ratio'] >= 1 else 'NOT met'}); "
           f"MFU {100 * (mfu or 0):.1f}% (bare {100 * (mfu_bare or 0):.1f}%; goal >= 45%)", flush=True)
     ours.batches.close()
     del ours, bare
-    torch.cuda.empty_cache()
+    _free()
     return out
 
 
@@ -274,7 +306,7 @@ def bench_profile(cfg, store, shard_key, cache_dir, steps: int = 2) -> dict:
     out = kernel_breakdown(lambda n: [ours.train_step() for _ in range(n)], steps, ours.ranks.device)
     ours.batches.close()
     del ours
-    torch.cuda.empty_cache()
+    _free()
     return out
 
 
@@ -282,12 +314,12 @@ def _step_times(trainer, steps: int, save_at: set[int]) -> list[float]:
     """Wall time of each step (synchronized), saving after the steps in save_at."""
     times = []
     for i in range(steps):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         trainer.train_step()
         if i in save_at:
             trainer.save()
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
     return times
 
@@ -316,7 +348,7 @@ def bench_stall(cfg, store, shard_key, cache_dir, saves: int = 4, window: int = 
                      "median_lost_seconds": round(statistics.median(lost), 4)}
         trainer.batches.close()
         del trainer
-        torch.cuda.empty_cache()
+        _free()
     state_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(
         store.local_path(f"runs/{cfg.run_name}-sync/checkpoints")) for f in fs) / 2  # 2 kept
     ratio = out["async"]["median_lost_seconds"] / max(out["sync"]["median_lost_seconds"], 1e-9)
@@ -347,8 +379,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cross-entropy-chunk", type=int, default=0,
                    help="the trainer and the bare loop both compute the loss chunked, this many "
                    "tokens a chunk (engine.cross_entropy 'chunked'); 0: the full logits")
+    p.add_argument("--smoke", action="store_true",
+                   help="every part at a tiny size on the CPU: checks the benchmark runs, before a "
+                   "GPU session spends its minutes on it; its figures mean nothing, nothing is written")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    global DEVICE
+    if args.smoke:
+        DEVICE = torch.device("cpu")
+    elif not torch.cuda.is_available():
         print("  no CUDA device: skipped (see ../shared/gpu/README.md to run it on a lent GPU)")
         return
     if not args.store:
@@ -358,7 +396,8 @@ def main(argv: list[str] | None = None) -> None:
     store = Store(args.store)
     key = _shard_key(store)
     cache_dir = tempfile.mkdtemp(prefix="stoker-bench-gpu-")
-    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    result = {"device": torch.cuda.get_device_name(0) if _cuda() else "cpu (smoke run)",
+              "torch": torch.__version__,
               "python": platform.python_version(), "shards": key, "throughput": []}
     # the trainer's engine settings; the bare loop follows them (compile tuning, chunked loss)
     engine = {"compile_tuning": args.compile_tuning, **_chunked(args.cross_entropy_chunk)}
@@ -372,6 +411,13 @@ def main(argv: list[str] | None = None) -> None:
         result["profile"] = bench_profile(_config(args.store, first, **engine), store, key, cache_dir)
     if not args.skip_stall and first:
         result["stall"] = bench_stall(_config(args.store, first, **engine), store, key, cache_dir)
+    # the runs' checkpoints and metrics go, so the shard store stays small enough to carry
+    for run in glob.glob(store.local_path("runs/bench-gpu-*")):
+        shutil.rmtree(run, ignore_errors=True)
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    if args.smoke:
+        print(json.dumps(result, indent=2))
+        return
     os.makedirs(RESULTS, exist_ok=True)
     name = "gpu-" + "".join(c if c.isalnum() else "-" for c in result["device"]).strip("-").lower()
     for path in [os.path.join(RESULTS, name + ".json")] + (

@@ -198,7 +198,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))  # (B, T, V_padded)
         if targets is None:
             return logits[..., : self.vocab_size], None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
         return logits, loss
 
 

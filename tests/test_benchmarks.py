@@ -1,0 +1,33 @@
+"""The GPU benchmark cannot run in CI (no GPU), so its smoke run does: every part of
+benchmarks/bench_gpu.py (explore, ours against the bare loop, the kernel profile, the
+checkpoint stall) at a tiny size on the CPU, so a lent GPU's minutes are not spent finding a
+broken benchmark. Its figures mean nothing; what it leaves behind is checked."""
+
+import glob
+import os
+
+from tests.conftest import prepare_shards
+
+
+def test_bench_gpu_runs_every_part_in_a_cpu_smoke_run(tiny_config, capsys):
+    from benchmarks import bench_gpu
+
+    cfg = tiny_config(run_name="bench")
+    store, _ = prepare_shards(cfg)
+    results = sorted(glob.glob(os.path.join(bench_gpu.RESULTS, "*.json")))
+    before = {p: os.path.getmtime(p) for p in results}
+    try:
+        bench_gpu.main(["--smoke", "--store", cfg.storage.root, "--micro-batch", "4", "--rounds", "1",
+                        "--steps", "1", "--profile", "--explore", "4:default,4:default:ce64",
+                        "--cross-entropy-chunk", "100"])
+    finally:
+        bench_gpu.DEVICE = __import__("torch").device("cuda", 0)
+    out = capsys.readouterr().out
+    assert "explore 4:default:ce64:" in out
+    assert "cross-entropy chunked, 100 tokens a chunk" in out and "RATIO ours/bare" in out
+    assert "kernel time per step" in out and "matmul" in out
+    assert "RATIO async/sync" in out
+    assert '"device": "cpu (smoke run)"' in out
+    # no run left in the store (only the shards), no result file written or touched
+    assert not glob.glob(store.local_path("runs/bench-gpu-*"))
+    assert {p: os.path.getmtime(p) for p in glob.glob(os.path.join(bench_gpu.RESULTS, "*.json"))} == before
