@@ -638,6 +638,26 @@ class EngineConfig(_Section):
         True, description="Prepare the next batch in a background thread while the step runs "
         "(pinned memory, non-blocking copies on CUDA).")
 
+    @field_validator("compile", "fused_optimizer", mode="before")
+    @classmethod
+    def _on_off_words(cls, value: Any) -> Any:
+        """YAML reads on and off (in a recipe, or a --set value) as true and false: they mean
+        the words."""
+        return ("on" if value else "off") if isinstance(value, bool) else value
+
+    def cpu_problems(self) -> list[str]:
+        """What ranks on CPUs cannot do of these settings: checked on the host before the
+        launch (launch.devices, for the ranks it starts there) and by each rank."""
+        problems = []
+        if self.fused_optimizer == "on":
+            problems.append("engine.fused_optimizer: fused AdamW needs a CUDA device and the "
+                            "ranks run on CPUs; use 'auto' or 'off'.")
+        if self.compile_tuning != "none" and self.compile == "auto":
+            problems.append(f"engine.compile_tuning: '{self.compile_tuning}' tunes torch.compile, "
+                            "which engine.compile 'auto' leaves off on CPUs; use 'none', or set "
+                            "engine.compile to 'on'.")
+        return problems
+
     @field_validator("compile_tuning")
     @classmethod
     def _tunes_a_compile(cls, tuning: str, info: ValidationInfo) -> str:

@@ -31,9 +31,9 @@ def visible_gpu_count(env: dict[str, str] | None = None, proc: str = NVIDIA_PROC
 
 
 def device_problems(cfg: RunConfig, gpus: int | None = None) -> list[str]:
-    """Config-time problems of the launch on this host: NCCL without GPUs, or more ranks
-    per host than GPUs (the local launcher puts every simulated node on this host, or those of
-    launch.nodes that have no prefix)."""
+    """Config-time problems of the launch on this host: NCCL without GPUs, engine settings
+    that ranks on CPUs cannot honour, or more ranks per host than GPUs (the local launcher puts
+    every simulated node on this host, or those of launch.nodes that have no prefix)."""
     lc = cfg.launch
     if lc.launcher == "ray":
         return []  # the GPUs are the cluster's: Ray places the workers (ScalingConfig)
@@ -44,13 +44,16 @@ def device_problems(cfg: RunConfig, gpus: int | None = None) -> list[str]:
         if nodes_here == 0:
             return []  # the GPUs are the other machines'
     ranks_here = nodes_here * lc.nproc_per_node
+    problems = []
     if lc.backend == "nccl" and gpus == 0:
-        return ["launch.backend: 'nccl' needs NVIDIA GPUs and this machine has none (no driver or "
-                "CUDA_VISIBLE_DEVICES hides them); run a CPU recipe such as tiny-cpu, or set "
-                "launch.backend=gloo with a model small enough for CPUs."]
-    if lc.backend in ("nccl", "auto") and gpus > 0 and ranks_here > gpus:
-        return [f"launch.nproc_per_node: {ranks_here} rank(s) on this host need a GPU each and it "
-                f"has {gpus}; set launch.nproc_per_node to at most {max(1, gpus // nodes_here)} "
-                "(and train.global_batch_size to a multiple of the new world size), or "
-                "launch.backend=gloo to train on CPUs."]
-    return []
+        problems.append("launch.backend: 'nccl' needs NVIDIA GPUs and this machine has none (no "
+                        "driver or CUDA_VISIBLE_DEVICES hides them); run a CPU recipe such as "
+                        "tiny-cpu, or set launch.backend=gloo with a model small enough for CPUs.")
+    if gpus == 0 or lc.backend == "gloo":  # the ranks here run on CPUs
+        problems += cfg.engine.cpu_problems()
+    elif ranks_here > gpus:
+        problems.append(f"launch.nproc_per_node: {ranks_here} rank(s) on this host need a GPU each "
+                        f"and it has {gpus}; set launch.nproc_per_node to at most "
+                        f"{max(1, gpus // nodes_here)} (and train.global_batch_size to a multiple "
+                        "of the new world size), or launch.backend=gloo to train on CPUs.")
+    return problems

@@ -62,15 +62,9 @@ class Engine:
         if e.precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
             raise ConfigError([f"engine.precision: bf16 is not supported by "
                                f"{torch.cuda.get_device_name(device)}; use 'fp32' or 'auto'."])
-        if e.fused_optimizer == "on" and not cuda:
-            raise ConfigError(["engine.fused_optimizer: fused AdamW needs a CUDA device and this "
-                               "rank runs on CPU; use 'auto' or 'off'."])
+        if not cuda and e.cpu_problems():
+            raise ConfigError(e.cpu_problems())
         compiled = e.compile == "on" or (e.compile == "auto" and cuda)
-        if e.compile_tuning != "none" and not compiled:
-            raise ConfigError([f"engine.compile_tuning: '{e.compile_tuning}' tunes torch.compile, "
-                               "which is off here (engine.compile: "
-                               f"'{e.compile}' on {device.type.upper()}); use 'none' or set "
-                               "engine.compile to 'on'."])
         bf16 = e.precision == "bf16" or (e.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
         return cls(device=device, bf16=bf16,
                    compile=compiled,

@@ -51,3 +51,29 @@ def test_nodes_on_other_machines_bring_their_own_gpus():
     assert device_problems(two_nodes({"prefix": ["ssh", "host0"], "address": "10.0.0.10"}), gpus=0) == []
     [few] = device_problems(two_nodes({"address": "10.0.0.10"}), gpus=4)  # node 0 runs here
     assert few.startswith("launch.nproc_per_node: 8 rank(s) on this host need a GPU each and it has 4")
+
+
+def test_engine_settings_that_cpu_ranks_cannot_honour_are_found_before_the_launch():
+    """Ranks run on CPUs where the host has no GPU or launch.backend is gloo: fused AdamW
+    ('on') and compile tuning under compile 'auto' (off on CPUs) are refused here, every
+    problem at once, with the same words a rank would use; on GPUs they are fine."""
+    import torch
+
+    from core.failures import ConfigError
+    from training.engine import Engine
+
+    fused = load_config("tiny-cpu", **{"engine.fused_optimizer": "on",
+                                       "engine.compile_tuning": "coordinate-descent"})
+    problems = device_problems(fused, gpus=0)
+    assert [p.split(":")[0] for p in problems] == ["engine.fused_optimizer", "engine.compile_tuning"]
+    assert "use 'auto' or 'off'" in problems[0] and "set engine.compile to 'on'" in problems[1]
+    with pytest.raises(ConfigError) as err:  # what a rank on a CPU says: the same lines
+        Engine.resolve(fused, torch.device("cpu"))
+    assert err.value.problems == problems
+    gloo_on_gpus = load_config("tiny-cpu", **{"engine.fused_optimizer": "on", "launch.backend": "gloo"})
+    assert [p.split(":")[0] for p in device_problems(gloo_on_gpus, gpus=8)] == ["engine.fused_optimizer"]
+    auto_on_gpus = load_config("tiny-cpu", **{"engine.fused_optimizer": "on", "launch.backend": "auto"})
+    assert device_problems(auto_on_gpus, gpus=8) == []
+    nccl = load_config("gpt2-124m", **{"engine.fused_optimizer": "on"})  # both, in one report
+    assert [p.split(":")[0] for p in device_problems(nccl, gpus=0)] == ["launch.backend",
+                                                                       "engine.fused_optimizer"]

@@ -87,6 +87,22 @@ def test_bad_engine_settings_are_named_with_their_choices(field, value, expect):
     assert expect in str(err.value)
 
 
+def test_on_and_off_mean_the_words_where_yaml_reads_booleans(tmp_path):
+    """`--set engine.compile=off` and `compile: on` in a recipe reach the config as YAML's
+    false and true; for the on/off settings they are the words, not a type error."""
+    import yaml
+
+    cfg = load_config("tiny-cpu", **{"engine.compile": yaml.safe_load("off"),
+                                     "engine.fused_optimizer": yaml.safe_load("on")})
+    assert (cfg.engine.compile, cfg.engine.fused_optimizer) == ("off", "on")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("engine:\n  compile: on\n  fused_optimizer: off\n")
+    cfg = load_config(str(recipe))
+    assert (cfg.engine.compile, cfg.engine.fused_optimizer) == ("on", "off")
+    with pytest.raises(ConfigError, match="engine.tf32"):  # a real boolean field stays one
+        load_config("tiny-cpu", **{"engine.tf32": "sometimes"})
+
+
 def test_compile_tuning_needs_a_compile_and_sets_inductor_before_it():
     """engine.compile_tuning with compile 'off' is a config error; with 'auto' on a CPU (no
     compile there) one at the rank, naming the field; with compile on, coordinate-descent
@@ -99,7 +115,7 @@ def test_compile_tuning_needs_a_compile_and_sets_inductor_before_it():
                        "engine.compile turns off .*use 'none'"):
         load_config(tiny_dict("file:///tmp/x", engine={"compile": "off", "compile_tuning": "max-autotune"}))
     auto = load_config(tiny_dict("file:///tmp/x", engine={"compile_tuning": "coordinate-descent"}))
-    with pytest.raises(ConfigError, match="engine.compile_tuning: .* 'auto' on CPU"):
+    with pytest.raises(ConfigError, match="engine.compile_tuning: .*'auto' leaves off on CPUs"):
         Engine.resolve(auto, torch.device("cpu"))
     on = load_config(tiny_dict("file:///tmp/x", engine={"compile": "on", "compile_tuning": "coordinate-descent"}))
     engine = Engine.resolve(on, torch.device("cpu"))
