@@ -57,12 +57,14 @@ class Engine:
     compile_tuning: str = "none"  # or "coordinate-descent", "max-autotune"
 
     @classmethod
-    def resolve(cls, cfg: RunConfig, device: torch.device) -> "Engine":
+    def resolve(cls, cfg: RunConfig, device: torch.device, training: bool = True) -> "Engine":
+        """training=False (an evaluation): the optimizer and compile settings do not apply, so
+        a run's settings for GPUs do not stop its checkpoints being evaluated on a CPU."""
         e, cuda = cfg.engine, device.type == "cuda"
         if e.precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
             raise ConfigError([f"engine.precision: bf16 is not supported by "
                                f"{torch.cuda.get_device_name(device)}; use 'fp32' or 'auto'."])
-        if not cuda and e.cpu_problems():
+        if training and not cuda and e.cpu_problems():
             raise ConfigError(e.cpu_problems())
         compiled = e.compile == "on" or (e.compile == "auto" and cuda)
         bf16 = e.precision == "bf16" or (e.precision == "auto" and cuda and torch.cuda.is_bf16_supported())

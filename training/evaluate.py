@@ -39,7 +39,7 @@ def evaluate_checkpoint(cfg, store: Store, checkpoint_key: str, shard_dir: str, 
         manifest = json.load(f)
     val = TokenStream(shard_dir, "val")
     device = device or default_device()
-    engine = Engine.resolve(cfg, device)
+    engine = Engine.resolve(cfg, device, training=False)  # for its precision
     model = GPT(cfg.model, val.vocab_size, seed=None).to(device)  # every weight is loaded
     load_checkpoint(folder, model=model)
     model.eval()

@@ -70,6 +70,8 @@ def test_engine_settings_that_cpu_ranks_cannot_honour_are_found_before_the_launc
     with pytest.raises(ConfigError) as err:  # what a rank on a CPU says: the same lines
         Engine.resolve(fused, torch.device("cpu"))
     assert err.value.problems == problems
+    # an evaluation of such a run's checkpoint on a CPU uses neither the optimizer nor compile
+    assert not Engine.resolve(fused, torch.device("cpu"), training=False).bf16
     gloo_on_gpus = load_config("tiny-cpu", **{"engine.fused_optimizer": "on", "launch.backend": "gloo"})
     assert [p.split(":")[0] for p in device_problems(gloo_on_gpus, gpus=8)] == ["engine.fused_optimizer"]
     auto_on_gpus = load_config("tiny-cpu", **{"engine.fused_optimizer": "on", "launch.backend": "auto"})
