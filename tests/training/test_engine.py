@@ -188,27 +188,31 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(mode):
     assert all(torch.equal(g, h) for g, h in zip(grads[0][1], grads[1][1]))
 
 
-def test_selective_checkpointing_holds_less_than_none_and_more_than_full():
-    """Peak activation memory of a training step (torch's MemTracker, which counts every
-    tensor by what it is): full < selective < none."""
+def _peak_of_a_step(vocab: int, ac: str = "none", loss_chunk: int = 0) -> dict:
+    """MemTracker's peak of one training step of a small GPT, by kind of memory (and Total)."""
     mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
     from core.config import ModelConfig
     from training.model import GPT
 
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, dropout=0.0)
-    x = torch.randint(0, 64, (4, 64))
-    peak = {}
-    for mode in ("none", "selective", "full"):
-        model = GPT(cfg, 64, seed=0)
-        model.activation_checkpointing = mode
-        tracker = mem_tracker.MemTracker()
-        tracker.track_external(model)
-        with tracker:
-            _, loss = model(x, x)
-            loss.backward()
-        (stats,) = tracker.get_tracker_snapshot("peak").values()
-        peak[mode] = stats[mem_tracker._MemRefType.ACT]
+    x = torch.randint(0, vocab, (4, 64), generator=torch.Generator().manual_seed(0))
+    model = GPT(cfg, vocab, seed=0)
+    model.activation_checkpointing, model.loss_chunk = ac, loss_chunk
+    tracker = mem_tracker.MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        _, loss = model(x, x)
+        loss.backward()
+    (stats,) = tracker.get_tracker_snapshot("peak").values()
+    return {str(kind).rsplit(".", 1)[-1]: n for kind, n in stats.items()}
+
+
+def test_selective_checkpointing_holds_less_than_none_and_more_than_full():
+    """Peak activation memory of a training step (torch's MemTracker, which counts every
+    tensor by what it is): full < selective < none."""
+    peak = {mode: _peak_of_a_step(64, ac=mode)["ACT"] for mode in ("none", "selective", "full")}
     assert peak["full"] < peak["selective"] < peak["none"], peak
+
 
 def _loss_and_grads(model, x, y, autocast: bool = False):
     torch.manual_seed(7)  # the same dropout draws
@@ -262,21 +266,5 @@ def test_chunked_cross_entropy_under_bf16_autocast_stays_close_to_the_full_logit
 def test_chunked_cross_entropy_holds_less_memory_than_the_full_logits():
     """Peak memory of a training step (MemTracker): the full logits, their fp32 copy and their
     gradient dominate at a large vocabulary; chunked, only one chunk's exist at a time."""
-    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
-    from core.config import ModelConfig
-    from training.model import GPT
-
-    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, dropout=0.0)
-    x = torch.randint(0, 4096, (4, 64))
-    peak = {}
-    for chunk in (0, 64):
-        model = GPT(cfg, 4096, seed=0)
-        model.loss_chunk = chunk
-        tracker = mem_tracker.MemTracker()
-        tracker.track_external(model)
-        with tracker:
-            _, loss = model(x, x)
-            loss.backward()
-        (stats,) = tracker.get_tracker_snapshot("peak").values()
-        peak[chunk] = stats["Total"]
+    peak = {chunk: _peak_of_a_step(4096, loss_chunk=chunk)["Total"] for chunk in (0, 64)}
     assert peak[64] < 0.6 * peak[0], peak
