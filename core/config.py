@@ -610,9 +610,10 @@ class EngineConfig(_Section):
         "(a compiled first step takes 20-60 s).")
     compile_tuning: Literal["none", "coordinate-descent", "max-autotune"] = Field(
         "none", description="How hard torch.compile tunes, with compile on: 'coordinate-descent' "
-        "tunes the launch parameters of each fused kernel (on an H100, bench_gpu's bare loop with "
-        "cuDNN attention went from 42.0% to 42.7% MFU, its first compile from ~25 s to ~150 s); 'max-autotune' "
-        "also times Triton matmul kernels against cuBLAS (a first compile of minutes).")
+        "tunes the launch parameters of each fused kernel (on an H100, bench_gpu's bare loop "
+        "with cuDNN attention went from 42.0% to 42.7% MFU, its first compile from ~25 s to "
+        "~150 s); 'max-autotune' also times Triton matmul kernels against cuBLAS (a first "
+        "compile of minutes).")
     fused_optimizer: Literal["auto", "on", "off"] = Field(
         "auto", description="Fused AdamW kernels: 'auto' is fused on CUDA, multi-tensor "
         "(foreach) on CPU; 'off' is the plain per-parameter loop.")

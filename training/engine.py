@@ -83,7 +83,8 @@ class Engine:
                 "fused_optimizer": self.fused,
                 "parallelism": "fsdp" if self.fsdp else "ddp",
                 "activation_checkpointing": self.activation_checkpointing,
-                "cross_entropy": f"chunked, {self.loss_chunk} tokens a chunk" if self.loss_chunk else "standard"}
+                "cross_entropy": (f"chunked, {self.loss_chunk} tokens a chunk" if self.loss_chunk
+                                  else "standard")}
 
     def autocast(self):
         if not self.bf16:

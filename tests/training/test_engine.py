@@ -117,7 +117,8 @@ def test_compile_tuning_needs_a_compile_and_sets_inductor_before_it():
     auto = load_config(tiny_dict("file:///tmp/x", engine={"compile_tuning": "coordinate-descent"}))
     with pytest.raises(ConfigError, match="engine.compile_tuning: .*'auto' leaves off on CPUs"):
         Engine.resolve(auto, torch.device("cpu"))
-    on = load_config(tiny_dict("file:///tmp/x", engine={"compile": "on", "compile_tuning": "coordinate-descent"}))
+    on = load_config(tiny_dict("file:///tmp/x", engine={"compile": "on",
+                                                        "compile_tuning": "coordinate-descent"}))
     engine = Engine.resolve(on, torch.device("cpu"))
     assert engine.describe()["compile_tuning"] == "coordinate-descent"
     try:
