@@ -64,12 +64,12 @@ class Engine:
         if e.precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
             raise ConfigError([f"engine.precision: bf16 is not supported by "
                                f"{torch.cuda.get_device_name(device)}; use 'fp32' or 'auto'."])
-        if training and not cuda and e.cpu_problems():
-            raise ConfigError(e.cpu_problems())
-        compiled = e.compile == "on" or (e.compile == "auto" and cuda)
+        problems = e.cpu_problems() if training and not cuda else []
+        if problems:
+            raise ConfigError(problems)
         bf16 = e.precision == "bf16" or (e.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
         return cls(device=device, bf16=bf16,
-                   compile=compiled,
+                   compile=e.compile == "on" or (e.compile == "auto" and cuda),
                    fused=e.fused_optimizer == "on" or (e.fused_optimizer == "auto" and cuda),
                    fsdp=e.parallelism == "fsdp",
                    activation_checkpointing=e.activation_checkpointing,
@@ -128,9 +128,10 @@ def build_model(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
         mesh = init_device_mesh(device.type, (world_size,))
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if engine.bf16 else MixedPrecisionPolicy())
+        options = compile_options(engine.compile_tuning) if engine.compile else {}
         for block in raw.blocks:
             if engine.compile:  # per block, as torchtitan does under FSDP2
-                block.compile(**compile_options(engine.compile_tuning))
+                block.compile(**options)
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(raw, mesh=mesh, mp_policy=mp)
         raw.to_empty(device=device)

@@ -4,8 +4,9 @@ The embedding and output rows are padded to ``model.vocab_pad_multiple`` (the ex
 never a target, so token ids and the loss are unchanged in meaning). The loss is the full
 logits' cross-entropy, or the same loss a chunk of tokens at a time (``chunked_cross_entropy``,
 engine.cross_entropy: 'chunked'), which never holds the whole (tokens x vocabulary) logits.
-Initial weights are a pure function of the seed and each parameter's name (``init_weights``), so a model built on
-the meta device and sharded by FSDP2 starts from the same values as a replicated one.
+Initial weights are a pure function of the seed and each parameter's name (``init_weights``),
+so a model built on the meta device and sharded by FSDP2 starts from the same values as a
+replicated one.
 """
 
 from __future__ import annotations
