@@ -130,19 +130,21 @@ def prefect_api(tmp_path):
 
 class MotoServer:
     """A real S3 endpoint over HTTP on 127.0.0.1 (or `host`) that a test can stop and restart.
-    With `log_path`, its request log (client address, method, path, status) goes there."""
+    With `log_path`, its request log (client address, method, path, status) goes there. With
+    `keyed`, it can be made to check keys and signatures (`require_keys`)."""
 
-    def __init__(self, host: str = "127.0.0.1", log_path: str | None = None):
-        self.host, self.log_path = host, log_path
+    def __init__(self, host: str = "127.0.0.1", log_path: str | None = None, keyed: bool = False):
+        self.host, self.log_path, self.keyed = host, log_path, keyed
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
+        cmd = [sys.executable, "-m", "tests.keyed_moto"] if self.keyed else [exe]
         log = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL
         try:
-            self.proc = subprocess.Popen([exe, "-H", self.host, "-p", str(self.port)],
+            self.proc = subprocess.Popen([*cmd, "-H", self.host, "-p", str(self.port)], cwd=ROOT,
                                          stdout=log, stderr=log, start_new_session=True)
         finally:
             if self.log_path:
@@ -161,6 +163,28 @@ class MotoServer:
             os.killpg(self.proc.pid, 9)
             self.proc.wait()
             self.proc = None
+
+    def require_keys(self) -> tuple[str, str]:
+        """From now on this endpoint answers only requests signed with the key pair returned
+        here (an IAM user's, allowed s3:*): any other key, the tests' "testing" ones included,
+        or a wrong secret gets 403. The pair exists nowhere but in the return value."""
+        assert self.keyed, "MotoServer(keyed=True) checks signatures as S3 clients make them"
+        import urllib.request
+
+        import boto3
+
+        iam = boto3.client("iam", endpoint_url=self.url, region_name="us-east-1",
+                           aws_access_key_id="setup", aws_secret_access_key="setup")
+        user = "stoker-" + os.urandom(4).hex()
+        iam.create_user(UserName=user)
+        iam.put_user_policy(UserName=user, PolicyName="s3", PolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+        key = iam.create_access_key(UserName=user)["AccessKey"]
+        request = urllib.request.Request(f"{self.url}/moto-api/reset-auth", data=b"0", method="POST",
+                                         headers={"Content-Type": "text/plain"})
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            assert json.load(answer)["status"] == "ok"
+        return key["AccessKeyId"], key["SecretAccessKey"]
 
 
 @pytest.fixture(scope="session")
@@ -187,21 +211,45 @@ def s3_root(s3_server):
 
 
 class RayClusterWithStore:
-    """A two-node Ray cluster (tests.raycluster) and an S3 endpoint every node reaches."""
+    """A two-node Ray cluster (tests.raycluster) and S3 endpoints every node reaches: one that
+    takes any key (the nodes' environment holds the tests' "testing" pair), and, started on
+    first use, one that takes only a key pair the nodes do not have."""
 
     def __init__(self, cluster, moto: MotoServer):
         self.cluster, self.moto = cluster, moto
+        self.keyed_moto: MotoServer | None = None
+        self._keys: tuple[str, str] | None = None
 
     def bucket(self) -> tuple[str, dict]:
         """A fresh bucket: (root URL, storage options)."""
-        import uuid
+        return _fresh_bucket(self.moto.url)
 
-        import s3fs
+    def keyed_bucket(self) -> tuple[str, dict, tuple[str, str]]:
+        """A fresh bucket on the endpoint that refuses every key but one:
+        (root URL, storage options, (key id, secret))."""
+        if self.keyed_moto is None:
+            self.keyed_moto = MotoServer(host=self.cluster.bridge_address, keyed=True)
+            self.keyed_moto.start()
+            self._keys = self.keyed_moto.require_keys()
+        root, options = _fresh_bucket(self.keyed_moto.url, self._keys)
+        return root, options, self._keys
 
-        bucket = f"stoker-{uuid.uuid4().hex[:12]}"
-        options = {"endpoint_url": self.moto.url, "skip_instance_cache": True}
-        s3fs.S3FileSystem(**options).mkdir(bucket)
-        return f"s3://{bucket}/root", options
+    def stop(self) -> None:
+        self.moto.stop()
+        if self.keyed_moto is not None:
+            self.keyed_moto.stop()
+
+
+def _fresh_bucket(url: str, keys: tuple[str, str] | None = None) -> tuple[str, dict]:
+    import uuid
+
+    import s3fs
+
+    bucket = f"stoker-{uuid.uuid4().hex[:12]}"
+    options = {"endpoint_url": url, "skip_instance_cache": True}
+    signed = {"key": keys[0], "secret": keys[1]} if keys else {}
+    s3fs.S3FileSystem(**options, **signed).mkdir(bucket)
+    return f"s3://{bucket}/root", options
 
 
 @pytest.fixture(scope="session")
@@ -218,12 +266,12 @@ def ray_cluster():
                        "AWS_DEFAULT_REGION": "us-east-1"})
     # in /tmp/stoker-ray-<tag>: Ray's socket paths under its temp folder must stay short
     cluster = RayCluster(num_nodes=2, cpus_per_node=1).up()
-    moto = MotoServer(host=cluster.bridge_address)
+    with_store = RayClusterWithStore(cluster, MotoServer(host=cluster.bridge_address))
     try:
-        moto.start()
-        yield RayClusterWithStore(cluster, moto)
+        with_store.moto.start()
+        yield with_store
     finally:
-        moto.stop()
+        with_store.stop()
         cluster.down()
 
 

@@ -1,7 +1,13 @@
 """The whole flow on a real two-node Ray cluster (tests.raycluster): the shards tokenized by Ray
 tasks (data.engine: ray), the ranks run as Ray Train workers (launch.launcher: ray), the store
 on S3 (moto on the bridge address both nodes reach), through a real Prefect server; the ranks'
-lines and metrics reach the flow's log and result as the local launcher's do."""
+lines and metrics reach the flow's log and result as the local launcher's do.
+
+The endpoint takes one key pair only, held in a Prefect Secret block that the config names
+(storage.credentials_block). The nodes' environment has another pair, which it refuses: every
+Ray task, Ray Train worker and evaluation that touched the store had the block's keys."""
+
+import uuid
 
 import pytest
 
@@ -25,15 +31,29 @@ def _flow_run_logs(run_name: str) -> list[str]:
     return [log.message for log in logs]
 
 
-def test_the_pipeline_on_ray_prepares_trains_and_evaluates(prefect_server, ray_cluster):
-    from flows.pipeline import train_pipeline
+def test_the_pipeline_on_ray_prepares_trains_and_evaluates_with_a_credentials_blocks_keys(
+        prefect_server, ray_cluster):
+    import s3fs
+    from prefect.blocks.system import Secret
 
-    root, options = ray_cluster.bucket()
+    from flows.pipeline import train_pipeline
+    from storage import credentials
+
+    root, options, (key_id, secret) = ray_cluster.keyed_bucket()
+    bucket = root.removeprefix("s3://").split("/", 1)[0]
+    with pytest.raises(PermissionError):  # the premise: the environment's keys are refused
+        s3fs.S3FileSystem(**options).ls(bucket)
+    block = "stoker-ray-s3-" + uuid.uuid4().hex[:8]
+    Secret(value={"aws_access_key_id": key_id, "aws_secret_access_key": secret}).save(block)
     cfg = load_config(tiny_dict(
-        root, run_name="ray-flow", storage={"root": root, "storage_options": options},
+        root, run_name="ray-flow", storage={"root": root, "storage_options": options,
+                                            "credentials_block": block},
         data={"engine": "ray"}, ray={"address": ray_cluster.cluster.client_address},
         launch={"launcher": "ray", "num_nodes": 2, "nproc_per_node": 1}))
-    result = train_pipeline(cfg)
+    try:
+        result = train_pipeline(cfg)
+    finally:
+        credentials.use(None)
     assert (result.final_step, result.resumed_from_step) == (8, 0)
     assert [s for s, _ in result.val_losses] == [0, 4, 8]
     assert result.last_train_loss < result.first_train_loss
