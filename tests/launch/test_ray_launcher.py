@@ -37,14 +37,15 @@ class Runs:
     def store(self) -> Store:
         return Store(self.root, self.options)
 
-    def config(self, run: str, launcher: str, max_restarts: int = 0, **launch):
-        """(config, its URL in the store): world size 2 either way (Ray: one worker per node)."""
+    def config(self, run: str, launcher: str, max_restarts: int = 0, address: str | None = None, **launch):
+        """(config, its URL in the store): world size 2 either way (Ray: one worker per node).
+        `address`: ray.address (default: the cluster's Ray Client address)."""
         shape = {"num_nodes": 2, "nproc_per_node": 1} if launcher == "ray" else {"num_nodes": 1, "nproc_per_node": 2}
         cfg = load_config(tiny_dict(
             self.root, run_name=run, train={"max_steps": MAX_STEPS},
             checkpoint={"interval_steps": INTERVAL}, eval={"per_checkpoint_enabled": False},
             storage={"root": self.root, "storage_options": self.options},
-            ray={"address": self.cluster.client_address},
+            ray={"address": address or self.cluster.client_address},
             launch={"launcher": launcher, "timeout_seconds": 300, "max_restarts": max_restarts,
                     **shape, **launch}))
         key = f"runs/{run}/config.json"
@@ -52,9 +53,16 @@ class Runs:
         return cfg, self.store.url(key)
 
     def launch(self, cfg, url: str, resume_key: str | None = None, env: dict | None = None,
-               on_event=None):
-        """(launcher, GangResult, events, lines) of one launch attempt."""
+               on_event=None, on_node: int | None = None):
+        """(launcher, GangResult, events, lines) of one launch attempt. `on_node`: the driver
+        runs on that node of the cluster (in its namespace, with its environment), as a flow run
+        on a cluster machine would, instead of in this namespace."""
         launcher = make_launcher(cfg, url, self.shard_key, resume_key)
+        if on_node is not None:
+            node_env = self.cluster.node_env(on_node)
+            mine = {k: v for k, v in node_env.items() if os.environ.get(k) != v}  # the node's own
+            launcher.gang.cmds = [[*self.cluster.exec_prefix(on_node), *cmd] for cmd in launcher.gang.cmds]
+            launcher.gang.envs = [{**e, **mine} for e in launcher.gang.envs]
         if env:
             launcher.gang.envs = [{**e, **env} for e in launcher.gang.envs]
         return (launcher, *run_collecting(launcher, on_event))
@@ -177,10 +185,13 @@ def test_stopping_the_launch_stops_the_ray_job_with_a_checkpoint_and_leaves_no_w
 
 
 @pytest.mark.e2e
-def test_a_permanent_failure_is_not_retried_by_ray(runs, tmp_path):
-    cfg, url = runs.config("ray-bug", "ray", max_restarts=1)
+def test_a_permanent_failure_is_not_retried_by_ray_with_the_driver_on_a_node_by_auto(runs, tmp_path):
+    """The driver runs on the head node with ray.address 'auto' (no Ray Client): it finds the
+    cluster that node runs, and both nodes' workers train until the injected bug."""
+    cfg, url = runs.config("ray-bug", "ray", max_restarts=1, address="auto")
     bug = {"STOKER_FAULT": "raise:rank=1:step=3"}  # no ONCE file: it would fire on every try
-    launcher, result, seen, lines = runs.launch(cfg, url, env=bug)
+    launcher, result, seen, lines = runs.launch(cfg, url, env=bug, on_node=0)
+    assert any("Ray: 2 worker(s) on 2 CPU(s), 2 node(s)" in line for line in lines), lines[-30:]
     assert result.reason == "failed"
     error = launcher.classify(result)
     assert error is not None and not error.transient, error
