@@ -620,7 +620,7 @@ class EngineConfig(_Section):
     parallelism: Literal["ddp", "fsdp"] = Field(
         "ddp", description="'ddp': replicated model, gradients all-reduced. 'fsdp': FSDP2 "
         "(fully_shard per block and on the root; bf16 params, fp32 gradient reduction under "
-        "bf16) for models whose state does not fit on one device.")
+        "bf16) for models whose state does not fit on one device; needs torch 2.6 or newer.")
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         "none", description="'full': recompute each block in the backward pass (about a third "
         "more compute for the least activation memory). 'selective': keep the outputs of the "
@@ -659,6 +659,18 @@ class EngineConfig(_Section):
                             "engine.compile to 'on'.")
         return problems
 
+    def torch_problems(self, torch_version: str) -> list[str]:
+        """What ranks with this torch (its version string, e.g. '2.5.1+cu124') cannot do of
+        these settings: checked on the host before the launch, from the installed package's
+        metadata, and by each rank."""
+        found = re.match(r"(\d+)\.(\d+)", torch_version)
+        release = (int(found[1]), int(found[2])) if found else (0, 0)
+        if self.parallelism == "fsdp" and release < FSDP2_TORCH:
+            return [f"engine.parallelism: 'fsdp' needs torch {FSDP2_TORCH[0]}.{FSDP2_TORCH[1]} or newer "
+                    f"(FSDP2's fully_shard) and the ranks have torch {torch_version}; upgrade torch, or "
+                    "use 'ddp'."]
+        return []
+
     @field_validator("compile_tuning")
     @classmethod
     def _tunes_a_compile(cls, tuning: str, info: ValidationInfo) -> str:
@@ -666,6 +678,9 @@ class EngineConfig(_Section):
             raise _rule("tunes torch.compile, which engine.compile turns off",
                         "use 'none', or set engine.compile to 'on' or 'auto'")
         return tuning
+
+
+FSDP2_TORCH = (2, 6)  # torch.distributed.fsdp.fully_shard, public from torch 2.6
 
 
 class StorageConfig(_Section):

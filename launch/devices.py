@@ -3,6 +3,7 @@ the NVIDIA driver's list of GPUs, narrowed by CUDA_VISIBLE_DEVICES as CUDA narro
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 
 from core.config import RunConfig
@@ -30,10 +31,19 @@ def visible_gpu_count(env: dict[str, str] | None = None, proc: str = NVIDIA_PROC
     return min(count, physical)
 
 
-def device_problems(cfg: RunConfig, gpus: int | None = None) -> list[str]:
+def installed_torch() -> str:
+    """The version of the torch installed here, from its metadata (torch is not imported)."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def device_problems(cfg: RunConfig, gpus: int | None = None, torch_version: str | None = None) -> list[str]:
     """Config-time problems of the launch on this host: NCCL without GPUs, engine settings
-    that ranks on CPUs cannot honour, or more ranks per host than GPUs (the local launcher puts
-    every simulated node on this host, or those of launch.nodes that have no prefix)."""
+    that ranks on CPUs or this host's torch cannot honour, or more ranks per host than GPUs
+    (the local launcher puts every simulated node on this host, or those of launch.nodes that
+    have no prefix)."""
     lc = cfg.launch
     if lc.launcher == "ray":
         return []  # the GPUs are the cluster's: Ray places the workers (ScalingConfig)
@@ -44,7 +54,7 @@ def device_problems(cfg: RunConfig, gpus: int | None = None) -> list[str]:
         if nodes_here == 0:
             return []  # the GPUs are the other machines'
     ranks_here = nodes_here * lc.nproc_per_node
-    problems = []
+    problems = cfg.engine.torch_problems(installed_torch() if torch_version is None else torch_version)
     if lc.backend == "nccl" and gpus == 0:
         problems.append("launch.backend: 'nccl' needs NVIDIA GPUs and this machine has none (no "
                         "driver or CUDA_VISIBLE_DEVICES hides them); run a CPU recipe such as "

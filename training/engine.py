@@ -64,7 +64,8 @@ class Engine:
         if e.precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
             raise ConfigError([f"engine.precision: bf16 is not supported by "
                                f"{torch.cuda.get_device_name(device)}; use 'fp32' or 'auto'."])
-        problems = e.cpu_problems() if training and not cuda else []
+        problems = (e.torch_problems(torch.__version__) + (e.cpu_problems() if not cuda else [])
+                    if training else [])
         if problems:
             raise ConfigError(problems)
         bf16 = e.precision == "bf16" or (e.precision == "auto" and cuda and torch.cuda.is_bf16_supported())

@@ -79,3 +79,35 @@ def test_engine_settings_that_cpu_ranks_cannot_honour_are_found_before_the_launc
     nccl = load_config("gpt2-124m", **{"engine.fused_optimizer": "on"})  # both, in one report
     assert [p.split(":")[0] for p in device_problems(nccl, gpus=0)] == ["launch.backend",
                                                                        "engine.fused_optimizer"]
+
+
+def test_fsdp_with_a_torch_older_than_fsdp2_is_found_before_the_launch_and_by_the_ranks(monkeypatch):
+    """FSDP2's public fully_shard came with torch 2.6 (the project accepts torch 2.4): with an
+    older torch the host check says so in one line, from the package's metadata, and a rank
+    would say the same; DDP, an evaluation and this machine's torch are fine."""
+    import importlib.metadata
+
+    import torch
+
+    from core.failures import ConfigError
+    from launch.devices import installed_torch
+    from training.engine import Engine
+
+    fsdp = load_config("tiny-cpu", **{"engine.parallelism": "fsdp"})
+    problems = device_problems(fsdp, gpus=0, torch_version="2.5.1+cu124")
+    assert problems == ["engine.parallelism: 'fsdp' needs torch 2.6 or newer (FSDP2's fully_shard) and "
+                        "the ranks have torch 2.5.1+cu124; upgrade torch, or use 'ddp'."]
+    assert device_problems(fsdp, gpus=0, torch_version="2.6.0") == []
+    assert device_problems(fsdp, gpus=0, torch_version="2.10.1") == []  # 10 > 6, not "1" < "6"
+    assert device_problems(load_config("tiny-cpu"), gpus=0, torch_version="2.4.0") == []  # ddp
+    assert installed_torch() == importlib.metadata.version("torch") == torch.__version__
+    assert device_problems(fsdp, gpus=0) == []  # this machine's torch (2.13 in CI)
+    assert Engine.resolve(fsdp, torch.device("cpu")).fsdp  # this torch: FSDP2
+    both = load_config("tiny-cpu", **{"engine.parallelism": "fsdp", "engine.fused_optimizer": "on"})
+    problems = device_problems(both, gpus=0, torch_version="2.5.1+cu124")
+    assert [p.split(":")[0] for p in problems] == ["engine.parallelism", "engine.fused_optimizer"]
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cu124")  # what a rank with that torch says
+    with pytest.raises(ConfigError) as err:
+        Engine.resolve(both, torch.device("cpu"))
+    assert err.value.problems == problems
+    Engine.resolve(fsdp, torch.device("cpu"), training=False)  # an evaluation shards nothing
