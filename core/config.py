@@ -597,6 +597,9 @@ class RayConfig(_Section):
         return address
 
 
+FSDP2_TORCH = (2, 6)  # torch.distributed.fsdp.fully_shard, public from torch 2.6
+
+
 class EngineConfig(_Section):
     """How the ranks compute: none of it changes what the run is (a run may resume with other
     engine settings), so it is left out of the run's identity."""
@@ -678,9 +681,6 @@ class EngineConfig(_Section):
             raise _rule("tunes torch.compile, which engine.compile turns off",
                         "use 'none', or set engine.compile to 'on' or 'auto'")
         return tuning
-
-
-FSDP2_TORCH = (2, 6)  # torch.distributed.fsdp.fully_shard, public from torch 2.6
 
 
 class StorageConfig(_Section):
