@@ -4,6 +4,7 @@ that knows where a run's files live:
     {root}/runs/{run}/config.json, tokenizer.json, shards.json
     {root}/runs/{run}/checkpoints/step-00001200/
     {root}/runs/{run}/metrics.jsonl, attempts.jsonl
+    {root}/runs/{run}/lease.json (while a launch trains the run)
     {root}/runs/{run}/tensorboard/events.out.tfevents.*
 """
 
@@ -22,6 +23,7 @@ SHARDS_FILE = "shards.json"
 TOKENIZER_FILE = "tokenizer.json"
 METRICS_FILE = "metrics.jsonl"
 ATTEMPTS_FILE = "attempts.jsonl"
+LEASE_FILE = "lease.json"  # the run lease: which launch trains the run (storage/lease.py)
 TENSORBOARD_DIR = "tensorboard"  # event files of the metric sink (metrics.tensorboard_enabled)
 _CHECKPOINT_URL = re.compile(r"^(?P<root>.+)/runs/(?P<run>[^/]+)/checkpoints/(?P<name>[^/]+)/?$")
 

@@ -112,6 +112,105 @@ class Store:
         else:
             self.fs.pipe_file(path, data)
 
+    # ---- conditional writes (the run lease) ---------------------------------------------
+    @property
+    def conditional_writes(self) -> bool:
+        """Can this store refuse a write whose precondition fails (create-only, replace-if-
+        unchanged)? Local disks (link / a folder lock) and S3 (If-None-Match, If-Match) can;
+        elsewhere a writer must verify after writing (write, wait, read back)."""
+        return self.is_local or self.protocol in ("s3", "s3a")
+
+    def read_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """(content, version) of an object, or None when absent. The version is what
+        ``write_bytes_if_version`` compares: the ETag on S3, the content's sha256 elsewhere."""
+        path = self._path(key)
+        if self.protocol not in ("s3", "s3a"):
+            try:
+                data = self.fs.cat_file(path)
+            except FileNotFoundError:
+                return None
+            return data, hashlib.sha256(data).hexdigest()
+        for _ in range(5):  # ETag, body, ETag: equal ETags prove the body is that version
+            self.fs.invalidate_cache(path)
+            try:
+                before = self.fs.info(path)["ETag"]
+                data = self.fs.cat_file(path)
+                self.fs.invalidate_cache(path)
+                after = self.fs.info(path)["ETag"]
+            except FileNotFoundError:
+                return None
+            if before == after:
+                return data, after
+        raise TimeoutError(f"{self.url(key)} kept changing while it was read")
+
+    def write_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        """Create an object only if no object has the key; False when one has. Atomic on
+        local disks (a hard link of a complete temp file) and S3 (If-None-Match: *); other
+        stores check, then write (verify after writing there)."""
+        path = self._path(key)
+        if self.is_local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # fails if the key exists: the create is all or nothing
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+        if self.protocol in ("s3", "s3a"):
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+                return True
+            except FileExistsError:
+                return False
+            except OSError as err:
+                if _precondition_failed(err):
+                    return False
+                raise
+        if self.exists(key, refresh=True):
+            return False
+        self.fs.pipe_file(path, data)
+        return True
+
+    def write_bytes_if_version(self, key: str, data: bytes, version: str) -> bool:
+        """Replace an object only while it is still at `version` (from ``read_versioned``);
+        False when another writer changed or removed it. S3: If-Match; local disks: under a
+        lock on the folder; other stores: check, then write (verify after writing there)."""
+        path = self._path(key)
+        if self.protocol in ("s3", "s3a"):
+            try:
+                self.fs.pipe_file(path, data, IfMatch=version)
+                return True
+            except (FileNotFoundError, FileExistsError):
+                return False
+            except OSError as err:
+                if _precondition_failed(err):
+                    return False
+                raise
+        if self.is_local:
+            import fcntl
+
+            folder = os.open(os.path.dirname(path), os.O_RDONLY)
+            try:
+                fcntl.flock(folder, fcntl.LOCK_EX)  # every conditional replace of this folder
+                current = self.read_versioned(key)
+                if current is None or current[1] != version:
+                    return False
+                self.write_bytes(key, data)
+                return True
+            finally:
+                os.close(folder)  # closing drops the lock
+        current = self.read_versioned(key)
+        if current is None or current[1] != version:
+            return False
+        self.fs.pipe_file(path, data)
+        return True
+
     def read_json(self, key: str) -> Any:
         return json.loads(self.read_bytes(key))
 
@@ -197,6 +296,18 @@ class Store:
         for block in self.iter_chunks(key):
             h.update(block)
         return h.hexdigest()
+
+
+def _precondition_failed(err: BaseException) -> bool:
+    """An S3 answer 412 (PreconditionFailed) or 409 (ConditionalRequestConflict: a
+    concurrent conditional write won), which s3fs turns into a plain OSError."""
+    from core.failures import error_code, http_status
+
+    if error_code(err) in ("PreconditionFailed", "ConditionalRequestConflict"):
+        return True
+    if http_status(err) in (409, 412):
+        return True
+    return "pre-conditions you specified did not hold" in str(err)
 
 
 def default_cache_dir() -> str:

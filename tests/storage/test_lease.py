@@ -1,0 +1,155 @@
+"""The run lease (storage/lease.py) on a local folder, a real S3 endpoint (moto over HTTP)
+and memory:// (no conditional writes: verify after writing)."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from core.failures import classify
+from storage.lease import LeaseHeld, acquire_lease, lease_key, read_lease
+from storage.store import Store
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return Store(str(tmp_path / "root"))
+    root, options = request.getfixturevalue("s3_root")
+    return Store(root, options)
+
+
+def test_conditional_create_refuses_an_existing_key(store):
+    assert store.write_bytes_if_absent("k.json", b"one")
+    assert not store.write_bytes_if_absent("k.json", b"two")
+    data, version = store.read_versioned("k.json")
+    assert data == b"one"
+    assert not store.write_bytes_if_version("k.json", b"three", "not-" + version)
+    assert store.write_bytes_if_version("k.json", b"four", version)
+    assert store.read_bytes("k.json") == b"four"
+    assert not store.write_bytes_if_version("k.json", b"five", version)  # it moved on
+
+
+def test_second_launch_refuses_in_one_line_naming_the_owner(store):
+    first = acquire_lease(store, "r", flow_run_id="flow-1", ttl=60)
+    with pytest.raises(LeaseHeld) as err:
+        acquire_lease(store, "r", flow_run_id="flow-2", ttl=60)
+    text = str(err.value)
+    assert "\n" not in text and "flow run flow-1" in text and f"pid {first.record.pid}" in text
+    assert "--takeover" in text and "launch.takeover" in text
+    assert classify(err.value) == "permanent"  # never retried
+    first.release()
+    assert read_lease(store, "r") == (None, None)
+    acquire_lease(store, "r", flow_run_id="flow-2", ttl=60).release()
+
+
+def test_own_flow_run_retakes_its_lease(store):
+    acquire_lease(store, "r", flow_run_id="flow-1", ttl=60)  # a crashed attempt's, never released
+    again = acquire_lease(store, "r", flow_run_id="flow-1", ttl=60)
+    assert read_lease(store, "r")[0].token == again.record.token
+
+
+def test_stale_lease_is_taken_without_takeover(store):
+    old = acquire_lease(store, "r", flow_run_id="flow-1", ttl=1)
+    with pytest.raises(LeaseHeld):
+        acquire_lease(store, "r", flow_run_id="flow-2", ttl=60)
+    time.sleep(1.5)  # no heartbeat: expired
+    new = acquire_lease(store, "r", flow_run_id="flow-2", ttl=60)
+    assert read_lease(store, "r")[0].flow_run_id == "flow-2"
+    assert not old.renew() and "taken by another launch" in old.lost
+    old.release()  # not its lease any more: left alone
+    assert read_lease(store, "r")[0].token == new.record.token
+
+
+def test_forced_takeover_makes_the_holder_lose_it(store):
+    holder = acquire_lease(store, "r", flow_run_id="flow-1", ttl=60)
+    lost = threading.Event()
+    holder.ttl = 1.5  # beats every 0.5 s
+    holder.start_heartbeat(on_lost=lambda why: lost.set())
+    taker = acquire_lease(store, "r", flow_run_id="flow-2", ttl=60, takeover=True)
+    assert lost.wait(30), "the old holder's heartbeat did not notice"
+    assert "flow run flow-2" in holder.lost
+    holder.release()
+    assert read_lease(store, "r")[0].token == taker.record.token
+
+
+def test_heartbeat_keeps_a_short_lease_alive(store):
+    holder = acquire_lease(store, "r", flow_run_id="flow-1", ttl=2)
+    holder.start_heartbeat()
+    try:
+        time.sleep(3)  # past the first expiry: renewed meanwhile
+        with pytest.raises(LeaseHeld):
+            acquire_lease(store, "r", flow_run_id="flow-2", ttl=60)
+    finally:
+        holder.release()
+
+
+def test_lease_of_a_dead_process_on_this_host_is_taken(store):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    record = read_lease(store, "r")[0]
+    assert record is None
+    acquire_lease(store, "r", flow_run_id="flow-1", ttl=3600)
+    data = json.loads(store.read_bytes(lease_key("r")))
+    store.write_bytes(lease_key("r"), json.dumps({**data, "pid": int(dead.stdout)}).encode())
+    acquire_lease(store, "r", flow_run_id="flow-2", ttl=60)  # no wait for the hour
+
+
+_RACER = """
+import sys, time
+from storage.store import Store
+from storage.lease import LeaseHeld, acquire_lease
+store = Store(sys.argv[1], {opts})
+start = float(sys.argv[2])
+time.sleep(max(0.0, start - time.time()))
+try:
+    acquire_lease(store, "r", flow_run_id=sys.argv[3], ttl=60)
+    print("WON")
+except LeaseHeld:
+    print("HELD")
+"""
+
+
+@pytest.mark.parametrize("expired", [False, True])
+def test_racing_processes_exactly_one_wins(store, expired):
+    """Four processes take the lease at the same instant (a free one, or an expired one's):
+    the conditional write lets exactly one win."""
+    if expired:
+        acquire_lease(store, "r", flow_run_id="flow-old", ttl=0.01)
+        time.sleep(0.1)
+    opts = repr(store.storage_options)
+    start = time.time() + 8  # every racer imported and waiting, on a loaded machine too
+    procs = [subprocess.Popen([sys.executable, "-c", _RACER.format(opts=opts), store.root,
+                               str(start), f"racer-{i}"], stdout=subprocess.PIPE, text=True,
+                              cwd=__import__("tests.conftest").conftest.ROOT)
+             for i in range(4)]
+    outs = [p.communicate(timeout=180)[0].strip() for p in procs]
+    assert sorted(outs) == ["HELD", "HELD", "HELD", "WON"], outs
+    winner = read_lease(store, "r")[0].flow_run_id
+    assert outs[int(winner.split("-")[1])] == "WON"
+
+
+def test_threads_race_on_a_store_without_conditional_writes():
+    """memory://: no conditional write; verify-after-write still lets exactly one win."""
+    store = Store(f"memory://lease-{uuid.uuid4().hex[:8]}")
+    assert not store.conditional_writes
+    results, barrier = [], threading.Barrier(4)
+
+    def race(i):
+        barrier.wait()
+        try:
+            acquire_lease(store, "r", flow_run_id=f"t{i}", ttl=60, settle_seconds=0.5)
+            results.append("WON")
+        except LeaseHeld:
+            results.append("HELD")
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == ["HELD", "HELD", "HELD", "WON"], results
