@@ -508,6 +508,18 @@ class LaunchConfig(_Section):
         "Give it room for rendezvous, loading the shards and the checkpoint, compiling, and the "
         "step-0 evaluation. 0 turns it off.",
         fix="give 0 (off) or the longest start-up plus a margin, e.g. 900", ge=0)
+    takeover: bool = Field(
+        False,
+        description="Take the run over from another launch that holds its lease "
+        "({root}/runs/{run}/lease.json) and is still alive: that launch stops at its next "
+        "heartbeat. Without it a second launch of the run refuses in one line naming the holder; "
+        "a lease whose heartbeat expired (launch.lease_seconds), or whose process on this host "
+        "is gone, is taken without it. The CLI's `stoker run --takeover` sets it.")
+    lease_seconds: int = _field(
+        90,
+        "How long the run lease lasts without a heartbeat (renewed every third of it by the "
+        "process that launches training). After that another launch may take the run over.",
+        fix="give at least 10 seconds, e.g. 90", ge=10)
 
     @property
     def world_size(self) -> int:

@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="recipe name under deployments/recipes or a YAML/JSON file")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a field, e.g. --set train.max_steps=100")
+    run.add_argument("--takeover", action="store_true",
+                     help="take the run over from another launch that holds its lease (it stops "
+                     "at its next heartbeat); same as --set launch.takeover=true")
     ev = sub.add_parser("evaluate", help="evaluate one checkpoint URI")
     ev.add_argument("checkpoint_uri")
     ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT-2 folder "
@@ -79,7 +82,7 @@ def _preflight(args) -> None:
     from core.failures import ConfigError
     from tasks.training import host_problems
 
-    problems = host_problems(config_from_args(args.recipe, args.set))
+    problems = host_problems(config_from_args(args.recipe, _sets(args)))
     if problems:
         raise ConfigError(problems)
 
@@ -149,6 +152,11 @@ def _supervise(argv: list[str]) -> int:
         print(INTERRUPTED, file=sys.stderr)
         return 130
     return code
+
+
+def _sets(args) -> list[str]:
+    """`run`'s --set items, with --takeover as the field it stands for."""
+    return [*args.set, *(["launch.takeover=true"] if getattr(args, "takeover", False) else [])]
 
 
 def config_from_args(recipe: str, sets: list[str]):
@@ -253,7 +261,7 @@ def _command(args) -> int:
         print(f"\nvalidation loss {result.val_loss:.4f}, perplexity {result.val_ppl:.1f} "
               f"at step {result.step} ({result.checkpoint_uri})")
         return 0
-    config = config_from_args(args.recipe, args.set)  # host checks: _preflight (and the flow)
+    config = config_from_args(args.recipe, _sets(args))  # host checks: _preflight (and the flow)
     from flows.pipeline import train_pipeline
 
     result = train_pipeline(config)

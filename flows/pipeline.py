@@ -11,6 +11,7 @@ from prefect import flow
 from tasks.data import download_dataset, tokenize_and_shard, train_tokenizer
 from core.results import ShardInfo
 from tasks.evaluate import evaluate_checkpoint
+from tasks.lease import run_lease
 from tasks.report import report
 from core.results import PipelineResult
 from tasks.training import (
@@ -59,10 +60,11 @@ def train_pipeline(config: RunConfig | None = None) -> PipelineResult:
     tag_flow_run(f"run:{config.resolved_run_name()}", f"recipe:{config.recipe or 'custom'}",
                  f"launcher:{config.launch.launcher}",
                  f"world:{config.launch.num_nodes}x{config.launch.nproc_per_node}")
-    shards = prepare_data(config.data, config.tokenizer, config.storage, config.ray)
-    config_url = write_run_config(config, shards)
-    resume = find_resume_checkpoint(config)
-    training = launch_training.with_options(retries=config.launch.max_attempts - 1)(
-        config, config_url, shards, resume)
-    evaluation = evaluate_checkpoint(config, config_url, training.final_checkpoint_key, shards.key)
+    with run_lease(config):  # one writer per run: a second launch refuses here, before any work
+        shards = prepare_data(config.data, config.tokenizer, config.storage, config.ray)
+        config_url = write_run_config(config, shards)
+        resume = find_resume_checkpoint(config)
+        training = launch_training.with_options(retries=config.launch.max_attempts - 1)(
+            config, config_url, shards, resume)
+        evaluation = evaluate_checkpoint(config, config_url, training.final_checkpoint_key, shards.key)
     return report(config, shards, resume, training, evaluation)

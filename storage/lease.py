@@ -169,6 +169,9 @@ class RunLease:
         self._thread = threading.Thread(target=beat, name="stoker-lease", daemon=True)
         self._thread.start()
 
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+
     def release(self) -> None:
         """Stop the heartbeat and delete the lease if it is still this take's."""
         self._stop.set()

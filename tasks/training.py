@@ -23,6 +23,7 @@ from storage.runs import pin_run_folder, store_problem
 from storage.store import Store
 from tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
 from tasks.credentials import use_store_credentials
+from tasks.lease import held_lease, on_lease_lost
 from tasks.policy import BACKOFF, JITTER, retry_if_transient
 from tasks.report import artifact_key
 
@@ -144,6 +145,7 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo,
     def evaluate_while_training(key: str, step: int):
         return evaluate_checkpoint.submit(config, config_url, key, shards.key)
 
+    lease = held_lease(config, logger)  # this flow run's (a retry re-takes its own); LeaseLost if taken
     launcher = make_launcher(config, config_url, shards.key, resume.checkpoint_key)
     sinks = open_sinks(config, logger)  # TensorBoard, MLflow (metrics.*), or None
     monitor = TrainingMonitor(
@@ -152,7 +154,9 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo,
         on_commit=evaluate_while_training if config.eval.per_checkpoint_enabled else None,
         sink=sinks)
     try:
-        with accelerator_slot(config.launch.concurrency_limit, logger):
+        # another launch took the run over (launch.takeover): stop the gang at once
+        with accelerator_slot(config.launch.concurrency_limit, logger), \
+                on_lease_lost(config, lambda why: launcher.stop()):
             logger.info("launching %s", getattr(launcher, "description", config.launch.launcher))
             result = launch_attempt(launcher, monitor, _store(config.storage), config.resolved_run_name(),
                                     str(flow_run.id), attempt, resume.step)
@@ -160,6 +164,8 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo,
         kill_running_evaluations()
         if sinks is not None:
             sinks.close("FAILED" if isinstance(exc, Exception) else "KILLED")
+        if lease.lost and isinstance(exc, Exception):
+            lease.check()  # LeaseLost (permanent): the gang was stopped for the new holder; no retry
         raise
     if sinks is not None:
         sinks.close("FINISHED")

@@ -1,0 +1,101 @@
+"""One writer per run: while another launch (a live process) holds a run's lease, a second
+launch of the run refuses in one line naming the holder, before any data or compute; with
+--takeover it trains, and the holder loses the lease."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, tiny_dict
+
+_HOLDER = """
+import sys, time
+from storage.store import Store
+from storage.lease import acquire_lease
+store = Store(sys.argv[1], {opts})
+lease = acquire_lease(store, sys.argv[2], flow_run_id="other-flow-run", ttl=30)
+lease.start_heartbeat(on_lost=lambda why: (print("LOST", why, flush=True)))
+print("READY", flush=True)
+deadline = time.time() + 600
+while time.time() < deadline and not lease.lost:
+    time.sleep(0.2)
+time.sleep(1)
+"""
+
+
+def _hold(root: str, options: dict, run: str) -> subprocess.Popen:
+    """Another launch of the run: a process holding its lease, heartbeat running."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER.format(opts=repr(options)), root, run],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "READY"
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        proc.kill()
+    return proc.communicate(timeout=60)[0]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_second_launch_refuses_before_any_work_and_writes_nothing(prefect_server, tmp_path, where,
+                                                                  request):
+    from core.config import load_config
+    from flows.pipeline import train_pipeline
+    from storage.checkpoints import list_checkpoints
+    from storage.lease import LeaseHeld
+    from storage.store import Store
+
+    root, options = (f"file://{tmp_path}/store", {}) if where == "local" \
+        else request.getfixturevalue("s3_root")
+    cfg = load_config(tiny_dict(root, run_name="leased", storage={"root": root, "storage_options": options}))
+    holder = _hold(root, options, "leased")
+    try:
+        with pytest.raises(LeaseHeld) as err:
+            train_pipeline(cfg)
+    finally:
+        _stop(holder)
+    text = str(err.value)
+    assert "\n" not in text and f"pid {holder.pid}" in text and "flow run other-flow-run" in text
+    assert "--takeover" in text
+    store = Store(root, options)
+    assert list_checkpoints(store, "leased") == []
+    assert store.listdir("shards") == [] and store.listdir("datasets") == []  # refused before data prep
+
+
+def _cli(*args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.e2e
+def test_cli_refuses_in_one_line_and_takeover_trains(tmp_path):
+    root = f"file://{tmp_path}/store"
+    recipe = tmp_path / "tiny.json"
+    recipe.write_text(json.dumps(tiny_dict(root, run_name="leased")))
+    holder = _hold(root, {}, "leased")
+    try:
+        out = _cli("run", "--recipe", str(recipe))
+        assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+        ours = [line for line in out.stderr.splitlines() if line.startswith("stoker: ")]
+        assert len(ours) == 1 and "already being trained" in ours[0] and f"pid {holder.pid}" in ours[0], \
+            out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
+        out = _cli("run", "--recipe", str(recipe), "--takeover")
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        deadline = time.monotonic() + 60
+        while holder.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        said = _stop(holder)
+    assert "LOST" in said  # the old holder's heartbeat found the lease taken
+    from storage.checkpoints import find_latest_valid
+    from storage.lease import read_lease
+    from storage.store import Store
+
+    store = Store(root)
+    assert find_latest_valid(store, "leased").checkpoint.step == 8
+    assert read_lease(store, "leased") == (None, None)  # released at the end
