@@ -41,10 +41,24 @@ COPY_CHUNK = 4 << 20
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def is_val(doc: str, val_fraction: float) -> bool:
-    """Stable split by document content hash (same across reruns and worker counts)."""
+# Documents are split by tokens, in pieces of at most this many (the end-of-text token
+# included): one huge document must not put its whole weight into one split.
+PIECE_TOKENS = 4096
+
+
+def _doc_offset(doc: str) -> float:
+    """A stable number in [0, 1) drawn from the document's content hash."""
     digest = hashlib.blake2b(doc.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < val_fraction
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def is_val(doc: str, val_fraction: float, piece: int = 0) -> bool:
+    """Stable split by content hash and piece number (same across reruns and worker counts).
+    Piece k of a document goes to val when (offset + k * val_fraction) mod 1 < val_fraction:
+    of any n consecutive pieces, n * val_fraction (rounded up or down) go to val, so the val
+    share of tokens holds for one huge document as for many small ones. A document of one
+    piece goes where its hash says (offset < val_fraction), as before pieces existed."""
+    return (_doc_offset(doc) + piece * val_fraction) % 1.0 < val_fraction
 
 
 @dataclass
@@ -163,7 +177,8 @@ def load_tokenizer(path: str):
 def tokenize_docs(docs: Iterable[str], tok, eot_id: int, dtype: np.dtype, val_fraction: float,
                   files: dict[str, tuple[BinaryIO, BinaryIO]]) -> dict[str, list[int]]:
     """Tokenize documents into `files` ({split: (tokens, document ends)}): every document's ids
-    then eot_id, in `dtype`, to the split its content hash picks; the ends are cumulative
+    then eot_id, in `dtype`, cut in pieces of PIECE_TOKENS, each piece to the split is_val
+    picks (so val_fraction holds by tokens); a piece ends an entry; the ends are cumulative
     little-endian uint64. The one place both engines turn text into shard bytes. Returns
     {split: [num_tokens, num_docs]}."""
     counts = {s: [0, 0] for s in SPLITS}
@@ -173,10 +188,14 @@ def tokenize_docs(docs: Iterable[str], tok, eot_id: int, dtype: np.dtype, val_fr
     def flush() -> None:
         out: dict[str, tuple[list[int], list[int]]] = {s: ([], []) for s in SPLITS}
         for doc, enc in zip(batch, tok.encode_batch_fast(batch)):
-            ids, ends = out["val" if is_val(doc, val_fraction) else "train"]
-            ids.extend(enc.ids)
-            ids.append(eot_id)
-            ends.append(len(ids))
+            doc_ids = enc.ids + [eot_id]
+            offset = _doc_offset(doc)
+            for piece, start in enumerate(range(0, len(doc_ids), PIECE_TOKENS)):
+                # a piece counts as a document of its split (an entry in its ends)
+                val = (offset + piece * val_fraction) % 1.0 < val_fraction  # is_val, hash once
+                ids, ends = out["val" if val else "train"]
+                ids.extend(doc_ids[start:start + PIECE_TOKENS])
+                ends.append(len(ids))
         for split, (ids, ends) in out.items():
             if ids:
                 binf, idxf = files[split]

@@ -21,7 +21,8 @@ from storage.store import Store, join, sha256_file
 
 # 2: per-file token/doc counts, byte sizes and checksums for .bin, .idx and tokenizer.json;
 #    eot_id and the resolved dtype in the key's parameters
-FORMAT_VERSION = 2
+# 3: the val split by tokens: documents cut in pieces of PIECE_TOKENS, each piece split alone
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 

@@ -225,3 +225,33 @@ def test_split_with_no_document_leaves_nothing(store, tmp_path):
     with pytest.raises(DataError, match="data.val_fraction: the val split got no document"):
         data_prep.tokenize_and_shard(ds, tk, data, store)
     assert store.listdir("shards") == []
+
+
+def test_val_fraction_holds_by_tokens_for_one_huge_document(store, tmp_path):
+    """One 2 MB document among small ones: the val split gets val_fraction of the tokens (it
+    got all or none of the document's when documents were split whole)."""
+    import random
+
+    rng = random.Random(7)
+    words = ["alpha", "beta", "gamma", "delta", "stoker", "tokens", "split", "fraction"]
+    huge = " ".join(rng.choice(words) for _ in range(330_000))  # ~2 MB, one document
+    small = [f"small document {i}: " + " ".join(rng.choice(words) for _ in range(40)) for i in range(200)]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in [huge, *small]))
+    data = DataConfig(source=str(corpus), val_fraction=0.05, shard_tokens=200_000)
+    ds = data_prep.download_dataset(data, store)
+    tk = data_prep.train_tokenizer(ds, TokenizerConfig(vocab_size=300), store)
+    shards = data_prep.tokenize_and_shard(ds, tk, data, store)
+    manifest = store.read_json(f"{shards.key}/manifest.json")
+    tokens = manifest["num_tokens"]
+    share = tokens["val"] / (tokens["val"] + tokens["train"])
+    assert abs(share - 0.05) < 0.005, (share, tokens)
+
+
+def test_pieces_of_a_document_follow_the_fraction_and_one_piece_keeps_its_hash_split():
+    for f in (0.01, 0.05, 0.1, 0.5):
+        for doc in ("a", "some document", "another one"):
+            flags = [sharding.is_val(doc, f, k) for k in range(1000)]
+            assert abs(sum(flags) - 1000 * f) <= 1  # any run of pieces: within one piece
+            u = sharding._doc_offset(doc)
+            assert flags[0] == (u < f)
