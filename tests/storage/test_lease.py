@@ -54,10 +54,10 @@ def test_own_flow_run_retakes_its_lease(store):
 
 
 def test_stale_lease_is_taken_without_takeover(store):
-    old = acquire_lease(store, "r", flow_run_id="flow-1", ttl=1)
+    old = acquire_lease(store, "r", flow_run_id="flow-1", ttl=8)  # room for a loaded machine
     with pytest.raises(LeaseHeld):
         acquire_lease(store, "r", flow_run_id="flow-2", ttl=60)
-    time.sleep(1.5)  # no heartbeat: expired
+    time.sleep(max(0.0, old.record.expires_at - time.time()) + 0.5)  # no heartbeat: expired
     new = acquire_lease(store, "r", flow_run_id="flow-2", ttl=60)
     assert read_lease(store, "r")[0].flow_run_id == "flow-2"
     assert not old.renew() and "taken by another launch" in old.lost
@@ -78,10 +78,10 @@ def test_forced_takeover_makes_the_holder_lose_it(store):
 
 
 def test_heartbeat_keeps_a_short_lease_alive(store):
-    holder = acquire_lease(store, "r", flow_run_id="flow-1", ttl=2)
-    holder.start_heartbeat()
+    holder = acquire_lease(store, "r", flow_run_id="flow-1", ttl=4)
+    holder.start_heartbeat()  # every 1.3 s
     try:
-        time.sleep(3)  # past the first expiry: renewed meanwhile
+        time.sleep(6)  # past the first expiry: renewed meanwhile
         with pytest.raises(LeaseHeld):
             acquire_lease(store, "r", flow_run_id="flow-2", ttl=60)
     finally:
