@@ -686,7 +686,7 @@ class EngineConfig(_Section):
         release = (int(found[1]), int(found[2])) if found else (0, 0)
         if self.parallelism == "fsdp" and release < FSDP2_TORCH:
             return [f"engine.parallelism: 'fsdp' needs torch {FSDP2_TORCH[0]}.{FSDP2_TORCH[1]} or newer "
-                    f"(FSDP2's fully_shard) and the ranks have torch {torch_version}; upgrade torch, or "
+                    f"(FSDP2's fully_shard and its sharded init) and the ranks have torch {torch_version}; upgrade torch, or "
                     "use 'ddp'."]
         return []
 
