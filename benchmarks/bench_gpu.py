@@ -12,7 +12,14 @@ checkpoint stall. Skipped (exit 0, a line saying so) without CUDA.
    host buffers) over a synchronous save+write+commit of the same state, each measured as
    the extra time of the steps around a save over the same steps without one.
                                                                               goal <= 0.15
-3. With --profile: where our trainer's step spends the GPU's time, by kind of kernel
+3. With --real-variants: what a user runs, `torchrun --nproc-per-node=1 -m training.train` of
+   the gpt2-124m-1gpu recipe (process group, per-step events, log-step syncs, checkpoint),
+   its steady-state tokens/s read from its event stream (benchmarks/real_run.py); 'ddp:none'
+   over the in-process trainer above                                          goal >= 0.97
+   and each variant's step time over 'ddp:none' (fsdp:none <= 1.15, ddp:selective <= 1.12;
+   ddp:none:ce4096: the chunked loss's cost). Parameter count, vocabulary (padded),
+   micro-batch, torch and device are recorded in the JSON.
+4. With --profile: where our trainer's step spends the GPU's time, by kind of kernel
    (matmuls, attention, inductor's fused kernels, optimizer, copies) and the top kernels.
 --cross-entropy-chunk N runs the trainer and the bare loop with the chunked cross-entropy;
 --explore times bare-loop variants (micro-batch, attention kernel, chunked loss) first.
@@ -20,6 +27,7 @@ The store is a local folder (the GPU host has no S3 endpoint), so "upload" is th
 and commit of files DCP wrote in place.
 
     python -m benchmarks.bench_gpu --store file:///path/with/shards [--micro-batch 16,32]
+    python -m benchmarks.bench_gpu --store ... --real-variants ddp:none,fsdp:selective
     python -m benchmarks.bench_gpu --smoke --store ...   # every part, tiny, on the CPU
 
 The shard set: ``python -m benchmarks.make_shards`` here, carried to the GPU host.
