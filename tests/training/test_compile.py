@@ -11,7 +11,6 @@ traced instead of through inductor's code generation, so each build takes a seco
 
 from __future__ import annotations
 
-import os
 import socket
 from collections import Counter
 
