@@ -12,7 +12,14 @@ checkpoint stall. Skipped (exit 0, a line saying so) without CUDA.
    host buffers) over a synchronous save+write+commit of the same state, each measured as
    the extra time of the steps around a save over the same steps without one.
                                                                               goal <= 0.15
-3. With --profile: where our trainer's step spends the GPU's time, by kind of kernel
+3. With --real-variants: what a user runs, `torchrun --nproc-per-node=1 -m training.train` of
+   the gpt2-124m-1gpu recipe (process group, per-step events, log-step syncs, checkpoint),
+   its steady-state tokens/s read from its event stream (benchmarks/real_run.py); 'ddp:none'
+   over the in-process trainer above                                          goal >= 0.97
+   and each variant's step time over 'ddp:none' (fsdp:none <= 1.15, ddp:selective <= 1.12;
+   ddp:none:ce4096: the chunked loss's cost). Parameter count, vocabulary (padded),
+   micro-batch, torch and device are recorded in the JSON.
+4. With --profile: where our trainer's step spends the GPU's time, by kind of kernel
    (matmuls, attention, inductor's fused kernels, optimizer, copies) and the top kernels.
 --cross-entropy-chunk N runs the trainer and the bare loop with the chunked cross-entropy;
 --explore times bare-loop variants (micro-batch, attention kernel, chunked loss) first.
@@ -20,6 +27,7 @@ The store is a local folder (the GPU host has no S3 endpoint), so "upload" is th
 and commit of files DCP wrote in place.
 
     python -m benchmarks.bench_gpu --store file:///path/with/shards [--micro-batch 16,32]
+    python -m benchmarks.bench_gpu --store ... --real-variants ddp:none,fsdp:selective
     python -m benchmarks.bench_gpu --smoke --store ...   # every part, tiny, on the CPU
 
 The shard set: ``python -m benchmarks.make_shards`` here, carried to the GPU host.
@@ -360,6 +368,33 @@ def bench_stall(cfg, store, shard_key, cache_dir, saves: int = 4, window: int = 
     return out
 
 
+def bench_real_runs(args, store, key: str, first_micro: int, throughput: list[dict]) -> dict:
+    """The real runs of --real-variants (one torchrun each), the step-time ratios between
+    them, and the 'ddp:none' run against the benchmark's trainer and bare loop (goal: the
+    real run >= 0.97 of the benchmark)."""
+    from benchmarks.real_run import compare_variants, real_run
+
+    micro = args.real_micro_batch or first_micro or 32
+    rows = [real_run(store, key, micro, steps=args.real_steps, warmup=args.real_warmup,
+                     smoke=SMOKE if args.smoke else None, global_batch=args.real_global_batch or None,
+                     variant=v, timeout=args.real_timeout)
+            for v in args.real_variants.split(",") if v]
+    out = {"real_runs": rows, "real_step_time_over_ddp": compare_variants(rows)}
+    base = next((r for r in rows if r["variant"] == "ddp:none"), None)
+    bench = next((t for t in throughput if t["micro_batch"] == micro), None)
+    if base and bench:
+        real = base["tokens_per_second"]
+        out["real_vs_benchmark"] = {
+            "micro_batch": micro, "real_tokens_per_second": real,
+            "over_trainer": round(real / bench["ours_tokens_per_second"], 3),
+            "over_bare_loop": round(real / bench["bare_tokens_per_second"], 3)}
+        ratio = out["real_vs_benchmark"]["over_trainer"]
+        print(f"  RATIO real run / benchmark trainer = {ratio:.3f} (goal >= 0.97: "
+              f"{'met' if ratio >= 0.97 else 'NOT met'}); real / bare loop = "
+              f"{out['real_vs_benchmark']['over_bare_loop']:.3f}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--store", default=os.environ.get("STOKER_GPU_STORE"),
@@ -379,6 +414,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cross-entropy-chunk", type=int, default=0,
                    help="the trainer and the bare loop both compute the loss chunked, this many "
                    "tokens a chunk (engine.cross_entropy 'chunked'); 0: the full logits")
+    p.add_argument("--real-variants", default="",
+                   help="real 1-GPU torchrun runs of the gpt2-124m-1gpu recipe, timed from their "
+                   "event stream, e.g. 'ddp:none,fsdp:none,fsdp:selective,ddp:none:ce4096' "
+                   "(parallelism:activation checkpointing[:ce<tokens a chunk>]); 'ddp:none' is "
+                   "compared with the benchmark's trainer and bare loop")
+    p.add_argument("--real-micro-batch", type=int, default=0,
+                   help="micro-batch of the real runs (default: the first of --micro-batch, else 32)")
+    p.add_argument("--real-steps", type=int, default=40, help="optimizer steps of each real run")
+    p.add_argument("--real-warmup", type=int, default=10,
+                   help="steps of each real run left out of its steady state (compile, warm-up)")
+    p.add_argument("--real-global-batch", type=int, default=0,
+                   help="sequences a step of the real runs (default: the recipe's 480)")
+    p.add_argument("--real-timeout", type=float, default=540, help="seconds each real run may take")
     p.add_argument("--smoke", action="store_true",
                    help="every part at a tiny size on the CPU: checks the benchmark runs, before a "
                    "GPU session spends its minutes on it; its figures mean nothing, nothing is written")
@@ -407,6 +455,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = _config(args.store, micro, **engine)
         result["throughput"].append(bench_throughput(cfg, store, key, cache_dir, args.rounds, args.steps))
     first = int(args.micro_batch.split(",")[0]) if args.micro_batch else 0
+    if args.real_variants:
+        result.update(bench_real_runs(args, store, key, first, result["throughput"]))
     if args.profile and first:
         result["profile"] = bench_profile(_config(args.store, first, **engine), store, key, cache_dir)
     if not args.skip_stall and first:

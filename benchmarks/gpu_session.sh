@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# The GPU work of issue #9 in one device call (read ../shared/gpu/README.md first). Here:
+# The GPU work of issues #9 and #25 in three device calls of at most 10 minutes each (read
+# ../shared/gpu/README.md first). Here:
 #   bash ../shared/gpu/prepare                 # pydantic wheels into .whl/
 #   python -m benchmarks.make_shards           # GPT-2-vocabulary shards into .gpu/store
-# then `device run` with carry [".whl", ".gpu"] and the command
-#   bash benchmarks/gpu_session.sh [tests|bench|explore|all]     (default: all)
-#   bash benchmarks/gpu_session.sh tuned [bench_gpu's options]   e.g. --micro-batch 48
-#        --compile-tuning coordinate-descent --cross-entropy-chunk 4096 (what explore found)
-# tests: the CUDA tests. bench: bench_gpu (ours vs the bare loop, MFU, checkpoint stall, where
-# the step's kernel time goes) and bench_memory at GPT-2 124M's shape. explore: the bare loop
-# at micro-batches 32 and 64, with the chunked cross-entropy, with coordinate-descent tuning.
-# Each part has its own time limit so that "all" fits one 600 s call; the logs and the
-# benchmark JSON land in $OUT.
+# then three `device run`s, each with carry [".whl", ".gpu"]:
+#   1. bash benchmarks/gpu_session.sh tests    the CUDA tests (8 compiling torchrun launches:
+#                                              560 s, the whole call)
+#   2. bash benchmarks/gpu_session.sh bench    bench_gpu at GPT-2 124M (vocabulary 50257 padded
+#      to 50304): a real torchrun run of the gpt2-124m-1gpu recipe timed from its events, next
+#      to the in-process trainer and the bare loop (real/benchmark >= 0.97, trainer/bare >= 1.0,
+#      MFU >= 45% on an H100), the checkpoint stall, the kernel profile; then bench_memory
+#   3. bash benchmarks/gpu_session.sh compare  real runs of DDP and FSDP2 with no, selective and
+#      full activation checkpointing, and DDP with the chunked cross-entropy: step time over
+#      DDP (FSDP2 <= 1.15x, selective <= 1.12x none) and the chunked loss's cost
+# Also: all (the three in a row, where a call may take 30 min), explore (bare-loop variants),
+#   tuned [bench_gpu's options], e.g. --micro-batch 48 --cross-entropy-chunk 4096.
+# Each part has its own time limit inside its call; logs, JSON and summary.txt land in $OUT.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl \
   || { echo "gpu_session: run 'bash ../shared/gpu/prepare' here and carry .whl"; exit 1; }
@@ -31,12 +36,19 @@ part() {  # part NAME SECONDS COMMAND...: one log per part, its exit status in s
 }
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  part cuda-tests 230 python3 -m pytest -m cuda tests/training/test_cuda.py -p no:cacheprovider -v -s
+  part cuda-tests 560 python3 -m pytest -m cuda tests/training/test_cuda.py -p no:cacheprovider -v -s
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  part bench-gpu 280 python3 -m benchmarks.bench_gpu --store "$STOKER_GPU_STORE" --profile
+  part bench-gpu 470 python3 -m benchmarks.bench_gpu --store "$STOKER_GPU_STORE" --profile \
+    --real-variants ddp:none --real-steps 40 --real-warmup 10 --real-timeout 200
   part bench-memory 80 python3 -m benchmarks.bench_memory \
     --layers 12 --width 768 --block 1024 --batch 16 --vocab 50304 --chunk 4096
+fi
+if [ "$what" = compare ] || [ "$what" = all ]; then  # 7 runs of ~70 s (compile included)
+  part compare 570 python3 -m benchmarks.bench_gpu --store "$STOKER_GPU_STORE" --skip-stall \
+    --micro-batch "" --real-micro-batch 32 --real-global-batch 128 --real-steps 40 \
+    --real-warmup 10 --real-timeout 120 --real-variants \
+    ddp:none,ddp:selective,ddp:full,fsdp:none,fsdp:selective,fsdp:full,ddp:none:ce4096
 fi
 if [ "$what" = explore ]; then
   part explore 580 python3 -m benchmarks.bench_gpu --store "$STOKER_GPU_STORE" --skip-stall \

@@ -324,9 +324,13 @@ class TrainConfig(_Section):
     grad_clip: float = _field(1.0, "Clip the global gradient norm to this (0 = off).",
                               fix="0 turns clipping off; 1.0 is typical", ge=0)
     log_interval: int = _field(10, "Steps between training-loss log lines.", ge=1)
-    deterministic: bool = Field(
-        True, description="Use deterministic torch algorithms so a resumed run is bitwise equal."
-    )
+    deterministic: bool | Literal["auto"] = Field(
+        "auto", description="Deterministic torch algorithms (and, past 2 ranks, DDP's gradient "
+        "buckets fixed) so a run resumed at the same world size ends bitwise equal to one that "
+        "never stopped. 'auto': on with CPU ranks (it costs almost nothing there), off on CUDA "
+        "(it costs speed; a resumed GPU run is then equal up to rounding). true or false: "
+        "always on or off.",
+        json_schema_extra={"fix": "give true, false or 'auto'"})
 
     @field_validator("min_lr")
     @classmethod
@@ -520,6 +524,15 @@ class LaunchConfig(_Section):
         "How long the run lease lasts without a heartbeat (renewed every third of it by the "
         "process that launches training). After that another launch may take the run over.",
         fix="give at least 10 seconds, e.g. 90", ge=10)
+    collective_timeout_seconds: int = _field(
+        1800,
+        "How long a rank waits in one collective (the process group's timeout, NCCL's and "
+        "gloo's) before it fails with an error naming the collective, instead of hanging: "
+        "longer than any wait of one rank for another (a peer loading and checking a "
+        "checkpoint from the store, compiling, evaluating, a synchronous checkpoint save). "
+        "NCCL's own default is 10 minutes, which a slow checkpoint download can exceed.",
+        fix="give at least the longest checkpoint download and check plus a compile, e.g. 1800",
+        ge=60)
 
     @property
     def world_size(self) -> int:
@@ -609,7 +622,10 @@ class RayConfig(_Section):
         return address
 
 
-FSDP2_TORCH = (2, 6)  # torch.distributed.fsdp.fully_shard, public from torch 2.6
+# torch.distributed.fsdp.fully_shard is public from torch 2.6, but the sharded init
+# (distribute_tensor's src_data_rank=None: every rank fills its own shard, no communication)
+# is 2.7's
+FSDP2_TORCH = (2, 7)
 
 
 class EngineConfig(_Section):
@@ -635,7 +651,7 @@ class EngineConfig(_Section):
     parallelism: Literal["ddp", "fsdp"] = Field(
         "ddp", description="'ddp': replicated model, gradients all-reduced. 'fsdp': FSDP2 "
         "(fully_shard per block and on the root; bf16 params, fp32 gradient reduction under "
-        "bf16) for models whose state does not fit on one device; needs torch 2.6 or newer.")
+        "bf16) for models whose state does not fit on one device; needs torch 2.7 or newer.")
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         "none", description="'full': recompute each block in the backward pass (about a third "
         "more compute for the least activation memory). 'selective': keep the outputs of the "
@@ -682,7 +698,7 @@ class EngineConfig(_Section):
         release = (int(found[1]), int(found[2])) if found else (0, 0)
         if self.parallelism == "fsdp" and release < FSDP2_TORCH:
             return [f"engine.parallelism: 'fsdp' needs torch {FSDP2_TORCH[0]}.{FSDP2_TORCH[1]} or newer "
-                    f"(FSDP2's fully_shard) and the ranks have torch {torch_version}; upgrade torch, or "
+                    f"(FSDP2's fully_shard and its sharded init) and the ranks have torch {torch_version}; upgrade torch, or "
                     "use 'ddp'."]
         return []
 

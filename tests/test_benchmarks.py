@@ -19,7 +19,8 @@ def test_bench_gpu_runs_every_part_in_a_cpu_smoke_run(tiny_config, capsys):
     try:
         bench_gpu.main(["--smoke", "--store", cfg.storage.root, "--micro-batch", "4", "--rounds", "1",
                         "--steps", "1", "--profile", "--explore", "4:default,4:default:ce64",
-                        "--cross-entropy-chunk", "100"])
+                        "--cross-entropy-chunk", "100", "--real-variants", "ddp:none,fsdp:selective",
+                        "--real-steps", "6", "--real-warmup", "2", "--real-timeout", "300"])
     finally:
         bench_gpu.DEVICE = __import__("torch").device("cuda", 0)
     out = capsys.readouterr().out
@@ -28,6 +29,10 @@ def test_bench_gpu_runs_every_part_in_a_cpu_smoke_run(tiny_config, capsys):
     assert "kernel time per step" in out and "matmul" in out
     assert "RATIO async/sync" in out
     assert '"device": "cpu (smoke run)"' in out
+    # the real runs: torchrun of the 1-GPU recipe, timed from its events, beside the benchmark
+    assert "real run ddp:none (torchrun, gpt2-124m-1gpu" in out and "real run fsdp:selective" in out
+    assert "RATIO real run / benchmark trainer" in out and "step time fsdp:selective / ddp:none" in out
+    assert '"padded_vocab": 384' in out and '"micro_batch": 4' in out
     # no run left in the store (only the shards), no result file written or touched
     assert not glob.glob(store.local_path("runs/bench-gpu-*"))
     assert {p: os.path.getmtime(p) for p in glob.glob(os.path.join(bench_gpu.RESULTS, "*.json"))} == before

@@ -18,17 +18,22 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from core.config import RunConfig
 from core.failures import ConfigError
-from training.model import GPT, init_weights, param_groups
+from training.model import GPT, init_weights, logits_and_loss, param_groups
 
-# dense bf16 tensor-core peak per device (no sparsity), by a substring of the device name;
-# the first match wins. Unknown devices report tokens/s but no MFU.
+# dense bf16 tensor-core peak per device (no sparsity: half NVIDIA's datasheet figure "with
+# sparsity"), by a substring of the device name; the first match wins, so the PCIe and NVL
+# boards (lower clocks and power) come before the SXM name they contain. Unknown devices
+# report tokens/s but no MFU. torch names them e.g. "NVIDIA H100 80GB HBM3" (SXM),
+# "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA H800 PCIe".
 PEAK_BF16_FLOPS = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),  # datasheet 1,513 sparse
+    ("H100 NVL", 835e12),  # 1,671 sparse (per GPU; older sheets gave 3,958 for the pair)
+    ("H200 NVL", 835e12),  # 1,671 sparse
+    ("H800 PCIe", 756e12),  # 1,513 sparse
     ("GH200", 989e12),
-    ("H200", 989e12),
-    ("H100", 989e12),
-    ("H800", 989e12),
+    ("H200", 989e12),  # SXM: 1,979 sparse
+    ("H100", 989e12),  # SXM: 1,979 sparse
+    ("H800", 989e12),  # SXM
     ("A100", 312e12),
     ("A800", 312e12),
     ("L40S", 362e12),
@@ -40,8 +45,12 @@ def peak_flops(device: torch.device) -> float | None:
     """Peak bf16 FLOP/s of one device, or None when it is not in the table (CPU included)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+    return peak_flops_of(torch.cuda.get_device_name(device))
+
+
+def peak_flops_of(device_name: str) -> float | None:
+    """Peak bf16 FLOP/s of a CUDA device by its name (torch.cuda.get_device_name)."""
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in device_name), None)
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class Engine:
     prefetch: bool
     loss_chunk: int = 0  # tokens per chunk of a chunked cross-entropy; 0: the full logits
     compile_tuning: str = "none"  # or "coordinate-descent", "max-autotune"
+    deterministic: bool = False  # train.deterministic, 'auto' settled for the device
 
     @classmethod
     def resolve(cls, cfg: RunConfig, device: torch.device, training: bool = True) -> "Engine":
@@ -76,7 +86,8 @@ class Engine:
                    activation_checkpointing=e.activation_checkpointing,
                    prefetch=e.prefetch,
                    loss_chunk=e.cross_entropy_chunk if e.cross_entropy == "chunked" else 0,
-                   compile_tuning=e.compile_tuning)
+                   compile_tuning=e.compile_tuning,
+                   deterministic=deterministic_enabled(cfg, device))
 
     def describe(self) -> dict:
         return {"device": str(self.device), "precision": "bf16" if self.bf16 else "fp32",
@@ -84,6 +95,7 @@ class Engine:
                 "fused_optimizer": self.fused,
                 "parallelism": "fsdp" if self.fsdp else "ddp",
                 "activation_checkpointing": self.activation_checkpointing,
+                "deterministic": self.deterministic,
                 "cross_entropy": (f"chunked, {self.loss_chunk} tokens a chunk" if self.loss_chunk
                                   else "standard")}
 
@@ -93,12 +105,20 @@ class Engine:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
 
+def deterministic_enabled(cfg: RunConfig, device: torch.device) -> bool:
+    """train.deterministic settled: 'auto' is on with CPU ranks (bitwise-equal resume, at
+    almost no cost there) and off on CUDA (deterministic kernels and DDP's fixed buckets cost
+    speed; a resumed GPU run is then equal up to rounding, not bit for bit)."""
+    value = cfg.train.deterministic
+    return device.type != "cuda" if value == "auto" else bool(value)
+
+
 def configure_backends(cfg: RunConfig, device: torch.device) -> None:
     """Process-wide switches, before any CUDA work: TF32 and deterministic algorithms."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.engine.tf32
         torch.backends.cudnn.allow_tf32 = cfg.engine.tf32
-    if cfg.train.deterministic:
+    if deterministic_enabled(cfg, device):
         # cuBLAS is deterministic only with a fixed workspace; set before its first use
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -114,34 +134,46 @@ def compile_options(tuning: str) -> dict:
     return {"mode": "max-autotune-no-cudagraphs"} if tuning == "max-autotune" else {}
 
 
+def _build_fsdp(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int) -> GPT:
+    """FSDP2 in torchtitan's order: activation checkpointing (inside each block's forward),
+    then compile (each block, and the output layer with the loss), then fully_shard (each
+    block, then the root); built on the meta device and materialized after sharding."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    with torch.device("meta"):
+        raw = GPT(cfg.model, vocab_size, seed=None)
+    raw.activation_checkpointing, raw.loss_chunk = engine.activation_checkpointing, engine.loss_chunk
+    mesh = init_device_mesh(engine.device.type, (world_size,))
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if engine.bf16 else MixedPrecisionPolicy())
+    options = compile_options(engine.compile_tuning) if engine.compile else {}
+    for block in raw.blocks:
+        if engine.compile:  # per block, as torchtitan does under FSDP2
+            block.compile(**options)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    if engine.compile:  # else the vocabulary-wide matmul and cross-entropy run eagerly
+        raw.output_loss = torch.compile(logits_and_loss, **options)
+    fully_shard(raw, mesh=mesh, mp_policy=mp)
+    raw.to_empty(device=engine.device)
+    init_weights(raw, cfg.train.seed)
+    return raw
+
+
 def build_model(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int):
     """(raw_model, model): the module whose parameters the optimizer and checkpoints see,
     and the one the step calls (compiled and/or DDP-wrapped). Initial weights are the same
     under DDP and FSDP2 (a function of the seed and the parameter names)."""
-    seed, device = cfg.train.seed, engine.device
     if engine.fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        with torch.device("meta"):
-            raw = GPT(cfg.model, vocab_size, seed=None)
-        raw.activation_checkpointing, raw.loss_chunk = engine.activation_checkpointing, engine.loss_chunk
-        mesh = init_device_mesh(device.type, (world_size,))
-        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if engine.bf16 else MixedPrecisionPolicy())
-        options = compile_options(engine.compile_tuning) if engine.compile else {}
-        for block in raw.blocks:
-            if engine.compile:  # per block, as torchtitan does under FSDP2
-                block.compile(**options)
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(raw, mesh=mesh, mp_policy=mp)
-        raw.to_empty(device=device)
-        init_weights(raw, seed)
+        raw = _build_fsdp(cfg, vocab_size, engine, world_size)
         return raw, raw
-    raw = GPT(cfg.model, vocab_size, seed=seed).to(device)
+    device = engine.device
+    raw = GPT(cfg.model, vocab_size, seed=cfg.train.seed).to(device)
     raw.activation_checkpointing, raw.loss_chunk = engine.activation_checkpointing, engine.loss_chunk
     model = torch.compile(raw, **compile_options(engine.compile_tuning)) if engine.compile else raw
-    if world_size > 1 or (dist.is_available() and dist.is_initialized()):
+    # alone (torchrun --nproc-per-node=1 included) there is nothing to all-reduce: no DDP,
+    # whose wrapper would split the compiled graph at its bucket boundaries for nothing
+    if world_size > 1:
         ids = [device.index] if device.type == "cuda" else None
         # DDP rebuilds its gradient buckets after its first step, in the order gradients became
         # ready; a resumed process rebuilds after its own first step, so for one step its
@@ -149,7 +181,7 @@ def build_model(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
         # differ from the unbroken run's. find_unused_parameters turns the rebuild off: with
         # train.deterministic and more than 2 ranks, a resumed run stays bitwise equal (at the
         # cost of one graph traversal per step).
-        fixed_buckets = cfg.train.deterministic and world_size > 2
+        fixed_buckets = engine.deterministic and world_size > 2
         model = DDP(model, device_ids=ids, gradient_as_bucket_view=True,
                     find_unused_parameters=fixed_buckets)
     return raw, model

@@ -76,6 +76,8 @@ class StopRequest:
     together, one step after the signal, well inside the grace period."""
 
     def __init__(self, group: "dist.ProcessGroup | None" = None):
+        if group is not None and dist.get_world_size(group) == 1:
+            group = None  # alone (torchrun --nproc-per-node=1): no vote to take each step
         self.flag, self.since, self.group = False, None, group
         self.pending: tuple | None = None  # (work, tensor) of the vote in flight
         if threading.current_thread() is threading.main_thread():  # a Ray worker's is not
@@ -158,7 +160,10 @@ def setup_distributed(cfg: RunConfig) -> RankInfo:
         torch.cuda.set_device(device)
     if "MASTER_ADDR" in os.environ and not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
-        dist.init_process_group(backend=backend, store=_restart_store(), rank=rank, world_size=world)
+        from datetime import timedelta
+
+        dist.init_process_group(backend=backend, store=_restart_store(), rank=rank, world_size=world,
+                                timeout=timedelta(seconds=cfg.launch.collective_timeout_seconds))
     if device.type == "cpu":  # the CPUs the launcher gave this rank (Ray: its reservation)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         threads = int(os.environ.get("STOKER_CPU_THREADS", "0")) or (os.cpu_count() or 1) // local_world

@@ -61,8 +61,19 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
+        self.activation_checkpointing = "none"  # or "selective", "full" (GPT sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the checkpoint is inside the block's forward, so a compiled block (FSDP2 compiles
+        # each) holds it: the compiler sees the matmuls, and the selective policy saves their
+        # outputs. A checkpoint wrapped around a compiled block would recompute the whole
+        # compiled forward in the backward pass, whatever the policy (torchtitan's order:
+        # checkpoint, then compile, then fully_shard).
+        if self.activation_checkpointing != "none" and self.training:
+            return checkpointed(self._body, x, self.activation_checkpointing)
+        return self._body(x)
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -84,7 +95,7 @@ def _keep_matmuls_and_attention(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _KEPT else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def checkpointed(block: nn.Module, x: torch.Tensor, mode: str) -> torch.Tensor:
+def checkpointed(block, x: torch.Tensor, mode: str) -> torch.Tensor:
     """A block under activation checkpointing: 'full' keeps only its input and recomputes
     the whole block in the backward pass; 'selective' also keeps the outputs of its matmuls
     and attention and recomputes only the cheap ops between them."""
@@ -150,6 +161,15 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
     return _chunked_loss_only(h, weight, targets, chunk)
 
 
+def logits_and_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    """The output layer and the full-logits cross-entropy: h (B, T, C), weight (V, C). A plain
+    function of tensors so that it can be compiled on its own (FSDP2 compiles per block, and
+    this is the rest of the step's heavy work: the vocabulary-wide matmul and softmax)."""
+    logits = F.linear(h, weight)  # (B, T, V_padded)
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+    return logits, loss
+
+
 def padded_vocab(vocab_size: int, multiple: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
@@ -159,7 +179,6 @@ class GPT(nn.Module):
         """seed=None leaves the weights uninitialized (meta-device build; see init_weights)."""
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
-        self.activation_checkpointing = "none"  # or "selective", "full" (engine.activation_checkpointing)
         self.loss_chunk = 0  # tokens per chunk of a chunked cross-entropy; 0: the full logits
         vocab_size = padded_vocab(vocab_size, cfg.vocab_pad_multiple)
         self.wte = nn.Embedding(vocab_size, cfg.n_embd)
@@ -169,8 +188,22 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying
+        self._activation_checkpointing = "none"
+        # the output layer and loss; the engine swaps in a compiled one under FSDP2
+        self.output_loss = logits_and_loss
         if seed is not None:
             init_weights(self, seed)
+
+    @property
+    def activation_checkpointing(self) -> str:
+        """'none', 'selective' or 'full' (engine.activation_checkpointing), for every block."""
+        return self._activation_checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, mode: str) -> None:
+        self._activation_checkpointing = mode
+        for block in self.blocks:
+            block.activation_checkpointing = mode
 
     def num_params(self, embedding: bool = False) -> int:
         """Parameters (the tied output matrix once); without position embeddings unless asked."""
@@ -188,19 +221,14 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
-            if self.activation_checkpointing != "none" and self.training:
-                x = checkpointed(block, x, self.activation_checkpointing)
-            else:
-                x = block(x)
+            x = block(x)
         if targets is not None and self.loss_chunk:  # the full logits never exist
             h = self.ln_f(x)
             return None, chunked_cross_entropy(h.view(B * T, -1), self.lm_head.weight,
                                                targets.reshape(-1), self.loss_chunk)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V_padded)
         if targets is None:
-            return logits[..., : self.vocab_size], None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
-        return logits, loss
+            return self.lm_head(self.ln_f(x))[..., : self.vocab_size], None  # (B, T, V)
+        return self.output_loss(self.ln_f(x), self.lm_head.weight, targets)
 
 
 def _init_value(name: str, shape: torch.Size, n_layer: int, seed: int) -> torch.Tensor:

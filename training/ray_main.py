@@ -248,7 +248,8 @@ def drive(args: argparse.Namespace) -> int:
                                "cpus": cfg.ray.cpus_per_worker},
             scaling_config=ScalingConfig(num_workers=world, use_gpu=use_gpu,
                                          resources_per_worker=resources),
-            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo",
+                                     timeout_s=lc.collective_timeout_seconds),
             run_config=RunConfig(
                 name=f"stoker-{cfg.resolved_run_name()}-{uuid.uuid4().hex[:8]}",
                 storage_path=os.path.join(tempfile.gettempdir(), "stoker-ray-train"),

@@ -82,8 +82,8 @@ def test_engine_settings_that_cpu_ranks_cannot_honour_are_found_before_the_launc
 
 
 def test_fsdp_with_a_torch_older_than_fsdp2_is_found_before_the_launch_and_by_the_ranks(monkeypatch):
-    """FSDP2's public fully_shard came with torch 2.6 (the project accepts torch 2.4): with an
-    older torch the host check says so in one line, from the package's metadata, and a rank
+    """FSDP2's public fully_shard came with torch 2.6, and its sharded init with 2.7 (the
+    project accepts torch 2.4): with an older torch the host check says so in one line, from the package's metadata, and a rank
     would say the same; DDP, an evaluation and this machine's torch are fine."""
     import importlib.metadata
 
@@ -94,11 +94,12 @@ def test_fsdp_with_a_torch_older_than_fsdp2_is_found_before_the_launch_and_by_th
     from training.engine import Engine
 
     fsdp = load_config("tiny-cpu", **{"engine.parallelism": "fsdp"})
-    problems = device_problems(fsdp, gpus=0, torch_version="2.5.1+cu124")
-    assert problems == ["engine.parallelism: 'fsdp' needs torch 2.6 or newer (FSDP2's fully_shard) and "
-                        "the ranks have torch 2.5.1+cu124; upgrade torch, or use 'ddp'."]
-    assert device_problems(fsdp, gpus=0, torch_version="2.6.0") == []
-    assert device_problems(fsdp, gpus=0, torch_version="2.10.1") == []  # 10 > 6, not "1" < "6"
+    problems = device_problems(fsdp, gpus=0, torch_version="2.6.0+cu124")
+    assert problems == ["engine.parallelism: 'fsdp' needs torch 2.7 or newer (FSDP2's fully_shard and "
+                        "its sharded init) and the ranks have torch 2.6.0+cu124; upgrade torch, or "
+                        "use 'ddp'."]
+    assert device_problems(fsdp, gpus=0, torch_version="2.7.0") == []
+    assert device_problems(fsdp, gpus=0, torch_version="2.10.1") == []  # 10 > 7, not "1" < "7"
     assert device_problems(load_config("tiny-cpu"), gpus=0, torch_version="2.4.0") == []  # ddp
     # the metadata has no local label where the wheel's torch.__version__ does (PyPI's 2.15.0 says
     # "2.15.0+cu132"); the CPU wheel's metadata keeps its "+cpu"
