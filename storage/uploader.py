@@ -26,7 +26,6 @@ reason, before anything is written.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -41,6 +40,7 @@ from typing import Callable
 from core.events import (CheckpointCommitted, CheckpointDropped, CheckpointFailed, CheckpointStaged,
                          Event, UploadRetry)
 from core.failures import RetriesExhausted, StokerError, error_code, http_status, retry
+from storage.cache import drop_stamp, host_lock, write_stamp
 from storage.checkpoints import (
     COMMIT_FILE,
     commit_checkpoint,
@@ -324,9 +324,7 @@ class CheckpointUploader:
             shutil.rmtree(w.folder, ignore_errors=True)
             return
         final = local_checkpoint_dir(self.cache_dir, self.store, w.key)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        with open(final + ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # the same lock as rehydrate and _release_kept
+        with host_lock(final):  # the same lock as rehydrate and _release_kept
             complete = all(os.path.isfile(os.path.join(w.folder, n)) and
                            os.path.getsize(os.path.join(w.folder, n)) == e["size"]
                            for n, e in manifest["files"].items())
@@ -335,8 +333,12 @@ class CheckpointUploader:
                 return
             with open(os.path.join(w.folder, COMMIT_FILE), "w") as f:
                 json.dump(manifest, f)
+            drop_stamp(final + ".verified.json")
             shutil.rmtree(final, ignore_errors=True)
             os.replace(w.folder, final)
+            # each rank hashed these very files for its receipt (the manifest's sha256s): the
+            # full check after this "fetch" is done, so the copy is stamped as verified
+            write_stamp(final, manifest, final + ".verified.json")
         previous, self.adopted = self.adopted, final
         if previous and previous != final:
             shutil.rmtree(previous, ignore_errors=True)
@@ -349,10 +351,7 @@ class CheckpointUploader:
             cut = max(0, len(self.kept) - keep_last)
             kept, self.kept = self.kept[:cut], self.kept[cut:]
         for w in kept:
-            final = local_checkpoint_dir(self.cache_dir, self.store, w.key)
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            with open(final + ".lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            with host_lock(local_checkpoint_dir(self.cache_dir, self.store, w.key)):
                 self._clear_staging(w)
 
     def _not_attempted(self, step: int) -> None:
