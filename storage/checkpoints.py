@@ -36,6 +36,10 @@ from storage.store import Store, join
 
 COMMIT_FILE = "commit.json"
 KEEP_MARKER = "keep"
+# written before commit.json when each committed checkpoint is evaluated (eval.per_checkpoint_
+# enabled); removed by that evaluation; retention spares a pinned checkpoint for a while
+EVAL_PIN = ".eval-pending"
+DEFAULT_PIN_SECONDS = 7200.0
 INVALID_MARKER = "_invalid.json"  # written by a host whose full check of the bytes failed
 RANKS_DIR = "_ranks"  # per-rank upload receipts: {rank}.json with that rank's files
 FORMAT = "stoker-checkpoint/1"
@@ -91,7 +95,7 @@ def commit_checkpoint(store: Store, key: str, meta: dict, files: dict[str, dict]
     reads the data back); without it, the folder is listed and hashed in the store."""
     if files is None:
         files = describe_files(store, key)
-        for name in [n for n in files if n in (COMMIT_FILE, KEEP_MARKER) or n.startswith(RANKS_DIR + "/")]:
+        for name in [n for n in files if n in (COMMIT_FILE, KEEP_MARKER, EVAL_PIN) or n.startswith(RANKS_DIR + "/")]:
             files.pop(name)
     manifest = {"format": FORMAT, "committed_at": time.time(), **meta, "files": files}
     store.write_json(join(key, COMMIT_FILE), manifest)
@@ -165,12 +169,41 @@ def mark_invalid(store: Store, key: str, reason: str) -> None:
         pass
 
 
-def prune_checkpoints(store: Store, run_name: str, keep_latest_k: int) -> list[str]:
+def pin_for_evaluation(store: Store, key: str) -> None:
+    """Mark a checkpoint's evaluation pending, so retention does not delete it first."""
+    store.write_json(join(key, EVAL_PIN), {"at": time.time()})
+
+
+def is_pinned(store: Store, key: str, pin_seconds: float = DEFAULT_PIN_SECONDS) -> bool:
+    """Whether an evaluation of this checkpoint is pending, pinned less than pin_seconds ago
+    (an older pin, of an evaluation that died, no longer keeps it)."""
+    try:
+        at = store.read_json(join(key, EVAL_PIN)).get("at")
+    except FileNotFoundError:
+        return False
+    except Exception:  # a damaged pin is still a pin, as old as its file claims nothing
+        return True
+    return isinstance(at, (int, float)) and time.time() - at < pin_seconds
+
+
+def finish_evaluation(store: Store, run_name: str, key: str, keep_latest_k: int,
+                      pin_seconds: float = DEFAULT_PIN_SECONDS) -> list[str]:
+    """After the evaluation of a checkpoint (done, or failed for good): remove its pin and,
+    when it had one, apply the retention it held off. Returns the deleted keys."""
+    if not store.exists(join(key, EVAL_PIN), refresh=True):
+        return []
+    store.rm(join(key, EVAL_PIN))
+    return prune_checkpoints(store, run_name, keep_latest_k, pin_seconds)
+
+
+def prune_checkpoints(store: Store, run_name: str, keep_latest_k: int,
+                      pin_seconds: float = DEFAULT_PIN_SECONDS) -> list[str]:
     """Delete committed checkpoints beyond the newest K, and every uncommitted or invalid
     folder older than the newest committed one (abandoned: receipts without a commit, a
-    crashed attempt's partial files, an empty folder), sparing folders marked to keep.
-    Uploads commit in order, so nothing older than a committed checkpoint is still in
-    flight. Returns the deleted keys."""
+    crashed attempt's partial files, an empty folder), sparing folders marked to keep and
+    those whose evaluation is pending (pinned less than pin_seconds ago; they go at a later
+    pruning, once their evaluation removed the pin). Uploads commit in order, so nothing older
+    than a committed checkpoint is still in flight. Returns the deleted keys."""
     assert keep_latest_k >= 2, "keep at least two: the newest may still be uploading"
     refs = list_checkpoints(store, run_name)
     committed = [r for r in refs if validate_checkpoint(store, r.key)]
@@ -186,6 +219,8 @@ def prune_checkpoints(store: Store, run_name: str, keep_latest_k: int) -> list[s
         position = (ref.step, ref.attempt)
         abandoned = ref not in committed and position < newest
         if abandoned or position < (oldest_kept.step, oldest_kept.attempt):
+            if ref in committed and is_pinned(store, ref.key, pin_seconds):
+                continue
             store.rm(ref.key)
             deleted.append(ref.key)
     return deleted
