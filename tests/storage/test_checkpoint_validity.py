@@ -271,3 +271,33 @@ def test_a_damaged_host_cache_copy_of_a_checkpoint_is_dropped_and_fetched_again(
     assert open(path, "rb").read() == bytes(range(256)) * 4
     assert "__1_0.distcp fails its sha256 checksum" in caplog.text and "fetching it again" in caplog.text
     assert validate_checkpoint(store, key)  # the store's copy is fine: not marked invalid
+
+
+def test_retention_spares_a_checkpoint_whose_evaluation_is_pending(store):
+    import time
+
+    from storage.checkpoints import EVAL_PIN, finish_evaluation, pin_for_evaluation
+
+    keys = [_fake_checkpoint(store, "r", s) for s in (1, 2, 3, 4)]
+    pin_for_evaluation(store, keys[0])  # step 1's evaluation has not read it yet
+    assert prune_checkpoints(store, "r", keep_latest_k=2) == [keys[1]]
+    assert [r.step for r in list_checkpoints(store, "r")] == [4, 3, 1]
+    # its evaluation is done: the pin goes, and the retention it held off happens then
+    assert finish_evaluation(store, "r", keys[0], keep_latest_k=2) == [keys[0]]
+    assert [r.step for r in list_checkpoints(store, "r")] == [4, 3]
+    # a pin older than the limit (an evaluation that died) keeps nothing
+    old = _fake_checkpoint(store, "r", 0)
+    store.write_json(join(old, EVAL_PIN), {"at": time.time() - 100})
+    assert prune_checkpoints(store, "r", keep_latest_k=2, pin_seconds=50) == [old]
+    assert finish_evaluation(store, "r", keys[2], keep_latest_k=2) == []  # never pinned: no-op
+
+
+def test_a_missing_checkpoint_is_a_permanent_error_said_once(store, tmp_path):
+    from core.failures import CheckpointUnavailable, is_transient
+
+    keys = [_fake_checkpoint(store, "r", s) for s in (1, 2)]
+    store.rm(keys[0])  # deleted (retention) before it was read
+    with pytest.raises(CheckpointUnavailable, match="does not exist.*keep_latest_k") as err:
+        rehydrate(store, keys[0], str(tmp_path / "cache"))
+    assert not is_transient(err.value)
+    assert isinstance(err.value, CheckpointInvalid)  # a resume still falls back from it
