@@ -12,7 +12,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from core import events
-from core.failures import EvaluationStopped, TrainingFailed, is_transient
+from core.failures import CheckpointUnavailable, EvaluationStopped, TrainingFailed, is_transient
 from launch.torchrun import PROJECT_ROOT, child_env
 from tasks.policy import BACKOFF, JITTER, retry_if_transient
 from core.results import EvalResult
@@ -27,10 +27,18 @@ _STOP_SIGNALS = {-signal.SIGINT: "SIGINT (Ctrl-C)", -signal.SIGTERM: "SIGTERM"}
 
 
 def check_checkpoint_uri(uri: str) -> None:
-    """ConfigError naming checkpoint_uri when it is not a checkpoint URL (no store access)."""
+    """ConfigError naming checkpoint_uri when it is not a checkpoint URL; on a local store
+    (no credentials involved), CheckpointUnavailable when it holds no committed checkpoint
+    there, so `stoker evaluate` of a deleted one says so in one line, before any server starts.
+    An object store is asked by the flow, with its credentials."""
+    from storage.checkpoints import COMMIT_FILE, unavailable_message
     from storage.layout import parse_checkpoint_url
+    from storage.store import Store, join
 
-    parse_checkpoint_url(uri)
+    where = parse_checkpoint_url(uri)
+    store = Store(where.root)
+    if store.is_local and not store.exists(join(where.key, COMMIT_FILE)):
+        raise CheckpointUnavailable(unavailable_message(store, where.key, "no commit manifest"))
 
 
 def kill_running_evaluations() -> int:
