@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -30,7 +29,9 @@ import shutil
 import uuid
 from typing import Callable, Iterator
 
-CHUNK = 8 * 1024 * 1024
+from storage.manifest import same_json_file, write_json_file
+from storage.store import sha256_file
+
 log = logging.getLogger("stoker.cache")
 
 
@@ -43,16 +44,6 @@ def host_lock(path: str) -> Iterator[None]:
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(CHUNK)
-            if not block:
-                return h.hexdigest()
-            h.update(block)
 
 
 def file_problem(path: str, entry: dict) -> str:
@@ -137,7 +128,7 @@ def verified_copy(local: str, manifest: dict, manifest_name: str, what: str,
     it lands, and damaged(problem) (raises) is called when one does not match, keeping nothing.
     The manifest file lands last, then the stamp."""
     stamp_file = local + ".verified.json"
-    if _same_json_file(os.path.join(local, manifest_name), manifest):
+    if same_json_file(os.path.join(local, manifest_name), manifest):
         if is_stamped(local, manifest, stamp_file):
             return local
         drop_stamp(stamp_file)
@@ -157,24 +148,9 @@ def verified_copy(local: str, manifest: dict, manifest_name: str, what: str,
             problem = file_problem(path, entry)
             if problem:
                 damaged(f"{name} {problem} (as downloaded)")
-        _write_json_file(os.path.join(tmp, manifest_name), manifest)
+        write_json_file(os.path.join(tmp, manifest_name), manifest)
         os.replace(tmp, local)
         write_stamp(local, manifest, stamp_file)  # every file was hashed as it landed
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return local
-
-
-def _same_json_file(path: str, value: dict) -> bool:
-    try:
-        with open(path) as f:
-            return json.load(f) == value
-    except (OSError, ValueError):
-        return False
-
-
-def _write_json_file(path: str, value: dict) -> None:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        json.dump(value, f)
-    os.replace(tmp, path)
