@@ -69,9 +69,10 @@ def run_evaluation(config: RunConfig, config_url: str, checkpoint_key: str, shar
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    stopped = "a stop of the run (Ctrl-C, cancel)" if proc.pid in _STOPPED else _STOP_SIGNALS.get(proc.returncode)
+    stopped = ("the end of its training (Ctrl-C, a cancel, a failed launch)" if proc.pid in _STOPPED
+               else _STOP_SIGNALS.get(proc.returncode))
     _STOPPED.discard(proc.pid)
-    if stopped:
+    if stopped and proc.returncode != 0:  # (one that finished just before the kill counts)
         raise EvaluationStopped(f"evaluation of {checkpoint_key} was stopped by {stopped}; not retried")
     said = [e for e in map(events.decode, out.splitlines()) if e is not None]
     done = [e for e in said if isinstance(e, events.Evaluated)]

@@ -75,7 +75,7 @@ def test_an_evaluation_killed_by_the_runs_stop_is_not_retried(tiny_config):
     thread.join(60)
     [err] = box
     assert isinstance(err, EvaluationStopped) and not is_transient(err)
-    assert "stopped by a stop of the run" in str(err)
+    assert "stopped by the end of its training" in str(err)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
