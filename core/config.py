@@ -376,6 +376,12 @@ class CheckpointConfig(_Section):
         "local disk holds at most this many and training never waits for the store.",
         fix="give at least 1, e.g. 2 (each costs one checkpoint of local disk per host)", ge=1,
     )
+    evaluation_pin_seconds: float = _field(
+        7200.0, "With eval.per_checkpoint_enabled, each committed checkpoint is pinned until its "
+        "evaluation is done, and retention (keep_latest_k) spares it meanwhile; a pin older than "
+        "this (an evaluation that died) no longer keeps it.",
+        fix="give more than an evaluation takes with its retries, e.g. 7200", gt=0,
+    )
 
     @field_validator("commit_timeout_seconds")
     @classmethod

@@ -56,6 +56,19 @@ class CheckpointInvalid(StokerError, ValueError):
     transient = True
 
 
+class CheckpointUnavailable(CheckpointInvalid):
+    """A checkpoint that is not there to be read: deleted (retention), never committed, or
+    already marked invalid. Asking again for the same checkpoint cannot help: permanent. (A
+    resume still falls back from it to the next valid one, as from any CheckpointInvalid.)"""
+
+    transient = False
+
+
+class EvaluationStopped(StokerError, RuntimeError):
+    """An evaluation process ended by a stop (Ctrl-C, a cancel from the UI, SIGTERM): what
+    stopped it meant it, so it is never retried."""
+
+
 class SourceUnreachable(StokerError, ConnectionError):
     """A source still failing after the in-task retries; transient, so the task retries."""
 

@@ -219,9 +219,11 @@ def _inspect(args) -> int:
         if not rows:
             print(f"run {args.run!r} has no checkpoint under {_root(args.root)}")
             return 0
-        for row in rows:
-            row["valid"] = "valid" if row["valid"] else f"INVALID: {row['reason']}"
-        print(_table(rows, ["step", "name", "size_mb", "valid", "uri"]))
+        for row in rows:  # listings and sizes only: `verify` is the one that reads every byte
+            row["state"] = "committed (not verified)" if row["valid"] else f"INVALID: {row['reason']}"
+        print(_table(rows, ["step", "name", "size_mb", "state", "uri"]))
+        print("committed: commit manifest present, every listed file at its size; "
+              "`stoker verify URI` checks every sha256")
         return 0
     what, verdict = inspect.verify(args.uri)
     if verdict:

@@ -21,24 +21,25 @@ reported as "no manifest" and retention deletes it once a newer checkpoint is co
 
 from __future__ import annotations
 
-import fcntl
+import functools
 import hashlib
-import json
 import os
 import re
-import shutil
 import time
-import uuid
 from dataclasses import dataclass
 
-from core.failures import CheckpointInvalid, ConfigError
+from core.failures import CheckpointInvalid, CheckpointUnavailable, ConfigError
+from storage.cache import checked_in_place, host_lock, verified_copy
 from storage.layout import checkpoints_key
-from storage.manifest import (Verdict, describe_files, read_manifest, same_json_file, verify_files,
-                              write_json_file)
-from storage.store import Store, join, sha256_file
+from storage.manifest import Verdict, describe_files, read_manifest, verify_files
+from storage.store import Store, join
 
 COMMIT_FILE = "commit.json"
 KEEP_MARKER = "keep"
+# written before commit.json when each committed checkpoint is evaluated (eval.per_checkpoint_
+# enabled); removed by that evaluation; retention spares a pinned checkpoint for a while
+EVAL_PIN = ".eval-pending"
+DEFAULT_PIN_SECONDS = 7200.0
 INVALID_MARKER = "_invalid.json"  # written by a host whose full check of the bytes failed
 RANKS_DIR = "_ranks"  # per-rank upload receipts: {rank}.json with that rank's files
 FORMAT = "stoker-checkpoint/1"
@@ -94,7 +95,7 @@ def commit_checkpoint(store: Store, key: str, meta: dict, files: dict[str, dict]
     reads the data back); without it, the folder is listed and hashed in the store."""
     if files is None:
         files = describe_files(store, key)
-        for name in [n for n in files if n in (COMMIT_FILE, KEEP_MARKER) or n.startswith(RANKS_DIR + "/")]:
+        for name in [n for n in files if n in (COMMIT_FILE, KEEP_MARKER, EVAL_PIN) or n.startswith(RANKS_DIR + "/")]:
             files.pop(name)
     manifest = {"format": FORMAT, "committed_at": time.time(), **meta, "files": files}
     store.write_json(join(key, COMMIT_FILE), manifest)
@@ -168,12 +169,41 @@ def mark_invalid(store: Store, key: str, reason: str) -> None:
         pass
 
 
-def prune_checkpoints(store: Store, run_name: str, keep_latest_k: int) -> list[str]:
+def pin_for_evaluation(store: Store, key: str) -> None:
+    """Mark a checkpoint's evaluation pending, so retention does not delete it first."""
+    store.write_json(join(key, EVAL_PIN), {"at": time.time()})
+
+
+def is_pinned(store: Store, key: str, pin_seconds: float = DEFAULT_PIN_SECONDS) -> bool:
+    """Whether an evaluation of this checkpoint is pending, pinned less than pin_seconds ago
+    (an older pin, of an evaluation that died, no longer keeps it)."""
+    try:
+        at = store.read_json(join(key, EVAL_PIN)).get("at")
+    except FileNotFoundError:
+        return False
+    except Exception:  # a damaged pin is still a pin, as old as its file claims nothing
+        return True
+    return isinstance(at, (int, float)) and time.time() - at < pin_seconds
+
+
+def finish_evaluation(store: Store, run_name: str, key: str, keep_latest_k: int,
+                      pin_seconds: float = DEFAULT_PIN_SECONDS) -> list[str]:
+    """After the evaluation of a checkpoint (done, or failed for good): remove its pin and,
+    when it had one, apply the retention it held off. Returns the deleted keys."""
+    if not store.exists(join(key, EVAL_PIN), refresh=True):
+        return []
+    store.rm(join(key, EVAL_PIN))
+    return prune_checkpoints(store, run_name, keep_latest_k, pin_seconds)
+
+
+def prune_checkpoints(store: Store, run_name: str, keep_latest_k: int,
+                      pin_seconds: float = DEFAULT_PIN_SECONDS) -> list[str]:
     """Delete committed checkpoints beyond the newest K, and every uncommitted or invalid
     folder older than the newest committed one (abandoned: receipts without a commit, a
-    crashed attempt's partial files, an empty folder), sparing folders marked to keep.
-    Uploads commit in order, so nothing older than a committed checkpoint is still in
-    flight. Returns the deleted keys."""
+    crashed attempt's partial files, an empty folder), sparing folders marked to keep and
+    those whose evaluation is pending (pinned less than pin_seconds ago; they go at a later
+    pruning, once their evaluation removed the pin). Uploads commit in order, so nothing older
+    than a committed checkpoint is still in flight. Returns the deleted keys."""
     assert keep_latest_k >= 2, "keep at least two: the newest may still be uploading"
     refs = list_checkpoints(store, run_name)
     committed = [r for r in refs if validate_checkpoint(store, r.key)]
@@ -189,6 +219,8 @@ def prune_checkpoints(store: Store, run_name: str, keep_latest_k: int) -> list[s
         position = (ref.step, ref.attempt)
         abandoned = ref not in committed and position < newest
         if abandoned or position < (oldest_kept.step, oldest_kept.attempt):
+            if ref in committed and is_pinned(store, ref.key, pin_seconds):
+                continue
             store.rm(ref.key)
             deleted.append(ref.key)
     return deleted
@@ -212,60 +244,50 @@ def rehydrate(store: Store, key: str, cache_dir: str,
               expected: dict[str, str] | None = None) -> str:
     """A fully checked local copy of a committed checkpoint; returns its folder.
 
-    Under a host-wide lock, so one rank per host reads the bytes while the others wait and
-    reuse the result. Remote stores: every file is downloaded into a temporary folder and
-    checked against the manifest's size and sha256 as it lands, then renamed into place with
-    commit.json last; a cached copy is used only while its commit.json equals the store's.
-    Local stores are read in place: the sha256 check runs once per host and commit (a stamp
-    in cache_dir records it). A checkpoint that fails is marked invalid in the store and
-    CheckpointInvalid (transient: a retry takes the next one) is raised; nothing of it is
-    kept. Given `expected` identity fields, a checkpoint of another run or model raises
-    ConfigError before any byte is read."""
+    Under a host-wide lock (storage.cache.host_lock), so one rank per host reads the bytes
+    while the others wait and reuse the result. Remote stores: every file is downloaded into a
+    temporary folder and hashed against the manifest's size and sha256 as it lands, then renamed
+    into place with commit.json last; a cached copy is used only while its commit.json equals
+    the store's and its stamp holds (storage.cache.verified_copy), and a damaged cached copy is
+    dropped and downloaded again. Local stores are read in place: hashed once per host and
+    commit, then trusted while the stamp in cache_dir holds. A checkpoint whose bytes in the
+    store fail is marked invalid in the store and CheckpointInvalid (transient: a retry takes
+    the next one) is raised; nothing of it is kept. A checkpoint that is not there, not
+    committed or already marked invalid raises CheckpointUnavailable (permanent). Given
+    `expected` identity fields, a checkpoint of another run or model raises ConfigError before
+    any byte is read."""
     final = local_checkpoint_dir(cache_dir, store, key)
-    os.makedirs(os.path.dirname(final), exist_ok=True)
-    with open(final + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one rank per host reads; the rest wait
+    with host_lock(final):  # one rank per host reads; the rest wait
         verdict = validate_checkpoint(store, key, deep=False)
         if not verdict:
-            raise CheckpointInvalid(f"checkpoint {store.url(key)} is not valid: {verdict.reason}")
+            raise CheckpointUnavailable(unavailable_message(store, key, verdict.reason))
         manifest = verdict.manifest
         mismatch = identity_problem(manifest, expected) if expected else ""
         if mismatch:
             raise ConfigError([f"resume checkpoint {store.url(key)} {mismatch}; resume from a "
                                "checkpoint of this run and model, or start a new run"])
+        damaged = functools.partial(_invalid, store, key)
         if store.is_local:
-            _check_local(store, key, manifest, _stamp_path(cache_dir, store, key))
+            checked_in_place(store.local_path(key), manifest, _stamp_path(cache_dir, store, key), damaged)
             return store.local_path(key)
-        if same_json_file(os.path.join(final, COMMIT_FILE), manifest):
-            return final  # the same commit as the store's, not an older one
-        shutil.rmtree(final, ignore_errors=True)  # stale or partial: the store's checkpoint changed
-        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            for name, entry in sorted(manifest["files"].items()):
-                path = os.path.join(tmp, name)
-                try:
-                    store.get_file(join(key, name), path)
-                except FileNotFoundError:
-                    _invalid(store, key, f"listed file {name} is missing")
-                if os.path.getsize(path) != entry["size"] or sha256_file(path) != entry["sha256"]:
-                    _invalid(store, key, f"{name} does not match its manifest entry")
-            with open(os.path.join(tmp, COMMIT_FILE), "w") as f:
-                json.dump(manifest, f)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+
+        def fetch(name: str, path: str) -> None:
+            try:
+                store.get_file(join(key, name), path)
+            except FileNotFoundError:
+                damaged(f"listed file {name} is missing")
+
+        return verified_copy(final, manifest, COMMIT_FILE, f"checkpoint {store.url(key)}", fetch, damaged)
 
 
-def _check_local(store: Store, key: str, manifest: dict, stamp: str) -> None:
-    """The full check of a checkpoint read in place, once per host and commit."""
-    if same_json_file(stamp, manifest):
-        return
-    problem = verify_files(store, key, manifest["files"], deep=True)
-    if problem:
-        _invalid(store, key, problem)
-    write_json_file(stamp, manifest)
+def unavailable_message(store: Store, key: str, reason: str) -> str:
+    """One line on a checkpoint that cannot be read, telling a deleted one from the rest."""
+    url = store.url(key)
+    if not store.walk_files(key):
+        return (f"checkpoint {url} does not exist (deleted, e.g. by retention "
+                "(checkpoint.keep_latest_k), or never written); name one that `stoker "
+                "checkpoints RUN` lists")
+    return f"checkpoint {url} is not valid: {reason}"
 
 
 def _invalid(store: Store, key: str, problem: str):

@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass
 
 from core.config import RunConfig
-from core.failures import ConfigError, ExportError
+from core.failures import CheckpointUnavailable, ConfigError, ExportError
 from core.results import ShardInfo
 from storage.layout import (CONFIG_FILE, SHARDS_FILE, TOKENIZER_FILE, CheckpointLocation,
                             parse_checkpoint_url, run_file_key, run_key)
@@ -67,6 +67,10 @@ def checkpoint_inputs(checkpoint_url: str, storage_options: dict) -> tuple[RunCo
     config = config.model_copy(update={"storage": config.storage.model_copy(
         update={"root": where.root, "storage_options": storage_options or config.storage.storage_options})})
     shard_key = store.read_json(run_file_key(where.run_name, SHARDS_FILE))["key"]
+    from storage.checkpoints import COMMIT_FILE, unavailable_message
+
+    if not store.exists(join(where.key, COMMIT_FILE)):  # deleted or never committed: said once
+        raise CheckpointUnavailable(unavailable_message(store, where.key, "no commit manifest"))
     return config, store.url(config_key), where.key, shard_key
 
 

@@ -7,17 +7,16 @@ counts. A shard set counts only when ``manifest.json`` exists and its files matc
 
 from __future__ import annotations
 
-import fcntl
+import functools
 import hashlib
 import json
 import os
-import shutil
 import uuid
 
-from storage.manifest import (Verdict, publish_folder, read_manifest, same_json_file, verify_files,
-                              write_json_file)
 from core.failures import DataError
-from storage.store import Store, join, sha256_file
+from storage.cache import checked_in_place, host_lock, verified_copy
+from storage.manifest import Verdict, publish_folder, read_manifest, verify_files
+from storage.store import Store, join
 
 # 2: per-file token/doc counts, byte sizes and checksums for .bin, .idx and tokenizer.json;
 #    eot_id and the resolved dtype in the key's parameters
@@ -76,46 +75,30 @@ def publish_shard_set(store: Store, staging: str, cache_key: str, manifest: dict
 
 
 def materialize(store: Store, cache_key: str, cache_dir: str) -> str:
-    """A local folder holding the shard set, fully checked once per host.
+    """A local folder holding the shard set, fully checked on this host (storage.cache).
 
     Under a host-wide lock (one rank reads, the others wait and reuse): a remote set is
-    downloaded into cache_dir, every file checked against the manifest's size and sha256 as
-    it lands, and renamed into place with the manifest last; a cached copy is used only
-    while its manifest equals the store's. A local set is read in place after the same
-    check, once per host and manifest (a stamp in cache_dir). A damaged set raises DataError
-    naming the file and the fix; nothing of it is kept."""
+    downloaded into cache_dir, every file hashed against the manifest's size and sha256 as it
+    lands, and renamed into place with the manifest last; a cached copy is used only while its
+    manifest equals the store's and its stamp (each file's size, mtime, inode, ctime at its
+    last full check) holds; a cached copy found damaged is dropped and downloaded again. A
+    local set is read in place, hashed once per host and manifest, then trusted while its
+    stamp holds. A damaged set in the store raises DataError naming the file and the fix;
+    nothing of it is kept."""
     folder = shard_set_key(cache_key)
     local = os.path.join(cache_dir, "shards", cache_key)
-    os.makedirs(os.path.dirname(local), exist_ok=True)
-    with open(local + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with host_lock(local):
         manifest, reason = read_manifest(store, join(folder, MANIFEST))
         if manifest is None:
             raise DataError(f"shard set {store.url(folder)} is not usable: {reason}; run the data "
                             "stage again to rebuild it")
+        damaged = functools.partial(_damaged, store, folder)
         if store.is_local:
-            stamp = local + ".verified.json"
-            if not same_json_file(stamp, manifest):
-                problem = verify_files(store, folder, manifest["files"], deep=True)
-                if problem:
-                    _damaged(store, folder, problem)
-                write_json_file(stamp, manifest)
+            checked_in_place(store.local_path(folder), manifest, local + ".verified.json", damaged)
             return store.local_path(folder)
-        if same_json_file(os.path.join(local, MANIFEST), manifest):
-            return local
-        shutil.rmtree(local, ignore_errors=True)  # stale or partial: the store's set changed
-        tmp = f"{local}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            for name, entry in sorted(manifest["files"].items()):
-                path = os.path.join(tmp, name)
-                store.get_file(join(folder, name), path)
-                if os.path.getsize(path) != entry["size"] or sha256_file(path) != entry["sha256"]:
-                    _damaged(store, folder, f"{name} does not match its manifest entry")
-            write_json_file(os.path.join(tmp, MANIFEST), manifest)
-            os.replace(tmp, local)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return local
+        return verified_copy(local, manifest, MANIFEST, f"shard set {store.url(folder)}",
+                             fetch=lambda name, path: store.get_file(join(folder, name), path),
+                             damaged=damaged)
 
 
 def _damaged(store: Store, folder: str, problem: str):

@@ -26,7 +26,6 @@ reason, before anything is written.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -41,8 +40,11 @@ from typing import Callable
 from core.events import (CheckpointCommitted, CheckpointDropped, CheckpointFailed, CheckpointStaged,
                          Event, UploadRetry)
 from core.failures import RetriesExhausted, StokerError, error_code, http_status, retry
+from storage.cache import drop_stamp, host_lock, write_stamp
 from storage.checkpoints import (
     COMMIT_FILE,
+    DEFAULT_PIN_SECONDS,
+    pin_for_evaluation,
     commit_checkpoint,
     local_checkpoint_dir,
     list_checkpoints,
@@ -108,7 +110,8 @@ class CheckpointUploader:
                  on_event: Callable[[Event], None] | None = None,
                  after_commit: Callable[[], None] | None = None,
                  agree: Callable[[dict], list[dict]] | None = None,
-                 cache_dir: str | None = None):
+                 cache_dir: str | None = None, pin_evaluations: bool = False,
+                 pin_seconds: float = DEFAULT_PIN_SECONDS):
         assert max_pending_uploads >= 1
         self.store, self.run_name, self.rank, self.world_size = store, run_name, rank, world_size
         self.staging_root, self.keep_latest_k = staging_root, keep_latest_k
@@ -118,6 +121,9 @@ class CheckpointUploader:
         self.after_commit = after_commit or (lambda: None)
         # every rank's proposal, in rank order; a single rank agrees with itself
         self.agree = agree or (lambda mine: [mine])
+        # each committed checkpoint gets an evaluation (eval.per_checkpoint_enabled): rank 0 pins
+        # it before the commit, so retention cannot delete it before its evaluation reads it
+        self.pin_evaluations, self.pin_seconds = pin_evaluations, pin_seconds
         self.failures: list[str] = []
         self.broken = ""  # a permanent storage error: no later checkpoint is attempted
         self.last_finish_seconds = 0.0  # upload (+ commit on rank 0) of the last checkpoint
@@ -324,9 +330,7 @@ class CheckpointUploader:
             shutil.rmtree(w.folder, ignore_errors=True)
             return
         final = local_checkpoint_dir(self.cache_dir, self.store, w.key)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        with open(final + ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # the same lock as rehydrate and _release_kept
+        with host_lock(final):  # the same lock as rehydrate and _release_kept
             complete = all(os.path.isfile(os.path.join(w.folder, n)) and
                            os.path.getsize(os.path.join(w.folder, n)) == e["size"]
                            for n, e in manifest["files"].items())
@@ -335,8 +339,12 @@ class CheckpointUploader:
                 return
             with open(os.path.join(w.folder, COMMIT_FILE), "w") as f:
                 json.dump(manifest, f)
+            drop_stamp(final + ".verified.json")
             shutil.rmtree(final, ignore_errors=True)
             os.replace(w.folder, final)
+            # each rank hashed these very files for its receipt (the manifest's sha256s): the
+            # full check after this "fetch" is done, so the copy is stamped as verified
+            write_stamp(final, manifest, final + ".verified.json")
         previous, self.adopted = self.adopted, final
         if previous and previous != final:
             shutil.rmtree(previous, ignore_errors=True)
@@ -349,10 +357,7 @@ class CheckpointUploader:
             cut = max(0, len(self.kept) - keep_last)
             kept, self.kept = self.kept[:cut], self.kept[cut:]
         for w in kept:
-            final = local_checkpoint_dir(self.cache_dir, self.store, w.key)
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            with open(final + ".lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            with host_lock(local_checkpoint_dir(self.cache_dir, self.store, w.key)):
                 self._clear_staging(w)
 
     def _not_attempted(self, step: int) -> None:
@@ -486,11 +491,14 @@ class CheckpointUploader:
         files = {name: entry for rec in receipts.values() for name, entry in rec["files"].items()}
         upload_seconds = max(rec["upload_seconds"] for rec in receipts.values())
         deadline = time.monotonic() + self.commit_timeout
+        if self.pin_evaluations:  # before the commit: no pruning ever sees it committed and unpinned
+            self._call(w, lambda: pin_for_evaluation(self.store, w.key), "evaluation pin", deadline)
         manifest = self._call(w, lambda: commit_checkpoint(self.store, w.key, {
             "step": w.step, "world_size": self.world_size, **w.meta, "upload_seconds": upload_seconds},
             files=files), "commit manifest", deadline)
         try:  # the checkpoint is committed whatever happens here; the next commit prunes again
-            retry(lambda: prune_checkpoints(self.store, self.run_name, self.keep_latest_k),
+            retry(lambda: prune_checkpoints(self.store, self.run_name, self.keep_latest_k,
+                                                    self.pin_seconds),
                   what="retention", budget_seconds=max(0.0, deadline - time.monotonic()))
         except Exception as err:
             print(f"retention after {w.key} failed, left to the next commit: {err!r}",

@@ -12,7 +12,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from core import events
-from core.failures import TrainingFailed
+from core.failures import CheckpointUnavailable, EvaluationStopped, TrainingFailed, is_transient
 from launch.torchrun import PROJECT_ROOT, child_env
 from tasks.policy import BACKOFF, JITTER, retry_if_transient
 from core.results import EvalResult
@@ -21,19 +21,31 @@ from core.config import RunConfig
 
 EVAL_TIMEOUT_SECONDS = 1800
 _LIVE: set[subprocess.Popen] = set()  # evaluation processes running now, in this process
+_STOPPED: set[int] = set()  # pids of evaluations this process killed on a stop
+# an evaluation process ended by one of these was stopped by someone who meant it
+_STOP_SIGNALS = {-signal.SIGINT: "SIGINT (Ctrl-C)", -signal.SIGTERM: "SIGTERM"}
 
 
 def check_checkpoint_uri(uri: str) -> None:
-    """ConfigError naming checkpoint_uri when it is not a checkpoint URL (no store access)."""
+    """ConfigError naming checkpoint_uri when it is not a checkpoint URL; on a local store
+    (no credentials involved), CheckpointUnavailable when it holds no committed checkpoint
+    there, so `stoker evaluate` of a deleted one says so in one line, before any server starts.
+    An object store is asked by the flow, with its credentials."""
+    from storage.checkpoints import COMMIT_FILE, unavailable_message
     from storage.layout import parse_checkpoint_url
+    from storage.store import Store, join
 
-    parse_checkpoint_url(uri)
+    where = parse_checkpoint_url(uri)
+    store = Store(where.root)
+    if store.is_local and not store.exists(join(where.key, COMMIT_FILE)):
+        raise CheckpointUnavailable(unavailable_message(store, where.key, "no commit manifest"))
 
 
 def kill_running_evaluations() -> int:
     """Kill every evaluation process this process started (on cancel); returns how many."""
     procs = list(_LIVE)
     for proc in procs:
+        _STOPPED.add(proc.pid)  # its task must not retry what the stop just ended
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -57,6 +69,11 @@ def run_evaluation(config: RunConfig, config_url: str, checkpoint_key: str, shar
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    stopped = ("the end of its training (Ctrl-C, a cancel, a failed launch)" if proc.pid in _STOPPED
+               else _STOP_SIGNALS.get(proc.returncode))
+    _STOPPED.discard(proc.pid)
+    if stopped and proc.returncode != 0:  # (one that finished just before the kill counts)
+        raise EvaluationStopped(f"evaluation of {checkpoint_key} was stopped by {stopped}; not retried")
     said = [e for e in map(events.decode, out.splitlines()) if e is not None]
     done = [e for e in said if isinstance(e, events.Evaluated)]
     if proc.returncode != 0 or not done:
@@ -79,11 +96,36 @@ def evaluate_checkpoint(config: RunConfig, config_url: str, checkpoint_key: str,
     Its time limit is run_evaluation's (EVAL_TIMEOUT_SECONDS, the process is killed): a
     Prefect task timeout could not stop a task submitted to a worker thread, and says so in a
     warning on every call."""
-    result = run_evaluation(config, config_url, checkpoint_key, shard_key)
+    try:
+        result = run_evaluation(config, config_url, checkpoint_key, shard_key)
+    except BaseException as exc:  # a retry keeps the pin; a failure for good (or a stop) ends it
+        if not (isinstance(exc, Exception) and is_transient(exc)):
+            _finish_evaluation(config, checkpoint_key)
+        raise
+    _finish_evaluation(config, checkpoint_key)
     get_run_logger().info("evaluated %s: validation loss %.4f, perplexity %.1f (%d windows, %.1fs)",
                           result.checkpoint_uri, result.val_loss, result.val_ppl, result.windows,
                           result.seconds)
     return result
+
+
+def _finish_evaluation(config: RunConfig, checkpoint_key: str) -> None:
+    """Remove the checkpoint's evaluation pin and apply the retention it held off (best effort:
+    a pin left behind expires after checkpoint.evaluation_pin_seconds)."""
+    from storage.checkpoints import finish_evaluation
+    from storage.store import Store
+
+    try:
+        deleted = finish_evaluation(Store(config.storage.root, config.storage.storage_options),
+                                    config.resolved_run_name(), checkpoint_key,
+                                    config.checkpoint.keep_latest_k,
+                                    config.checkpoint.evaluation_pin_seconds)
+    except Exception as err:  # the evaluation's own outcome matters more than the cleanup
+        get_run_logger().warning("could not remove the evaluation pin of %s (%s); it expires "
+                                 "after checkpoint.evaluation_pin_seconds", checkpoint_key, err)
+        return
+    if deleted:
+        get_run_logger().info("retention, held off during the evaluation, deleted %s", ", ".join(deleted))
 
 
 @task(name="checkpoint_inputs", retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,

@@ -48,8 +48,9 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
 
 
 def checkpoint_rows(root: str, run: str, options: dict | None = None) -> list[dict]:
-    """Every checkpoint folder of a run, newest first, with its validity from the manifest and
-    listing (sizes), and the reason when it is not valid."""
+    """Every checkpoint folder of a run, newest first, with whether it is committed (manifest
+    present, every listed file at its size, not marked invalid: no byte read, so a flipped byte
+    is not seen; `verify` reads them) and the reason when it is not."""
     store = _store(root, options)
     rows = []
     for ref in list_checkpoints(store, run):

@@ -251,7 +251,8 @@ class Trainer:
             upload_timeout=c.upload_timeout_seconds, commit_timeout=c.commit_timeout_seconds,
             async_enabled=c.async_enabled, max_pending_uploads=c.max_pending_uploads,
             on_event=self.metrics.event, after_commit=self.metrics.flush,
-            agree=agree_on_checkpoint(ckpt_group), cache_dir=cache_dir)
+            agree=agree_on_checkpoint(ckpt_group), cache_dir=cache_dir,
+            pin_evaluations=cfg.eval.per_checkpoint_enabled, pin_seconds=c.evaluation_pin_seconds)
         self.checkpointer = Checkpointer(
             self.uploader, self.raw_model, self.optimizer, self.scheduler, rank=ranks.rank,
             world_size=ranks.world_size, device=ranks.device, seed=cfg.train.seed,

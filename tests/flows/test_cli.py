@@ -182,7 +182,9 @@ def test_runs_checkpoints_verify_and_config_list_read_the_store_without_prefect(
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[1].startswith("12") and "INVALID: no manifest" in lines[1]
-    assert lines[2].startswith("8") and " valid " in lines[2] and lines[3].startswith("4")
+    # the flipped byte keeps the sizes: the listing does not claim it valid, only committed
+    assert lines[2].startswith("8") and "committed (not verified)" in lines[2] and lines[3].startswith("4")
+    assert "valid" not in lines[2].replace("INVALID", "") and "stoker verify" in out.stdout
     good = _cli("verify", store.url(keys[4]))
     assert good.returncode == 0 and "intact (2 files, every sha256 matches)" in good.stdout
     bad = _cli("verify", store.url(keys[8]))
@@ -193,3 +195,22 @@ def test_runs_checkpoints_verify_and_config_list_read_the_store_without_prefect(
     assert "train.max_steps  [int (>= 1)]" in listing.stdout
     typo = _cli("run", "--set", "train.max_step=5")
     assert typo.returncode == 2 and "did you mean train.max_steps?" in typo.stderr
+
+
+def test_evaluate_of_a_deleted_checkpoint_is_one_line_and_exit_2(tmp_path):
+    """A checkpoint retention deleted (or never committed): refused before any server starts,
+    once, naming why; no retry of what cannot heal."""
+    from storage.checkpoints import commit_checkpoint, new_checkpoint_key
+    from storage.store import Store, join
+
+    store = Store(f"file://{tmp_path}/store")
+    key = new_checkpoint_key(store, "r1", 4)
+    store.write_bytes(join(key, ".metadata"), b"meta")
+    commit_checkpoint(store, key, {"step": 4, "world_size": 1})
+    store.rm(key)
+    out = _cli("evaluate", store.url(key), timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"stoker: checkpoint {store.url(key)} does not exist (deleted, e.g. by retention "
+        "(checkpoint.keep_latest_k), or never written); name one that `stoker checkpoints RUN` lists"]
+    assert "Starting temporary server" not in out.stdout + out.stderr

@@ -210,14 +210,19 @@ def test_a_local_checkpoint_is_fully_checked_once_per_host(tmp_path):
     key = _fake_checkpoint(store, "r", 7)
     assert rehydrate(store, key, cache) == store.local_path(key)
     assert os.path.exists(local_checkpoint_dir(cache, store, key) + ".verified.json")
-    # damage after the check: this host trusts its stamp of the same commit...
-    shard = join(key, "__1_0.distcp")
-    data = store.read_bytes(shard)
-    store.write_bytes(shard, data[:100] + bytes([data[100] ^ 1]) + data[101:])
-    assert rehydrate(store, key, cache)
-    # ...another host (another cache) checks every byte and marks it
-    with pytest.raises(CheckpointInvalid):
-        rehydrate(store, key, str(tmp_path / "other-host"))
+    assert rehydrate(store, key, cache)  # a hit: the stamp holds
+    # damage after the check, keeping the size and resetting the mtime: the stamp (ctime,
+    # inode) breaks, so this host hashes again, and marks it
+    path = store.local_path(join(key, "__1_0.distcp"))
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(CheckpointInvalid, match="__1_0.distcp fails its sha256"):
+        rehydrate(store, key, cache)
     assert not validate_checkpoint(store, key)
 
 
@@ -248,3 +253,51 @@ def test_a_run_refuses_other_data_or_another_model_before_launch(tmp_path):
     wider = load_config(tiny_dict(store.root, run_name="pinned", model={"n_embd": 64}))
     with pytest.raises(ConfigError, match="already holds a different model"):
         pin_run_folder(store, wider, shards("aaa"))
+
+
+def test_a_damaged_host_cache_copy_of_a_checkpoint_is_dropped_and_fetched_again(s3_root, tmp_path, caplog):
+    root, options = s3_root
+    store, cache = Store(root, options), str(tmp_path / "cache")
+    key = _fake_checkpoint(store, "r", 7)
+    local = rehydrate(store, key, cache)
+    path = os.path.join(local, "__1_0.distcp")
+    st = os.stat(path)
+    with open(path, "r+b") as f:  # the host's copy: same size, mtime reset
+        f.seek(100)
+        f.write(bytes([(bytes(range(256)) * 4)[100] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with caplog.at_level("WARNING", logger="stoker.cache"):
+        assert rehydrate(store, key, cache) == local
+    assert open(path, "rb").read() == bytes(range(256)) * 4
+    assert "__1_0.distcp fails its sha256 checksum" in caplog.text and "fetching it again" in caplog.text
+    assert validate_checkpoint(store, key)  # the store's copy is fine: not marked invalid
+
+
+def test_retention_spares_a_checkpoint_whose_evaluation_is_pending(store):
+    import time
+
+    from storage.checkpoints import EVAL_PIN, finish_evaluation, pin_for_evaluation
+
+    keys = [_fake_checkpoint(store, "r", s) for s in (1, 2, 3, 4)]
+    pin_for_evaluation(store, keys[0])  # step 1's evaluation has not read it yet
+    assert prune_checkpoints(store, "r", keep_latest_k=2) == [keys[1]]
+    assert [r.step for r in list_checkpoints(store, "r")] == [4, 3, 1]
+    # its evaluation is done: the pin goes, and the retention it held off happens then
+    assert finish_evaluation(store, "r", keys[0], keep_latest_k=2) == [keys[0]]
+    assert [r.step for r in list_checkpoints(store, "r")] == [4, 3]
+    # a pin older than the limit (an evaluation that died) keeps nothing
+    old = _fake_checkpoint(store, "r", 0)
+    store.write_json(join(old, EVAL_PIN), {"at": time.time() - 100})
+    assert prune_checkpoints(store, "r", keep_latest_k=2, pin_seconds=50) == [old]
+    assert finish_evaluation(store, "r", keys[2], keep_latest_k=2) == []  # never pinned: no-op
+
+
+def test_a_missing_checkpoint_is_a_permanent_error_said_once(store, tmp_path):
+    from core.failures import CheckpointUnavailable, is_transient
+
+    keys = [_fake_checkpoint(store, "r", s) for s in (1, 2)]
+    store.rm(keys[0])  # deleted (retention) before it was read
+    with pytest.raises(CheckpointUnavailable, match="does not exist.*keep_latest_k") as err:
+        rehydrate(store, keys[0], str(tmp_path / "cache"))
+    assert not is_transient(err.value)
+    assert isinstance(err.value, CheckpointInvalid)  # a resume still falls back from it

@@ -54,3 +54,54 @@ def test_a_damaged_shard_set_is_refused_with_the_fix(shard_store, tmp_path):
     with pytest.raises(DataError, match=f"damaged: {name}.*run the data stage again"):
         materialize(store, key, str(tmp_path / "fresh-host"))
     assert not os.path.exists(os.path.join(str(tmp_path / "fresh-host"), "shards", key))
+
+
+def _flip_in_place(path: str, offset: int = 10) -> None:
+    """Flip one byte of a file in place, keeping its size and (reset) mtime."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_damaged_host_cache_copy_of_shards_is_dropped_and_fetched_again(
+        s3_root, tiny_config, tmp_path, caplog):
+    from tests.conftest import prepare_shards
+
+    root, options = s3_root
+    store, shards = prepare_shards(tiny_config(storage={"root": root, "storage_options": options}))
+    key = shards.key.rsplit("/", 1)[-1]
+    cache = str(tmp_path / "host-cache")
+    local = materialize(store, key, cache)
+    name = sorted(n for n in os.listdir(local) if n.endswith(".bin"))[0]
+    good = store.read_bytes(f"shards/{key}/{name}")
+    assert open(os.path.join(local, name), "rb").read() == good
+    _flip_in_place(os.path.join(local, name))  # the cache's copy, not the store's
+    with caplog.at_level("WARNING", logger="stoker.cache"):
+        again = materialize(store, key, cache)
+    assert again == local and open(os.path.join(local, name), "rb").read() == good
+    assert f"{name} fails its sha256 checksum" in caplog.text and "fetching it again" in caplog.text
+
+
+def test_a_cache_hit_reads_no_byte_while_its_stamp_holds(s3_root, tiny_config, tmp_path, monkeypatch):
+    import storage.cache
+    from tests.conftest import prepare_shards
+
+    root, options = s3_root
+    store, shards = prepare_shards(tiny_config(storage={"root": root, "storage_options": options}))
+    key = shards.key.rsplit("/", 1)[-1]
+    cache = str(tmp_path / "host-cache")
+    materialize(store, key, cache)
+    hashed = []
+    real = storage.cache.sha256_file
+    monkeypatch.setattr(storage.cache, "sha256_file", lambda p: hashed.append(p) or real(p))
+    materialize(store, key, cache)
+    assert hashed == []
+    os.utime(os.path.join(cache, "shards", key, "manifest.json"))  # not a listed file: no effect
+    name = sorted(n for n in os.listdir(os.path.join(cache, "shards", key)) if n.endswith(".idx"))[0]
+    os.utime(os.path.join(cache, "shards", key, name))  # touched, not changed: hashed, re-stamped
+    materialize(store, key, cache)
+    assert hashed and materialize(store, key, cache) and len(hashed) == len(set(hashed))

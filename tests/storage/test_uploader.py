@@ -134,3 +134,22 @@ def test_checkpointer_save_returns_while_the_store_is_down(proxied, tmp_path):
     assert state.step == 3
     for n, p in fresh.named_parameters():
         assert torch.equal(p, at_last_save[n]), n
+
+
+def test_rank0_pins_each_checkpoint_for_its_evaluation_before_the_commit(s3_root, tmp_path):
+    """With per-checkpoint evaluation, retention (keep_latest_k=2) deletes no checkpoint whose
+    evaluation has not run; each goes once its evaluation is done."""
+    from storage.checkpoints import EVAL_PIN, finish_evaluation
+
+    root, options = s3_root
+    store = Store(root, options)
+    uploader = _uploader(store, tmp_path, [], keep_latest_k=2, async_enabled=False, pin_evaluations=True)
+    for step in (1, 2, 3, 4):
+        uploader.submit(step, {}, _write(step))
+    refs = list_checkpoints(store, "r")
+    assert [r.step for r in refs] == [4, 3, 2, 1]  # nothing evaluated yet: nothing deleted
+    assert all(store.exists(join(r.key, EVAL_PIN)) and validate_checkpoint(store, r.key) for r in refs)
+    assert EVAL_PIN not in store.read_json(join(refs[0].key, COMMIT_FILE))["files"]
+    assert finish_evaluation(store, "r", refs[3].key, keep_latest_k=2) == [refs[3].key]
+    assert finish_evaluation(store, "r", refs[0].key, keep_latest_k=2) == []  # the newest stays
+    assert [r.step for r in list_checkpoints(store, "r")] == [4, 3, 2]
