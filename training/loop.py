@@ -237,6 +237,7 @@ class Trainer:
         self.last_saved_step = -1
         self.metrics = MetricsLog(store, self.run_name, ranks.rank)
         self.numerics = NumericsGuard(cfg.train, ranks.device, ranks.is_dist, self._log_now)
+        self.skipped_last = False  # whether the last step's update was dropped (nonfinite=skip)
         # made once, in the same order on every rank: the stop vote's and the checkpoint
         # writer's gloo groups (the writer runs on the upload thread)
         self.stop = StopRequest(side_group())
@@ -349,7 +350,8 @@ class Trainer:
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         # without clipping, a non-finite gradient shows in the next step's loss, and the
         # weights are checked before every save
-        if not self.numerics.check_step(self.step + 1, total, grad_norm):
+        self.skipped_last = self.numerics.check_step(self.step + 1, total, grad_norm)
+        if not self.skipped_last:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -447,13 +449,15 @@ class Trainer:
             loss = self.train_step()
             s = self.step
             self.metrics.log(events.Step(step=s))  # the launcher's hang watchdog
-            if s % cfg.train.log_interval == 0 or s == 1 or s == cfg.train.max_steps:
+            log_step = s % cfg.train.log_interval == 0 or s == 1 or s == cfg.train.max_steps
+            if log_step and not self.skipped_last:  # a skipped step's NaN is told by its NonFinite
                 mean = self._mean_over_ranks(loss)  # the one host sync of a log step
                 self.numerics.raise_if_bad(s)  # before a NaN loss is logged as if all were well
                 self.metrics.log(events.Train(step=s, loss=mean, lr=self.scheduler.get_last_lr()[0],
                                               tokens_seen=self.tokens_seen, **self._throughput(mark)))
                 mark = (s, time.perf_counter(), self.batches.wait_seconds)
             if s % cfg.eval.interval_steps == 0 or s == cfg.train.max_steps:
+                self.numerics.raise_if_bad(s)  # evaluation syncs anyway: no NaN val loss reported
                 t_eval = time.perf_counter()
                 last_val = self.evaluate()
                 self.metrics.log(events.Eval(step=s, val_loss=last_val,

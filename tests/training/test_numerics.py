@@ -40,15 +40,19 @@ def _steps(store, run):
     return sorted(r.step for r in list_checkpoints(store, run) if validate_checkpoint(store, r.key))
 
 
-def test_nan_loss_fails_the_run_permanently_naming_the_step_and_commits_nothing_after_it(tiny_config):
+@pytest.mark.parametrize("log_interval,eval_interval", [(4, 4), (100, 100)],
+                         ids=["found-on-a-log-step", "found-before-a-save"])
+def test_nan_loss_fails_the_run_permanently_naming_the_step_and_commits_nothing_after_it(
+        tiny_config, log_interval, eval_interval):
     run = "diverge"
-    cfg = tiny_config(run_name=run, train={"max_steps": 8, "log_interval": 4},
-                      checkpoint={"interval_steps": 2}, eval={"per_checkpoint_enabled": False})
+    cfg = tiny_config(run_name=run, train={"max_steps": 8, "log_interval": log_interval},
+                      checkpoint={"interval_steps": 2},
+                      eval={"per_checkpoint_enabled": False, "interval_steps": eval_interval})
     store, shards = _stage(cfg, run)
     result, err, seen, lines = _launch(cfg, store, shards, run, "nan:rank=0:step=3")
     assert not err.transient, err  # permanent: the flow's retries do not run it again
     assert "NonFiniteError" in str(err) and "non-finite loss at step 3" in str(err), str(err)
-    # found on the next log step (4), before its checkpoint: step 2 is the last committed
+    # found on the next log step (4) or before the next save (4): step 2 is the last committed
     assert _steps(store, run) == [2]
     assert not any(isinstance(e, events.Train) and e.step >= 3 for e in seen)
     # `stoker runs` says why, and a resume takes step 2
