@@ -9,8 +9,11 @@ import shutil
 import pytest
 import torch
 
-from core import events
+from core.failures import TrainingFailed
+from core.results import TrainingResult
 from launch import make_launcher
+from launch.attempts import launch_attempt, read_attempts
+from launch.monitor import TrainingMonitor
 from storage.checkpoints import find_latest_valid, list_checkpoints, validate_checkpoint
 from tasks.inspect import checkpoint_rows, list_runs
 from tests.conftest import prepare_shards, run_ranks
@@ -22,18 +25,35 @@ def _stage(cfg, run):
     return store, shards
 
 
+class _Log:
+    """The flow's logger, kept as lines."""
+
+    def __init__(self):
+        self.lines = []
+
+    def info(self, msg, *args):
+        self.lines.append(msg % args if args else msg)
+
+    warning = error = info
+
+
 def _launch(cfg, store, shards, run, fault):
-    """One launch attempt through the real launcher; (GangResult, TrainingFailed, events)."""
+    """One launch attempt as the training task makes it (launch_attempt: the real launcher,
+    the monitor, attempts.jsonl); (TrainingFailed, the monitor's result, its log lines)."""
     launcher = make_launcher(cfg, store.url(f"runs/{run}/config.json"), shards.key, None)
     for env in launcher.gang.envs:
         env.update({"STOKER_FAULT": fault, "GLOO_SOCKET_IFNAME": "lo"})
-    seen, lines = [], []
+    log = _Log()
+    result = TrainingResult(final_step=0, final_checkpoint_key=None, final_checkpoint_uri=None,
+                            resumed_from_step=0, attempts=1, seconds=0.0)
+    monitor = TrainingMonitor(result, cfg.train.max_steps, log, on_progress=lambda pct: None,
+                              on_commit=None)
     try:
-        result = launcher.run(lines.append, seen.append)
+        with pytest.raises(TrainingFailed) as failed:
+            launch_attempt(launcher, monitor, store, run, "flow-run", 1, 0)
     finally:
         shutil.rmtree(launcher.work_dir, ignore_errors=True)
-    assert result.reason != "completed", "\n".join(lines[-40:])
-    return result, launcher.classify(result), seen, lines
+    return failed.value, monitor.result, log.lines
 
 
 def _steps(store, run):
@@ -49,12 +69,15 @@ def test_nan_loss_fails_the_run_permanently_naming_the_step_and_commits_nothing_
                       checkpoint={"interval_steps": 2},
                       eval={"per_checkpoint_enabled": False, "interval_steps": eval_interval})
     store, shards = _stage(cfg, run)
-    result, err, seen, lines = _launch(cfg, store, shards, run, "nan:rank=0:step=3")
+    err, result, lines = _launch(cfg, store, shards, run, "nan:rank=0:step=3")
     assert not err.transient, err  # permanent: the flow's retries do not run it again
     assert "NonFiniteError" in str(err) and "non-finite loss at step 3" in str(err), str(err)
     # found on the next log step (4) or before the next save (4): step 2 is the last committed
     assert _steps(store, run) == [2]
-    assert not any(isinstance(e, events.Train) and e.step >= 3 for e in seen)
+    assert result.final_step == 2 and all(step < 3 for step, _ in result.train_losses)
+    assert any("non-finite loss at step 3" in line for line in lines), lines[-30:]
+    [attempt] = read_attempts(store, run, "flow-run")
+    assert attempt["outcome"] == "error" and "non-finite loss at step 3" in attempt["error"]
     # `stoker runs` says why, and a resume takes step 2
     assert list_runs(cfg.storage.root)[0]["ended"] == "failed: non-finite loss at step 3"
     assert find_latest_valid(store, run).checkpoint.step == 2
@@ -84,9 +107,10 @@ def test_skip_fails_once_past_its_limit(tiny_config):
                                            "nonfinite_skip_limit": 2},
                       checkpoint={"interval_steps": 2}, eval={"per_checkpoint_enabled": False})
     store, shards = _stage(cfg, run)
-    result, err, seen, _ = _launch(cfg, store, shards, run, "nan:rank=1:step=3:count=3")
+    err, result, _ = _launch(cfg, store, shards, run, "nan:rank=1:step=3:count=3")
     assert not err.transient and "non-finite loss at step 5" in str(err), str(err)
     assert "nonfinite_skip_limit=2" in str(err)
+    assert result.skipped_steps == [3, 4]
     # steps 3 and 4 were skipped (their updates dropped: the state stayed finite, step 4 saved)
     assert _steps(store, run) == [2, 4]
 
