@@ -42,7 +42,7 @@ def _launch(cfg, store, shards, run, fault):
     the monitor, attempts.jsonl); (TrainingFailed, the monitor's result, its log lines)."""
     launcher = make_launcher(cfg, store.url(f"runs/{run}/config.json"), shards.key, None)
     for env in launcher.gang.envs:
-        env.update({"STOKER_FAULT": fault, "GLOO_SOCKET_IFNAME": "lo"})
+        env.update({"STOKER_FAULT": fault, "GLOO_SOCKET_IFNAME": "lo"} if fault else {})
     log = _Log()
     result = TrainingResult(final_step=0, final_checkpoint_key=None, final_checkpoint_uri=None,
                             resumed_from_step=0, attempts=1, seconds=0.0)
@@ -60,27 +60,31 @@ def _steps(store, run):
     return sorted(r.step for r in list_checkpoints(store, run) if validate_checkpoint(store, r.key))
 
 
-@pytest.mark.parametrize("log_interval,eval_interval", [(4, 4), (100, 100)],
-                         ids=["found-on-a-log-step", "found-before-a-save"])
+@pytest.mark.parametrize("fault,lr,log_interval,bad_step", [
+    ("nan:rank=0:step=3", 1e-2, 4, 3),  # an injected NaN loss, found on the next log step (4)
+    ("", 1e6, 100, 2),  # a real divergence (AdamW at lr 1e6 is NaN at step 2), found before a save
+], ids=["injected-found-on-a-log-step", "diverging-lr-found-before-a-save"])
 def test_nan_loss_fails_the_run_permanently_naming_the_step_and_commits_nothing_after_it(
-        tiny_config, log_interval, eval_interval):
+        tiny_config, fault, lr, log_interval, bad_step):
     run = "diverge"
-    cfg = tiny_config(run_name=run, train={"max_steps": 8, "log_interval": log_interval},
-                      checkpoint={"interval_steps": 2},
-                      eval={"per_checkpoint_enabled": False, "interval_steps": eval_interval})
+    cfg = tiny_config(run_name=run, train={"max_steps": 8, "log_interval": log_interval, "lr": lr,
+                                           "warmup_steps": 0, "min_lr": 0},
+                      checkpoint={"interval_steps": 2 if fault else 1},
+                      eval={"per_checkpoint_enabled": False, "interval_steps": 100})
     store, shards = _stage(cfg, run)
-    err, result, lines = _launch(cfg, store, shards, run, "nan:rank=0:step=3")
+    err, result, lines = _launch(cfg, store, shards, run, fault)
+    what = f"non-finite loss at step {bad_step}"
     assert not err.transient, err  # permanent: the flow's retries do not run it again
-    assert "NonFiniteError" in str(err) and "non-finite loss at step 3" in str(err), str(err)
-    # found on the next log step (4) or before the next save (4): step 2 is the last committed
-    assert _steps(store, run) == [2]
-    assert result.final_step == 2 and all(step < 3 for step, _ in result.train_losses)
-    assert any("non-finite loss at step 3" in line for line in lines), lines[-30:]
+    assert "NonFiniteError" in str(err) and what in str(err), str(err)
+    # nothing from the bad step on is committed; the step before is
+    assert _steps(store, run)[-1] == bad_step - 1, _steps(store, run)
+    assert result.final_step == bad_step - 1 and all(s < bad_step for s, _ in result.train_losses)
+    assert any(what in line for line in lines), lines[-30:]
     [attempt] = read_attempts(store, run, "flow-run")
-    assert attempt["outcome"] == "error" and "non-finite loss at step 3" in attempt["error"]
-    # `stoker runs` says why, and a resume takes step 2
-    assert list_runs(cfg.storage.root)[0]["ended"] == "failed: non-finite loss at step 3"
-    assert find_latest_valid(store, run).checkpoint.step == 2
+    assert attempt["outcome"] == "error" and what in attempt["error"]
+    # `stoker runs` says why, and a resume takes the last finite checkpoint
+    assert list_runs(cfg.storage.root)[0]["ended"] == f"failed: {what}"
+    assert find_latest_valid(store, run).checkpoint.step == bad_step - 1
 
 
 def test_skip_drops_a_transient_nan_step_and_the_run_completes(tiny_config):
@@ -232,3 +236,17 @@ def test_the_guard_adds_no_host_sync_on_non_log_steps(tiny_config, tmp_path, mon
         trainer.batches.close()
     assert len(guarded) == len(unguarded), (guarded, unguarded)
     assert len(skipping) > len(unguarded) / 3, (skipping, unguarded)
+
+
+@pytest.mark.parametrize("train,says", [
+    ({"nonfinite": "explode"}, "train.nonfinite: Input should be 'fail' or 'skip' (got 'explode'); use 'fail'"),
+    ({"nonfinite_skip_limit": -1}, "train.nonfinite_skip_limit: must be >= 0 (got -1); a small count"),
+])
+def test_a_bad_numerics_policy_is_one_clear_config_error(train, says):
+    from core.config import load_config
+    from core.failures import ConfigError
+    from tests.conftest import tiny_dict
+
+    with pytest.raises(ConfigError) as err:
+        load_config(tiny_dict("file:///tmp/unused", train=train))
+    assert says in str(err.value) and len(err.value.problems) == 1
