@@ -5,6 +5,11 @@ The step never waits for the host: the loss and token counts stay on the device 
 read (one sync) only on log steps; collectives reduce device tensors on the world group
 (NCCL or gloo), and control traffic (the stop vote, the checkpoint writer) goes through
 gloo side groups made once at start.
+
+Numerics (training.numerics): each step checks its loss and gradient norm on the device; the
+verdict is read on log steps, before evaluations and before saves (train.nonfinite=fail), or
+once per step (skip). A state holding NaN/inf is never saved, and a resume never goes on from
+one (the loaded weights of a checkpoint are checked; a bad one is marked invalid and passed over).
 """
 
 from __future__ import annotations
@@ -301,7 +306,8 @@ class Trainer:
                                device=r.device, seed=self.cfg.train.seed)
 
     def _state_nonfinite(self) -> bool:
-        return bool(count_nonfinite_tensors(state_tensors(self.raw_model, self.optimizer), self.ranks.device))
+        tensors = state_tensors(self.raw_model, self.optimizer)
+        return bool(count_nonfinite_tensors(tensors, self.ranks.device))
 
     def _all_ranks_agree(self, ok: bool) -> bool:
         if not self.ranks.is_dist:
@@ -321,7 +327,8 @@ class Trainer:
         (or a run that went non-finite since the last check) is never saved: NonFiniteError."""
         self.numerics.raise_if_bad(self.step)
         self.numerics.check_state(self.step, self.raw_model, self.optimizer)
-        meta = {"numerics": FINITE, "config_hash": self.cfg.identity_hash(), "model_hash": self.cfg.model_hash(),
+        meta = {"numerics": FINITE,  # checked just above: storage trusts only this field
+                "config_hash": self.cfg.identity_hash(), "model_hash": self.cfg.model_hash(),
                 "shard_key": self.shard_key, "run_name": self.run_name,
                 "tokens_seen": self.tokens_seen, "engine": self.engine.describe()}
         self.checkpointer.save(self.step, self.tokens_seen, meta)

@@ -34,7 +34,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterable[torch.Tensor]:
+def state_tensors(model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer | None) -> Iterable[torch.Tensor]:
     """The floating-point tensors a checkpoint of this rank holds: parameters, buffers and
     optimizer state (RNG states are left out: an unset slot is NaN by design)."""
     yield from model.parameters()

@@ -177,8 +177,9 @@ def test_an_old_checkpoint_after_a_logged_nan_loss_is_refused_without_reading_it
         key = f"runs/{run}/checkpoints/step-{step:08d}"
         store.write_bytes(f"{key}/.metadata", b"x")
         commit_checkpoint(store, key, {"run_name": run})
-    metrics = [{"event": "train", "step": s, "loss": v} for s, v in ((1, 5.0), (2, 4.0), (3, float("nan")))]
-    store.write_bytes(f"runs/{run}/metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics).encode())
+    losses = ((1, 5.0), (2, 4.0), (3, float("nan")))
+    lines = "".join(json.dumps({"event": "train", "step": s, "loss": v}) + "\n" for s, v in losses)
+    store.write_bytes(f"runs/{run}/metrics.jsonl", lines.encode())
     choice = find_latest_valid(store, run)
     assert choice.checkpoint.step == 2
     assert "non-finite training loss at step 3" in choice.skipped[0][1]
@@ -239,7 +240,8 @@ def test_the_guard_adds_no_host_sync_on_non_log_steps(tiny_config, tmp_path, mon
 
 
 @pytest.mark.parametrize("train,says", [
-    ({"nonfinite": "explode"}, "train.nonfinite: Input should be 'fail' or 'skip' (got 'explode'); use 'fail'"),
+    ({"nonfinite": "explode"},
+     "train.nonfinite: Input should be 'fail' or 'skip' (got 'explode'); use 'fail'"),
     ({"nonfinite_skip_limit": -1}, "train.nonfinite_skip_limit: must be >= 0 (got -1); a small count"),
 ])
 def test_a_bad_numerics_policy_is_one_clear_config_error(train, says):
