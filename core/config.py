@@ -331,6 +331,16 @@ class TrainConfig(_Section):
         "(it costs speed; a resumed GPU run is then equal up to rounding). true or false: "
         "always on or off.",
         json_schema_extra={"fix": "give true, false or 'auto'"})
+    nonfinite: Literal["fail", "skip"] = Field(
+        "fail", description="What a step whose loss or gradient norm is NaN/inf does. 'fail': "
+        "the run stops within one log interval (and before any checkpoint), naming the step, and "
+        "is not retried. 'skip': the step's update is not applied (the step number, the data "
+        "order and the learning-rate schedule go on), up to nonfinite_skip_limit skipped steps, "
+        "then fail; skip reads one flag per step (a host sync the fail policy does not need).",
+        json_schema_extra={"fix": "use 'fail' (the default) or 'skip'"})
+    nonfinite_skip_limit: int = _field(
+        3, "Under nonfinite='skip': how many non-finite steps one launch may skip before it fails.",
+        fix="a small count such as 3; 0 fails at the first non-finite step", ge=0)
 
     @field_validator("min_lr")
     @classmethod

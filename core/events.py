@@ -151,6 +151,20 @@ class Failure(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class NonFinite(Event):
+    """A step whose loss or gradient norm was NaN/inf (or a state about to be saved that held
+    one): `action` is "skipped" (train.nonfinite=skip, within its limit) or "failed" (the run
+    ends with NonFiniteError; nothing after `first_step` is committed)."""
+
+    kind: ClassVar[str] = "nonfinite"
+    step: int  # the step at which the ranks found out
+    first_step: int  # the first step that went non-finite
+    what: str  # "loss", "gradient norm", "weights or optimizer state"
+    action: str  # "skipped" | "failed"
+    num_skipped: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class Stopped(Event):
     """The ranks agreed to stop early (SIGTERM: a cancel or a preemption)."""
 
@@ -207,8 +221,8 @@ class Joined(Event):
 
 TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (Step, Joined, Train, Eval, CheckpointStaged, CheckpointCommitted, UploadRetry,
-                              CheckpointFailed, CheckpointDropped, Resumed, Failure, Stopped, Done,
-                              Evaluated, Exported)}
+                              CheckpointFailed, CheckpointDropped, Resumed, Failure, NonFinite, Stopped,
+                              Done, Evaluated, Exported)}
 
 
 def from_dict(record: dict) -> Event | None:

@@ -69,6 +69,12 @@ class EvaluationStopped(StokerError, RuntimeError):
     stopped it meant it, so it is never retried."""
 
 
+class NonFiniteError(StokerError, ArithmeticError):
+    """Training produced NaN/inf (loss, gradient norm, weights or optimizer state). The same
+    config from the same checkpoint would do it again, so it is permanent: fix the learning
+    rate (or train.nonfinite) and resume from the last finite checkpoint."""
+
+
 class SourceUnreachable(StokerError, ConnectionError):
     """A source still failing after the in-task retries; transient, so the task retries."""
 

@@ -76,6 +76,9 @@ class TrainingResult(BaseModel):
     goodput: float | None = None
     throughput: list[dict] = Field(
         default_factory=list, description="per log step: tokens/s, MFU, peak GPU memory, data wait")
+    skipped_steps: list[int] = Field(
+        default_factory=list, description="steps whose update was dropped for a NaN/inf loss or "
+        "gradient norm (train.nonfinite=skip)")
 
 
 class PipelineResult(BaseModel):

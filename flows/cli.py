@@ -211,7 +211,7 @@ def _inspect(args) -> int:
 
     if args.command == "runs":
         rows = inspect.list_runs(_root(args.root))
-        print(_table(rows, ["run", "newest_valid_step", "max_steps", "checkpoints", "model"])
+        print(_table(rows, ["run", "newest_valid_step", "max_steps", "checkpoints", "ended", "model"])
               if rows else f"no runs under {_root(args.root)}")
         return 0
     if args.command == "checkpoints":

@@ -80,6 +80,7 @@ def launch_attempt(launcher: Launcher, monitor: TrainingMonitor, store: Store, r
     record_attempt(store, run_name, flow_run_id=flow_run_id, attempt=attempt, started_at=started_at,
                    resumed_from_step=resume_step, reached_step=gang.last_step or resume_step,
                    committed_step=result.final_step, outcome=failure.reason if failure else "completed",
+                   error=str(failure).split("\n", 1)[0][:500] if failure else None,  # why, in one line
                    median_step_seconds=monitor.median_step_seconds())
     if failure is not None:
         raise failure

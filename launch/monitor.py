@@ -57,7 +57,7 @@ class TrainingMonitor:
             events.UploadRetry: self._on_upload_retry, events.CheckpointFailed: self._on_checkpoint_failed,
             events.CheckpointDropped: self._on_checkpoint_dropped,
             events.Failure: self._on_failure, events.Resumed: self._on_resumed,
-            events.Stopped: self._on_stopped}
+            events.Stopped: self._on_stopped, events.NonFinite: self._on_nonfinite}
 
     def __call__(self, event: events.Event) -> None:
         handler = self.handlers.get(type(event))
@@ -128,6 +128,16 @@ class TrainingMonitor:
                                 "%d from %s", e.step, e.checkpoint)
         else:
             self.logger.info("ranks resumed at step %d from %s", e.step, e.checkpoint)
+
+    def _on_nonfinite(self, e: events.NonFinite) -> None:
+        if e.action == "skipped":
+            self.result.skipped_steps.append(e.step)
+            self.logger.warning("step %d: non-finite %s; its update was skipped (%d skipped so far, "
+                                "train.nonfinite=skip)", e.step, e.what, e.num_skipped)
+        else:
+            self.logger.error("non-finite %s at step %d (found at step %d): the run stops, and no "
+                              "checkpoint after step %d is committed", e.what, e.first_step, e.step,
+                              e.first_step - 1)
 
     def _on_stopped(self, e: events.Stopped) -> None:
         self.logger.warning("ranks stopped at step %d (checkpoint written: %s)", e.step, e.saved)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from core.failures import CheckpointInvalid, CheckpointUnavailable, ConfigError
 from storage.cache import checked_in_place, host_lock, verified_copy
-from storage.layout import checkpoints_key
+from storage.layout import METRICS_FILE, checkpoints_key, run_file_key
 from storage.manifest import Verdict, describe_files, read_manifest, verify_files
 from storage.store import Store, join
 
@@ -142,16 +142,72 @@ def identity_problem(manifest: dict, expected: dict[str, str]) -> str:
     return ""
 
 
+NUMERICS_FINITE = "finite"  # a manifest's `numerics` when the ranks checked the saved state
+
+
+def first_nonfinite_step(store: Store, run_name: str) -> int | None:
+    """The first step whose training loss the run's metrics.jsonl shows as NaN/inf (a Train
+    loss, or a NonFinite failure), in the lineage still going: a later resume from an earlier
+    step starts afresh. None when there is none (or no readable metrics)."""
+    key = run_file_key(run_name, METRICS_FILE)
+    try:
+        text = store.read_bytes(key).decode() if store.exists(key) else ""
+    except Exception:  # metrics are evidence only; the resume path checks the weights anyway
+        return None
+    bad = None
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        kind, step = record.get("event"), record.get("step")
+        if not isinstance(step, int):
+            continue
+        if kind == "resumed" and bad is not None and step < bad:
+            bad = None
+        nonfinite_loss = kind == "train" and not _finite(record.get("loss"))
+        failed = kind == "nonfinite" and record.get("action") == "failed"
+        if nonfinite_loss or failed:
+            first = record.get("first_step", step) if failed else step
+            bad = first if bad is None else min(bad, first)
+    return bad
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and value == value and abs(value) != float("inf")
+
+
+def numerics_problem(manifest: dict, step: int, nonfinite_since: int | None) -> str:
+    """Why a committed checkpoint may hold NaN/inf weights, or ''. A manifest of this version
+    says `numerics: finite` (checked before the save); an older one without the field is
+    refused when the run's metrics show a non-finite loss at or before its step (older stoker
+    trained on and saved NaN weights), else left to the resume path's check of the loaded
+    weights (storage cannot read tensors)."""
+    if "numerics" in manifest:
+        got = manifest["numerics"]
+        return "" if got == NUMERICS_FINITE else f"its manifest says numerics={got!r}"
+    if nonfinite_since is not None and nonfinite_since <= step:
+        return (f"written after a non-finite training loss at step {nonfinite_since} (metrics.jsonl) "
+                "by a stoker that did not check numerics: its weights are taken as NaN")
+    return ""
+
+
 def find_latest_valid(store: Store, run_name: str,
                       expected: dict[str, str] | None = None) -> ResumeChoice:
     """Walk checkpoints newest first; the first whose manifest parses, whose files are all
-    listed with their sizes, that no host marked invalid, and (given `expected`) whose
-    manifest carries those identity fields, wins. No tensor byte is read: the full check is
-    rehydrate's, where the bytes are used."""
+    listed with their sizes, that no host marked invalid, that is not known to hold NaN/inf
+    (numerics_problem), and (given `expected`) whose manifest carries those identity fields,
+    wins. No tensor byte is read: the full check is rehydrate's, where the bytes are used."""
     skipped = []
+    nonfinite_since: list = []  # read once, when an older manifest needs it
     for ref in list_checkpoints(store, run_name):
         verdict = validate_checkpoint(store, ref.key, deep=False)
         mismatch = identity_problem(verdict.manifest, expected) if verdict and expected else ""
+        if verdict and not mismatch and "numerics" not in verdict.manifest and not nonfinite_since:
+            nonfinite_since.append(first_nonfinite_step(store, run_name))
+        if verdict and not mismatch:
+            mismatch = numerics_problem(verdict.manifest, ref.step,
+                                        nonfinite_since[0] if nonfinite_since else None)
         if mismatch:
             skipped.append((ref, mismatch))
             continue

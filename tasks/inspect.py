@@ -3,11 +3,13 @@ functions (no flow run), reading manifests and listings; only verify reads every
 
 from __future__ import annotations
 
+import json
 import re
 
 from core.config import RunConfig
 from core.failures import ConfigError
-from storage.checkpoints import list_checkpoints, validate_checkpoint
+from storage.checkpoints import (first_nonfinite_step, list_checkpoints, numerics_problem,
+                                 validate_checkpoint)
 from storage.layout import CONFIG_FILE, METRICS_FILE, parse_checkpoint_url, run_file_key
 from storage.manifest import Verdict
 from storage.shards import validate_shard_set
@@ -24,18 +26,54 @@ def _store(root: str, options: dict | None = None) -> Store:
     return store
 
 
+def _verdicts(store: Store, run: str) -> list[tuple]:
+    """(ref, Verdict) of every checkpoint of a run, newest first; a committed one known to hold
+    NaN/inf (storage.checkpoints.numerics_problem) counts as not valid, with that reason."""
+    since = first_nonfinite_step(store, run)
+    out = []
+    for ref in list_checkpoints(store, run):
+        verdict = validate_checkpoint(store, ref.key)
+        problem = numerics_problem(verdict.manifest, ref.step, since) if verdict else ""
+        out.append((ref, Verdict(False, problem, verdict.manifest) if problem else verdict))
+    return out
+
+
+def run_ending(store: Store, run: str) -> str | None:
+    """How the run's last launch ended, from metrics.jsonl: done, stopped, or failed with
+    non-finite numerics (the step named); None when the metrics say nothing of it."""
+    try:
+        lines = store.read_bytes(run_file_key(run, METRICS_FILE)).decode().splitlines()
+    except Exception:  # no metrics yet
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        kind = record.get("event")
+        if kind == "nonfinite" and record.get("action") == "failed":
+            return f"failed: non-finite {record.get('what')} at step {record.get('first_step')}"
+        if kind in ("done", "stopped"):
+            return f"{kind} at step {record.get('step')}"
+        if kind == "resumed":
+            return None
+    return None
+
+
 def list_runs(root: str, options: dict | None = None) -> list[dict]:
-    """One row per run folder: its newest committed checkpoint step, how many checkpoint
-    folders it has, train.max_steps and the model's shape from its config.json."""
+    """One row per run folder: its newest valid checkpoint step, how many checkpoint folders
+    it has, how its last launch ended (from metrics.jsonl), train.max_steps and the model's
+    shape from its config.json."""
     store = _store(root, options)
     rows = []
     names = store.listdir("runs") if store.exists("runs") else []
     for run in sorted(names):
-        refs = list_checkpoints(store, run)
-        newest = next((r for r in refs if validate_checkpoint(store, r.key)), None)
+        verdicts = _verdicts(store, run)
+        newest = next((ref for ref, verdict in verdicts if verdict), None)
         row = {"run": run, "newest_valid_step": newest.step if newest else None,
-               "checkpoints": len(refs), "max_steps": None, "model": None,
-               "metrics": store.exists(run_file_key(run, METRICS_FILE))}
+               "checkpoints": len(verdicts), "max_steps": None, "model": None,
+               "metrics": store.exists(run_file_key(run, METRICS_FILE)),
+               "ended": run_ending(store, run)}
         try:
             cfg = RunConfig.model_validate_json(store.read_bytes(run_file_key(run, CONFIG_FILE)))
             m = cfg.model
@@ -53,8 +91,7 @@ def checkpoint_rows(root: str, run: str, options: dict | None = None) -> list[di
     is not seen; `verify` reads them) and the reason when it is not."""
     store = _store(root, options)
     rows = []
-    for ref in list_checkpoints(store, run):
-        verdict = validate_checkpoint(store, ref.key)
+    for ref, verdict in _verdicts(store, run):
         files = verdict.manifest.get("files", {}) if verdict.manifest else {}
         rows.append({"step": ref.step, "name": ref.name, "uri": store.url(ref.key),
                      "valid": bool(verdict), "reason": verdict.reason,

@@ -143,6 +143,7 @@ def _report_markdown(run, store, shards, resume, training, evaluation, result, c
 - {what}
 - throughput: {_throughput_line(result)}
 - checkpoints given up or dropped (never committed): {training.failed_checkpoints or 'none'}; in-place restarts: {training.restarts}
+- steps skipped for a NaN/inf loss or gradient norm (train.nonfinite=skip): {training.skipped_steps or 'none'}
 - attempts: {result.num_attempts}, steps lost to failures: {result.steps_lost}, goodput: {_round(result.goodput, 2)}
 {_attempt_lines(training.attempt_log)}
 - final checkpoint: `{training.final_checkpoint_uri}`

@@ -5,6 +5,11 @@ The step never waits for the host: the loss and token counts stay on the device 
 read (one sync) only on log steps; collectives reduce device tensors on the world group
 (NCCL or gloo), and control traffic (the stop vote, the checkpoint writer) goes through
 gloo side groups made once at start.
+
+Numerics (training.numerics): each step checks its loss and gradient norm on the device; the
+verdict is read on log steps, before evaluations and before saves (train.nonfinite=fail), or
+once per step (skip). A state holding NaN/inf is never saved, and a resume never goes on from
+one (the loaded weights of a checkpoint are checked; a bad one is marked invalid and passed over).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch.distributed as dist
 from core import events
 from core.config import RunConfig
 from core.failures import CheckpointInvalid
-from storage.checkpoints import find_latest_valid, rehydrate
+from storage.checkpoints import find_latest_valid, mark_invalid, rehydrate
 from storage.layout import METRICS_FILE, run_file_key
 from storage.store import Store
 from storage.uploader import CheckpointUploader
@@ -32,6 +37,7 @@ from training.data import Batches, TokenStream, eval_offsets, get_batch
 from training.engine import (Engine, build_model, build_optimizer, configure_backends, grad_sync,
                              peak_flops, side_group)
 from training.faults import maybe_inject, settles_before
+from training.numerics import FINITE, NumericsGuard, count_nonfinite_tensors, state_tensors
 
 _STDOUT_LOCK = threading.Lock()
 
@@ -240,6 +246,8 @@ class Trainer:
         self.step, self.tokens_seen = 0, 0
         self.last_saved_step = -1
         self.metrics = MetricsLog(store, self.run_name, ranks.rank)
+        self.numerics = NumericsGuard(cfg.train, ranks.device, ranks.is_dist, self._log_now)
+        self.skipped_last = False  # whether the last step's update was dropped (nonfinite=skip)
         # made once, in the same order on every rank: the stop vote's and the checkpoint
         # writer's gloo groups (the writer runs on the upload thread)
         self.stop = StopRequest(side_group())
@@ -270,7 +278,6 @@ class Trainer:
         host finds it damaged (it is then marked invalid in the store), every rank falls back
         together to the next valid checkpoint of this run and model; a checkpoint of another
         run or model is refused (ConfigError) before any byte is read."""
-        r = self.ranks
         expected = {"run_name": self.run_name, "model_hash": self.cfg.model_hash()}
         key, passed_over = checkpoint_key, []
         while True:
@@ -280,20 +287,33 @@ class Trainer:
             except CheckpointInvalid as err:
                 problem = str(err)
             if self._all_ranks_agree(not problem):
-                break
+                state = self._load(folder)
+                # written before stoker checked numerics at save time: the loaded weights are
+                # checked here (a resume never goes on from NaN weights)
+                if self._all_ranks_agree(not self._state_nonfinite()):
+                    break
+                problem = "holds NaN/inf weights or optimizer state"
+                mark_invalid(self.store, key, problem)
             passed_over.append(self.store.url(key))
             choice = find_latest_valid(self.store, self.run_name, expected)  # skips the marked one
             if choice.checkpoint is None or choice.checkpoint.key == key:
                 raise CheckpointInvalid(problem or f"checkpoint {self.store.url(key)} failed the "
                                         "full check on another host, and no valid one is left")
             key = choice.checkpoint.key
-        state = load_checkpoint(folder, model=self.raw_model, optimizer=self.optimizer,
-                                scheduler=self.scheduler, rank=r.rank, world_size=r.world_size,
-                                device=r.device, seed=self.cfg.train.seed)
         self.step, self.tokens_seen = state.step, state.tokens_seen
         self.last_saved_step = self.step
         self.metrics.log(events.Resumed(step=self.step, checkpoint=self.store.url(key),
                                         rng_restored=state.rng_restored, passed_over=passed_over))
+
+    def _load(self, folder: str):
+        r = self.ranks
+        return load_checkpoint(folder, model=self.raw_model, optimizer=self.optimizer,
+                               scheduler=self.scheduler, rank=r.rank, world_size=r.world_size,
+                               device=r.device, seed=self.cfg.train.seed)
+
+    def _state_nonfinite(self) -> bool:
+        tensors = state_tensors(self.raw_model, self.optimizer)
+        return bool(count_nonfinite_tensors(tensors, self.ranks.device))
 
     def _all_ranks_agree(self, ok: bool) -> bool:
         if not self.ranks.is_dist:
@@ -302,10 +322,19 @@ class Trainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # group: world; one verdict for all ranks
         return bool(flag.item())
 
+    def _log_now(self, event: events.Event) -> None:
+        """A numerics verdict is stored at once: the run may end right after it."""
+        self.metrics.log(event)
+        self.metrics.flush()
+
     def save(self) -> None:
         """Copy this step's state to host buffers; the write, upload and commit go on in the
-        background (checkpoint.async_enabled) or before this returns."""
-        meta = {"config_hash": self.cfg.identity_hash(), "model_hash": self.cfg.model_hash(),
+        background (checkpoint.async_enabled) or before this returns. A state holding NaN/inf
+        (or a run that went non-finite since the last check) is never saved: NonFiniteError."""
+        self.numerics.raise_if_bad(self.step)
+        self.numerics.check_state(self.step, self.raw_model, self.optimizer)
+        meta = {"numerics": FINITE,  # checked just above: storage trusts only this field
+                "config_hash": self.cfg.identity_hash(), "model_hash": self.cfg.model_hash(),
                 "shard_key": self.shard_key, "run_name": self.run_name,
                 "tokens_seen": self.tokens_seen, "engine": self.engine.describe()}
         self.checkpointer.save(self.step, self.tokens_seen, meta)
@@ -328,9 +357,15 @@ class Trainer:
                 (loss / accum).backward()
             self.batches.prefetch(self.step, micro)  # while the device runs this micro-batch
             total += loss.detach().float()
-        if cfg.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.train.grad_clip)
-        self.optimizer.step()
+        grad_norm = None
+        if cfg.train.grad_clip > 0:  # the global norm, a device tensor (FSDP2: a DTensor)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.train.grad_clip)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        # without clipping, a non-finite gradient shows in the next step's loss, and the
+        # weights are checked before every save
+        self.skipped_last = self.numerics.check_step(self.step + 1, total, grad_norm)
+        if not self.skipped_last:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -423,16 +458,19 @@ class Trainer:
                 self._stop_early()
             if settles_before(self.step + 1):
                 self.uploader.wait()
-            maybe_inject(self.ranks.rank, self.step + 1)
+            maybe_inject(self.ranks.rank, self.step + 1, self.raw_model)
             loss = self.train_step()
             s = self.step
             self.metrics.log(events.Step(step=s))  # the launcher's hang watchdog
-            if s % cfg.train.log_interval == 0 or s == 1 or s == cfg.train.max_steps:
+            log_step = s % cfg.train.log_interval == 0 or s == 1 or s == cfg.train.max_steps
+            if log_step and not self.skipped_last:  # a skipped step's NaN is told by its NonFinite
                 mean = self._mean_over_ranks(loss)  # the one host sync of a log step
+                self.numerics.raise_if_bad(s)  # before a NaN loss is logged as if all were well
                 self.metrics.log(events.Train(step=s, loss=mean, lr=self.scheduler.get_last_lr()[0],
                                               tokens_seen=self.tokens_seen, **self._throughput(mark)))
                 mark = (s, time.perf_counter(), self.batches.wait_seconds)
             if s % cfg.eval.interval_steps == 0 or s == cfg.train.max_steps:
+                self.numerics.raise_if_bad(s)  # evaluation syncs anyway: no NaN val loss reported
                 t_eval = time.perf_counter()
                 last_val = self.evaluate()
                 self.metrics.log(events.Eval(step=s, val_loss=last_val,
