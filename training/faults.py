@@ -3,6 +3,8 @@
 STOKER_FAULT="kill:rank=1:step=5"   the rank SIGKILLs itself when it reaches that step
 STOKER_FAULT="hang:rank=1:step=5"   the rank stops stepping (sleeps) at that step
 STOKER_FAULT="raise:rank=0:step=3"  the rank raises RuntimeError at that step
+STOKER_FAULT="slow:seconds=0.2"     every rank sleeps that long before each step (a long run
+                                    made of tiny steps, for outage drills); never "fires"
 A fault fires once: it creates STOKER_FAULT_ONCE (a file path) and never fires while that
 file exists, so the retried run goes through. Before the fault's step every rank lets its
 checkpoint in flight finish (written, uploaded, committed; see ``settles_before``), so a
@@ -33,6 +35,9 @@ def maybe_inject(rank: int, step: int) -> None:
     """Called by the loop before each step."""
     spec = os.environ.get("STOKER_FAULT")
     if not spec:
+        return
+    if spec.startswith("slow:"):
+        time.sleep(float(dict(f.split("=", 1) for f in spec.split(":")[1:]).get("seconds", 0.1)))
         return
     kind, fault_rank, fault_step = _parse(spec)
     if rank != fault_rank or step != fault_step:
