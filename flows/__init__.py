@@ -136,14 +136,14 @@ def sweep_dead_flow_runs(client, keep: object = None) -> list[str]:
     started and whose process is gone; returns their names. `keep`: the current run's id."""
     import socket
 
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterStateType,
-                                                FlowRunFilterTags)
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState,
+                                                FlowRunFilterStateType, FlowRunFilterTags)
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
     runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
         tags=FlowRunFilterTags(all_=[OWNER_HOST_TAG + socket.gethostname()]),
-        state=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING])))
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING]))))
     swept = []
     for run in runs:
         if str(run.id) == str(keep) or _owner_alive(run.tags or []):

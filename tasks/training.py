@@ -25,7 +25,7 @@ from storage.store import Store
 from tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
 from tasks.credentials import use_store_credentials
 from tasks.policy import BACKOFF, JITTER, retry_if_transient
-from tasks.publish import BestEffortPublisher
+from tasks.publish import FLUSH_SECONDS, BestEffortPublisher
 from tasks.report import artifact_key, rounded
 
 
@@ -210,5 +210,6 @@ class TrainingUI:
                 sinks(event)
         return sink
 
-    def close(self, timeout: float | None = None) -> None:
-        self.publisher.close() if timeout is None else self.publisher.close(timeout)
+    def close(self, timeout: float = FLUSH_SECONDS) -> None:
+        """Send what is still pending (the server may be back), for `timeout` at most."""
+        self.publisher.close(timeout)
