@@ -190,8 +190,11 @@ def test_serve_after_deploy_on_the_same_server_runs_a_flow_run_to_completed(serv
         with temporary_settings({PREFECT_API_URL: server.url}):
             flow_run = run_deployment("train-pipeline/train-adhoc", parameters={"config": params},
                                       timeout=0)
-        done = wait_for("the served run to finish", lambda: (lambda r: r if r.state.is_final() else None)(
-            client_at(server.url).__enter__().read_flow_run(flow_run.id)), 420, [log])
+        def finished():
+            with client_at(server.url) as client:
+                run = client.read_flow_run(flow_run.id)
+            return run if run.state.is_final() else None
+        done = wait_for("the served run to finish", finished, 420, [log])
         assert done.state.type == StateType.COMPLETED, done.state.message + log.read_text()[-3000:]
         assert "served from this process now" in log.read_text()
     finally:
