@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     from core.failures import StokerError
 
     try:
+        if args.command in ("run", "evaluate", "deploy", "serve") and not os.environ.get(_CHILD_ENV):
+            check_api_reachable()  # a server named but not there: one line, before any compute
         if args.command in ("run", "evaluate") and not os.environ.get(_CHILD_ENV):
             _preflight(args)  # config mistakes: one line before any process or server starts
             return _supervise(argv if argv is not None else sys.argv[1:])
@@ -71,6 +73,27 @@ INTERRUPTED = ("stoker: interrupted; the ranks were stopped (a checkpoint was wr
                "the newest valid checkpoint")
 _CHILD_ENV = "STOKER_CLI_CHILD"
 STOP_SECONDS = 28  # the child's grace after SIGTERM: the launcher needs 20 s + 5 s
+
+
+def check_api_reachable(timeout: float = 5.0) -> None:
+    """StokerError in one line when PREFECT_API_URL names a server that does not answer (no
+    URL: stoker starts an embedded server). Any HTTP answer counts as there: only a refused
+    connection or a time-out is reported."""
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    from core.failures import StokerError
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=timeout)
+    except httpx.HTTPError as err:
+        why = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        raise StokerError(f"PREFECT_API_URL={url}: nothing answers there ({why}); start that Prefect "
+                          "server (prefect server start), or unset PREFECT_API_URL to run on "
+                          "stoker's embedded server") from None
 
 
 def _preflight(args) -> None:

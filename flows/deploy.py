@@ -111,4 +111,29 @@ def serve() -> None:
 
     _api_url()
     ensure_work_pool_and_limit()  # the limit (the pool is unused by served runs)
+    for line in take_over_pooled_deployments():
+        print(line)
     prefect_serve(*runner_deployments())
+
+
+def take_over_pooled_deployments() -> list[str]:
+    """Delete the deployments of prefect.yaml that `stoker deploy` put on a work pool. Served
+    again under the same name, such a deployment would keep its work pool (Prefect's update
+    leaves it) and no storage path: every run crashed with FileNotFoundError '<checkout>/None'.
+    `stoker deploy` gives them back to the workers. Returns what was done, in words."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    done = []
+    with get_client(sync_client=True) as client:
+        for spec in deployment_specs():
+            name = f"{_flow_name(spec['entrypoint'])}/{spec['name']}"
+            try:
+                found = client.read_deployment_by_name(name)
+            except ObjectNotFound:
+                continue
+            if found.work_pool_name:
+                client.delete_deployment(found.id)
+                done.append(f"deployment {name}: was on work pool {found.work_pool_name!r} (stoker "
+                            "deploy); served from this process now (stoker deploy gives it back)")
+    return done

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 
 from core.results import EvalResult
-from flows import fails_in_one_line
+from flows import claim_flow_run, fails_in_one_line
 from tasks.evaluate import checkpoint_inputs, evaluate_checkpoint
 
 
@@ -17,6 +17,7 @@ def evaluate_checkpoint_flow(checkpoint_uri: str, storage_options: dict | None =
     (``{root}/runs/{run}/checkpoints/step-...``), using the run's own config and shards.
     credentials_block: a Prefect block with the store's credentials (see
     storage.credentials_block); empty: the environment's."""
+    claim_flow_run()  # its owner process, so a dead one's run ends Crashed, not Running
     config, config_url, checkpoint_key, shard_key = checkpoint_inputs(
         checkpoint_uri, storage_options or {}, credentials_block)
     return evaluate_checkpoint(config, config_url, checkpoint_key, shard_key)

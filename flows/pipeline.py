@@ -21,7 +21,7 @@ from tasks.training import (
     write_run_config,
 )
 from core.config import DataConfig, RayConfig, RunConfig, StorageConfig, TokenizerConfig
-from flows import fails_in_one_line, flow_runs_tagged, tag_flow_run
+from flows import claim_flow_run, fails_in_one_line, flow_runs_tagged, tag_flow_run
 from tasks.credentials import use_store_credentials
 
 
@@ -46,6 +46,7 @@ def prepare_data(data: DataConfig, tokenizer: TokenizerConfig, storage: StorageC
                  ray: RayConfig | None = None) -> ShardInfo:
     """Download -> tokenizer -> tokenize and shard; each step is a no-op when its output exists.
     `ray`: the cluster of data.engine 'ray' (empty: a local Ray instance)."""
+    claim_flow_run()  # its owner process, so a dead one's run ends Crashed, not Running
     use_store_credentials(storage)  # a credentials block named in storage, when run on its own
     dataset = download_dataset(data, storage)
     tok = train_tokenizer(dataset, tokenizer, storage)
@@ -56,6 +57,7 @@ def prepare_data(data: DataConfig, tokenizer: TokenizerConfig, storage: StorageC
 @fails_in_one_line
 def train_pipeline(config: RunConfig | None = None) -> PipelineResult:
     """Prepare data, resume or start training on a torchrun gang, evaluate, report."""
+    claim_flow_run()  # its owner process, so a dead one's run ends Crashed, not Running
     config = validate_config(config or RunConfig())
     tag_flow_run(f"run:{config.resolved_run_name()}", f"recipe:{config.recipe or 'custom'}",
                  f"launcher:{config.launch.launcher}",

@@ -6,10 +6,11 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
+from core import events
 from core.config import RunConfig, StorageConfig, local_resource_problems
 from core.failures import ConfigError
 from core.results import ResumePoint, ShardInfo, TrainingResult
@@ -25,7 +26,8 @@ from tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
 from tasks.credentials import use_store_credentials
 from tasks.lease import held_lease, on_lease_lost
 from tasks.policy import BACKOFF, JITTER, retry_if_transient
-from tasks.report import artifact_key
+from tasks.publish import FLUSH_SECONDS, BestEffortPublisher
+from tasks.report import artifact_key, rounded
 
 
 def _store(storage: StorageConfig) -> Store:
@@ -55,7 +57,8 @@ def accelerator_slot(limit_name: str, logger):
         return
     logger.info("taking a slot of concurrency limit %r (%d slot(s); waits while other runs hold them)",
                 limit_name, limit.limit)
-    with concurrency(limit_name, occupy=1, strict=True):
+    # a lease renewal that fails while the server is away must not end a healthy run
+    with concurrency(limit_name, occupy=1, strict=True, raise_on_lease_renewal_failure=False):
         yield
 
 
@@ -138,9 +141,8 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo,
     if resume.step >= max_steps:
         logger.info("run already complete at step %d; nothing to train", resume.step)
         return result
-    progress = create_progress_artifact(progress=100.0 * resume.step / max_steps,
-                                        key=artifact_key(config.resolved_run_name(), "progress"),
-                                        description=f"steps of {config.resolved_run_name()}")
+    ui = TrainingUI(config.resolved_run_name(), BestEffortPublisher(logger))
+    ui.progress(100.0 * resume.step / max_steps)
 
     def evaluate_while_training(key: str, step: int):
         return evaluate_checkpoint.submit(config, config_url, key, shards.key)
@@ -149,10 +151,9 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo,
     launcher = make_launcher(config, config_url, shards.key, resume.checkpoint_key)
     sinks = open_sinks(config, logger)  # TensorBoard, MLflow (metrics.*), or None
     monitor = TrainingMonitor(
-        result, max_steps, logger,
-        on_progress=lambda pct: update_progress_artifact(progress, progress=pct),
+        result, max_steps, logger, on_progress=ui.progress,
         on_commit=evaluate_while_training if config.eval.per_checkpoint_enabled else None,
-        sink=sinks)
+        sink=ui.feeding(sinks))
     try:
         # another launch took the run over (launch.takeover): stop the gang at once
         with accelerator_slot(config.launch.concurrency_limit, logger), \
@@ -164,10 +165,57 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo,
         kill_running_evaluations()
         if sinks is not None:
             sinks.close("FAILED" if isinstance(exc, Exception) else "KILLED")
+        ui.close(timeout=2.0)  # a cancel's grace is short; the UI is not worth waiting for
         if lease.lost and isinstance(exc, Exception):
             lease.check()  # LeaseLost (permanent): the gang was stopped for the new holder; no retry
         raise
     if sinks is not None:
         sinks.close("FINISHED")
-    update_progress_artifact(progress, progress=100.0)
+    ui.progress(100.0)
+    ui.close()
     return result
+
+
+class TrainingUI:
+    """The progress bar and the live checkpoint table of one launch, sent best-effort: the
+    stream loop only hands over the newest value (tasks.publish), never waits for the server."""
+
+    def __init__(self, run: str, publisher: BestEffortPublisher):
+        self.run, self.publisher = run, publisher
+        self.progress_id = None  # the artifact, once the server has it
+        self.progress_key = artifact_key(run, "progress")
+        self.table_key = artifact_key(run, "checkpoints")
+        self.rows: list[dict] = []
+
+    def progress(self, pct: float) -> None:
+        self.publisher.latest("progress artifact", lambda: self._send_progress(pct))
+
+    def _send_progress(self, pct: float) -> None:
+        if self.progress_id is None:
+            self.progress_id = create_progress_artifact(progress=pct, key=self.progress_key,
+                                                        description=f"steps of {self.run}")
+        else:
+            update_progress_artifact(self.progress_id, progress=pct)
+
+    def checkpoints(self, checkpoints: list[dict]) -> None:
+        """The checkpoints committed so far (the report's final table adds their losses)."""
+        rows = rounded([{"step": c["step"], "uri": c["uri"], "size_mb": (c.get("bytes") or 0) / 1e6,
+                         "upload_seconds": c.get("upload_seconds")} for c in checkpoints])
+        if rows:
+            self.publisher.latest("checkpoint table", lambda: create_table_artifact(
+                rows, key=self.table_key, description=f"checkpoints of {self.run} committed so far"))
+
+    def feeding(self, sinks):
+        """The monitor's sink: the metric sinks (if any), and this table at each commit."""
+        def sink(event: events.Event) -> None:
+            if isinstance(event, events.CheckpointCommitted):
+                self.rows.append({"step": event.step, "uri": event.uri, "bytes": event.bytes,
+                                  "upload_seconds": event.upload_seconds})
+                self.checkpoints(self.rows)
+            if sinks is not None:
+                sinks(event)
+        return sink
+
+    def close(self, timeout: float = FLUSH_SECONDS) -> None:
+        """Send what is still pending (the server may be back), for `timeout` at most."""
+        self.publisher.close(timeout)

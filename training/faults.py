@@ -5,6 +5,8 @@ STOKER_FAULT="hang:rank=1:step=5"   the rank stops stepping (sleeps) at that ste
 STOKER_FAULT="raise:rank=0:step=3"  the rank raises RuntimeError at that step
 STOKER_FAULT="nan:rank=0:step=3:count=2"  the rank's training loss is NaN at steps 3 and 4
                                     (count defaults to 1): the real numerics guard must see it
+STOKER_FAULT="slow:seconds=0.2"     every rank sleeps that long before each step (a long run
+                                    made of tiny steps, for outage drills); never "fires"
 A fault fires once: it creates STOKER_FAULT_ONCE (a file path) and never fires while that
 file exists, so the retried run goes through. Before the fault's step every rank lets its
 checkpoint in flight finish (written, uploaded, committed; see ``settles_before``), so a
@@ -66,6 +68,9 @@ def maybe_inject(rank: int, step: int, model=None) -> None:
     spec = os.environ.get("STOKER_FAULT")
     if not spec:
         return
+    if spec.startswith("slow:"):
+        time.sleep(float(dict(f.split("=", 1) for f in spec.split(":")[1:]).get("seconds", 0.1)))
+        return
     kind, fault_rank, fault_step, count = _parse(spec, with_count=True)
     if kind == "nan":
         return _nan_fault(model, rank, step, fault_rank, fault_step, count)
@@ -85,4 +90,4 @@ def maybe_inject(rank: int, step: int, model=None) -> None:
     elif kind == "raise":
         raise RuntimeError(f"injected fault at step {step} on rank {rank}")
     else:
-        raise ValueError(f"STOKER_FAULT: unknown fault kind {kind!r} (kill, hang, raise or nan)")
+        raise ValueError(f"STOKER_FAULT: unknown fault kind {kind!r} (kill, hang, raise, nan or slow)")

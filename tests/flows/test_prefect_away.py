@@ -1,0 +1,253 @@
+"""Prefect is never on the training path: a real `prefect server start` that goes away during
+training and comes back, a PREFECT_API_URL that nothing answers, `stoker serve` after
+`stoker deploy` on the same server, and the flow run of a Python process that was killed.
+The e2e tests share one server (the module's)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.conftest import (ROOT, descendants, free_port, start_process, stop_process, tiny_dict,
+                            wait_for)
+
+
+class PrefectServer:
+    """`prefect server start` on a fixed port and home, so it can be stopped and started
+    again with its database (the outage a restart or a network cut makes)."""
+
+    def __init__(self, home):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.log = os.path.join(home, "server.log")
+        self.env = {**os.environ, "PREFECT_HOME": os.path.join(home, "prefect-home"),
+                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+                    "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2", "PREFECT_API_URL": self.url}
+        self.proc = None
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def start(self) -> None:
+        with open(self.log, "a") as out:
+            self.proc = start_process([sys.executable, "-m", "prefect", "server", "start", "--host",
+                                       "127.0.0.1", "--port", str(self.port)], self.env, out)
+        wait_for("the Prefect server", self.healthy, 180, [self.log])
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        wait_for("the Prefect server to go away", lambda: not self.healthy(), 30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = PrefectServer(str(tmp_path_factory.mktemp("prefect-away")))
+    srv.start()
+    yield srv
+    stop_process(srv.proc)
+
+
+def client_at(url):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    class _Client:
+        def __enter__(self):
+            self.settings = temporary_settings({PREFECT_API_URL: url})
+            self.settings.__enter__()
+            self.client = get_client(sync_client=True).__enter__()
+            return self.client
+
+        def __exit__(self, *exc):
+            self.client.__exit__(*exc)
+            self.settings.__exit__(*exc)
+
+    return _Client()
+
+
+def flow_run_of(url, run_name):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    with client_at(url) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[f"run:{run_name}"])))
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def train_steps_logged(store, run_name) -> int:
+    path = os.path.join(store, "runs", run_name, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in open(path) if line.strip()]
+    return max(steps, default=0)
+
+
+def slow_run_config(tmp_path, run_name, max_steps):
+    """A tiny run made long by sleeping before each step (training.faults 'slow')."""
+    store = str(tmp_path / "store")
+    cfg = tiny_dict("file://" + store, run_name=run_name,
+                    train={"max_steps": max_steps, "log_interval": 2},
+                    checkpoint={"interval_steps": 20}, eval={"interval_steps": 1000, "per_checkpoint_enabled": False},
+                    launch={"hang_timeout_seconds": 60, "timeout_seconds": 900})
+    path = tmp_path / f"{run_name}.json"
+    path.write_text(json.dumps(cfg))
+    return store, str(path)
+
+
+# ---- the server away during training ------------------------------------------------------
+@pytest.mark.e2e
+def test_training_outlives_a_prefect_server_outage_and_the_ui_catches_up(server, tmp_path):
+    """The server is stopped for longer than the client's retry window (2 retries: about 6 s)
+    while the ranks train, then started again: the ranks train on, the flow's log and the
+    watchdog go on, the run ends Completed and its artifacts show the end of training."""
+    from prefect.client.schemas.filters import FlowRunFilter
+    from prefect.client.schemas.objects import StateType
+
+    run_name = "outage-" + uuid.uuid4().hex[:6]
+    store, cfg = slow_run_config(tmp_path, run_name, max_steps=160)
+    log = tmp_path / "run.log"
+    env = {**server.env, "PREFECT_CLIENT_MAX_RETRIES": "2", "STOKER_FAULT": "slow:seconds=0.25",
+           "STOKER_ROOT": store, "STOKER_CACHE": str(tmp_path / "cache")}
+    with open(log, "w") as out:
+        run = start_process([sys.executable, "-m", "flows.cli", "run", "--recipe", cfg], env, out)
+    try:
+        wait_for("training to start", lambda: train_steps_logged(store, run_name) >= 10, 300, [log])
+        server.stop()
+        at_stop, lines_at_stop = train_steps_logged(store, run_name), log.read_text().count(" loss ")
+        time.sleep(25)  # well past the client's retries: every Prefect call of the run fails
+        assert run.poll() is None, log.read_text()[-3000:]  # the run is not ended by the outage
+        during = log.read_text().count(" loss ") - lines_at_stop
+        assert train_steps_logged(store, run_name) > at_stop  # the ranks trained on
+        assert during >= 3, log.read_text()[-3000:]  # the flow's log went on (its stream loop too)
+        server.start()
+        assert run.wait(timeout=600) == 0, log.read_text()[-5000:]
+    finally:
+        stop_process(run)
+    text = log.read_text()
+    assert "Prefect API call for" in text and "answers again" in text, text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    flow_run = flow_run_of(server.url, run_name)
+    assert flow_run.state.type == StateType.COMPLETED, flow_run.state.message
+    with client_at(server.url) as client:
+        artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id={"any_": [flow_run.id]}))
+    progress = [a for a in artifacts if a.key and a.key.startswith(f"{run_name}-progress-")]
+    assert progress and progress[0].data == 100.0, progress  # caught up after the outage
+    tables = [a for a in artifacts if a.key and a.key.startswith(f"{run_name}-checkpoints-")]
+    steps = {row["step"] for a in tables for row in json.loads(a.data)}
+    assert {40, 80, 120, 160} <= steps, steps  # every checkpoint, those committed while away too
+
+
+# ---- one line for a server that is not there ------------------------------------------------
+def test_an_unreachable_prefect_api_url_is_one_line_before_any_compute(monkeypatch, capsys, tmp_path):
+    from flows.cli import main
+
+    url = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
+    monkeypatch.setenv("PREFECT_API_URL", url)
+    monkeypatch.setenv("STOKER_ROOT", str(tmp_path / "store"))
+    monkeypatch.delenv("STOKER_CLI_CHILD", raising=False)
+    for argv in (["run", "--set", "train.max_steps=2"], ["deploy"]):
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code == 2
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert err.startswith(f"stoker: PREFECT_API_URL={url}: nothing answers there"), err
+        assert "prefect server start" in err and "unset PREFECT_API_URL" in err
+    assert not (tmp_path / "store").exists()  # nothing was computed or written
+
+
+# ---- serve after deploy ------------------------------------------------------------------
+@pytest.mark.e2e
+def test_serve_after_deploy_on_the_same_server_runs_a_flow_run_to_completed(server, tmp_path):
+    from prefect.client.schemas.objects import StateType
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    env = {**server.env, "STOKER_ROOT": str(tmp_path / "store"), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        served = start_process([sys.executable, "-m", "flows.cli", "serve"], env, f)
+    try:
+        def served_deployment():
+            with client_at(server.url) as client:
+                d = client.read_deployment_by_name("train-pipeline/train-adhoc")
+            return d if d.work_pool_name is None else None
+        wait_for("the served deployments", served_deployment, 180, [log])
+        params = tiny_dict("file://" + str(tmp_path / "store"), run_name="served-after-deploy",
+                           train={"max_steps": 4})
+        with temporary_settings({PREFECT_API_URL: server.url}):
+            flow_run = run_deployment("train-pipeline/train-adhoc", parameters={"config": params},
+                                      timeout=0)
+        def finished():
+            with client_at(server.url) as client:
+                run = client.read_flow_run(flow_run.id)
+            return run if run.state.is_final() else None
+        done = wait_for("the served run to finish", finished, 420, [log])
+        assert done.state.type == StateType.COMPLETED, done.state.message + log.read_text()[-3000:]
+        assert "served from this process now" in log.read_text()
+    finally:
+        stop_process(served)
+
+
+# ---- a killed Python process (a notebook kernel restart) --------------------------------
+NOTEBOOK = """
+import json, sys
+from flows.pipeline import train_pipeline
+from core.config import load_config
+train_pipeline(load_config(sys.argv[1]))
+"""
+
+
+@pytest.mark.e2e
+def test_the_flow_run_of_a_killed_python_process_ends_crashed(server, tmp_path):
+    from prefect.client.schemas.objects import StateType
+
+    from flows.evaluate import evaluate_checkpoint_flow
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    run_name = "kernel-" + uuid.uuid4().hex[:6]
+    store, cfg = slow_run_config(tmp_path, run_name, max_steps=400)
+    log = tmp_path / "kernel.log"
+    env = {**server.env, "STOKER_FAULT": "slow:seconds=0.25", "STOKER_ROOT": store,
+           "STOKER_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
+    with open(log, "w") as out:
+        kernel = start_process([sys.executable, "-c", NOTEBOOK, cfg], env, out)
+    seen = {}
+    try:
+        def training():
+            seen.update(descendants(kernel.pid))
+            return train_steps_logged(store, run_name) >= 2
+        wait_for("training to start", training, 300, [log])
+        seen.update(descendants(kernel.pid))
+        os.kill(kernel.pid, signal.SIGKILL)  # the kernel dies: nothing of it reports anything
+        kernel.wait()
+    finally:
+        for pid in list(seen) + [kernel.pid]:  # its ranks too (a restart would leave them)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        stop_process(kernel)
+    killed = flow_run_of(server.url, run_name)
+    assert killed.state.type == StateType.RUNNING  # what Prefect alone leaves
+    # the next stoker flow on this host, here one that fails at once, finds it
+    with temporary_settings({PREFECT_API_URL: server.url}):
+        state = evaluate_checkpoint_flow(f"file://{tmp_path}/none/runs/x/checkpoints/step-00000001",
+                                         return_state=True)
+    assert state.is_failed()
+    with client_at(server.url) as client:
+        after = client.read_flow_run(killed.id)
+    assert after.state.type == StateType.CRASHED, after.state
+    assert "ended without reporting" in after.state.message

@@ -1,0 +1,77 @@
+"""tasks.publish: the stream loop hands Prefect calls over and goes on; what failed is sent
+again, newest value only, when the server answers again."""
+
+import logging
+import threading
+import time
+
+from tasks.publish import BestEffortPublisher
+
+
+class Server:
+    """Stands in for the Prefect API: records what it got; away (raises) or slow on demand."""
+
+    def __init__(self):
+        self.got: list[tuple[str, object]] = []
+        self.away = False
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def call(self, key, value):
+        def send():
+            self.gate.wait(60)
+            if self.away:
+                raise ConnectionError("All connection attempts failed")
+            self.got.append((key, value))
+        return send
+
+
+def wait(check, seconds=30.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_hanging_server_never_holds_up_the_caller():
+    server, pub = Server(), BestEffortPublisher(logging.getLogger("t"), retry_seconds=0.1)
+    server.gate.clear()  # every call hangs
+    t0 = time.monotonic()
+    for pct in range(100):
+        pub.latest("progress", server.call("progress", pct))
+    assert time.monotonic() - t0 < 5  # generous: 100 hand-overs, no call made on this thread
+    server.gate.set()
+    assert wait(lambda: server.got and server.got[-1] == ("progress", 99))
+    assert len(server.got) <= 3  # the first (in flight when it hung), maybe one more, the newest
+    assert pub.close(timeout=10) == []
+
+
+def test_an_outage_keeps_the_newest_value_per_key_and_catches_up(caplog):
+    server, pub = Server(), BestEffortPublisher(logging.getLogger("t"), retry_seconds=0.1)
+    pub.latest("progress", server.call("progress", 1))
+    assert wait(lambda: server.got == [("progress", 1)])
+    server.away = True
+    with caplog.at_level(logging.INFO):
+        for pct in range(2, 50):
+            pub.latest("progress", server.call("progress", pct))
+        pub.latest("table", server.call("table", ["step 10"]))
+        pub.latest("table", server.call("table", ["step 10", "step 20"]))
+        assert wait(lambda: pub.failures >= 3)
+        server.away = False
+        assert wait(lambda: ("progress", 49) in server.got and ("table", ["step 10", "step 20"]) in server.got)
+    assert server.got[0] == ("progress", 1) and ("progress", 30) not in server.got  # only the newest
+    assert [v for k, v in server.got if k == "table"] == [["step 10", "step 20"]]
+    text = caplog.text
+    assert text.count("failed (ConnectionError") == 1 and "answers again" in text
+    assert pub.close(timeout=10) == []
+
+
+def test_close_with_the_server_away_gives_up_after_its_timeout_and_names_what_was_left():
+    server, pub = Server(), BestEffortPublisher(logging.getLogger("t"), retry_seconds=0.1)
+    server.away = True
+    pub.latest("progress", server.call("progress", 100))
+    t0 = time.monotonic()
+    assert pub.close(timeout=1.0) == ["progress"]
+    assert time.monotonic() - t0 < 15
