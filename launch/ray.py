@@ -54,7 +54,8 @@ class RayLauncher(GangLauncher):
                     RAY_TRAIN_V2_ENABLED=base.get("RAY_TRAIN_V2_ENABLED", "1"))
         self.gang = ProcessGang([self.cmd], [base], cfg.launch.world_size,
                                 cfg.launch.timeout_seconds, cfg.launch.hang_timeout_seconds,
-                                startup_timeout=cfg.launch.startup_timeout_seconds)
+                                startup_timeout=cfg.launch.startup_timeout_seconds,
+                                heartbeat=os.path.join(self.work_dir, "heartbeat"))
 
     @property
     def description(self) -> str:
@@ -72,8 +73,10 @@ class RayLauncher(GangLauncher):
                                if isinstance(f, Failure)]
             result.lost_ranks = [] if result.reason == "completed" else list(outcome["running"])
             result.launcher_errors = [tuple(e) for e in outcome["launcher_errors"]]
-        shutil.rmtree(self.work_dir, ignore_errors=True)
         return result
+
+    def close(self) -> None:
+        shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
 def _read_result(path: str) -> dict | None:

@@ -226,7 +226,8 @@ class TorchrunLauncher(GangLauncher):
             os.makedirs(os.path.join(self.work_dir, f"node-{i}"), exist_ok=True)
         self.gang = ProcessGang(self.cmds, envs, self.launch.nproc_per_node,
                                 self.launch.timeout_seconds, self.launch.hang_timeout_seconds,
-                                startup_timeout=self.launch.startup_timeout_seconds)
+                                startup_timeout=self.launch.startup_timeout_seconds,
+                                heartbeat=os.path.join(self.work_dir, "heartbeat"))
 
     @property
     def description(self) -> str:
@@ -238,6 +239,8 @@ class TorchrunLauncher(GangLauncher):
             self.work_dir, self.launch.nproc_per_node)
         if result.reason == "completed":
             result.lost_ranks = []  # ranks that exited cleanly leave no error file either
-        shutil.rmtree(self.work_dir, ignore_errors=True)
         return result
+
+    def close(self) -> None:
+        shutil.rmtree(self.work_dir, ignore_errors=True)
 

@@ -149,8 +149,10 @@ def _watch(relay, writer: _RelayWriter, done: threading.Event) -> None:
             try:
                 if ray.get(relay.stop_requested.remote(), timeout=5):
                     request_stop()
-            except Exception:  # the driver is gone: the worker group is being torn down
+            except ray.exceptions.GetTimeoutError:  # a busy relay, not a lost one
                 pass
+            except Exception:  # the relay died with its driver: stop as a cancel does (Ray
+                request_stop()  # ends the job's actors too, but not always before a checkpoint)
 
 
 def train_worker(loop_config: dict) -> None:
