@@ -303,9 +303,13 @@ def _fit(trainer, outcome: dict) -> None:
 
 
 def _print_lines(lines: list[tuple[int, str]]) -> None:
-    for rank, line in lines:
-        sys.stdout.write(f"[default{rank}]:{line}\n")
-    sys.stdout.flush()
+    try:
+        for rank, line in lines:
+            sys.stdout.write(f"[default{rank}]:{line}\n")
+        sys.stdout.flush()
+    except OSError:  # a broken pipe: the launcher reading us is gone (SIGKILLed, say)
+        sys.stdout = open(os.devnull, "w")
+        os.kill(os.getpid(), signal.SIGTERM)  # stop as on a cancel, not die of the next print
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
