@@ -16,6 +16,7 @@ from core.config import load_config
 from launch import make_launcher
 from storage.checkpoints import find_latest_valid
 from tests.conftest import ROOT, live_processes, prepare_shards, read_proc, tiny_dict
+from tests.launch.test_multinode import cluster  # noqa: F401  (the netns nodes fixture)
 
 LAUNCHER = """
 import sys
@@ -102,3 +103,43 @@ def test_a_launch_interrupted_in_python_removes_its_folder_and_its_gang(tmp_path
         launcher.run(interrupt, lambda event: None)
     assert not os.path.exists(launcher.work_dir)
     assert _gang(launcher.gang.gang_id) == []
+
+
+@pytest.mark.e2e
+def test_agents_in_network_namespaces_and_their_ranks_end_with_a_sigkilled_launcher(cluster, tmp_path):
+    """Two nodes, each `ip netns exec <ns> torchrun ...` (a network namespace of its own, the
+    same kernel and /proc), placed by launch.nodes: the launcher SIGKILLed, both agents get
+    the parent-death signal through `ip netns exec` (it execs), the ranks see the launcher's
+    token gone; the ranks stop as on a cancel."""
+    cfg, url = cluster.config("mn-orphans", nproc=1, max_steps=100_000, nodes_in_config=True)
+    (tmp_path / "config.json").write_text(cfg.to_json())
+    log = open(tmp_path / "launcher.log", "w")
+    helper = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "config.json"), url,
+                               cluster.shard_key], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    gang_id = None
+    try:
+        deadline = time.monotonic() + 300
+        while find_latest_valid(cluster.store, "mn-orphans").checkpoint is None:
+            assert time.monotonic() < deadline and helper.poll() is None, \
+                (tmp_path / "launcher.log").read_text()[-3000:]
+            time.sleep(0.5)
+        agents = [p for p in live_processes().values() if p.ppid == helper.pid]
+        gang_id = _environ(agents[0].pid)["STOKER_GANG_ID"]
+        assert len(agents) == 2 and len(_gang(gang_id)) == 4  # 2 agents, 1 rank each
+        helper.kill()
+        helper.wait()
+        deadline = time.monotonic() + 90
+        while _gang(gang_id) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _gang(gang_id) == [], (tmp_path / "launcher.log").read_text()[-3000:]
+        records = [json.loads(line) for line in
+                   cluster.store.read_bytes("runs/mn-orphans/metrics.jsonl").splitlines()]
+        assert [r for r in records if r["event"] == "stopped"], records[-5:]
+    finally:
+        for pid in [helper.pid, *(_gang(gang_id) if gang_id else [])]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        log.close()
