@@ -20,11 +20,14 @@ ranks watch.
 
 from __future__ import annotations
 
+import glob
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -42,6 +45,24 @@ HANG_GRACE_SECONDS = 5.0  # a hung collective cannot reach a step boundary: no s
 GANG_ENV = "STOKER_GANG_ID"
 TAIL_LINES = 60
 _RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
+
+
+def make_work_dir(prefix: str) -> str:
+    """A launch's folder under $TMPDIR, named for this launcher (its lifeline token, in
+    ``launcher``); first removes the folders of earlier launches whose launcher died without
+    removing them (a SIGKILL), as their tokens tell."""
+    for old in glob.glob(os.path.join(tempfile.gettempdir(), prefix + "*")):
+        try:
+            with open(os.path.join(old, "launcher")) as f:
+                owner = f.read().strip()
+        except OSError:
+            continue  # not ours to judge: made before tokens, or being made now
+        if lifeline.token_alive(owner) is False:
+            shutil.rmtree(old, ignore_errors=True)
+    work_dir = tempfile.mkdtemp(prefix=prefix)
+    with open(os.path.join(work_dir, "launcher"), "w") as f:
+        f.write(lifeline.token())
+    return work_dir
 
 
 def gang_pids(gang_id: str | None) -> list[int]:

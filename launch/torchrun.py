@@ -25,7 +25,6 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 from dataclasses import dataclass, field
 
 from storage import credentials
@@ -34,7 +33,7 @@ from core.events import ERROR_INFO_KEY, PERMANENT_MARKER_ENV, RANK_FILE, Failure
 from core.failures import PERMANENT, classify_reported
 from launch.base import GangResult
 from launch.gang import (GRACE_SECONDS, PROJECT_ROOT, RANK_STOP_MARGIN_SECONDS, GangLauncher,
-                         ProcessGang)
+                         ProcessGang, make_work_dir)
 
 CPU_THREADS_ENV = "STOKER_CPU_THREADS"  # a CPU rank's torch threads (training.loop.setup_distributed)
 
@@ -210,7 +209,7 @@ class TorchrunLauncher(GangLauncher):
         self.launch: LaunchConfig = cfg.launch
         nodes = node_specs(cfg.launch, nodes)
         port = rdzv_port or cfg.launch.rdzv_port or _local_port(cfg.launch.rdzv_host)
-        self.work_dir = tempfile.mkdtemp(prefix="stoker-launch-")
+        self.work_dir = make_work_dir("stoker-launch-")
         self.torchrun_cmds = torchrun_commands(cfg, config_url, shard_key, resume_key, port,
                                                log_dir=self.work_dir, nodes=nodes)
         self.cmds = [list(spec.prefix) + cmd for spec, cmd in zip(nodes, self.torchrun_cmds)]

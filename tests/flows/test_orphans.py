@@ -140,6 +140,8 @@ def test_sigkilled_cli_and_flow_process_leave_no_rank_agent_or_server_and_a_reru
                                capture_output=True, text=True, timeout=400)
         assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
         assert f"run orphans: step {newest.step} -> {newest.step + 2}" in rerun.stdout, rerun.stdout[-3000:]
+        # the killed launch's folder went with the rerun (its launcher's token is dead)
+        assert list((tmp_path / "tmp").glob("stoker-launch-*")) == []
     finally:
         try:
             os.killpg(cli.pid, signal.SIGKILL)

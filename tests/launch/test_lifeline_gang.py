@@ -105,6 +105,26 @@ def test_a_launch_interrupted_in_python_removes_its_folder_and_its_gang(tmp_path
     assert _gang(launcher.gang.gang_id) == []
 
 
+def test_a_new_launch_removes_the_folders_of_launchers_that_died_without_removing_them(tmp_path, monkeypatch):
+    from core import lifeline
+    from launch.gang import make_work_dir
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for name, owner in (("stoker-launch-dead", lifeline.token(dead.pid)),
+                        ("stoker-launch-live", lifeline.token()),
+                        ("stoker-launch-elsewhere", "another-boot/pid:[1]/1/5")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "launcher").write_text(owner.replace("/None", "/1"))
+    (tmp_path / "stoker-launch-untokened").mkdir()
+    made = make_work_dir("stoker-launch-")
+    left = sorted(p.name for p in tmp_path.glob("stoker-launch-*"))
+    assert left == sorted(["stoker-launch-live", "stoker-launch-elsewhere", "stoker-launch-untokened",
+                           os.path.basename(made)])
+
+
 @pytest.mark.e2e
 def test_agents_in_network_namespaces_and_their_ranks_end_with_a_sigkilled_launcher(cluster, tmp_path):
     """Two nodes, each `ip netns exec <ns> torchrun ...` (a network namespace of its own, the
