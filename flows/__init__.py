@@ -5,7 +5,9 @@ deployment's worker), this package is imported before Prefect is: it sets the se
 keep Prefect quiet and offline (no telemetry), unless the user set them, and it keeps the
 user's own mistakes to one line in the Prefect log. A project error (``StokerError``: a bad
 config field, bad data, a failed training) is logged as its message, and the flow run fails
-with the state message ``stoker: <the same line>``; a traceback is kept for bugs only.
+with the state message ``stoker: <the same line>``; a traceback is kept for bugs only. The
+embedded Prefect server it may start ends with the process that started it
+(``flows.server_lifeline``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ PREFECT_DEFAULTS = {
 }
 for _key, _value in PREFECT_DEFAULTS.items():
     os.environ.setdefault(_key, _value)
+
+from flows import server_lifeline  # noqa: E402  (the embedded server ends with its starter)
+
+server_lifeline.install()
 
 
 class _ProjectErrorsWithoutTraceback(logging.Filter):

@@ -140,8 +140,14 @@ def _supervise(argv: list[str]) -> int:
     import signal
     import subprocess
 
+    from core.lifeline import set_parent_death_signal
+
+    me = os.getpid()
+    # SIGKILLed (the OOM killer), this process cannot stop the child: the kernel sends it the
+    # SIGTERM of a cancel instead (forked from the main thread, which lives as long as we do)
     child = subprocess.Popen([sys.executable, "-m", "flows.cli", *argv],
-                             env={**os.environ, _CHILD_ENV: "1"}, start_new_session=True)
+                             env={**os.environ, _CHILD_ENV: "1"}, start_new_session=True,
+                             preexec_fn=lambda: set_parent_death_signal(parent=me))
     stopping = []
 
     def stop(signum, frame):

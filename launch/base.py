@@ -58,13 +58,20 @@ class Launcher(ABC):
         """Add the evidence only a stopped gang gives (exit codes, error files)."""
         return result
 
+    def close(self) -> None:
+        """Remove what the launch left on this host (its work folder). Idempotent; `run`
+        calls it on every exit path: an exception, KeyboardInterrupt, Prefect's SIGTERM."""
+
     def run(self, on_line: OnLine, on_event: OnEvent) -> GangResult:
-        self.start()
         try:
-            result = self.stream(on_line, on_event)
+            self.start()
+            try:
+                result = self.stream(on_line, on_event)
+            finally:
+                self.stop()
+            return self.collect(result)
         finally:
-            self.stop()
-        return self.collect(result)
+            self.close()
 
 
 def classify(result: GangResult) -> TrainingFailed:

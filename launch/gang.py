@@ -10,21 +10,30 @@ Stopping fits inside the orchestrator's grace: Prefect's runner sends the flow-r
 SIGTERM and SIGKILLs it 30 s later. The gang gets SIGTERM, `GRACE_SECONDS` (20 s), then
 SIGKILL; the ranks are told to finish their stop checkpoint `RANK_STOP_MARGIN_SECONDS` before
 that (``STOKER_STOP_GRACE_SECONDS``).
+
+The gang also ends when this process dies without stopping it (SIGKILL, the OOM killer): each
+agent gets SIGTERM from the kernel (a parent-death signal: `run` starts, streams and stops on
+one thread, so the forking thread lives exactly as long as the gang should), and every process
+of the gang carries this launcher's token and heartbeat file (``core.lifeline``), which the
+ranks watch.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
 from typing import Callable
 
-from core import events
+from core import events, lifeline
 from launch.base import GangResult, Launcher, OnEvent, OnLine
 from launch.watchdog import Watchdog
 
@@ -36,6 +45,24 @@ HANG_GRACE_SECONDS = 5.0  # a hung collective cannot reach a step boundary: no s
 GANG_ENV = "STOKER_GANG_ID"
 TAIL_LINES = 60
 _RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
+
+
+def make_work_dir(prefix: str) -> str:
+    """A launch's folder under $TMPDIR, named for this launcher (its lifeline token, in
+    ``launcher``); first removes the folders of earlier launches whose launcher died without
+    removing them (a SIGKILL), as their tokens tell."""
+    for old in glob.glob(os.path.join(tempfile.gettempdir(), prefix + "*")):
+        try:
+            with open(os.path.join(old, "launcher")) as f:
+                owner = f.read().strip()
+        except OSError:
+            continue  # not ours to judge: made before tokens, or being made now
+        if lifeline.token_alive(owner) is False:
+            shutil.rmtree(old, ignore_errors=True)
+    work_dir = tempfile.mkdtemp(prefix=prefix)
+    with open(os.path.join(work_dir, "launcher"), "w") as f:
+        f.write(lifeline.token())
+    return work_dir
 
 
 def gang_pids(gang_id: str | None) -> list[int]:
@@ -126,10 +153,13 @@ class ProcessGang(Launcher):
 
     def __init__(self, cmds: list[list[str]], envs: list[dict[str, str]], nproc_per_node: int,
                  timeout: float, hang_timeout: float = 0.0, grace: float = GRACE_SECONDS,
-                 startup_timeout: float = 0.0):
+                 startup_timeout: float = 0.0, heartbeat: str | None = None):
         self.gang_id = uuid.uuid4().hex
         self.cmds, self.nproc_per_node, self.grace = cmds, nproc_per_node, grace
-        self.envs = [{**env, GANG_ENV: self.gang_id} for env in envs]
+        beat = {lifeline.HEARTBEAT_ENV: heartbeat} if heartbeat else {}
+        self.envs = [{**env, GANG_ENV: self.gang_id, lifeline.LAUNCHER_ENV: lifeline.token(), **beat}
+                     for env in envs]
+        self.heartbeat = lifeline.Heartbeat(heartbeat) if heartbeat else None
         self.watchdog = Watchdog(timeout, hang_timeout, startup_timeout)
         self.procs: list[subprocess.Popen] = []
         self.lines: "queue.Queue[tuple[int, str | None]]" = queue.Queue()
@@ -138,10 +168,14 @@ class ProcessGang(Launcher):
         self.ranks: dict[tuple[int, int], int] = {}  # (node, local rank) -> global rank, as said
 
     def start(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.start()
+        me = os.getpid()
         for node, (cmd, env) in enumerate(zip(self.cmds, self.envs)):
             p = subprocess.Popen(cmd, env=env, cwd=PROJECT_ROOT, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                 start_new_session=True)
+                                 start_new_session=True,
+                                 preexec_fn=lambda: lifeline.set_parent_death_signal(parent=me))
             self.procs.append(p)
             threading.Thread(target=_pump, args=(node, p.stdout, self.lines), daemon=True).start()
 
@@ -193,6 +227,8 @@ class ProcessGang(Launcher):
     def stop(self) -> None:
         kill_gang(self.procs, HANG_GRACE_SECONDS if self.reason in ("hang", "startup") else self.grace,
                   self.gang_id)
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         while True:  # keep what the pumps read before the kill, for the failure message
             try:
                 node, line = self.lines.get_nowait()

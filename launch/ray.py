@@ -17,12 +17,11 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 
 from core.config import LaunchConfig, RunConfig
 from core.events import Failure, from_dict
 from launch.base import GangResult
-from launch.gang import GangLauncher, ProcessGang
+from launch.gang import GangLauncher, ProcessGang, make_work_dir
 from launch.torchrun import child_env
 
 RESULT_FILE = "ray-result.json"
@@ -44,7 +43,7 @@ class RayLauncher(GangLauncher):
                  env: dict[str, str] | None = None):
         self.launch: LaunchConfig = cfg.launch
         self.address = cfg.ray.address
-        self.work_dir = tempfile.mkdtemp(prefix="stoker-ray-launch-")
+        self.work_dir = make_work_dir("stoker-ray-launch-")
         self.result_path = os.path.join(self.work_dir, RESULT_FILE)
         self.cmd = driver_command(config_url, shard_key, resume_key, self.result_path)
         base = dict(env if env is not None else child_env(cfg))
@@ -54,7 +53,8 @@ class RayLauncher(GangLauncher):
                     RAY_TRAIN_V2_ENABLED=base.get("RAY_TRAIN_V2_ENABLED", "1"))
         self.gang = ProcessGang([self.cmd], [base], cfg.launch.world_size,
                                 cfg.launch.timeout_seconds, cfg.launch.hang_timeout_seconds,
-                                startup_timeout=cfg.launch.startup_timeout_seconds)
+                                startup_timeout=cfg.launch.startup_timeout_seconds,
+                                heartbeat=os.path.join(self.work_dir, "heartbeat"))
 
     @property
     def description(self) -> str:
@@ -72,8 +72,10 @@ class RayLauncher(GangLauncher):
                                if isinstance(f, Failure)]
             result.lost_ranks = [] if result.reason == "completed" else list(outcome["running"])
             result.launcher_errors = [tuple(e) for e in outcome["launcher_errors"]]
-        shutil.rmtree(self.work_dir, ignore_errors=True)
         return result
+
+    def close(self) -> None:
+        shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
 def _read_result(path: str) -> dict | None:

@@ -25,7 +25,6 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 from dataclasses import dataclass, field
 
 from storage import credentials
@@ -34,7 +33,7 @@ from core.events import ERROR_INFO_KEY, PERMANENT_MARKER_ENV, RANK_FILE, Failure
 from core.failures import PERMANENT, classify_reported
 from launch.base import GangResult
 from launch.gang import (GRACE_SECONDS, PROJECT_ROOT, RANK_STOP_MARGIN_SECONDS, GangLauncher,
-                         ProcessGang)
+                         ProcessGang, make_work_dir)
 
 CPU_THREADS_ENV = "STOKER_CPU_THREADS"  # a CPU rank's torch threads (training.loop.setup_distributed)
 
@@ -210,7 +209,7 @@ class TorchrunLauncher(GangLauncher):
         self.launch: LaunchConfig = cfg.launch
         nodes = node_specs(cfg.launch, nodes)
         port = rdzv_port or cfg.launch.rdzv_port or _local_port(cfg.launch.rdzv_host)
-        self.work_dir = tempfile.mkdtemp(prefix="stoker-launch-")
+        self.work_dir = make_work_dir("stoker-launch-")
         self.torchrun_cmds = torchrun_commands(cfg, config_url, shard_key, resume_key, port,
                                                log_dir=self.work_dir, nodes=nodes)
         self.cmds = [list(spec.prefix) + cmd for spec, cmd in zip(nodes, self.torchrun_cmds)]
@@ -226,7 +225,8 @@ class TorchrunLauncher(GangLauncher):
             os.makedirs(os.path.join(self.work_dir, f"node-{i}"), exist_ok=True)
         self.gang = ProcessGang(self.cmds, envs, self.launch.nproc_per_node,
                                 self.launch.timeout_seconds, self.launch.hang_timeout_seconds,
-                                startup_timeout=self.launch.startup_timeout_seconds)
+                                startup_timeout=self.launch.startup_timeout_seconds,
+                                heartbeat=os.path.join(self.work_dir, "heartbeat"))
 
     @property
     def description(self) -> str:
@@ -238,6 +238,8 @@ class TorchrunLauncher(GangLauncher):
             self.work_dir, self.launch.nproc_per_node)
         if result.reason == "completed":
             result.lost_ranks = []  # ranks that exited cleanly leave no error file either
-        shutil.rmtree(self.work_dir, ignore_errors=True)
         return result
+
+    def close(self) -> None:
+        shutil.rmtree(self.work_dir, ignore_errors=True)
 

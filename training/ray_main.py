@@ -149,8 +149,10 @@ def _watch(relay, writer: _RelayWriter, done: threading.Event) -> None:
             try:
                 if ray.get(relay.stop_requested.remote(), timeout=5):
                     request_stop()
-            except Exception:  # the driver is gone: the worker group is being torn down
+            except ray.exceptions.GetTimeoutError:  # a busy relay, not a lost one
                 pass
+            except Exception:  # the relay died with its driver: stop as a cancel does (Ray
+                request_stop()  # ends the job's actors too, but not always before a checkpoint)
 
 
 def train_worker(loop_config: dict) -> None:
@@ -302,9 +304,13 @@ def _fit(trainer, outcome: dict) -> None:
 
 
 def _print_lines(lines: list[tuple[int, str]]) -> None:
-    for rank, line in lines:
-        sys.stdout.write(f"[default{rank}]:{line}\n")
-    sys.stdout.flush()
+    try:
+        for rank, line in lines:
+            sys.stdout.write(f"[default{rank}]:{line}\n")
+        sys.stdout.flush()
+    except OSError:  # a broken pipe: the launcher reading us is gone (SIGKILLed, say)
+        sys.stdout = open(os.devnull, "w")
+        os.kill(os.getpid(), signal.SIGTERM)  # stop as on a cancel, not die of the next print
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

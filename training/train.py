@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 import traceback
 from functools import partial
@@ -24,13 +25,16 @@ from functools import partial
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from core import events
+from core import events, lifeline
 from core.config import RunConfig
 from core.failures import RankAborted, is_transient
 from storage.checkpoints import find_latest_valid
 from storage.shards import materialize
 from storage.store import Store, default_cache_dir
-from training.loop import Trainer, emit, setup_distributed
+from training.loop import Trainer, emit, setup_distributed, stop_grace_seconds
+
+GANG_ENV = "STOKER_GANG_ID"  # launch.gang.GANG_ENV (training never imports launch)
+
 
 def failure_of(e: BaseException) -> events.Failure:
     """This rank's Failure record of an exception: its type, message and whether a retry helps."""
@@ -141,6 +145,35 @@ def file_rank_numbers() -> None:
         pass
 
 
+def watch_launcher() -> None:
+    """Stop this rank the way a cancel does (SIGTERM: a stop checkpoint when it fits) when the
+    process that launched the gang is gone, or this rank's torchrun agent is: a launcher
+    SIGKILLed by the OOM killer, or a lost VM, never stops the gang itself. Local rank 0 also
+    sends its agent SIGTERM, so the agent neither restarts the ranks nor waits on."""
+    is_torchrun_rank = "TORCHELASTIC_RESTART_COUNT" in os.environ
+    watch = lifeline.Lifeline.from_env(_launcher_gone, watch_parent=is_torchrun_rank)
+    if watch is not None and os.environ.get(GANG_ENV):  # only ranks a stoker launcher started
+        watch.start()
+
+
+def _launcher_gone(reason: str) -> None:
+    agent = os.getppid()
+    if os.environ.get("LOCAL_RANK") == "0" and agent > 1 and _same_gang(agent):
+        try:
+            os.kill(agent, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    lifeline.terminate_self(stop_grace_seconds() + 15.0)(reason)
+
+
+def _same_gang(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{GANG_ENV}={os.environ[GANG_ENV]}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train one rank of a stoker run.")
     p.add_argument("--config", required=True, help="URL or path of the run's config.json")
@@ -153,6 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @partial(record, error_handler=RankErrorHandler())
 def main(argv: list[str] | None = None) -> None:
     file_rank_numbers()
+    watch_launcher()
     args = parse_args(argv)
     try:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0

@@ -19,7 +19,7 @@ from core import events
 from core.config import load_config
 from launch import make_launcher
 from launch.ray import RayLauncher
-from storage.checkpoints import list_checkpoints
+from storage.checkpoints import find_latest_valid, list_checkpoints
 from storage.store import Store
 from tests.conftest import (ROOT, assert_bitwise_equal, event_losses, newest_weights, prepare_shards,
                             run_collecting, tiny_dict)
@@ -280,3 +280,55 @@ def test_an_unreachable_cluster_is_said_as_such(tiny_config, tmp_path):
     result, _, lines = run_collecting(launcher)
     error = launcher.classify(result)
     assert error is not None and str(error).startswith("the launch failed: ConnectionError: ray.address: "), (error, lines[-10:])
+
+
+LAUNCHER = """
+import sys
+from core.config import RunConfig
+from launch import make_launcher
+cfg = RunConfig.model_validate_json(open(sys.argv[1]).read())
+make_launcher(cfg, sys.argv[2], sys.argv[3], None).run(lambda line: print(line, flush=True),
+                                                       lambda event: None)
+"""
+
+
+@pytest.mark.e2e
+def test_a_sigkilled_launcher_stops_the_ray_job_with_a_checkpoint_and_leaves_no_worker(runs, tmp_path):
+    """The process running the Ray launcher SIGKILLed (the OOM killer): its driver gets the
+    parent-death SIGTERM, relays the stop to the workers, which write a stop checkpoint, and
+    Ray ends them. Before, the driver and its workers trained on with nobody listening."""
+    import json
+    import signal
+
+    cfg, url = runs.config("ray-orphan", "ray")
+    cfg.train.max_steps = 100_000
+    runs.store.write_bytes("runs/ray-orphan/config.json", cfg.to_json().encode())
+    (tmp_path / "config.json").write_text(cfg.to_json())
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as out:
+        helper = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "config.json"), url,
+                                   runs.shard_key], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while find_latest_valid(runs.store, "ray-orphan").checkpoint is None:  # mid-training
+            assert time.monotonic() < deadline and helper.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        helper.kill()
+        helper.wait()
+        _no_ray_workers_left(runs.cluster, seconds=90)
+        records = [json.loads(line) for line in runs.store.read_bytes("runs/ray-orphan/metrics.jsonl").splitlines()]
+        stopped = [r for r in records if r["event"] == "stopped"]
+        assert stopped and stopped[0]["saved"], records[-5:]
+    finally:
+        for pid in [helper.pid, *_drivers_of("runs/ray-orphan/config.json")]:  # a failed test's
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _drivers_of(marker: str) -> list[int]:
+    from tests.conftest import live_processes
+
+    return [p.pid for p in live_processes().values() if "training.ray_main" in p.cmdline and marker in p.cmdline]

@@ -1,0 +1,98 @@
+"""core.lifeline with real processes: tokens, the parent-death signal across a new session,
+the heartbeat, and a module run under a lifeline (Prefect's embedded server is run so)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from core import lifeline
+from tests.conftest import ROOT, read_proc
+
+
+def _wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if read_proc(pid) is None:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_token_tells_a_live_process_from_a_dead_one_and_a_reused_pid():
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        token = lifeline.token(child.pid)
+        assert lifeline.token_alive(token) is True
+        where, _, start = token.rpartition("/")
+        assert lifeline.token_alive(f"{where}/{int(start) + 1}") is False  # same pid, another process
+        assert lifeline.token_alive("another-boot/pid:[1]/1/5") is None  # another machine: cannot tell
+    finally:
+        child.kill()
+        child.wait()
+    assert lifeline.token_alive(token) is False
+
+
+# the middle process starts a grandchild in a session of its own (as torchrun starts ranks),
+# with the parent-death signal set, prints its pid and waits
+MIDDLE = """
+import os, subprocess, sys, time
+from core import lifeline
+me = os.getpid()
+p = subprocess.Popen(["sleep", "60"], start_new_session=True,
+                     preexec_fn=lambda: lifeline.set_parent_death_signal(parent=me))
+print(p.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_parent_death_signal_reaches_a_child_in_a_session_of_its_own():
+    middle = subprocess.Popen([sys.executable, "-c", MIDDLE], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    grandchild = int(middle.stdout.readline())
+    try:
+        assert read_proc(grandchild) is not None
+        middle.kill()  # SIGKILL: no handler, no atexit
+        middle.wait()
+        assert _wait_gone(grandchild, 10), "the grandchild outlived its parent"
+    finally:
+        try:
+            os.kill(grandchild, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_heartbeat_counts_once_seen_and_goes_stale_when_it_stops(tmp_path, monkeypatch):
+    monkeypatch.setattr(lifeline, "HEARTBEAT_SECONDS", 0.1)
+    path = str(tmp_path / "heartbeat")
+    watch = lifeline.Lifeline(lambda reason: None, heartbeat=path, heartbeat_timeout=3.0)
+    time.sleep(1.5)
+    assert watch.check() is None  # never seen (another machine, no shared folder): no verdict
+    beat = lifeline.Heartbeat(path).start()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # beating: never stale, however long
+        assert watch.check() is None
+        time.sleep(0.2)
+    beat.stop()
+    deadline = time.monotonic() + 15
+    while (reason := watch.check()) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert reason and "heartbeat" in reason
+
+
+def test_a_module_run_under_a_lifeline_ends_with_the_process_it_names():
+    starter = subprocess.Popen(["sleep", "60"])
+    served = subprocess.Popen([sys.executable, "-m", "core.lifeline", lifeline.token(starter.pid),
+                               "http.server", "0", "--bind", "127.0.0.1"], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2)
+        assert served.poll() is None  # runs while its starter lives
+        starter.kill()
+        starter.wait()
+        served.wait(timeout=20)
+        assert "stopping: the launcher" in served.stderr.read()
+    finally:
+        served.kill()
+        starter.kill()
