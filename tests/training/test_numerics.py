@@ -3,7 +3,6 @@ resumed from. Real torchrun ranks; the NaN comes from STOKER_FAULT=nan (a forwar
 makes the training loss NaN), and the real check catches it."""
 
 import json
-import os
 import shutil
 
 import pytest
