@@ -84,7 +84,7 @@ def test_one_gpu_recipe_trains_evaluates_checkpoints_and_resumes_under_nccl(gpu_
 
     resumed = train_losses(_launch(cfg, store, key, resume=commits[0]["key"]))
     assert sorted(resumed) == [8, 10, 12]
-    for s in resumed:  # bf16 + compile on a GPU: close, not bitwise (see README)
+    for s in resumed:  # bf16 + compile on a GPU: close, not bitwise (see docs/gpu-engine.md)
         assert abs(resumed[s] - losses[s]) < 2e-2 * abs(losses[s]), (s, resumed[s], losses[s])
 
     out = subprocess.run(
