@@ -84,7 +84,9 @@ def check_api_reachable(timeout: float = 5.0) -> None:
 
     from core.failures import StokerError
 
-    url = PREFECT_API_URL.value()
+    # the environment first: a settings context entered earlier in this process (a notebook's,
+    # a test harness's) would otherwise hide the URL this command was given
+    url = os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value()
     if not url:
         return
     try:

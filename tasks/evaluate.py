@@ -53,6 +53,14 @@ def kill_running_evaluations() -> int:
     return len(procs)
 
 
+def _interrupted_at_start(returncode: int | None, err: str) -> str | None:
+    """A Ctrl-C that reached the process while Python was still starting: the interpreter
+    reports a fatal KeyboardInterrupt and exits 1 instead of dying by SIGINT."""
+    if returncode == 1 and err.rstrip().endswith("KeyboardInterrupt"):
+        return _STOP_SIGNALS[-signal.SIGINT]
+    return None
+
+
 def run_evaluation(config: RunConfig, config_url: str, checkpoint_key: str, shard_key: str,
                    timeout: float = EVAL_TIMEOUT_SECONDS) -> EvalResult:
     """Run `python -m training.evaluate` in its own process group; parse its JSON line."""
@@ -70,7 +78,7 @@ def run_evaluation(config: RunConfig, config_url: str, checkpoint_key: str, shar
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     stopped = ("the end of its training (Ctrl-C, a cancel, a failed launch)" if proc.pid in _STOPPED
-               else _STOP_SIGNALS.get(proc.returncode))
+               else _STOP_SIGNALS.get(proc.returncode) or _interrupted_at_start(proc.returncode, err))
     _STOPPED.discard(proc.pid)
     if stopped and proc.returncode != 0:  # (one that finished just before the kill counts)
         raise EvaluationStopped(f"evaluation of {checkpoint_key} was stopped by {stopped}; not retried")

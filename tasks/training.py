@@ -184,7 +184,9 @@ class TrainingUI:
         self.run, self.publisher = run, publisher
         self.progress_id = None  # the artifact, once the server has it
         self.progress_key = artifact_key(run, "progress")
-        self.table_key = artifact_key(run, "checkpoints")
+        # a key of its own: the report's final table (with each checkpoint's losses) keeps
+        # "checkpoints", so the run's page shows one card of each, not two of one name
+        self.table_key = artifact_key(run, "checkpoints-live")
         self.rows: list[dict] = []
 
     def progress(self, pct: float) -> None:

@@ -35,7 +35,9 @@ def test_the_notebooks_settings_evaluate_every_checkpoint_without_a_failure(pref
     recipe, settings = notebook_settings()
     assert settings["checkpoint.interval_steps"] < settings["train.max_steps"]  # still the case it covers
     root = "file://" + str(tmp_path / "store")
-    config = load_config(recipe, **{**settings, "storage.root": root})
+    # a run name of its own: the notebook's test (same server) runs the notebook's run name too
+    config = load_config(recipe, **{**settings, "storage.root": root,
+                                    "run_name": f"{settings.get('run_name', 'notebook')}-settings"})
     assert config.eval.per_checkpoint_enabled and config.checkpoint.keep_latest_k == 2
     result = train_pipeline(config)
 
