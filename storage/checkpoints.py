@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from core.failures import CheckpointInvalid, CheckpointUnavailable, ConfigError
 from storage.cache import checked_in_place, host_lock, verified_copy
 from storage.layout import METRICS_FILE, checkpoints_key, run_file_key
-from storage.manifest import (INVALID_MARKER, Verdict, describe_files, invalid_reason, mark_invalid,
-                              read_manifest, verify_files)
+from storage.manifest import (Verdict, describe_files, invalid_reason, mark_invalid, read_manifest,
+                              verify_files)
 from storage.store import Store, join
 
 COMMIT_FILE = "commit.json"
