@@ -204,19 +204,21 @@ def tokenize_and_shard(
 ) -> ShardInfo:
     """Tokenize the corpus once into flat little-endian token files, manifest last.
 
-    Returns at once (cache_hit=True) when a valid shard set with the same key exists; a
-    damaged one is rebuilt. cfg.engine 'ray' runs the work as Ray tasks on the cluster of
+    Returns at once (cache_hit=True) when a shard set with the same key exists: its manifest,
+    every listed file at its size, no invalid marker; no shard byte is read here (each host
+    hashes the bytes it uses, storage.shards.materialize). One that is incomplete or marked
+    invalid by a host whose full check failed is rebuilt. cfg.engine 'ray' runs the work as Ray tasks on the cluster of
     `ray` (default: a local Ray instance). The key and the bytes do not depend on the
     engine, cfg.num_workers or partition_bytes."""
     dtype = token_dtype(cfg.token_dtype, tokenizer.vocab_size)  # before any work
     params = {"val_fraction": cfg.val_fraction, "shard_tokens": cfg.shard_tokens,
               "dtype": dtype.str, "eot_id": tokenizer.eot_id}
     cache_key = shard_cache_key(dataset.fingerprint, tokenizer.sha256, params)
-    existing = validate_shard_set(store, cache_key, deep=True)
+    existing = validate_shard_set(store, cache_key)  # cheap: the bytes are hashed where they land
     if existing:
         return _shard_info(store, cache_key, existing.manifest, cache_hit=True)
     with build_lock(store, shard_set_key(cache_key)):  # same key on this host: built once
-        existing = validate_shard_set(store, cache_key, deep=True)
+        existing = validate_shard_set(store, cache_key)
         if existing:
             return _shard_info(store, cache_key, existing.manifest, cache_hit=True)
         if store.is_local:

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from core.failures import CheckpointInvalid, CheckpointUnavailable, ConfigError
 from storage.cache import checked_in_place, host_lock, verified_copy
 from storage.layout import METRICS_FILE, checkpoints_key, run_file_key
-from storage.manifest import Verdict, describe_files, read_manifest, verify_files
+from storage.manifest import (Verdict, describe_files, invalid_reason, mark_invalid, read_manifest,
+                              verify_files)
 from storage.store import Store, join
 
 COMMIT_FILE = "commit.json"
@@ -41,7 +42,6 @@ KEEP_MARKER = "keep"
 # enabled); removed by that evaluation; retention spares a pinned checkpoint for a while
 EVAL_PIN = ".eval-pending"
 DEFAULT_PIN_SECONDS = 7200.0
-INVALID_MARKER = "_invalid.json"  # written by a host whose full check of the bytes failed
 RANKS_DIR = "_ranks"  # per-rank upload receipts: {rank}.json with that rank's files
 FORMAT = "stoker-checkpoint/1"
 _NAME = re.compile(r"^step-(\d{8})(?:\.a(\d+))?$")
@@ -108,11 +108,8 @@ def validate_checkpoint(store: Store, key: str, deep: bool = False) -> Verdict:
     manifest, reason = read_manifest(store, join(key, COMMIT_FILE))
     if manifest is None:
         return Verdict(False, reason)
-    if store.exists(join(key, INVALID_MARKER)):
-        try:
-            why = store.read_json(join(key, INVALID_MARKER)).get("reason", "")
-        except Exception:  # a damaged marker still marks
-            why = ""
+    why = invalid_reason(store, key)
+    if why is not None:
         return Verdict(False, f"marked invalid by a host that read it: {why}", manifest)
     if manifest.get("format") != FORMAT:
         return Verdict(False, f"unknown checkpoint format {manifest.get('format')!r}", manifest)
@@ -216,14 +213,6 @@ def find_latest_valid(store: Store, run_name: str,
             return ResumeChoice(ref, verdict.manifest, skipped)
         skipped.append((ref, verdict.reason))
     return ResumeChoice(None, {}, skipped)
-
-
-def mark_invalid(store: Store, key: str, reason: str) -> None:
-    """Record in the store that this checkpoint failed a full check (best effort)."""
-    try:
-        store.write_json(join(key, INVALID_MARKER), {"reason": reason, "at": time.time()})
-    except Exception:  # the caller raises the real problem anyway
-        pass
 
 
 def pin_for_evaluation(store: Store, key: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -55,6 +56,29 @@ def verify_files(store: Store, folder: str, files: dict[str, dict], deep: bool) 
             if store.sha256(join(folder, name)) != entry["sha256"]:
                 return f"{name} fails its sha256 checksum"
     return ""
+
+
+INVALID_MARKER = "_invalid.json"  # written by a host whose full check of the bytes failed
+
+
+def mark_invalid(store: Store, folder: str, reason: str) -> None:
+    """Record in the store that this folder failed a full check (best effort: the caller
+    raises the real problem anyway)."""
+    try:
+        store.write_json(join(folder, INVALID_MARKER), {"reason": reason, "at": time.time()})
+    except Exception:
+        pass
+
+
+def invalid_reason(store: Store, folder: str) -> str | None:
+    """None when no host marked the folder invalid, else the reason it recorded ('' when the
+    marker cannot be read: a damaged marker still marks)."""
+    if not store.exists(join(folder, INVALID_MARKER), refresh=True):  # another host may have written it
+        return None
+    try:
+        return str(store.read_json(join(folder, INVALID_MARKER)).get("reason", ""))
+    except Exception:
+        return ""
 
 
 def read_manifest(store: Store, key: str) -> tuple[dict | None, str]:

@@ -354,6 +354,19 @@ def live_processes() -> dict[int, Proc]:
     return out
 
 
+def wait_for_none(left, seconds: float = 15.0, interval: float = 0.1) -> list:
+    """Poll left() (what is still there) until it is empty or `seconds` pass; returns its last
+    answer. A killed process takes a moment to exit and its parent a moment to reap it (a
+    zombie, which read_proc already skips), so a check made once, right after a kill, can see
+    a process that is on its way out."""
+    deadline = time.monotonic() + seconds
+    while True:
+        found = left()
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(interval)
+
+
 def descendants(root: int, procs: dict[int, Proc] | None = None) -> dict[int, Proc]:
     """Every live process below `root` in the parent tree (not `root` itself)."""
     procs = live_processes() if procs is None else procs
@@ -402,6 +415,10 @@ class GangWatch:
                     or proc.sid in groups or self.marker in proc.cmdline):
                 left.append(proc)
         return left
+
+    def gone_within(self, seconds: float = 15.0) -> list[Proc]:
+        """leftovers(), polled until none is left or `seconds` pass (see wait_for_none)."""
+        return wait_for_none(self.leftovers, seconds)
 
 
 class FlakyHTTPServer:

@@ -36,3 +36,18 @@ def test_bench_gpu_runs_every_part_in_a_cpu_smoke_run(tiny_config, capsys):
     # no run left in the store (only the shards), no result file written or touched
     assert not glob.glob(store.local_path("runs/bench-gpu-*"))
     assert {p: os.path.getmtime(p) for p in glob.glob(os.path.join(bench_gpu.RESULTS, "*.json"))} == before
+
+
+def test_bench_data_hit_smoke_run_reads_only_manifests_on_a_hit(capsys):
+    """benchmarks/bench_data_hit.py at a tiny size: its figures mean nothing; that it runs, and
+    that the new cache hit reads far less than the old deep check, is checked."""
+    import re
+
+    from benchmarks import bench_data_hit
+
+    bench_data_hit.main(["--size-mb", "2", "--file-mb", "1"])
+    out = capsys.readouterr().out
+    assert "RATIO bytes read new/old" in out and "RATIO time new/old" in out
+    new = int(re.search(r"\(new\): .* (\d+) bytes read", out).group(1))
+    old = float(re.search(r"\(old\): .*?([\d.]+) MiB read", out).group(1))
+    assert old >= 2.0 and new < 64 * 1024, out

@@ -61,15 +61,27 @@ def test_cache_key_ignores_where_the_data_came_from(store, tmp_path):
     assert sa.cache_key == sb.cache_key and sb.cache_hit
 
 
-def test_damaged_shard_under_a_manifest_is_rebuilt(store):
+def test_a_shard_set_damaged_in_the_store_is_marked_where_read_and_rebuilt_by_the_next_stage(store, tmp_path):
+    from storage.shards import materialize
+
     _, _, first = _prepare(store)
     path = os.path.join(store.local_path(first.key), "train-00000.bin")
-    data = bytearray(open(path, "rb").read())
+    good = open(path, "rb").read()
+    data = bytearray(good)
     data[10] ^= 0xFF
-    open(path, "wb").write(bytes(data))
-    assert not validate_shard_set(store, first.cache_key, deep=True)
+    open(path, "wb").write(bytes(data))  # same size: only a full check sees it
+    _, _, hit = _prepare(store)
+    assert hit.cache_hit  # choosing reads no shard byte
+    with pytest.raises(DataError, match="damaged: train-00000.bin fails its sha256 checksum; it is "
+                                        "marked invalid.*data stage again rebuilds it"):
+        materialize(store, first.cache_key, str(tmp_path / "host"))
+    assert not validate_shard_set(store, first.cache_key)  # the marker: no rank loops on it
+    with pytest.raises(DataError, match="marked invalid by a host that read it"):
+        materialize(store, first.cache_key, str(tmp_path / "host"))
     _, _, again = _prepare(store)
     assert not again.cache_hit and validate_shard_set(store, first.cache_key, deep=True)
+    assert open(path, "rb").read() == good
+    assert materialize(store, first.cache_key, str(tmp_path / "host")) == store.local_path(first.key)
 
 
 def test_jsonl_text_field_and_a_missing_field(store, tmp_path):

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from storage.shards import validate_shard_set
+from storage.shards import materialize, validate_shard_set
 from storage.store import Store
 from data import prepare as data_prep, sharding
 from core.failures import DataError
@@ -183,7 +183,9 @@ def test_dead_build_leftovers_are_cleared_and_a_damaged_set_rebuilt(prepared, tm
         f.seek(3)
         f.write(bytes([byte[0] ^ 0x01]))
     assert not validate_shard_set(store, first.cache_key, deep=True)
-    again = data_prep.tokenize_and_shard(ds, tk, DATA, store)
+    with pytest.raises(DataError, match="val-00000.idx fails its sha256"):  # where the bytes land
+        materialize(store, first.cache_key, str(tmp_path / "host"))
+    again = data_prep.tokenize_and_shard(ds, tk, DATA, store)  # the marker: rebuilt
     assert not again.cache_hit and validate_shard_set(store, first.cache_key, deep=True)
     assert store.listdir("shards") == [first.cache_key]
 

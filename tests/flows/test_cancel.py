@@ -130,7 +130,7 @@ def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_ser
         # nothing of the run is left: agents, ranks (each in a session of its own), their
         # children, anything naming the run's config
         assert len([p for p in watch.seen.values() if "training.train" in p.cmdline]) >= 3
-        assert watch.leftovers() == []
+        assert watch.gone_within() == []
         under_runner = [p for p in descendants(server.pid).values()
                         if p.pid == flow_run_proc.pid or config_marker in p.cmdline]
         assert under_runner == []

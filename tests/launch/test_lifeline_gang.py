@@ -15,7 +15,7 @@ import pytest
 from core.config import load_config
 from launch import make_launcher
 from storage.checkpoints import find_latest_valid
-from tests.conftest import ROOT, live_processes, prepare_shards, read_proc, tiny_dict
+from tests.conftest import ROOT, live_processes, prepare_shards, read_proc, tiny_dict, wait_for_none
 from tests.launch.test_multinode import cluster  # noqa: F401  (the netns nodes fixture)
 
 LAUNCHER = """
@@ -102,7 +102,7 @@ def test_a_launch_interrupted_in_python_removes_its_folder_and_its_gang(tmp_path
     with pytest.raises(KeyboardInterrupt):
         launcher.run(interrupt, lambda event: None)
     assert not os.path.exists(launcher.work_dir)
-    assert _gang(launcher.gang.gang_id) == []
+    assert wait_for_none(lambda: _gang(launcher.gang.gang_id)) == []
 
 
 def test_a_new_launch_removes_the_folders_of_launchers_that_died_without_removing_them(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ from launch import make_launcher
 from launch.base import GangResult, classify
 from launch.gang import kill_gang, run_gang
 from launch.torchrun import NodeSpec, TorchrunLauncher, read_error_files
-from tests.conftest import prepare_shards, tiny_dict
+from tests.conftest import prepare_shards, tiny_dict, wait_for_none
 
 TRAIN = events.Train(step=1, loss=2.5, lr=1e-3, step_seconds=0.1, tokens_seen=64, time=1.0)
 
@@ -41,7 +41,7 @@ def test_kill_gang_takes_the_agent_and_its_children(tmp_path):
         time.sleep(0.05)
     child = int(pidfile.read_text())
     kill_gang([agent], grace=2)
-    assert not _alive(agent.pid) and not _alive(child)
+    assert wait_for_none(lambda: [p for p in (agent.pid, child) if _alive(p)]) == []
 
 
 def test_run_gang_streams_rank_prefixed_lines_and_metrics():

@@ -5,7 +5,6 @@ import pytest
 from core.failures import CheckpointInvalid, ConfigError
 from storage.checkpoints import (
     COMMIT_FILE,
-    INVALID_MARKER,
     rank_receipt_key,
     local_checkpoint_dir,
     rehydrate,
@@ -17,6 +16,7 @@ from storage.checkpoints import (
     prune_checkpoints,
     validate_checkpoint,
 )
+from storage.manifest import INVALID_MARKER
 from storage.store import Store, join
 
 
