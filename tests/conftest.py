@@ -354,6 +354,19 @@ def live_processes() -> dict[int, Proc]:
     return out
 
 
+def gang_members(gang_id: str) -> list[int]:
+    """Live processes (zombies excluded) whose environment carries this STOKER_GANG_ID."""
+    needle, out = f"STOKER_GANG_ID={gang_id}".encode(), []
+    for pid in live_processes():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
 def wait_for_none(left, seconds: float = 15.0, interval: float = 0.1) -> list:
     """Poll left() (what is still there) until it is empty or `seconds` pass; returns its last
     answer. A killed process takes a moment to exit and its parent a moment to reap it (a

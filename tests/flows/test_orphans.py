@@ -15,7 +15,7 @@ import pytest
 
 from storage.checkpoints import find_latest_valid
 from storage.store import Store
-from tests.conftest import ROOT, live_processes, read_proc
+from tests.conftest import ROOT, gang_members, live_processes, read_proc
 
 pytestmark = pytest.mark.e2e
 
@@ -51,19 +51,6 @@ def _gang_of(procs) -> str | None:
         except OSError:
             continue
     return None
-
-
-def _carrying(gang: str) -> list[int]:
-    """Live processes (zombies excluded) of the gang."""
-    needle, out = f"STOKER_GANG_ID={gang}".encode(), []
-    for pid in live_processes():
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    out.append(pid)
-        except OSError:
-            continue
-    return out
 
 
 def _wait(what: str, check, seconds: float, log=None):
@@ -119,7 +106,7 @@ def test_sigkilled_cli_and_flow_process_leave_no_rank_agent_or_server_and_a_reru
         servers = [p for p in seen.values() if "uvicorn" in p.cmdline]
         gang = _gang_of(p for p in seen.values() if "training.train" in p.cmdline)
         assert len(flow_process) == 1 and len(servers) == 1 and gang, seen
-        agents_and_ranks = _carrying(gang)
+        agents_and_ranks = gang_members(gang)
         assert len(agents_and_ranks) >= 3  # the agent and its 2 ranks
 
         # the orchestrator only, as the OOM killer would: not the ranks, not the server
@@ -127,7 +114,7 @@ def test_sigkilled_cli_and_flow_process_leave_no_rank_agent_or_server_and_a_reru
         os.kill(flow_process[0].pid, signal.SIGKILL)
         cli.wait(timeout=30)
         t0 = time.monotonic()
-        _wait("the gang to end", lambda: not _carrying(gang), GONE_WITHIN_SECONDS, log)
+        _wait("the gang to end", lambda: not gang_members(gang), GONE_WITHIN_SECONDS, log)
         print(f"gang gone {time.monotonic() - t0:.1f} s after the SIGKILL")
         _wait("the embedded server to end", lambda: read_proc(servers[0].pid) is None, 30, log)
         assert [p for p in seen.values() if read_proc(p.pid) is not None

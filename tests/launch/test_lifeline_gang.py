@@ -15,7 +15,8 @@ import pytest
 from core.config import load_config
 from launch import make_launcher
 from storage.checkpoints import find_latest_valid
-from tests.conftest import ROOT, live_processes, prepare_shards, read_proc, tiny_dict, wait_for_none
+from tests.conftest import (ROOT, gang_members, live_processes, prepare_shards, read_proc, tiny_dict,
+                            wait_for_none)
 from tests.launch.test_multinode import cluster  # noqa: F401  (the netns nodes fixture)
 
 LAUNCHER = """
@@ -26,18 +27,6 @@ cfg = RunConfig.model_validate_json(open(sys.argv[1]).read())
 launcher = make_launcher(cfg, sys.argv[2], sys.argv[3], None)
 launcher.run(lambda line: print(line, flush=True), lambda event: None)
 """
-
-
-def _gang(gang_id: str) -> list[int]:
-    needle, out = f"STOKER_GANG_ID={gang_id}".encode(), []
-    for pid in live_processes():
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    out.append(pid)
-        except OSError:
-            continue
-    return out
 
 
 def _environ(pid: int) -> dict:
@@ -77,9 +66,9 @@ def test_ranks_stop_as_on_a_cancel_when_their_launcher_and_agent_are_sigkilled(t
         os.kill(agent, signal.SIGKILL)
         launcher.wait()
         deadline = time.monotonic() + 90  # they stop within ~30 s; generous for a loaded host
-        while _gang(gang_id) and time.monotonic() < deadline:
+        while gang_members(gang_id) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _gang(gang_id) == [], (tmp_path / "launcher.log").read_text()[-3000:]
+        assert gang_members(gang_id) == [], (tmp_path / "launcher.log").read_text()[-3000:]
         records = [json.loads(line) for line in store.read_bytes("runs/lifeline/metrics.jsonl").splitlines()]
         assert [r for r in records if r["event"] == "stopped"], records[-5:]  # the cancel's path
     finally:
@@ -102,7 +91,7 @@ def test_a_launch_interrupted_in_python_removes_its_folder_and_its_gang(tmp_path
     with pytest.raises(KeyboardInterrupt):
         launcher.run(interrupt, lambda event: None)
     assert not os.path.exists(launcher.work_dir)
-    assert wait_for_none(lambda: _gang(launcher.gang.gang_id)) == []
+    assert wait_for_none(lambda: gang_members(launcher.gang.gang_id)) == []
 
 
 def test_a_new_launch_removes_the_folders_of_launchers_that_died_without_removing_them(tmp_path, monkeypatch):
@@ -146,18 +135,18 @@ def test_agents_in_network_namespaces_and_their_ranks_end_with_a_sigkilled_launc
             time.sleep(0.5)
         agents = [p for p in live_processes().values() if p.ppid == helper.pid]
         gang_id = _environ(agents[0].pid)["STOKER_GANG_ID"]
-        assert len(agents) == 2 and len(_gang(gang_id)) == 4  # 2 agents, 1 rank each
+        assert len(agents) == 2 and len(gang_members(gang_id)) == 4  # 2 agents, 1 rank each
         helper.kill()
         helper.wait()
         deadline = time.monotonic() + 90
-        while _gang(gang_id) and time.monotonic() < deadline:
+        while gang_members(gang_id) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _gang(gang_id) == [], (tmp_path / "launcher.log").read_text()[-3000:]
+        assert gang_members(gang_id) == [], (tmp_path / "launcher.log").read_text()[-3000:]
         records = [json.loads(line) for line in
                    cluster.store.read_bytes("runs/mn-orphans/metrics.jsonl").splitlines()]
         assert [r for r in records if r["event"] == "stopped"], records[-5:]
     finally:
-        for pid in [helper.pid, *(_gang(gang_id) if gang_id else [])]:
+        for pid in [helper.pid, *(gang_members(gang_id) if gang_id else [])]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
