@@ -15,7 +15,7 @@ setup-test:
 
 ## The whole pipeline on embedded defaults (embedded Prefect server, ./stoker-data, built-in corpus, tiny GPT on CPU)
 run: setup
-	$(PY) -m flows.cli run $(ARGS)
+	$(PY) -m stoker.cli run $(ARGS)
 
 ## The whole test suite, on 2 pytest-xdist workers (PYTEST_WORKERS=0: one process)
 PYTEST_WORKERS ?= 2

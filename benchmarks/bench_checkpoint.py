@@ -20,11 +20,11 @@ import torch
 
 from benchmarks import _servers
 from benchmarks._servers import moto_s3
-from storage.store import Store
-from storage.uploader import CheckpointUploader
-from training.checkpoint import Checkpointer, flat_state, rng_state_tensors
-from core.config import ModelConfig
-from training.model import GPT, param_groups
+from stoker.storage.store import Store
+from stoker.storage.uploader import CheckpointUploader
+from stoker.training.checkpoint import Checkpointer, flat_state, rng_state_tensors
+from stoker.core.config import ModelConfig
+from stoker.training.model import GPT, param_groups
 
 STEPS, INTERVAL = 24, 8
 MODEL = ModelConfig(n_layer=4, n_head=8, n_embd=512, block_size=128)  # ~17M params, ~200 MB with AdamW

@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from benchmarks._servers import moto_s3
-    from core.config import DataConfig, TokenizerConfig
-    from data import prepare
-    from storage.store import Store
+    from stoker.core.config import DataConfig, TokenizerConfig
+    from stoker.data import prepare
+    from stoker.storage.store import Store
 
     with moto_s3() as (root, options):
         store = Store(root, options)

@@ -16,7 +16,7 @@ import tempfile
 import time
 import uuid
 
-from core.config import load_config
+from stoker.core.config import load_config
 
 STEPS = 60
 
@@ -38,13 +38,13 @@ def _config(root: str, run: str):
 
 def plain(root: str) -> float:
     """The flow's stages without Prefect: the same functions and processes, in order."""
-    from data import prepare
-    from launch.gang import run_gang
-    from launch.torchrun import child_env, free_port, torchrun_commands
-    from storage.checkpoints import find_latest_valid, list_checkpoints
-    from storage.runs import pin_run_folder
-    from storage.store import Store
-    from tasks.evaluate import run_evaluation
+    from stoker.data import prepare
+    from stoker.launch.gang import run_gang
+    from stoker.launch.torchrun import child_env, free_port, torchrun_commands
+    from stoker.storage.checkpoints import find_latest_valid, list_checkpoints
+    from stoker.storage.runs import pin_run_folder
+    from stoker.storage.store import Store
+    from stoker.tasks.evaluate import run_evaluation
 
     t0 = time.perf_counter()
     cfg = _config(root, "plain-" + uuid.uuid4().hex[:6]).check()
@@ -64,7 +64,7 @@ def plain(root: str) -> float:
 
 
 def flow(root: str) -> float:
-    from flows.pipeline import train_pipeline
+    from stoker.flows.pipeline import train_pipeline
 
     t0 = time.perf_counter()
     result = train_pipeline(_config(root, "flow-" + uuid.uuid4().hex[:6]))

@@ -12,7 +12,7 @@ checkpoint stall. Skipped (exit 0, a line saying so) without CUDA.
    host buffers) over a synchronous save+write+commit of the same state, each measured as
    the extra time of the steps around a save over the same steps without one.
                                                                               goal <= 0.15
-3. With --real-variants: what a user runs, `torchrun --nproc-per-node=1 -m training.train` of
+3. With --real-variants: what a user runs, `torchrun --nproc-per-node=1 -m stoker.training.train` of
    the gpt2-124m-1gpu recipe (process group, per-step events, log-step syncs, checkpoint),
    its steady-state tokens/s read from its event stream (benchmarks/real_run.py); 'ddp:none'
    over the in-process trainer above                                          goal >= 0.97
@@ -50,7 +50,7 @@ import time
 import numpy as np
 import torch
 
-from training.engine import compile_options
+from stoker.training.engine import compile_options
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEVICE = torch.device("cuda", 0)  # --smoke: the CPU
@@ -80,7 +80,7 @@ def _free() -> None:
 
 
 def _config(store_root: str, micro: int, **engine):
-    from core.config import load_config
+    from stoker.core.config import load_config
 
     over = {"storage.root": store_root, "run_name": f"bench-gpu-{micro}",
             "train.micro_batch_size": micro, "train.global_batch_size": micro * 4,
@@ -100,8 +100,8 @@ def _shard_key(store) -> str:
 
 
 def _trainer(cfg, store, shard_key, cache_dir):
-    from storage.shards import materialize
-    from training.loop import RankInfo, Trainer
+    from stoker.storage.shards import materialize
+    from stoker.training.loop import RankInfo, Trainer
 
     ranks = RankInfo(0, 0, 1, DEVICE)
     return Trainer(cfg, ranks, materialize(store, shard_key, cache_dir), store, shard_key, cache_dir)
@@ -131,8 +131,8 @@ def explore(store_root: str, store, key: str, cache_dir: str, variants: list[str
     (cdt: inductor's coordinate-descent tuning, ma: max-autotune, as engine.compile_tuning
     does them; ce<N>: the chunked cross-entropy, N tokens a chunk), to pick the settings the
     trainer should use."""
-    from storage.shards import materialize
-    from training.engine import peak_flops
+    from stoker.storage.shards import materialize
+    from stoker.training.engine import peak_flops
 
     out = []
     for variant in variants:
@@ -168,8 +168,8 @@ class BareLoop:
     random windows from the same memmapped shards, pinned non-blocking copies, grad clip."""
 
     def __init__(self, cfg, shard_dir: str, attention: str = "default"):
-        from training.data import TokenStream
-        from training.model import GPT, param_groups
+        from stoker.training.data import TokenStream
+        from stoker.training.model import GPT, param_groups
 
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -219,7 +219,7 @@ def _tokens_per_second(step, steps: int, tokens_per_step: int) -> float:
 
 
 def bench_throughput(cfg, store, shard_key, cache_dir, rounds: int, steps: int) -> dict:
-    from storage.shards import materialize
+    from stoker.storage.shards import materialize
 
     ours = _trainer(cfg, store, shard_key, cache_dir)
     bare = BareLoop(cfg, materialize(store, shard_key, cache_dir))
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.store:
         raise SystemExit("--store (or STOKER_GPU_STORE) is required: a store root holding a shard set")
-    from storage.store import Store
+    from stoker.storage.store import Store
 
     store = Store(args.store)
     key = _shard_key(store)

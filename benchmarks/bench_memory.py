@@ -27,8 +27,8 @@ VARIANTS = ("none", "selective", "full", "chunked")
 
 
 def _model(args, variant: str, device: torch.device):
-    from core.config import ModelConfig
-    from training.model import GPT
+    from stoker.core.config import ModelConfig
+    from stoker.training.model import GPT
 
     cfg = ModelConfig(n_layer=args.layers, n_head=args.width // 64, n_embd=args.width,
                       block_size=args.block, dropout=0.0)

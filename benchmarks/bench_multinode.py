@@ -42,7 +42,7 @@ BLOCK, GLOBAL_BATCH, LOG_INTERVAL = 128, 16, 5
 
 
 def _config(root: str, run: str, steps: int, launch: dict | None = None, ray: dict | None = None):
-    from core.config import load_config
+    from stoker.core.config import load_config
 
     return load_config({
         "run_name": run,
@@ -63,8 +63,8 @@ def _config(root: str, run: str, steps: int, launch: dict | None = None, ray: di
 def _measure(cfg, store, shard_key: str, warmup: int) -> tuple[float, float, int]:
     """Launch one run with launch.make_launcher: (tokens/s after warm-up, start-up seconds to
     rank 0's first train event, steps measured)."""
-    from core import events
-    from launch import make_launcher
+    from stoker.core import events
+    from stoker.launch import make_launcher
 
     run = cfg.resolved_run_name()
     store.write_bytes(f"runs/{run}/config.json", cfg.to_json().encode())
@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--columns", default="1x2,2x1,2x1-here,ray", help="which, comma-separated")
     args = p.parse_args(argv if argv is not None else sys.argv[1:])
 
-    from data import prepare
-    from storage.store import Store
+    from stoker.data import prepare
+    from stoker.storage.store import Store
     from tests.netutil import NetnsNodes
 
     work = tempfile.mkdtemp(prefix="stoker-bench-multinode-")
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
 def _ray_cluster(work: str):
     """(a two-node Ray cluster, None) or (None, why there is none)."""
     try:
-        from launch.ray import RayLauncher  # noqa: F401  (the launcher behind launch.launcher 'ray')
+        from stoker.launch.ray import RayLauncher  # noqa: F401  (the launcher behind launch.launcher 'ray')
     except ImportError as err:
         return None, f"ray launcher not available ({err})"
     from tests.raycluster import RayCluster, ray_unavailable

@@ -86,9 +86,9 @@ def _cpu() -> float:
 
 def child_tokenizer(work: str, base: str, tokenizer: str) -> dict:
     """A BPE trained on the 1x corpus, as a file every build loads."""
-    from core.config import DataConfig, TokenizerConfig
-    from data import prepare
-    from storage.store import Store
+    from stoker.core.config import DataConfig, TokenizerConfig
+    from stoker.data import prepare
+    from stoker.storage.store import Store
 
     store = Store(os.path.join(work, "store-tokenizer"))
     ds = prepare.download_dataset(DataConfig(source=base, max_bytes=0), store)
@@ -98,9 +98,9 @@ def child_tokenizer(work: str, base: str, tokenizer: str) -> dict:
 
 def child_prepare(root: str, options: str, corpus: str, tokenizer: str) -> dict:
     """The dataset and the tokenizer in the store."""
-    from core.config import DataConfig, TokenizerConfig
-    from data import prepare
-    from storage.store import Store
+    from stoker.core.config import DataConfig, TokenizerConfig
+    from stoker.data import prepare
+    from stoker.storage.store import Store
 
     store = Store(root, json.loads(options))
     ds = prepare.download_dataset(DataConfig(source=corpus, max_bytes=0), store)
@@ -110,10 +110,10 @@ def child_prepare(root: str, options: str, corpus: str, tokenizer: str) -> dict:
 
 def child_build(root: str, options: str, prepared: str, engine: str, address: str) -> dict:
     """tokenize_and_shard into a store without shards, measured."""
-    from core.config import DataConfig, RayConfig
-    from core.results import DatasetInfo, TokenizerInfo
-    from data import prepare
-    from storage.store import Store
+    from stoker.core.config import DataConfig, RayConfig
+    from stoker.core.results import DatasetInfo, TokenizerInfo
+    from stoker.data import prepare
+    from stoker.storage.store import Store
 
     store = Store(root, json.loads(options))
     store.rm("shards")

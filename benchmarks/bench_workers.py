@@ -13,9 +13,9 @@ import time
 
 
 def main() -> None:
-    from core.config import DataConfig, TokenizerConfig
-    from data import prepare
-    from storage.store import Store
+    from stoker.core.config import DataConfig, TokenizerConfig
+    from stoker.data import prepare
+    from stoker.storage.store import Store
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     work = tempfile.mkdtemp(prefix="stoker-bench-workers-")

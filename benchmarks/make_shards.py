@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="pad the trained tokenizer with unused special tokens to this many ids (0: no padding)")
     args = p.parse_args(argv)
 
-    from core.config import load_config
-    from data import prepare
-    from storage.store import Store
+    from stoker.core.config import load_config
+    from stoker.data import prepare
+    from stoker.storage.store import Store
 
     out = os.path.abspath(args.out)
     cfg = load_config(args.recipe, **{"storage.root": "file://" + out, "data.max_bytes": args.max_bytes,
@@ -74,7 +74,7 @@ def model_line(cfg, vocab_size: int) -> str:
     than the recipe's tokenizer.vocab_size makes it."""
     import torch
 
-    from training.model import GPT, padded_vocab
+    from stoker.training.model import GPT, padded_vocab
 
     with torch.device("meta"):
         n = GPT(cfg.model, vocab_size, seed=None).num_params()

@@ -1,4 +1,4 @@
-"""What a user runs, timed: ``torchrun --nproc-per-node=1 -m training.train`` of the
+"""What a user runs, timed: ``torchrun --nproc-per-node=1 -m stoker.training.train`` of the
 ``gpt2-124m-1gpu`` recipe (its process group, its per-step events, its log-step syncs, its
 checkpoint), with throughput read from the run's own event stream. Used by bench_gpu.
 
@@ -18,8 +18,8 @@ import tempfile
 import threading
 import time
 
-from core import events
-from core.config import load_config
+from stoker.core import events
+from stoker.core.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "gpt2-124m-1gpu"
@@ -57,7 +57,7 @@ def run_config(store_root: str, name: str, micro: int, steps: int, smoke: dict |
 def _launch(config_url: str, shard_key: str, cache_dir: str, timeout: float) -> tuple[list, float | None, str]:
     """torchrun one rank; (events, seconds to the first finished step, the output's tail)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           "--nproc-per-node=1", "-m", "training.train", "--config", config_url,
+           "--nproc-per-node=1", "-m", "stoker.training.train", "--config", config_url,
            "--shards", shard_key, "--cache-dir", cache_dir]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
@@ -113,7 +113,7 @@ def model_facts(cfg, vocab_size: int) -> dict:
     """Parameter count (tied output matrix once, no position embeddings) and vocabulary."""
     import torch
 
-    from training.model import GPT, padded_vocab
+    from stoker.training.model import GPT, padded_vocab
 
     with torch.device("meta"):
         model = GPT(cfg.model, vocab_size, seed=None)
@@ -125,8 +125,8 @@ def real_run(store, shard_key: str, micro: int, *, steps: int, warmup: int, smok
              global_batch: int | None = None, variant: str = "ddp:none", timeout: float = 540) -> dict:
     """One real 1-rank run of the recipe with the variant's engine settings: its steady-state
     throughput, the time to its first step, and what it ran (model size, vocabulary, batch)."""
-    from storage.layout import CONFIG_FILE, run_file_key
-    from training.data import TokenStream
+    from stoker.storage.layout import CONFIG_FILE, run_file_key
+    from stoker.training.data import TokenStream
 
     name = "bench-gpu-real-" + "".join(c if c.isalnum() else "-" for c in variant)
     cfg = run_config(store.root, name, micro, steps, smoke, global_batch, **parse_variant(variant))
@@ -134,7 +134,7 @@ def real_run(store, shard_key: str, micro: int, *, steps: int, warmup: int, smok
     store.write_bytes(key, cfg.to_json().encode())
     with tempfile.TemporaryDirectory(prefix="stoker-real-run-") as cache_dir:
         seen, first_step, _ = _launch(store.url(key), shard_key, cache_dir, timeout)
-        from storage.shards import materialize
+        from stoker.storage.shards import materialize
 
         vocab = TokenStream(materialize(store, shard_key, cache_dir), "train").vocab_size
     tokens = cfg.train.global_batch_size * cfg.model.block_size

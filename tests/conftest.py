@@ -298,7 +298,7 @@ def tiny_dict(root: str, **sections) -> dict:
 
 @pytest.fixture
 def tiny_config(tmp_path):
-    from core.config import load_config
+    from stoker.core.config import load_config
 
     def make(**sections):
         return load_config(tiny_dict("file://" + str(tmp_path / "store"), **sections))
@@ -308,8 +308,8 @@ def tiny_config(tmp_path):
 
 def prepare_shards(cfg):
     """Run the data stage with the plain functions (no Prefect); return (store, ShardInfo)."""
-    from storage.store import Store
-    from data import prepare as data_prep
+    from stoker.storage.store import Store
+    from stoker.data import prepare as data_prep
 
     store = Store(cfg.storage.root, cfg.storage.storage_options)
     dataset = data_prep.download_dataset(cfg.data, store)
@@ -511,7 +511,7 @@ def http_server(tmp_path):
 @pytest.fixture
 def fast_retries(monkeypatch):
     """In-task download retries without the real backoff delays (same attempt count)."""
-    from data import sources
+    from stoker.data import sources
 
     monkeypatch.setattr(sources, "RETRY_BASE_DELAY", 0.01)
     monkeypatch.setattr(sources, "RETRY_MAX_DELAY", 0.05)
@@ -523,12 +523,12 @@ def run_ranks(config_url: str, shard_key: str, resume: str | None = None, nproc:
               env: dict | None = None) -> list[dict]:
     """torchrun `nproc` ranks of training.train on this host; assert they succeed and return
     their events (decoded metric lines)."""
-    from launch.torchrun import free_port as rdzv_port
+    from stoker.launch.torchrun import free_port as rdzv_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rdzv_port()}", "--tee=3",
            f"--max-restarts={max_restarts}",
-           "-m", "training.train", "--config", config_url, "--shards", shard_key]
+           "-m", "stoker.training.train", "--config", config_url, "--shards", shard_key]
     if resume:
         cmd += ["--resume-from", resume]
     if cache_dir:
@@ -555,7 +555,7 @@ def run_collecting(launcher, on_event=None):
 
 def event_losses(seen) -> dict[int, float]:
     """{step: loss} of the Train events (a step reported twice: the last report)."""
-    from core import events
+    from stoker.core import events
 
     return {e.step: e.loss for e in seen if isinstance(e, events.Train)}
 
@@ -566,7 +566,7 @@ def newest_weights(store, run: str, step: int, cache: str) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from storage.checkpoints import list_checkpoints, rehydrate
+    from stoker.storage.checkpoints import list_checkpoints, rehydrate
 
     newest = list_checkpoints(store, run)[0]
     assert newest.step == step

@@ -1,5 +1,6 @@
 """The rooms and who may enter (DESIGN.md): no upward import, no import cycle, no torch in
-the orchestrator's rooms, no Prefect in the ranks'."""
+the orchestrator's rooms, no Prefect in the ranks'. Every room is a subpackage of stoker; the
+command line (stoker/cli.py, stoker/__main__.py) is the top, and stoker/__init__.py imports nothing."""
 
 import ast
 import os
@@ -8,8 +9,9 @@ import pytest
 
 from tests.conftest import ROOT
 
-ROOMS = ("core", "storage", "data", "launch", "training", "tasks", "flows")
+ROOMS = ("core", "storage", "data", "launch", "training", "tasks", "flows", "cli")
 MAY_IMPORT = {
+    "cli": {"core", "tasks", "flows", "cli"},
     "core": {"core"},
     "storage": {"core", "storage"},
     "data": {"core", "storage", "data"},
@@ -18,18 +20,16 @@ MAY_IMPORT = {
     "tasks": {"core", "data", "launch", "storage", "tasks"},
     "flows": {"core", "tasks", "flows"},
 }
-NEVER = {"launch": {"torch"}, "tasks": {"torch"}, "flows": {"torch"}, "core": {"torch", "prefect"},
+NEVER = {"cli": {"torch"}, "launch": {"torch"}, "tasks": {"torch"}, "flows": {"torch"}, "core": {"torch", "prefect"},
          "storage": {"torch", "prefect"}, "data": {"torch", "prefect"}, "training": {"prefect"}}
 
 
 def _modules() -> dict[str, set[str]]:
     """Every project module and the modules it imports (at any depth of the file)."""
     out = {}
-    for room in ROOMS:
-        for dirpath, _, files in os.walk(os.path.join(ROOT, room)):
-            for name in files:
-                if not name.endswith(".py"):
-                    continue
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "stoker")):
+        for name in files:
+            if name.endswith(".py"):
                 path = os.path.join(dirpath, name)
                 rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
                 imported = set()
@@ -46,14 +46,32 @@ def _modules() -> dict[str, set[str]]:
 MODULES = _modules()
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
+def _room(module: str) -> str | None:
+    """The room of a stoker module ('stoker.launch.gang' -> 'launch', 'stoker.__main__' -> 'cli')."""
+    parts = module.split(".")
+    if parts[0] != "stoker" or len(parts) == 1:
+        return None
+    return "cli" if parts[1] in ("cli", "__main__") else parts[1]
+
+
+ROOMED = {m: _room(m) for m in MODULES if _room(m) != "recipes"}
+
+
+def test_every_module_is_in_a_room_and_the_package_root_imports_nothing():
+    assert MODULES["stoker"] == set(), "stoker/__init__.py imports nothing (the ranks never load Prefect)"
+    assert {r for r in ROOMED.values() if r} <= set(ROOMS), sorted(ROOMED.items())
+
+
+@pytest.mark.parametrize("module", sorted(m for m, r in ROOMED.items() if r))
 def test_each_room_imports_only_the_rooms_below_it(module):
-    room = module.split(".")[0]
+    room = ROOMED[module]
     for name in MODULES[module]:
         top = name.split(".")[0]
-        if top in ROOMS:
-            assert top in MAY_IMPORT[room], f"{module} imports {name}: {room}/ may not import {top}/"
+        other = _room(name)
+        if other:
+            assert other in MAY_IMPORT[room], f"{module} imports {name}: {room}/ may not import {other}/"
         assert top not in NEVER[room], f"{module} imports {name}: {room}/ never imports {top}"
+        assert top not in ROOMS or top == "stoker", f"{module} imports {name}: the rooms are stoker.{top}"
 
 
 def test_no_import_cycle_between_project_modules():

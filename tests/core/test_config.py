@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from core.config import (RECIPES_DIR, ConfigError, DataConfig, RunConfig, load_config,
+from stoker.core.config import (RECIPES_DIR, ConfigError, DataConfig, RunConfig, load_config,
                          local_resource_problems)
 from tests.conftest import tiny_dict
 

@@ -1,7 +1,7 @@
-from core.failures import DataError
-from core.failures import TrainingFailed
-from core.failures import is_transient
-from core.config import ConfigError
+from stoker.core.failures import DataError
+from stoker.core.failures import TrainingFailed
+from stoker.core.failures import is_transient
+from stoker.core.config import ConfigError
 
 
 def test_user_mistakes_are_never_retried():
@@ -20,7 +20,7 @@ def test_lost_nodes_and_storage_blips_are_retried():
 
 
 def test_rank_side_classification():
-    from core.failures import is_transient as rank_transient
+    from stoker.core.failures import is_transient as rank_transient
 
     lost_peer = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
     assert rank_transient(lost_peer)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from core import lifeline
+from stoker.core import lifeline
 from tests.conftest import ROOT, read_proc
 
 
@@ -38,7 +38,7 @@ def test_a_token_tells_a_live_process_from_a_dead_one_and_a_reused_pid():
 # with the parent-death signal set, prints its pid and waits
 MIDDLE = """
 import os, subprocess, sys, time
-from core import lifeline
+from stoker.core import lifeline
 me = os.getpid()
 p = subprocess.Popen(["sleep", "60"], start_new_session=True,
                      preexec_fn=lambda: lifeline.set_parent_death_signal(parent=me))
@@ -83,7 +83,7 @@ def test_a_heartbeat_counts_once_seen_and_goes_stale_when_it_stops(tmp_path, mon
 
 def test_a_module_run_under_a_lifeline_ends_with_the_process_it_names():
     starter = subprocess.Popen(["sleep", "60"])
-    served = subprocess.Popen([sys.executable, "-m", "core.lifeline", lifeline.token(starter.pid),
+    served = subprocess.Popen([sys.executable, "-m", "stoker.core.lifeline", lifeline.token(starter.pid),
                                "http.server", "0", "--bind", "127.0.0.1"], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from core.config import ConfigError, load_config
+from stoker.core.config import ConfigError, load_config
 
 
 def test_sinks_are_off_by_default():

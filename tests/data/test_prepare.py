@@ -4,11 +4,11 @@ import os
 import numpy as np
 import pytest
 
-from storage.shards import validate_shard_set
-from storage.store import Store
-from data import prepare as data_prep
-from core.failures import DataError
-from core.config import DataConfig, TokenizerConfig
+from stoker.storage.shards import validate_shard_set
+from stoker.storage.store import Store
+from stoker.data import prepare as data_prep
+from stoker.core.failures import DataError
+from stoker.core.config import DataConfig, TokenizerConfig
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_cache_key_ignores_where_the_data_came_from(store, tmp_path):
 
 
 def test_a_shard_set_damaged_in_the_store_is_marked_where_read_and_rebuilt_by_the_next_stage(store, tmp_path):
-    from storage.shards import materialize
+    from stoker.storage.shards import materialize
 
     _, _, first = _prepare(store)
     path = os.path.join(store.local_path(first.key), "train-00000.bin")

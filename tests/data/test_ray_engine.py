@@ -17,12 +17,12 @@ import time
 import numpy as np
 import pytest
 
-from core.config import DataConfig, RayConfig, TokenizerConfig
-from core.failures import ConfigError, DataError
-from data import prepare as data_prep, ray_engine, sharding
-from storage.datasets import CORPUS_FILE
-from storage.shards import validate_shard_set
-from storage.store import Store, join
+from stoker.core.config import DataConfig, RayConfig, TokenizerConfig
+from stoker.core.failures import ConfigError, DataError
+from stoker.data import prepare as data_prep, ray_engine, sharding
+from stoker.storage.datasets import CORPUS_FILE
+from stoker.storage.shards import validate_shard_set
+from stoker.storage.store import Store, join
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="ray is not installed (pip install 'stoker[ray]')")
@@ -201,8 +201,8 @@ def test_a_store_the_nodes_cannot_reach_is_a_config_error(ray_cluster, tmp_path)
 
 DRIVER_ON_A_NODE = """
 import json, logging, sys
-from core.config import RayConfig
-from storage.store import Store
+from stoker.core.config import RayConfig
+from stoker.storage.store import Store
 from tests.data.test_ray_engine import _build, _prepared
 root, options, address = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 class Nodes(logging.Handler):  # the nodes the engine's tasks ran on

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from storage.store import Store
-from data import prepare as data_prep
-from core.failures import DataError, SourceUnreachable
-from core.failures import is_transient
+from stoker.storage.store import Store
+from stoker.data import prepare as data_prep
+from stoker.core.failures import DataError, SourceUnreachable
+from stoker.core.failures import is_transient
 from tests.conftest import free_port
-from core.config import DataConfig
+from stoker.core.config import DataConfig
 
 
 @pytest.fixture
@@ -100,7 +100,7 @@ def test_missing_parquet_column_and_bad_json_name_the_field(store, tmp_path):
 
 
 def test_new_data_fields_are_checked_with_their_fix(tmp_path):
-    from core.config import ConfigError, RunConfig, load_config, local_resource_problems
+    from stoker.core.config import ConfigError, RunConfig, load_config, local_resource_problems
 
     with pytest.raises(ConfigError) as err:
         load_config({"data": {"source": str(tmp_path), "storage_options": {"anon": True},

@@ -13,18 +13,18 @@ import time
 
 import pytest
 
-from storage.checkpoints import find_latest_valid, list_checkpoints
-from storage.store import Store
+from stoker.storage.checkpoints import find_latest_valid, list_checkpoints
+from stoker.storage.store import Store
 from tests.conftest import ROOT, GangWatch, descendants, read_proc, stop_process, tiny_dict
-from core.config import load_config
+from stoker.core.config import load_config
 
 pytestmark = pytest.mark.e2e
 
 # A deployment with an entrypoint, as `prefect deploy` makes: the runner starts each flow run
-# as `python -m prefect.engine`, which imports flows/pipeline.py. (`train_pipeline.serve()`
+# as `python -m prefect.engine`, which imports stoker/flows/pipeline.py. (`train_pipeline.serve()`
 # would instead cloudpickle the flow by value, and the nested prepare_data flow then cannot
 # resolve its string annotations: "`Prepare_DataModel` is not fully defined".)
-SERVE = ("import prefect; from flows.pipeline import train_pipeline; "
+SERVE = ("import prefect; from stoker.flows.pipeline import train_pipeline; "
          "prefect.serve(train_pipeline.to_deployment(name='cancel-test'), "
          "print_starting_message=False, limit=1)")
 

@@ -11,7 +11,7 @@ from tests.conftest import ROOT
 
 
 def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "stoker.cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -48,9 +48,9 @@ def test_a_project_error_fails_the_flow_run_with_the_same_line_and_no_traceback(
     the exception); download_dataset fails on bad data without retrying."""
     import logging
 
-    from core.config import load_config
-    from core.failures import StokerError
-    from flows.pipeline import train_pipeline
+    from stoker.core.config import load_config
+    from stoker.core.failures import StokerError
+    from stoker.flows.pipeline import train_pipeline
 
     cfg = load_config("tiny-cpu", **{"storage.root": f"file://{tmp_path}/store"})
     if where == "validate_config":  # a config built in code skips load_config's file checks
@@ -114,7 +114,7 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_running(tmp_path):
     env = {**os.environ, "STOKER_ROOT": str(tmp_path / "store"), "GLOO_SOCKET_IFNAME": "lo",
            "PREFECT_HOME": str(home)}
     env.pop("PREFECT_API_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--set", "train.max_steps=100000",
+    proc = subprocess.Popen([sys.executable, "-m", "stoker.cli", "run", "--set", "train.max_steps=100000",
                              "--set", "run_name=ctrlc"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     seen = wait_until_training(proc.pid, tmp_path / "store" / "runs" / "ctrlc" / "metrics.jsonl")
@@ -139,7 +139,7 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_running(tmp_path):
 def test_a_gpu_recipe_on_a_machine_without_gpus_is_one_line_before_prefect_starts(tmp_path):
     import time
 
-    from launch.devices import visible_gpu_count
+    from stoker.launch.devices import visible_gpu_count
 
     if visible_gpu_count():
         pytest.skip("this machine has GPUs")
@@ -156,10 +156,10 @@ def test_a_gpu_recipe_on_a_machine_without_gpus_is_one_line_before_prefect_start
 def test_runs_checkpoints_verify_and_config_list_read_the_store_without_prefect(tmp_path):
     """A store with one run: two committed checkpoints, the newer one with a flipped byte
     (sizes match, so only verify's checksums find it) and one never committed."""
-    from core.config import load_config
-    from storage.checkpoints import commit_checkpoint, new_checkpoint_key
-    from storage.layout import CONFIG_FILE, run_file_key
-    from storage.store import Store, join
+    from stoker.core.config import load_config
+    from stoker.storage.checkpoints import commit_checkpoint, new_checkpoint_key
+    from stoker.storage.layout import CONFIG_FILE, run_file_key
+    from stoker.storage.store import Store, join
 
     store = Store(f"file://{tmp_path}/store")
     store.write_bytes(run_file_key("r1", CONFIG_FILE), load_config("tiny-cpu").model_dump_json().encode())
@@ -200,8 +200,8 @@ def test_runs_checkpoints_verify_and_config_list_read_the_store_without_prefect(
 def test_evaluate_of_a_deleted_checkpoint_is_one_line_and_exit_2(tmp_path):
     """A checkpoint retention deleted (or never committed): refused before any server starts,
     once, naming why; no retry of what cannot heal."""
-    from storage.checkpoints import commit_checkpoint, new_checkpoint_key
-    from storage.store import Store, join
+    from stoker.storage.checkpoints import commit_checkpoint, new_checkpoint_key
+    from stoker.storage.store import Store, join
 
     store = Store(f"file://{tmp_path}/store")
     key = new_checkpoint_key(store, "r1", 4)

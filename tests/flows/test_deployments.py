@@ -11,7 +11,7 @@ import uuid
 import pytest
 import yaml
 
-from core.config import RunConfig, load_config
+from stoker.core.config import RunConfig, load_config
 from tests.conftest import ROOT, start_process, stop_process, tiny_dict, wait_for
 
 PREFECT_YAML = os.path.join(ROOT, "prefect.yaml")
@@ -42,7 +42,7 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
 
     env = {**prefect_api, "STOKER_ROOT": str(tmp_path / "store"), "STOKER_CACHE": str(tmp_path / "cache")}
     for round_ in (1, 2):  # idempotent: the second round finds the pool and the limit
-        out = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], cwd=ROOT, env=env,
+        out = subprocess.run([sys.executable, "-m", "stoker.cli", "deploy"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert ("already there" in out.stdout) == (round_ == 2), out.stdout
@@ -116,7 +116,7 @@ def test_serve_runs_the_deployments_from_one_process_without_a_worker(prefect_ap
     env = {**prefect_api, "STOKER_ROOT": str(tmp_path / "store"), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
-        served = start_process([sys.executable, "-m", "flows.cli", "serve"], env, out)
+        served = start_process([sys.executable, "-m", "stoker.cli", "serve"], env, out)
     try:
         with temporary_settings({PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}):
             with get_client(sync_client=True) as client:

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from storage.checkpoints import list_checkpoints
-from storage.store import Store
-from core.failures import TrainingFailed
+from stoker.storage.checkpoints import list_checkpoints
+from stoker.storage.store import Store
+from stoker.core.failures import TrainingFailed
 from tests.conftest import tiny_dict
-from core.config import load_config
+from stoker.core.config import load_config
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +31,7 @@ def _cfg(root, name, **train):
 
 
 def test_killed_rank_is_retried_and_ends_bitwise_like_an_unbroken_run(prefect_server, tmp_path, monkeypatch):
-    from flows.pipeline import train_pipeline
+    from stoker.flows.pipeline import train_pipeline
 
     root = "file://" + str(tmp_path / "store")
     unbroken = train_pipeline(_cfg(root, "unbroken"))
@@ -59,7 +59,7 @@ def test_killed_rank_is_retried_and_ends_bitwise_like_an_unbroken_run(prefect_se
 
 
 def test_a_rank_that_raises_is_not_retried(prefect_server, tmp_path, monkeypatch):
-    from flows.pipeline import train_pipeline
+    from stoker.flows.pipeline import train_pipeline
 
     root = "file://" + str(tmp_path / "store")
     monkeypatch.setenv("STOKER_FAULT", "raise:rank=0:step=2")

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.e2e
 KERNEL = """
 import signal
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from core.config import load_config
-from flows.pipeline import train_pipeline
+from stoker.core.config import load_config
+from stoker.flows.pipeline import train_pipeline
 try:
     train_pipeline(load_config("tiny-cpu", run_name="kernel", **{"train.max_steps": 100000}))
 except KeyboardInterrupt:

@@ -13,8 +13,8 @@ from tests.conftest import ROOT, tiny_dict
 
 _HOLDER = """
 import sys, time
-from storage.store import Store
-from storage.lease import acquire_lease
+from stoker.storage.store import Store
+from stoker.storage.lease import acquire_lease
 store = Store(sys.argv[1], {opts})
 lease = acquire_lease(store, sys.argv[2], flow_run_id="other-flow-run", ttl=30)
 lease.start_heartbeat(on_lost=lambda why: (print("LOST", why, flush=True)))
@@ -43,11 +43,11 @@ def _stop(proc: subprocess.Popen) -> str:
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_second_launch_refuses_before_any_work_and_writes_nothing(prefect_server, tmp_path, where,
                                                                   request):
-    from core.config import load_config
-    from flows.pipeline import train_pipeline
-    from storage.checkpoints import list_checkpoints
-    from storage.lease import LeaseHeld
-    from storage.store import Store
+    from stoker.core.config import load_config
+    from stoker.flows.pipeline import train_pipeline
+    from stoker.storage.checkpoints import list_checkpoints
+    from stoker.storage.lease import LeaseHeld
+    from stoker.storage.store import Store
 
     root, options = (f"file://{tmp_path}/store", {}) if where == "local" \
         else request.getfixturevalue("s3_root")
@@ -67,7 +67,7 @@ def test_second_launch_refuses_before_any_work_and_writes_nothing(prefect_server
 
 
 def _cli(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "stoker.cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -92,9 +92,9 @@ def test_cli_refuses_in_one_line_and_takeover_trains(tmp_path):
     finally:
         said = _stop(holder)
     assert "LOST" in said  # the old holder's heartbeat found the lease taken
-    from storage.checkpoints import find_latest_valid
-    from storage.lease import read_lease
-    from storage.store import Store
+    from stoker.storage.checkpoints import find_latest_valid
+    from stoker.storage.lease import read_lease
+    from stoker.storage.store import Store
 
     store = Store(root)
     assert find_latest_valid(store, "leased").checkpoint.step == 8

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from core.config import ConfigError, load_config
-from storage.store import Store
+from stoker.core.config import ConfigError, load_config
+from stoker.storage.store import Store
 from tests.conftest import tiny_dict
 
 pytestmark = pytest.mark.e2e
@@ -17,7 +17,7 @@ def test_a_run_writes_its_records_to_tensorboard_and_mlflow(prefect_server, tmp_
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from flows.pipeline import train_pipeline
+    from stoker.flows.pipeline import train_pipeline
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps file stores opt-in
     root, mlruns = "file://" + str(tmp_path / "store"), "file://" + str(tmp_path / "mlruns")
@@ -58,7 +58,7 @@ def test_a_run_writes_its_records_to_tensorboard_and_mlflow(prefect_server, tmp_
 
 
 def test_a_tracking_uri_that_cannot_be_used_stops_the_run_before_any_work(prefect_server, tmp_path):
-    from flows.pipeline import train_pipeline
+    from stoker.flows.pipeline import train_pipeline
 
     root = "file://" + str(tmp_path / "store")
     cfg = load_config(tiny_dict(root, metrics={"mlflow_tracking_uri": "nosuch://tracking/server"}))

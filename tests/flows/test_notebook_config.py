@@ -27,10 +27,10 @@ def test_the_notebooks_settings_evaluate_every_checkpoint_without_a_failure(pref
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 
-    from core.config import load_config
-    from flows.pipeline import train_pipeline
-    from storage.checkpoints import EVAL_PIN, list_checkpoints
-    from storage.store import Store
+    from stoker.core.config import load_config
+    from stoker.flows.pipeline import train_pipeline
+    from stoker.storage.checkpoints import EVAL_PIN, list_checkpoints
+    from stoker.storage.store import Store
 
     recipe, settings = notebook_settings()
     assert settings["checkpoint.interval_steps"] < settings["train.max_steps"]  # still the case it covers

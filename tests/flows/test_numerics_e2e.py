@@ -5,18 +5,18 @@ import json
 
 import pytest
 
-from core.config import load_config
-from core.failures import TrainingFailed
-from storage.checkpoints import find_latest_valid
-from storage.store import Store
-from tasks.inspect import list_runs
+from stoker.core.config import load_config
+from stoker.core.failures import TrainingFailed
+from stoker.storage.checkpoints import find_latest_valid
+from stoker.storage.store import Store
+from stoker.tasks.inspect import list_runs
 from tests.conftest import tiny_dict
 
 pytestmark = pytest.mark.e2e
 
 
 def test_a_diverging_run_fails_once_naming_the_step_and_is_not_retried(prefect_server, tmp_path):
-    from flows.pipeline import train_pipeline
+    from stoker.flows.pipeline import train_pipeline
 
     root = "file://" + str(tmp_path / "store")
     cfg = load_config(tiny_dict(root, run_name="diverging",

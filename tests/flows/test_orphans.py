@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from storage.checkpoints import find_latest_valid
-from storage.store import Store
+from stoker.storage.checkpoints import find_latest_valid
+from stoker.storage.store import Store
 from tests.conftest import ROOT, gang_members, live_processes, read_proc
 
 pytestmark = pytest.mark.e2e
@@ -38,7 +38,7 @@ def _env(tmp_path) -> dict:
 
 def _cli(run: str, max_steps: int) -> list[str]:
     sets = [*TINY, f"run_name={run}", f"train.max_steps={max_steps}"]
-    return [sys.executable, "-m", "flows.cli", "run", *[a for s in sets for a in ("--set", s)]]
+    return [sys.executable, "-m", "stoker.cli", "run", *[a for s in sets for a in ("--set", s)]]
 
 
 def _gang_of(procs) -> str | None:
@@ -102,7 +102,7 @@ def test_sigkilled_cli_and_flow_process_leave_no_rank_agent_or_server_and_a_reru
             return len(ranks) == 2 and find_latest_valid(store, "orphans").checkpoint
 
         _wait("training with a committed checkpoint", training_with_a_checkpoint, 400, log)
-        flow_process = [p for p in seen.values() if p.ppid == cli.pid and "flows.cli" in p.cmdline]
+        flow_process = [p for p in seen.values() if p.ppid == cli.pid and "stoker.cli" in p.cmdline]
         servers = [p for p in seen.values() if "uvicorn" in p.cmdline]
         gang = _gang_of(p for p in seen.values() if "training.train" in p.cmdline)
         assert len(flow_process) == 1 and len(servers) == 1 and gang, seen
@@ -138,8 +138,8 @@ def test_sigkilled_cli_and_flow_process_leave_no_rank_agent_or_server_and_a_reru
 
 
 SCRIPT = """
-from flows.cli import config_from_args
-from flows.pipeline import train_pipeline
+from stoker.cli import config_from_args
+from stoker.flows.pipeline import train_pipeline
 import sys
 train_pipeline(config_from_args("tiny-cpu", sys.argv[1:]))
 """

@@ -5,19 +5,19 @@ import json
 import pytest
 import torch
 
-from storage.checkpoints import list_checkpoints, validate_checkpoint
-from storage.store import Store
+from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
+from stoker.storage.store import Store
 from tests.conftest import tiny_dict
-from training.checkpoint import load_checkpoint
-from core.config import ConfigError, load_config
-from training.model import GPT
+from stoker.training.checkpoint import load_checkpoint
+from stoker.core.config import ConfigError, load_config
+from stoker.training.model import GPT
 
 pytestmark = pytest.mark.e2e
 
 
 def test_pipeline_trains_resumes_and_hits_the_data_cache(prefect_server, tmp_path):
-    from flows.evaluate import evaluate_checkpoint_flow
-    from flows.pipeline import PipelineResult, train_pipeline
+    from stoker.flows.evaluate import evaluate_checkpoint_flow
+    from stoker.flows.pipeline import PipelineResult, train_pipeline
 
     root = "file://" + str(tmp_path / "store")
     cfg = load_config(tiny_dict(root, run_name="e2e"))
@@ -72,7 +72,7 @@ def test_pipeline_trains_resumes_and_hits_the_data_cache(prefect_server, tmp_pat
 
 
 def test_bad_config_is_one_clear_error_before_anything_runs(prefect_server, tmp_path):
-    from flows.pipeline import train_pipeline
+    from stoker.flows.pipeline import train_pipeline
 
     root = tmp_path / "store"
     bad = tiny_dict(

@@ -110,7 +110,7 @@ def test_training_outlives_a_prefect_server_outage_and_the_ui_catches_up(server,
     env = {**server.env, "PREFECT_CLIENT_MAX_RETRIES": "2", "STOKER_FAULT": "slow:seconds=0.25",
            "STOKER_ROOT": store, "STOKER_CACHE": str(tmp_path / "cache")}
     with open(log, "w") as out:
-        run = start_process([sys.executable, "-m", "flows.cli", "run", "--recipe", cfg], env, out)
+        run = start_process([sys.executable, "-m", "stoker.cli", "run", "--recipe", cfg], env, out)
     try:
         wait_for("training to start", lambda: train_steps_logged(store, run_name) >= 10, 300, [log])
         server.stop()
@@ -140,7 +140,7 @@ def test_training_outlives_a_prefect_server_outage_and_the_ui_catches_up(server,
 
 # ---- one line for a server that is not there ------------------------------------------------
 def test_an_unreachable_prefect_api_url_is_one_line_before_any_compute(monkeypatch, capsys, tmp_path):
-    from flows.cli import main
+    from stoker.cli import main
 
     url = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
     monkeypatch.setenv("PREFECT_API_URL", url)
@@ -160,12 +160,12 @@ def test_an_unreachable_prefect_api_url_is_one_line_before_any_compute(monkeypat
 @pytest.mark.e2e
 def test_serve_after_deploy_on_the_same_server_runs_a_flow_run_to_completed(server, tmp_path):
     env = {**server.env, "STOKER_ROOT": str(tmp_path / "store"), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "-m", "stoker.cli", "deploy"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     log = tmp_path / "serve.log"
     with open(log, "w") as f:
-        served = start_process([sys.executable, "-m", "flows.cli", "serve"], env, f)
+        served = start_process([sys.executable, "-m", "stoker.cli", "serve"], env, f)
     try:
         def served_deployment():
             d = api(server.url, "GET", "/deployments/name/train-pipeline/train-adhoc")
@@ -190,15 +190,15 @@ def test_serve_after_deploy_on_the_same_server_runs_a_flow_run_to_completed(serv
 # ---- a killed Python process (a notebook kernel restart) --------------------------------
 NOTEBOOK = """
 import json, sys
-from flows.pipeline import train_pipeline
-from core.config import load_config
+from stoker.flows.pipeline import train_pipeline
+from stoker.core.config import load_config
 train_pipeline(load_config(sys.argv[1]))
 """
 
 
 NEXT_FLOW = """
 import sys
-from flows.evaluate import evaluate_checkpoint_flow
+from stoker.flows.evaluate import evaluate_checkpoint_flow
 print("failed:", evaluate_checkpoint_flow(sys.argv[1], return_state=True).is_failed())
 """
 

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from core.config import load_config
+from stoker.core.config import load_config
 from tests.conftest import tiny_dict
 
 pytestmark = pytest.mark.e2e
@@ -36,8 +36,8 @@ def test_the_pipeline_on_ray_prepares_trains_and_evaluates_with_a_credentials_bl
     import s3fs
     from prefect.blocks.system import Secret
 
-    from flows.pipeline import train_pipeline
-    from storage import credentials
+    from stoker.flows.pipeline import train_pipeline
+    from stoker.storage import credentials
 
     root, options, (key_id, secret) = ray_cluster.keyed_bucket()
     bucket = root.removeprefix("s3://").split("/", 1)[0]

@@ -9,8 +9,8 @@ import uuid
 
 import pytest
 
-from core.config import load_config
-from core.failures import ConfigError
+from stoker.core.config import load_config
+from stoker.core.failures import ConfigError
 from tests.conftest import tiny_dict
 
 pytestmark = pytest.mark.e2e
@@ -37,7 +37,7 @@ def _run_and_scan(s3_root, key_id: str, secret: str, **storage) -> None:
     database (+ WAL) and the host cache scanned for the credentials: zero hits."""
     import s3fs
 
-    from flows.pipeline import train_pipeline
+    from stoker.flows.pipeline import train_pipeline
 
     root, options = s3_root
     cfg = load_config(tiny_dict(root, run_name="secrets", train={"max_steps": 4},
@@ -90,7 +90,7 @@ def test_credentials_from_a_prefect_secret_block_reach_every_process_and_are_wri
     import s3fs
     from prefect.blocks.system import Secret
 
-    from storage import credentials
+    from stoker.storage import credentials
 
     key_id, secret = _fake_credentials()
     name = "stoker-s3-" + uuid.uuid4().hex[:8]
@@ -108,7 +108,7 @@ def test_credentials_from_a_prefect_secret_block_reach_every_process_and_are_wri
 def test_a_missing_or_wrong_credentials_block_is_one_config_error(prefect_server, tmp_path):
     from prefect.blocks.system import Secret
 
-    from flows.pipeline import train_pipeline
+    from stoker.flows.pipeline import train_pipeline
 
     cfg = load_config(tiny_dict(f"file://{tmp_path}/store"))
     missing = cfg.model_copy(update={"storage": cfg.storage.model_copy(
@@ -144,8 +144,8 @@ def test_an_aws_credentials_block_gives_the_store_and_the_ranks_its_keys_and_sho
 
     from prefect_aws import AwsCredentials
 
-    from storage import credentials
-    from tasks.credentials import load_block_credentials
+    from stoker.storage import credentials
+    from stoker.tasks.credentials import load_block_credentials
 
     key_id, secret = _fake_credentials()
     name = "stoker-aws-" + uuid.uuid4().hex[:6]

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from core.config import RunConfig, load_config
+from stoker.core.config import RunConfig, load_config
 from tests.conftest import ROOT, start_process, stop_process
 
 # Debian's package (scripts/setup.sh test installs it); STOKER_TEST_CHROMIUM names another binary
@@ -77,7 +77,7 @@ def test_custom_run_from_the_ui_form_completes_and_its_page_shows_report_and_los
     expected = load_config("tiny-cpu", train__max_steps=MAX_STEPS)
     run = expected.resolved_run_name()
 
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "-m", "stoker.cli", "deploy"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     worker_log = tmp_path / "worker.log"

@@ -2,8 +2,8 @@
 
 import pytest
 
-from core.config import load_config
-from launch.devices import device_problems, visible_gpu_count
+from stoker.core.config import load_config
+from stoker.launch.devices import device_problems, visible_gpu_count
 
 
 @pytest.fixture
@@ -59,8 +59,8 @@ def test_engine_settings_that_cpu_ranks_cannot_honour_are_found_before_the_launc
     problem at once, with the same words a rank would use; on GPUs they are fine."""
     import torch
 
-    from core.failures import ConfigError
-    from training.engine import Engine
+    from stoker.core.failures import ConfigError
+    from stoker.training.engine import Engine
 
     fused = load_config("tiny-cpu", **{"engine.fused_optimizer": "on",
                                        "engine.compile_tuning": "coordinate-descent"})
@@ -89,9 +89,9 @@ def test_fsdp_with_a_torch_older_than_fsdp2_is_found_before_the_launch_and_by_th
 
     import torch
 
-    from core.failures import ConfigError
-    from launch.devices import installed_torch
-    from training.engine import Engine
+    from stoker.core.failures import ConfigError
+    from stoker.launch.devices import installed_torch
+    from stoker.training.engine import Engine
 
     fsdp = load_config("tiny-cpu", **{"engine.parallelism": "fsdp"})
     problems = device_problems(fsdp, gpus=0, torch_version="2.6.0+cu124")

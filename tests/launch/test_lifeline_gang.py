@@ -12,17 +12,17 @@ import time
 
 import pytest
 
-from core.config import load_config
-from launch import make_launcher
-from storage.checkpoints import find_latest_valid
+from stoker.core.config import load_config
+from stoker.launch import make_launcher
+from stoker.storage.checkpoints import find_latest_valid
 from tests.conftest import (ROOT, gang_members, live_processes, prepare_shards, read_proc, tiny_dict,
                             wait_for_none)
 from tests.launch.test_multinode import cluster  # noqa: F401  (the netns nodes fixture)
 
 LAUNCHER = """
 import sys
-from core.config import RunConfig
-from launch import make_launcher
+from stoker.core.config import RunConfig
+from stoker.launch import make_launcher
 cfg = RunConfig.model_validate_json(open(sys.argv[1]).read())
 launcher = make_launcher(cfg, sys.argv[2], sys.argv[3], None)
 launcher.run(lambda line: print(line, flush=True), lambda event: None)
@@ -95,8 +95,8 @@ def test_a_launch_interrupted_in_python_removes_its_folder_and_its_gang(tmp_path
 
 
 def test_a_new_launch_removes_the_folders_of_launchers_that_died_without_removing_them(tmp_path, monkeypatch):
-    from core import lifeline
-    from launch.gang import make_work_dir
+    from stoker.core import lifeline
+    from stoker.launch.gang import make_work_dir
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR

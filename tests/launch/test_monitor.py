@@ -1,6 +1,6 @@
-from core import events
-from core.results import TrainingResult
-from launch.monitor import TrainingMonitor
+from stoker.core import events
+from stoker.core.results import TrainingResult
+from stoker.launch.monitor import TrainingMonitor
 
 
 class _Log:

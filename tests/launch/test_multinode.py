@@ -33,12 +33,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from core import events
-from core.config import load_config
-from launch import make_launcher
-from launch.torchrun import NodeSpec, TorchrunLauncher, child_env
-from storage.checkpoints import find_latest_valid, list_checkpoints, validate_checkpoint
-from storage.store import Store
+from stoker.core import events
+from stoker.core.config import load_config
+from stoker.launch import make_launcher
+from stoker.launch.torchrun import NodeSpec, TorchrunLauncher, child_env
+from stoker.storage.checkpoints import find_latest_valid, list_checkpoints, validate_checkpoint
+from stoker.storage.store import Store
 from tests.conftest import (MotoServer, assert_bitwise_equal, event_losses, newest_weights,
                             prepare_shards, run_collecting, tiny_dict)
 from tests.netutil import NetnsNodes

@@ -15,12 +15,12 @@ import time
 import pytest
 import torch
 
-from core import events
-from core.config import load_config
-from launch import make_launcher
-from launch.ray import RayLauncher
-from storage.checkpoints import find_latest_valid, list_checkpoints
-from storage.store import Store
+from stoker.core import events
+from stoker.core.config import load_config
+from stoker.launch import make_launcher
+from stoker.launch.ray import RayLauncher
+from stoker.storage.checkpoints import find_latest_valid, list_checkpoints
+from stoker.storage.store import Store
 from tests.conftest import (ROOT, assert_bitwise_equal, event_losses, newest_weights, prepare_shards,
                             run_collecting, tiny_dict)
 
@@ -212,8 +212,8 @@ def test_a_local_ray_is_started_when_no_address_is_given(tmp_path):
 import os, sys
 sys.path.insert(0, {ROOT!r})
 from tests.conftest import tiny_dict, prepare_shards
-from core.config import load_config
-from launch import make_launcher
+from stoker.core.config import load_config
+from stoker.launch import make_launcher
 cfg = load_config(tiny_dict("file://{tmp_path}/store", run_name="local-ray",
                             launch={{"launcher": "ray", "num_nodes": 1, "nproc_per_node": 2}}))
 store, shards = prepare_shards(cfg)
@@ -241,7 +241,7 @@ print("REASON", result.reason)
 def test_the_ray_launcher_without_ray_is_one_config_error(monkeypatch, tmp_path):
     import importlib.util
 
-    from core.failures import ConfigError
+    from stoker.core.failures import ConfigError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -261,7 +261,7 @@ def test_the_launcher_is_chosen_by_the_config(tiny_config):
     launcher = make_launcher(cfg, "file:///s/runs/r/config.json", "shards/k", "runs/r/checkpoints/step-00000004")
     try:
         assert isinstance(launcher, RayLauncher)
-        assert launcher.cmd[1:4] == ["-m", "training.ray_main", "--config"]
+        assert launcher.cmd[1:4] == ["-m", "stoker.training.ray_main", "--config"]
         assert launcher.cmd[-2:] == ["--resume-from", "runs/r/checkpoints/step-00000004"]
         assert "ray://10.0.0.1:10001" in launcher.description
     finally:
@@ -284,8 +284,8 @@ def test_an_unreachable_cluster_is_said_as_such(tiny_config, tmp_path):
 
 LAUNCHER = """
 import sys
-from core.config import RunConfig
-from launch import make_launcher
+from stoker.core.config import RunConfig
+from stoker.launch import make_launcher
 cfg = RunConfig.model_validate_json(open(sys.argv[1]).read())
 make_launcher(cfg, sys.argv[2], sys.argv[3], None).run(lambda line: print(line, flush=True),
                                                        lambda event: None)

@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from core import events
-from core.config import load_config
-from launch.sinks import RUN_TAG, MetricSinks, open_sinks, scalars
-from storage.store import Store
+from stoker.core import events
+from stoker.core.config import load_config
+from stoker.launch.sinks import RUN_TAG, MetricSinks, open_sinks, scalars
+from stoker.storage.store import Store
 from tests.conftest import tiny_dict
 
 log = logging.getLogger("tests.sinks")
@@ -172,11 +172,12 @@ def test_the_sinks_and_the_export_command_load_no_torch_in_the_orchestrator(tmp_
 
     code = f"""
 import logging, sys
-from core import events
-from core.config import load_config
-from launch.sinks import open_sinks
+from stoker.core import events
+from stoker.core.config import load_config
+from stoker.launch.sinks import open_sinks
 from tests.conftest import tiny_dict
-import flows.cli, tasks.export
+import stoker.cli
+import stoker.tasks.export
 cfg = load_config(tiny_dict("file://{tmp_path}/store", metrics={{
     "tensorboard_enabled": True, "mlflow_tracking_uri": "sqlite:///{tmp_path}/m.db"}}))
 sinks = open_sinks(cfg, logging.getLogger("x"))

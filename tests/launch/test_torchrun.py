@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from core import events
-from core.config import load_config
-from launch import make_launcher
-from launch.base import GangResult, classify
-from launch.gang import kill_gang, run_gang
-from launch.torchrun import NodeSpec, TorchrunLauncher, read_error_files
+from stoker.core import events
+from stoker.core.config import load_config
+from stoker.launch import make_launcher
+from stoker.launch.base import GangResult, classify
+from stoker.launch.gang import kill_gang, run_gang
+from stoker.launch.torchrun import NodeSpec, TorchrunLauncher, read_error_files
 from tests.conftest import prepare_shards, tiny_dict, wait_for_none
 
 TRAIN = events.Train(step=1, loss=2.5, lr=1e-3, step_seconds=0.1, tokens_seen=64, time=1.0)

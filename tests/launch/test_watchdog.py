@@ -7,10 +7,10 @@ import subprocess
 import sys
 import time
 
-from storage.checkpoints import find_latest_valid
-from launch.base import GangResult, classify
-from launch.gang import GANG_ENV, GRACE_SECONDS, RANK_STOP_MARGIN_SECONDS, gang_pids, kill_gang, run_gang
-from launch.torchrun import child_env, free_port, torchrun_commands
+from stoker.storage.checkpoints import find_latest_valid
+from stoker.launch.base import GangResult, classify
+from stoker.launch.gang import GANG_ENV, GRACE_SECONDS, RANK_STOP_MARGIN_SECONDS, gang_pids, kill_gang, run_gang
+from stoker.launch.torchrun import child_env, free_port, torchrun_commands
 from tests.conftest import ROOT, GangWatch, prepare_shards, read_proc, wait_for_none
 
 
@@ -61,7 +61,7 @@ def test_hung_rank_is_killed_with_its_gang_and_the_retry_resumes(tiny_config, tm
 
 def test_watchdog_arms_after_start_up_fires_on_silence_and_is_off_at_zero():
     # a silent start-up longer than the hang limit, then steps: not a hang (armed late)
-    script = ("import time; from core import events as E; time.sleep(3); "
+    script = ("import time; from stoker.core import events as E; time.sleep(3); "
               "print(E.Eval(step=0, val_loss=5.0, val_ppl=148.0).encode(), flush=True); "
               "[print(E.Step(step=s).encode(), flush=True) for s in range(1,6)]")
     env = {**os.environ, "PYTHONPATH": ROOT}
@@ -69,7 +69,7 @@ def test_watchdog_arms_after_start_up_fires_on_silence_and_is_off_at_zero():
                    timeout=60, hang_timeout=2)
     assert res.reason == "completed" and res.last_step == 5
     # a gang that reports once and then goes silent: a hang; with 0 the watchdog is off
-    silent = ("import time; from core import events as E; "
+    silent = ("import time; from stoker.core import events as E; "
               "print(E.Eval(step=0, val_loss=5.0, val_ppl=148.0).encode(), flush=True); time.sleep(4)")
     res = run_gang([[sys.executable, "-c", silent]], env, 1, lambda s: None, lambda m: None,
                    timeout=60, hang_timeout=1)
@@ -91,7 +91,7 @@ def test_a_start_up_that_never_reports_is_killed_and_retried():
     assert res.reason == "startup"  # not "timeout": the start-up limit fired
     err = classify(res)
     assert err.transient and err.reason == "startup" and "launch.startup_timeout_seconds" in str(err)
-    slow = ("import time; from core import events as E; time.sleep(2); "
+    slow = ("import time; from stoker.core import events as E; time.sleep(2); "
             "print(E.Eval(step=0, val_loss=5.0, val_ppl=148.0).encode(), flush=True); "
             "[print(E.Step(step=s).encode(), flush=True) for s in range(1,4)]")
     res = run_gang([[sys.executable, "-c", slow]], env, 1, lambda s: None, lambda m: None,

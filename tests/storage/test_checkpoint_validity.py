@@ -2,8 +2,8 @@ import os
 
 import pytest
 
-from core.failures import CheckpointInvalid, ConfigError
-from storage.checkpoints import (
+from stoker.core.failures import CheckpointInvalid, ConfigError
+from stoker.storage.checkpoints import (
     COMMIT_FILE,
     rank_receipt_key,
     local_checkpoint_dir,
@@ -16,8 +16,8 @@ from storage.checkpoints import (
     prune_checkpoints,
     validate_checkpoint,
 )
-from storage.manifest import INVALID_MARKER
-from storage.store import Store, join
+from stoker.storage.manifest import INVALID_MARKER
+from stoker.storage.store import Store, join
 
 
 def _fake_checkpoint(store, run, step, commit=True):
@@ -229,9 +229,9 @@ def test_a_local_checkpoint_is_fully_checked_once_per_host(tmp_path):
 def test_a_run_refuses_other_data_or_another_model_before_launch(tmp_path):
     """Resuming may change the world size, parallelism or micro-batch, never the tensor
     shapes or the data: the run folder refuses both with a clear error before anything runs."""
-    from core.config import load_config
-    from core.results import ShardInfo
-    from storage.runs import pin_run_folder
+    from stoker.core.config import load_config
+    from stoker.core.results import ShardInfo
+    from stoker.storage.runs import pin_run_folder
     from tests.conftest import tiny_dict
 
     store = Store("file://" + str(tmp_path))
@@ -276,7 +276,7 @@ def test_a_damaged_host_cache_copy_of_a_checkpoint_is_dropped_and_fetched_again(
 def test_retention_spares_a_checkpoint_whose_evaluation_is_pending(store):
     import time
 
-    from storage.checkpoints import EVAL_PIN, finish_evaluation, pin_for_evaluation
+    from stoker.storage.checkpoints import EVAL_PIN, finish_evaluation, pin_for_evaluation
 
     keys = [_fake_checkpoint(store, "r", s) for s in (1, 2, 3, 4)]
     pin_for_evaluation(store, keys[0])  # step 1's evaluation has not read it yet
@@ -293,7 +293,7 @@ def test_retention_spares_a_checkpoint_whose_evaluation_is_pending(store):
 
 
 def test_a_missing_checkpoint_is_a_permanent_error_said_once(store, tmp_path):
-    from core.failures import CheckpointUnavailable, is_transient
+    from stoker.core.failures import CheckpointUnavailable, is_transient
 
     keys = [_fake_checkpoint(store, "r", s) for s in (1, 2)]
     store.rm(keys[0])  # deleted (retention) before it was read

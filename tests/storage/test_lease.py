@@ -1,4 +1,4 @@
-"""The run lease (storage/lease.py) on a local folder, a real S3 endpoint (moto over HTTP)
+"""The run lease (stoker/storage/lease.py) on a local folder, a real S3 endpoint (moto over HTTP)
 and memory:// (no conditional writes: verify after writing)."""
 
 import json
@@ -10,9 +10,9 @@ import uuid
 
 import pytest
 
-from core.failures import classify
-from storage.lease import LeaseHeld, acquire_lease, lease_key, read_lease
-from storage.store import Store
+from stoker.core.failures import classify
+from stoker.storage.lease import LeaseHeld, acquire_lease, lease_key, read_lease
+from stoker.storage.store import Store
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -101,8 +101,8 @@ def test_lease_of_a_dead_process_on_this_host_is_taken(store):
 
 _RACER = """
 import sys, time
-from storage.store import Store
-from storage.lease import LeaseHeld, acquire_lease
+from stoker.storage.store import Store
+from stoker.storage.lease import LeaseHeld, acquire_lease
 store = Store(sys.argv[1], {opts})
 start = float(sys.argv[2])
 time.sleep(max(0.0, start - time.time()))

@@ -1,4 +1,4 @@
-from storage.shards import shard_cache_key
+from stoker.storage.shards import shard_cache_key
 
 
 def test_cache_key_depends_on_content_and_parameters_only():
@@ -14,8 +14,8 @@ import threading
 
 import pytest
 
-from core.failures import DataError
-from storage.shards import materialize
+from stoker.core.failures import DataError
+from stoker.storage.shards import materialize
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -87,7 +87,7 @@ def test_a_damaged_host_cache_copy_of_shards_is_dropped_and_fetched_again(
 
 
 def test_a_cache_hit_reads_no_byte_while_its_stamp_holds(s3_root, tiny_config, tmp_path, monkeypatch):
-    import storage.cache
+    import stoker.storage.cache
     from tests.conftest import prepare_shards
 
     root, options = s3_root
@@ -96,8 +96,8 @@ def test_a_cache_hit_reads_no_byte_while_its_stamp_holds(s3_root, tiny_config, t
     cache = str(tmp_path / "host-cache")
     materialize(store, key, cache)
     hashed = []
-    real = storage.cache.sha256_file
-    monkeypatch.setattr(storage.cache, "sha256_file", lambda p: hashed.append(p) or real(p))
+    real = stoker.storage.cache.sha256_file
+    monkeypatch.setattr(stoker.storage.cache, "sha256_file", lambda p: hashed.append(p) or real(p))
     materialize(store, key, cache)
     assert hashed == []
     os.utime(os.path.join(cache, "shards", key, "manifest.json"))  # not a listed file: no effect
@@ -112,7 +112,7 @@ def test_a_cache_hit_of_the_data_stage_reads_only_manifests(s3_root, tiny_config
     where the bytes land (materialize, on each host)."""
     import s3fs
 
-    from data import prepare as data_prep
+    from stoker.data import prepare as data_prep
     from tests.conftest import prepare_shards
 
     root, options = s3_root
@@ -139,7 +139,7 @@ def test_a_cache_hit_of_the_data_stage_reads_only_manifests(s3_root, tiny_config
 
 def test_a_shard_set_damaged_in_the_store_is_marked_and_rebuilt_by_the_next_data_stage(
         s3_root, tiny_config, tmp_path):
-    from storage.manifest import INVALID_MARKER
+    from stoker.storage.manifest import INVALID_MARKER
     from tests.conftest import prepare_shards
 
     root, options = s3_root

@@ -4,7 +4,7 @@ import uuid
 
 import pytest
 
-from storage.store import Store
+from stoker.storage.store import Store
 
 
 @pytest.fixture(params=["memory", "local", "s3"])

@@ -8,12 +8,12 @@ import os
 import pytest
 import torch
 
-from core import events
-from storage.checkpoints import COMMIT_FILE, list_checkpoints, validate_checkpoint
-from storage.store import Store, join
-from storage.uploader import CheckpointUploader
+from stoker.core import events
+from stoker.storage.checkpoints import COMMIT_FILE, list_checkpoints, validate_checkpoint
+from stoker.storage.store import Store, join
+from stoker.storage.uploader import CheckpointUploader
 from tests.netutil import TcpProxy
-from training.checkpoint import Checkpointer
+from stoker.training.checkpoint import Checkpointer
 
 # fail fast while the proxy refuses connections (botocore's own retries off)
 QUICK = {"config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retries": {"max_attempts": 1}}}
@@ -124,8 +124,8 @@ def test_checkpointer_save_returns_while_the_store_is_down(proxied, tmp_path):
     proxy.start()
     assert uploader.wait(timeout=120)
     assert _kinds(seen, events.CheckpointCommitted) == [1, 2, 3]
-    from training.checkpoint import load_checkpoint
-    from storage.checkpoints import rehydrate
+    from stoker.training.checkpoint import load_checkpoint
+    from stoker.storage.checkpoints import rehydrate
 
     fresh, fopt, fsched = _build(seed=7)
     key = [e.key for e in seen if isinstance(e, events.CheckpointCommitted)][-1]
@@ -139,7 +139,7 @@ def test_checkpointer_save_returns_while_the_store_is_down(proxied, tmp_path):
 def test_rank0_pins_each_checkpoint_for_its_evaluation_before_the_commit(s3_root, tmp_path):
     """With per-checkpoint evaluation, retention (keep_latest_k=2) deletes no checkpoint whose
     evaluation has not run; each goes once its evaluation is done."""
-    from storage.checkpoints import EVAL_PIN, finish_evaluation
+    from stoker.storage.checkpoints import EVAL_PIN, finish_evaluation
 
     root, options = s3_root
     store = Store(root, options)

@@ -1,5 +1,5 @@
 """Evaluations of checkpoints that are gone, and evaluations a stop ended: both are final
-(never retried), each said once. Real evaluation processes (python -m training.evaluate)."""
+(never retried), each said once. Real evaluation processes (python -m stoker.training.evaluate)."""
 
 import os
 import signal
@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from core.failures import CheckpointUnavailable, EvaluationStopped, TrainingFailed, is_transient
+from stoker.core.failures import CheckpointUnavailable, EvaluationStopped, TrainingFailed, is_transient
 
 
 def _run_folder(cfg):
     """A run folder (config.json, shards.json) over real shards; returns (store, config URL, shards)."""
-    from storage.runs import pin_run_folder
+    from stoker.storage.runs import pin_run_folder
     from tests.conftest import prepare_shards
 
     store, shards = prepare_shards(cfg)
@@ -21,7 +21,7 @@ def _run_folder(cfg):
 
 
 def test_evaluating_a_deleted_checkpoint_fails_once_and_for_good(tiny_config):
-    from tasks.evaluate import run_evaluation
+    from stoker.tasks.evaluate import run_evaluation
 
     cfg = tiny_config(run_name="gone")
     store, config_url, shards = _run_folder(cfg)
@@ -33,7 +33,7 @@ def test_evaluating_a_deleted_checkpoint_fails_once_and_for_good(tiny_config):
 
 
 def test_stoker_evaluate_of_a_missing_checkpoint_says_so_before_any_process(tiny_config):
-    from storage.runs import checkpoint_inputs
+    from stoker.storage.runs import checkpoint_inputs
 
     cfg = tiny_config(run_name="gone")
     store, _, _ = _run_folder(cfg)
@@ -47,7 +47,7 @@ def test_stoker_evaluate_of_a_missing_checkpoint_says_so_before_any_process(tiny
 
 def _evaluation_in_a_thread(cfg):
     """Start run_evaluation in a thread; returns (thread, the error box, its process)."""
-    from tasks import evaluate
+    from stoker.tasks import evaluate
 
     box = []
 
@@ -68,7 +68,7 @@ def _evaluation_in_a_thread(cfg):
 
 
 def test_an_evaluation_killed_by_the_runs_stop_is_not_retried(tiny_config):
-    from tasks.evaluate import kill_running_evaluations
+    from stoker.tasks.evaluate import kill_running_evaluations
 
     thread, box, _ = _evaluation_in_a_thread(tiny_config())
     assert kill_running_evaluations() == 1  # what launch_training does on Ctrl-C or a cancel

@@ -5,7 +5,7 @@ import logging
 import threading
 import time
 
-from tasks.publish import BestEffortPublisher
+from stoker.tasks.publish import BestEffortPublisher
 
 
 class Server:

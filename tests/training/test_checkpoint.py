@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from storage.checkpoints import list_checkpoints, validate_checkpoint
-from storage.store import Store
-from storage.uploader import CheckpointUploader
-from training.checkpoint import Checkpointer, load_checkpoint
-from core.config import ModelConfig
-from training.model import GPT, param_groups
+from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
+from stoker.storage.store import Store
+from stoker.storage.uploader import CheckpointUploader
+from stoker.training.checkpoint import Checkpointer, load_checkpoint
+from stoker.core.config import ModelConfig
+from stoker.training.model import GPT, param_groups
 
 
 def save_checkpoint(store, run_name, *, model, optimizer, scheduler, step, tokens_seen, seed, rank,

@@ -8,12 +8,12 @@ import sys
 import time
 
 
-from core import events
-from storage.checkpoints import list_checkpoints, validate_checkpoint
-from launch.torchrun import free_port
+from stoker.core import events
+from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
+from stoker.launch.torchrun import free_port
 from tests.conftest import ROOT, prepare_shards, tiny_dict
 from tests.netutil import TcpProxy
-from core.config import load_config
+from stoker.core.config import load_config
 
 
 def _s3_config(root, options, **sections):
@@ -25,7 +25,7 @@ def _start(cfg, store, shard_key, tmp_path):
     store.write_bytes(f"runs/{cfg.run_name}/config.json", cfg.to_json().encode())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--tee=3",
-           "-m", "training.train", "--config", store.url(f"runs/{cfg.run_name}/config.json"),
+           "-m", "stoker.training.train", "--config", store.url(f"runs/{cfg.run_name}/config.json"),
            "--shards", shard_key, "--cache-dir", str(tmp_path / "cache")]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo",
            "STOKER_STORAGE_OPTIONS": json.dumps(cfg.storage.storage_options)}
@@ -57,7 +57,7 @@ def test_checkpoints_land_in_s3_with_manifests_and_load_in_a_fresh_process(s3_ro
     assert not os.listdir(tmp_path / "cache" / "staging" / "runs" / "s3run" / "checkpoints")  # staging cleared
     # the host kept its own staged copy of the newest committed checkpoint as its verified
     # cache copy (both ranks ran here): a restart on this host loads it without a download
-    from storage.checkpoints import COMMIT_FILE, local_checkpoint_dir, rehydrate
+    from stoker.storage.checkpoints import COMMIT_FILE, local_checkpoint_dir, rehydrate
 
     adopted = local_checkpoint_dir(str(tmp_path / "cache"), store, refs[0].key)
     with open(os.path.join(adopted, COMMIT_FILE)) as f:
@@ -70,7 +70,7 @@ def test_checkpoints_land_in_s3_with_manifests_and_load_in_a_fresh_process(s3_ro
 
     # a fresh process (no process group) loads the checkpoint from S3 and evaluates it
     ev = subprocess.run(
-        [sys.executable, "-m", "training.evaluate", "--config", store.url("runs/s3run/config.json"),
+        [sys.executable, "-m", "stoker.training.evaluate", "--config", store.url("runs/s3run/config.json"),
          "--checkpoint", refs[0].key, "--shards", shards.key, "--cache-dir", str(tmp_path / "cache2")],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
         env={**os.environ, "STOKER_STORAGE_OPTIONS": json.dumps(options)})

@@ -62,8 +62,8 @@ def alone_in_a_group():
 
 
 def _build(monkeypatch, backend: CountingBackend, **engine):
-    import training.engine as engine_module
-    from core.config import load_config
+    import stoker.training.engine as engine_module
+    from stoker.core.config import load_config
 
     torch._dynamo.reset()
     monkeypatch.setattr(engine_module, "compile_options", lambda tuning: {"backend": backend})
@@ -129,8 +129,8 @@ def _free_port() -> int:
 def test_the_process_group_gets_the_configured_collective_timeout(monkeypatch):
     """Before: no timeout was given (NCCL's default is 10 minutes, which a slow checkpoint
     download on one host can exceed while the others wait)."""
-    from core.config import load_config
-    from training.loop import setup_distributed
+    from stoker.core.config import load_config
+    from stoker.training.loop import setup_distributed
 
     for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
                         "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
@@ -147,8 +147,8 @@ def test_the_process_group_gets_the_configured_collective_timeout(monkeypatch):
 
 
 def test_a_too_short_collective_timeout_is_one_clear_error():
-    from core.config import load_config
-    from core.failures import ConfigError
+    from stoker.core.config import load_config
+    from stoker.core.failures import ConfigError
 
     with pytest.raises(ConfigError, match=r"launch.collective_timeout_seconds.*1800"):
         load_config(tiny_dict("file:///tmp/unused", launch={"collective_timeout_seconds": 5}))
@@ -157,8 +157,8 @@ def test_a_too_short_collective_timeout_is_one_clear_error():
 def test_deterministic_auto_is_on_for_cpu_ranks_and_off_on_cuda():
     """train.deterministic 'auto' (the default): bitwise resume on CPUs, speed on GPUs; true
     and false mean always."""
-    from core.config import load_config
-    from training.engine import deterministic_enabled
+    from stoker.core.config import load_config
+    from stoker.training.engine import deterministic_enabled
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     auto = load_config(tiny_dict("file:///tmp/unused"))
@@ -172,7 +172,7 @@ def test_deterministic_auto_is_on_for_cpu_ranks_and_off_on_cuda():
 def test_fsdp_needs_the_torch_whose_sharded_init_it_uses():
     """FSDP2's init fills each rank's shard with distribute_tensor(src_data_rank=None), which
     torch 2.7 added: torch 2.6 is refused before a launch, naming the field and the fix."""
-    from core.config import EngineConfig
+    from stoker.core.config import EngineConfig
 
     fsdp = EngineConfig(parallelism="fsdp")
     (problem,) = fsdp.torch_problems("2.6.0+cu124")
@@ -188,6 +188,6 @@ def test_fsdp_needs_the_torch_whose_sharded_init_it_uses():
 def test_peak_flops_of_each_hopper_board(name, tflops):
     """Before: H200 NVL and H800 PCIe got the SXM figure (989), overstating their MFU's
     denominator by 18% and 31%."""
-    from training.engine import peak_flops_of
+    from stoker.training.engine import peak_flops_of
 
     assert peak_flops_of(name) == tflops * 1e12

@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from core.config import load_config
-from storage.store import Store
+from stoker.core.config import load_config
+from stoker.storage.store import Store
 from tests.conftest import ROOT, run_ranks, train_losses
 
 pytestmark = [pytest.mark.cuda,
@@ -88,7 +88,7 @@ def test_one_gpu_recipe_trains_evaluates_checkpoints_and_resumes_under_nccl(gpu_
         assert abs(resumed[s] - losses[s]) < 2e-2 * abs(losses[s]), (s, resumed[s], losses[s])
 
     out = subprocess.run(
-        [sys.executable, "-m", "training.evaluate", "--config", store.url(f"runs/{cfg.run_name}/config.json"),
+        [sys.executable, "-m", "stoker.training.evaluate", "--config", store.url(f"runs/{cfg.run_name}/config.json"),
          "--checkpoint", commits[1]["key"], "--shards", key, "--max-windows", "32", "--device", "cuda"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -130,8 +130,8 @@ def _tokens_per_second(trainer, steps: int) -> float:
 
 
 def test_bf16_and_compile_are_faster_than_fp32(gpu_shards, tmp_path):
-    from storage.shards import materialize
-    from training.loop import RankInfo, Trainer
+    from stoker.storage.shards import materialize
+    from stoker.training.loop import RankInfo, Trainer
 
     root, key = gpu_shards
     ranks = RankInfo(0, 0, 1, torch.device("cuda", 0))
@@ -156,8 +156,8 @@ def test_bf16_and_compile_are_faster_than_fp32(gpu_shards, tmp_path):
 def _bf16_steps_on_cuda(variants: dict, compiled: bool, vocab: int = 8192) -> dict:
     """variant -> (loss, output-matrix gradient, allocator peak above the model) of a bf16
     training step of one GPT, the variant's (activation checkpointing, loss chunk) set."""
-    from core.config import ModelConfig
-    from training.model import GPT
+    from stoker.core.config import ModelConfig
+    from stoker.training.model import GPT
 
     dev = torch.device("cuda", 0)
     cfg = ModelConfig(n_layer=4, n_head=8, n_embd=512, block_size=512, dropout=0.0)
@@ -215,10 +215,10 @@ def test_chunked_cross_entropy_on_cuda_keeps_the_loss_and_holds_less(compiled):
 def test_async_checkpoint_copy_on_cuda_writes_the_state_of_its_step(tmp_path):
     """The copy to pinned buffers is non-blocking: what lands must still be the state at
     save time although the next steps start at once; the buffers are reused."""
-    from core.config import ModelConfig
-    from storage.uploader import CheckpointUploader
-    from training.checkpoint import Checkpointer, load_checkpoint
-    from training.model import GPT, param_groups
+    from stoker.core.config import ModelConfig
+    from stoker.storage.uploader import CheckpointUploader
+    from stoker.training.checkpoint import Checkpointer, load_checkpoint
+    from stoker.training.model import GPT, param_groups
 
     dev = torch.device("cuda", 0)
     model = GPT(ModelConfig(n_layer=2, n_head=4, n_embd=256, block_size=64), 1000, seed=1).to(dev)
@@ -278,7 +278,7 @@ def test_fsdp2_compiled_blocks_checkpoint_inside_on_cuda():
     import torch.distributed as dist
 
     from tests.conftest import tiny_dict
-    from training.engine import Engine, build_model
+    from stoker.training.engine import Engine, build_model
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)

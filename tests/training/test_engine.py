@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from core.config import RunConfig, load_config
-from core.failures import ConfigError
+from stoker.core.config import RunConfig, load_config
+from stoker.core.failures import ConfigError
 from tests.conftest import prepare_shards, run_ranks, tiny_dict, train_losses
-from training.engine import Engine, peak_flops
+from stoker.training.engine import Engine, peak_flops
 
 CKPT = "runs/eng/checkpoints/step-{:08d}"
 
@@ -109,7 +109,7 @@ def test_compile_tuning_needs_a_compile_and_sets_inductor_before_it():
     tuning is inductor's setting when the model is compiled, and max-autotune its mode."""
     import torch._inductor.config as inductor
 
-    from training.engine import build_model, compile_options
+    from stoker.training.engine import build_model, compile_options
 
     with pytest.raises(ConfigError, match="engine.compile_tuning: tunes torch.compile, which "
                        "engine.compile turns off .*use 'none'"):
@@ -172,8 +172,8 @@ def test_resume_at_another_world_size_trains_on_the_same_windows(tiny_config):
 def test_activation_checkpointing_gives_the_same_loss_and_gradients(mode):
     """Recomputing in the backward pass changes no value: the loss is bitwise equal and so
     are the gradients (with dropout on: the recomputation replays the same RNG draws)."""
-    from core.config import ModelConfig
-    from training.model import GPT
+    from stoker.core.config import ModelConfig
+    from stoker.training.model import GPT
 
     cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.1)
     x = torch.randint(0, 100, (3, 16))
@@ -192,8 +192,8 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(mode):
 def _peak_of_a_step(vocab: int, ac: str = "none", loss_chunk: int = 0) -> dict:
     """MemTracker's peak of one training step of a small GPT, by kind of memory (and Total)."""
     mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
-    from core.config import ModelConfig
-    from training.model import GPT
+    from stoker.core.config import ModelConfig
+    from stoker.training.model import GPT
 
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, dropout=0.0)
     x = torch.randint(0, vocab, (4, 64), generator=torch.Generator().manual_seed(0))
@@ -229,8 +229,8 @@ def test_chunked_cross_entropy_gives_the_loss_and_gradients_of_the_full_logits(c
     tokens at a time, its gradient in the forward pass: the loss and every gradient (the tied
     embedding's included) equal the full logits' up to fp32 rounding, with dropout on; the
     evaluation path (no grad) gives the same loss."""
-    from core.config import ModelConfig
-    from training.model import GPT
+    from stoker.core.config import ModelConfig
+    from stoker.training.model import GPT
 
     cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.1)
     x, y = torch.randint(0, 100, (3, 16)), torch.randint(0, 100, (3, 16))
@@ -249,8 +249,8 @@ def test_chunked_cross_entropy_gives_the_loss_and_gradients_of_the_full_logits(c
 def test_chunked_cross_entropy_under_bf16_autocast_stays_close_to_the_full_logits():
     """Under bf16 autocast both paths run the matmuls in bf16 and the log-softmax in fp32; the
     chunked one adds its chunks' weight gradients in fp32, so they differ by bf16 rounding."""
-    from core.config import ModelConfig
-    from training.model import GPT
+    from stoker.core.config import ModelConfig
+    from stoker.training.model import GPT
 
     cfg = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, dropout=0.0)
     x, y = torch.randint(0, 500, (4, 32)), torch.randint(0, 500, (4, 32))

@@ -10,18 +10,18 @@ import sys
 import pytest
 import torch
 
-from core.config import ModelConfig, load_config
-from storage.runs import pin_run_folder
+from stoker.core.config import ModelConfig, load_config
+from stoker.storage.runs import pin_run_folder
 from tests.conftest import ROOT, prepare_shards, run_ranks, tiny_dict
-from training.checkpoint import load_checkpoint
-from training.export import gpt2_config, gpt2_state_dict
-from training.model import GPT, padded_vocab
+from stoker.training.checkpoint import load_checkpoint
+from stoker.training.export import gpt2_config, gpt2_state_dict
+from stoker.training.model import GPT, padded_vocab
 
 CHECKPOINT = "runs/export/checkpoints/step-00000004"
 
 
 def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "stoker.cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -105,7 +105,7 @@ def test_the_gpt2_mapping_is_exact_with_biases_and_a_padded_vocabulary(bias):
 
 def _copy_store(store, tmp_path):
     """A copy of the whole store: damage done to it leaves the module's run alone."""
-    from storage.store import Store
+    from stoker.storage.store import Store
 
     shutil.copytree(store.local_path(), tmp_path / "copy")
     return Store("file://" + str(tmp_path / "copy"))

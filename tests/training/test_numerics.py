@@ -8,13 +8,13 @@ import shutil
 import pytest
 import torch
 
-from core.failures import TrainingFailed
-from core.results import TrainingResult
-from launch import make_launcher
-from launch.attempts import launch_attempt, read_attempts
-from launch.monitor import TrainingMonitor
-from storage.checkpoints import find_latest_valid, list_checkpoints, validate_checkpoint
-from tasks.inspect import checkpoint_rows, list_runs
+from stoker.core.failures import TrainingFailed
+from stoker.core.results import TrainingResult
+from stoker.launch import make_launcher
+from stoker.launch.attempts import launch_attempt, read_attempts
+from stoker.launch.monitor import TrainingMonitor
+from stoker.storage.checkpoints import find_latest_valid, list_checkpoints, validate_checkpoint
+from stoker.tasks.inspect import checkpoint_rows, list_runs
 from tests.conftest import prepare_shards, run_ranks
 
 
@@ -119,8 +119,8 @@ def test_skip_fails_once_past_its_limit(tiny_config):
 
 
 def _trainer(cfg, store, shards, tmp_path):
-    from storage.shards import materialize
-    from training.loop import RankInfo, Trainer
+    from stoker.storage.shards import materialize
+    from stoker.training.loop import RankInfo, Trainer
 
     cache, key = str(tmp_path / "cache"), shards.key.rsplit("/", 1)[-1]
     return Trainer(cfg, RankInfo(0, 0, 1, torch.device("cpu")), materialize(store, key, cache),
@@ -167,7 +167,7 @@ def test_resume_passes_over_a_nan_checkpoint_committed_the_old_way(tiny_config, 
 def test_an_old_checkpoint_after_a_logged_nan_loss_is_refused_without_reading_it(tiny_config, tmp_path):
     """metrics.jsonl of an older stoker logged loss NaN at step 3 and trained on: its later
     checkpoints (no `numerics` in the manifest) are passed over, and the listing says why."""
-    from storage.checkpoints import commit_checkpoint
+    from stoker.storage.checkpoints import commit_checkpoint
 
     run = "oldlog"
     cfg = tiny_config(run_name=run)
@@ -244,8 +244,8 @@ def test_the_guard_adds_no_host_sync_on_non_log_steps(tiny_config, tmp_path, mon
     ({"nonfinite_skip_limit": -1}, "train.nonfinite_skip_limit: must be >= 0 (got -1); a small count"),
 ])
 def test_a_bad_numerics_policy_is_one_clear_config_error(train, says):
-    from core.config import load_config
-    from core.failures import ConfigError
+    from stoker.core.config import load_config
+    from stoker.core.failures import ConfigError
     from tests.conftest import tiny_dict
 
     with pytest.raises(ConfigError) as err:

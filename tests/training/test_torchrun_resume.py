@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from storage.checkpoints import list_checkpoints, validate_checkpoint
+from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
 from tests.conftest import prepare_shards, run_ranks, train_losses
 
 
@@ -98,7 +98,7 @@ def test_a_killed_rank_is_restarted_in_place_and_ends_bitwise_like_an_unbroken_r
 
 def test_a_permanent_failure_is_not_restarted(tiny_config, tmp_path):
     import subprocess, sys
-    from launch.torchrun import free_port
+    from stoker.launch.torchrun import free_port
     from tests.conftest import ROOT
     import os
 
@@ -110,7 +110,7 @@ def test_a_permanent_failure_is_not_restarted(tiny_config, tmp_path):
            "STOKER_PERMANENT_FAILURE_FILE": str(marker)}
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=3", "--tee=3", "-m", "training.train",
+         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=3", "--tee=3", "-m", "stoker.training.train",
          "--config", store.url("runs/perm/config.json"), "--shards", shards.key],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode != 0 and marker.exists()

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from core.config import ModelConfig
-from training.checkpoint import load_checkpoint
-from training.model import GPT
-from training.untrusted import SafeReader, UnsafeCheckpoint
+from stoker.core.config import ModelConfig
+from stoker.training.checkpoint import load_checkpoint
+from stoker.training.model import GPT
+from stoker.training.untrusted import SafeReader, UnsafeCheckpoint
 
 
 class _Payload:

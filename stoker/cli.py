@@ -1,0 +1,331 @@
+"""`stoker run` / `python -m stoker.cli run`: the whole pipeline on embedded defaults.
+
+Sets the Prefect environment for an embedded server first (before Prefect is imported),
+runs train_pipeline, then prints where everything went and how to open it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import stoker.flows  # noqa: F401  (Prefect's quiet offline settings, before Prefect is imported)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="stoker", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the training pipeline")
+    run.add_argument("--recipe", default="tiny-cpu",
+                     help="recipe name under stoker/recipes or a YAML/JSON file")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a field, e.g. --set train.max_steps=100")
+    run.add_argument("--takeover", action="store_true",
+                     help="take the run over from another launch that holds its lease (it stops "
+                     "at its next heartbeat); same as --set launch.takeover=true")
+    ev = sub.add_parser("evaluate", help="evaluate one checkpoint URI")
+    ev.add_argument("checkpoint_uri")
+    ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT-2 folder "
+                        "(model.safetensors, config.json, the run's tokenizer)")
+    ex.add_argument("checkpoint_uri", help="{root}/runs/{run}/checkpoints/step-NNNNNNNN")
+    ex.add_argument("folder", help="a new or empty local folder")
+    runs = sub.add_parser("runs", help="list the runs in the store, with their newest valid checkpoint")
+    runs.add_argument("--root", default=None, help="store root URL (default: storage.root's default)")
+    cks = sub.add_parser("checkpoints", help="list a run's checkpoints, each with its validity")
+    cks.add_argument("run")
+    cks.add_argument("--root", default=None, help="store root URL (default: storage.root's default)")
+    ver = sub.add_parser("verify", help="check every byte (sha256) of a checkpoint or shard set")
+    ver.add_argument("uri", help="{root}/runs/{run}/checkpoints/step-NNNNNNNN or {root}/shards/{key}")
+    cfg = sub.add_parser("config", help="show the config: every key with its type, default and description")
+    cfg.add_argument("--list", action="store_true", help="every key, type, default and description")
+    cfg.add_argument("--recipe", default=None, help="show this recipe's values (with --set)")
+    cfg.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    sub.add_parser("deploy", help="create the work pool, the accelerator concurrency limit and "
+                   "the deployments of prefect.yaml on $PREFECT_API_URL (idempotent)")
+    sub.add_parser("serve", help="serve the deployments of prefect.yaml from this process "
+                   "(schedules included; no worker needed)")
+    args = parser.parse_args(argv)
+
+    from stoker.core.failures import StokerError
+
+    try:
+        if args.command in ("run", "evaluate", "deploy", "serve") and not os.environ.get(_CHILD_ENV):
+            check_api_reachable()  # a server named but not there: one line, before any compute
+        if args.command in ("run", "evaluate") and not os.environ.get(_CHILD_ENV):
+            _preflight(args)  # config mistakes: one line before any process or server starts
+            return _supervise(argv if argv is not None else sys.argv[1:])
+        return _command(args)
+    except StokerError as err:  # the user's mistake or the run's failure: one line, not a traceback
+        print(f"stoker: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C: the launcher has stopped the ranks on its way out
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
+    except BaseException as err:  # Prefect's TerminationSignal (SIGTERM from the supervisor)
+        if type(err).__name__ == "TerminationSignal":
+            return 130  # the supervisor says the one line
+        raise
+
+
+INTERRUPTED = ("stoker: interrupted; the ranks were stopped (a checkpoint was written if it "
+               "fitted) and the attempt recorded; run the same command again to resume from "
+               "the newest valid checkpoint")
+_CHILD_ENV = "STOKER_CLI_CHILD"
+STOP_SECONDS = 28  # the child's grace after SIGTERM: the launcher needs 20 s + 5 s
+
+
+def check_api_reachable(timeout: float = 5.0) -> None:
+    """StokerError in one line when PREFECT_API_URL names a server that does not answer (no
+    URL: stoker starts an embedded server). Any HTTP answer counts as there: only a refused
+    connection or a time-out is reported."""
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    from stoker.core.failures import StokerError
+
+    # the environment first: a settings context entered earlier in this process (a notebook's,
+    # a test harness's) would otherwise hide the URL this command was given
+    url = os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value()
+    if not url:
+        return
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=timeout)
+    except httpx.HTTPError as err:
+        why = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        raise StokerError(f"PREFECT_API_URL={url}: nothing answers there ({why}); start that Prefect "
+                          "server (prefect server start), or unset PREFECT_API_URL to run on "
+                          "stoker's embedded server") from None
+
+
+def _preflight(args) -> None:
+    if args.command == "evaluate":
+        from stoker.tasks.evaluate import check_checkpoint_uri
+
+        check_checkpoint_uri(args.checkpoint_uri)
+        return
+    from stoker.core.failures import ConfigError
+    from stoker.tasks.training import host_problems
+
+    problems = host_problems(config_from_args(args.recipe, _sets(args)))
+    if problems:
+        raise ConfigError(problems)
+
+
+def _end_group(pgid: int, grace: float = 5.0) -> None:
+    """SIGTERM a process group, then SIGKILL whatever is left of it after `grace` seconds."""
+    import signal
+    import time
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+
+
+def _supervise(argv: list[str]) -> int:
+    """Run the command in a child process in its own session, and stop it the way a cancel
+    does. Ctrl-C in a terminal signals the whole foreground process group, which would kill
+    Prefect's embedded server (a child of the flow's process) at once: the flow run would stay
+    Running forever and nothing could record the interrupted attempt. Here only this process
+    gets the signal; it sends SIGTERM to the child, where Prefect turns it into a crash of the
+    flow run (reported to the server, still up), the launcher stops the ranks (a checkpoint
+    if it fits) and records the attempt; then it prints one line."""
+    import signal
+    import subprocess
+
+    from stoker.core.lifeline import set_parent_death_signal
+
+    me = os.getpid()
+    # SIGKILLed (the OOM killer), this process cannot stop the child: the kernel sends it the
+    # SIGTERM of a cancel instead (forked from the main thread, which lives as long as we do)
+    child = subprocess.Popen([sys.executable, "-m", "stoker.cli", *argv],
+                             env={**os.environ, _CHILD_ENV: "1"}, start_new_session=True,
+                             preexec_fn=lambda: set_parent_death_signal(parent=me))
+    stopping = []
+
+    def stop(signum, frame):
+        if not stopping:
+            stopping.append(signum)
+            try:
+                child.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    import time
+
+    try:
+        deadline = None
+        while True:
+            try:
+                code = child.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if stopping and deadline is None:
+                    deadline = time.monotonic() + STOP_SECONDS
+                if deadline is not None and time.monotonic() > deadline:  # past the grace
+                    os.killpg(child.pid, signal.SIGKILL)
+                    deadline = float("inf")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _end_group(child.pid)  # what the child left in its session: Prefect's embedded server
+    if stopping:
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
+    return code
+
+
+def _sets(args) -> list[str]:
+    """`run`'s --set items, with --takeover as the field it stands for."""
+    return [*args.set, *(["launch.takeover=true"] if getattr(args, "takeover", False) else [])]
+
+
+def config_from_args(recipe: str, sets: list[str]):
+    """The checked config of `--recipe R --set K=V ...`; ConfigError for anything wrong."""
+    import yaml
+
+    from stoker.core.config import load_config
+    from stoker.core.failures import ConfigError
+
+    overrides = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError([f"--set {item!r}: expected KEY=VALUE, e.g. train.max_steps=100"])
+        try:
+            overrides[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            why = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError([f"--set {item!r}: the value is not valid YAML ({why}); "
+                               "quote it, e.g. --set run_name='my-run'"]) from None
+    return load_config(recipe, **overrides)
+
+
+def _root(given: str | None) -> str:
+    from stoker.core.config import default_root
+
+    return given or default_root()
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    cells = [[("-" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def _inspect(args) -> int:
+    """runs, checkpoints, verify, config: no flow run, no Prefect server."""
+    if args.command == "config":
+        from stoker.core.config import field_table
+
+        if args.list or not args.recipe:
+            for row in field_table():
+                print(f"{row['key']}  [{row['type']}]  default: {row['default']!r}\n    {row['description']}")
+            return 0
+        import json
+
+        print(json.dumps(config_from_args(args.recipe, args.set).model_dump(mode="json"), indent=2))
+        return 0
+    from stoker.tasks import inspect
+
+    if args.command == "runs":
+        rows = inspect.list_runs(_root(args.root))
+        print(_table(rows, ["run", "newest_valid_step", "max_steps", "checkpoints", "ended", "model"])
+              if rows else f"no runs under {_root(args.root)}")
+        return 0
+    if args.command == "checkpoints":
+        rows = inspect.checkpoint_rows(_root(args.root), args.run)
+        if not rows:
+            print(f"run {args.run!r} has no checkpoint under {_root(args.root)}")
+            return 0
+        for row in rows:  # listings and sizes only: `verify` is the one that reads every byte
+            row["state"] = "committed (not verified)" if row["valid"] else f"INVALID: {row['reason']}"
+        print(_table(rows, ["step", "name", "size_mb", "state", "uri"]))
+        print("committed: commit manifest present, every listed file at its size; "
+              "`stoker verify URI` checks every sha256")
+        return 0
+    what, verdict = inspect.verify(args.uri)
+    if verdict:
+        files = (verdict.manifest or {}).get("files", {})
+        print(f"{what} {args.uri}: intact ({len(files)} files, every sha256 matches)")
+        return 0
+    print(f"stoker: {what} {args.uri} is not intact: {verdict.reason}", file=sys.stderr)
+    return 1
+
+
+def _command(args) -> int:
+    if args.command in ("runs", "checkpoints", "verify", "config"):
+        return _inspect(args)
+    if args.command == "deploy":
+        from stoker.flows.deploy import deploy
+
+        for line in deploy():
+            print(line)
+        return 0
+    if args.command == "serve":
+        from stoker.flows.deploy import serve
+
+        serve()
+        return 0
+    if args.command == "export":  # no flow run: one process that reads the store, writes a folder
+        from stoker.tasks.export import export_checkpoint
+
+        done = export_checkpoint(args.checkpoint_uri, args.folder)
+        print(f"exported step {done.step} ({done.num_params:,} parameters, vocabulary "
+              f"{done.vocab_size}) of {done.checkpoint}\nto {done.folder}: {', '.join(done.files)}\n"
+              f"load it with transformers.GPT2LMHeadModel.from_pretrained({done.folder!r})")
+        return 0
+    if args.command == "evaluate":
+        from stoker.flows.evaluate import evaluate_checkpoint_flow  # the URI was checked: _preflight
+
+        result = evaluate_checkpoint_flow(args.checkpoint_uri)
+        print(f"\nvalidation loss {result.val_loss:.4f}, perplexity {result.val_ppl:.1f} "
+              f"at step {result.step} ({result.checkpoint_uri})")
+        return 0
+    config = config_from_args(args.recipe, _sets(args))  # host checks: _preflight (and the flow)
+    from stoker.flows.pipeline import train_pipeline
+
+    result = train_pipeline(config)
+    print_summary(result)
+    return 0
+
+
+def print_summary(result) -> None:
+    print("\n" + "=" * 72)
+    print(f"run {result.run_name}: step {result.resumed_from_step} -> {result.final_step}")
+    if result.first_train_loss is not None:
+        print(f"training loss: {result.first_train_loss:.4f} (first logged step) -> "
+              f"{result.last_train_loss:.4f} (last)")
+    for step, loss in result.val_losses:
+        print(f"  validation loss at step {step:>6}: {loss:.4f}")
+    if result.num_attempts > 1:
+        print(f"attempts: {result.num_attempts}, steps lost to failures: {result.steps_lost}")
+    if result.goodput is not None:
+        print(f"goodput (useful training time / total time): {result.goodput:.2f}")
+    if result.last_val_loss is not None:
+        print(f"final checkpoint validation loss: {result.last_val_loss:.4f}")
+    print(f"shards ({'cache hit' if result.data_cache_hit else 'tokenized now'}): {result.shard_uri}")
+    print(f"final checkpoint: {result.final_checkpoint_uri}")
+    print(f"metrics (JSON lines): {result.metrics_uri}")
+    print(f"run folder (config.json, tokenizer.json, checkpoints/): {result.run_uri}")
+    print("open them:")
+    print("  the flow runs, logs and artifacts:  prefect server start   (then http://127.0.0.1:4200)")
+    print(f"  evaluate a checkpoint again:        python -m stoker.cli evaluate {result.final_checkpoint_uri}")
+    print("  run again to resume (same config => same run name, continues from the newest valid checkpoint)")
+    print("=" * 72)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1222 @@
+"""The run configuration: one typed model tree, the single source of truth.
+
+The same ``RunConfig`` is the Prefect flow parameter (it renders as a form in the UI),
+is written to ``{root}/runs/{run_name}/config.json``, and is what every torch rank reads.
+
+Validation is declarative, so the UI form shows it: bounds are field constraints, each field
+may carry a ``fix`` (in its JSON schema) that is told with any problem of that field, and
+cross-field rules are validators on the section that owns them. Rules that span sections run
+in one wrap validator on ``RunConfig`` that still runs when other fields failed, so one
+pass reports every problem. The model never touches the filesystem (every rank re-validates
+config.json on its own host); ``local_resource_problems`` checks local data and tokenizer
+files, and ``load_config`` reports both kinds in one ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Callable, Literal
+
+import yaml
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
+                      ValidationInfo, field_validator, model_validator)
+from pydantic_core import PydanticCustomError
+
+from stoker.core.failures import ConfigError
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+BUILTIN_SOURCE = "builtin:stdlib"
+
+
+def default_root() -> str:
+    """The embedded default object store: a local folder, overridable with STOKER_ROOT."""
+    env = os.environ.get("STOKER_ROOT")
+    if env:
+        return env
+    return "file://" + str(Path.cwd() / "stoker-data")
+
+
+# ---- declaring a field's checks --------------------------------------------------------
+def _field(default: Any, description: str, *, fix: str | None = None, **constraints: Any) -> Any:
+    """A field with its description, its bounds (they appear in the JSON schema, hence in the
+    UI form) and the fix that the error report appends to any problem of this field."""
+    return Field(default, description=description,
+                 json_schema_extra={"fix": fix} if fix else None, **constraints)
+
+
+def _rule(what: str, fix: str | None = None) -> PydanticCustomError:
+    """A broken cross-field rule, told as "<field>: <what> (got <value>); <fix>." ``fix``
+    replaces the field's own where the fix depends on the values."""
+    return PydanticCustomError("config_rule", what, {"fix": fix} if fix else None)
+
+
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise PydanticCustomError("blank", "is empty")
+    return value
+
+
+# min_length shows in the schema; the validator also refuses whitespace only.
+NonBlank = Annotated[str, Field(min_length=1), AfterValidator(_not_blank)]
+
+
+class _Section(BaseModel):
+    # A cross-field rule is a field validator on the later field, reading the earlier ones
+    # from ``info.data``. That holds only the earlier fields that validated, so a rule is
+    # skipped (not misreported) when a field it reads is bad, and, unlike an after model
+    # validator, it still runs when some other field of the section failed.
+    # pydantic's own message never repeats a value (it could be a credential); ConfigError
+    # lines show values, except for the secrets check below
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, hide_input_in_errors=True)
+
+
+# option names that hold credentials (fsspec/s3fs/gcsfs/adlfs spellings); matched case-blind,
+# at any depth, plus any name containing one of the words
+_SECRET_NAMES = {"key", "secret", "token", "password", "passwd", "aws_access_key_id",
+                 "aws_secret_access_key", "aws_session_token", "session_token", "access_key",
+                 "secret_key", "client_secret", "account_key", "sas_token", "connection_string",
+                 "credentials", "private_key"}
+_SECRET_WORDS = ("secret", "password", "token", "credential", "private_key")
+CREDENTIALS_FIX = ("credentials never go in the config (it is written to the store and to "
+                   "Prefect): give them to the environment (AWS_ACCESS_KEY_ID and "
+                   "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with ~/.aws/credentials), where s3fs, "
+                   "the ranks and the evaluations find them, or name a Prefect Secret or "
+                   "AwsCredentials block in storage.credentials_block")
+_BLOCK_NAME = re.compile(r"^(?:[a-z0-9][a-z0-9-]*/)?[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def _secret_paths(value: Any, path: str = "") -> list[str]:
+    found = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            name = str(k).lower()
+            here = f"{path}.{k}" if path else str(k)
+            if name in _SECRET_NAMES or any(w in name for w in _SECRET_WORDS):
+                found.append(here)
+            else:
+                found += _secret_paths(v, here)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found += _secret_paths(v, f"{path}[{i}]")
+    return found
+
+
+def _no_credentials(options: dict[str, Any]) -> dict[str, Any]:
+    found = _secret_paths(options)
+    if found:
+        raise PydanticCustomError("secret_in_config", f"holds credentials ({', '.join(found)})",
+                                  {"fix": CREDENTIALS_FIX})
+    return options
+
+
+class DataConfig(_Section):
+    source: NonBlank = _field(
+        BUILTIN_SOURCE,
+        "Where the raw text comes from: 'builtin:stdlib' (the Python standard "
+        "library's own sources, always present); a local file, folder or glob of text "
+        "(.txt/.md/.py), JSON lines (.jsonl/.json, see text_field) or Parquet files, optionally "
+        ".gz/.bz2/.xz; any fsspec URL to one object, a folder or a glob (s3://bucket/data/*.jsonl, "
+        "https://host/corpus.txt; see storage_options); or 'hf:NAME' for a Hugging Face dataset "
+        "(a Hub name or a local dataset folder; see hf_name, hf_split, hf_revision).",
+        fix="use 'builtin:stdlib', a path or URL to text data, or 'hf:NAME'",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec options for a URL source (e.g. {'endpoint_url': ...} for an "
+        "S3-compatible store, {'anon': true} for a public bucket). Never credentials: they "
+        "come from the environment, and a config holding any is refused.",
+        json_schema_extra={"fix": "remove them or give data.source as a URL"},
+    )
+    text_field: NonBlank = _field(
+        "text", "Field (JSON lines) or column (Parquet, Hugging Face) holding the text.",
+        fix="name the field that holds the text, e.g. 'text'",
+    )
+    hf_name: str | None = _field(
+        None, "Hugging Face dataset configuration (subset) name, if it has several.",
+        fix="remove it or set data.source to 'hf:NAME'",
+    )
+    hf_split: NonBlank = _field("train", "Hugging Face dataset split to read.",
+                                fix="use a split such as 'train'")
+    hf_revision: str | None = _field(
+        None,
+        "Hub branch, tag or commit of an 'hf:' dataset (default: main). It is "
+        "resolved to a commit sha, which is the dataset's fingerprint.",
+        fix="remove it or set data.source to 'hf:NAME'",
+    )
+    on_decode_error: Literal["fail", "skip"] = Field(
+        "fail",
+        description="A source file that is not UTF-8 text: 'fail' stops with its name, 'skip' "
+        "leaves it out and counts it.",
+    )
+    max_bytes: int = _field(
+        3_000_000,
+        "Cap on raw bytes taken from the source (0 = no cap). Keeps the built-in "
+        "corpus small enough for a CPU run.",
+        fix="use 0 for no cap", ge=0,
+    )
+    val_fraction: float = _field(
+        0.05, "Fraction of documents held out for validation, chosen by document hash.",
+        fix="e.g. 0.05", gt=0, lt=0.5,
+    )
+    shard_tokens: int = _field(
+        2_000_000, "Tokens per shard file (a file is closed after the document that reaches it).",
+        fix="e.g. 2000000", ge=1024,
+    )
+    token_dtype: Literal["auto", "uint16", "uint32"] = Field(
+        "auto",
+        description="Token id type of the shard files: 'auto' is uint16 while the vocabulary "
+        "fits (<= 65536 ids), else uint32.",
+    )
+    num_workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
+        "auto",
+        description="Tokenizer worker processes, or 'auto': tokenize in this process with the "
+        "tokenizer's own threads on up to 2 cores (processes cost more than they give there), "
+        "else one single-threaded process per core. Each worker owns fixed slices of the "
+        "corpus, so the shard files are byte-identical whatever this is.",
+        json_schema_extra={"fix": "use 'auto', or about the number of CPU cores"},
+    )
+
+    engine: Literal["local", "ray"] = Field(
+        "local",
+        description="Where the corpus is tokenized: 'local' (num_workers processes on the flow's "
+        "host) or 'ray' (one Ray task per fixed partition on the cluster at ray.address, reading "
+        "the corpus from the store and writing the shard files to it; the manifest is committed "
+        "last). The shard files are byte-identical whatever the engine. Needs the 'ray' extra.")
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _workers_in_range(cls, n: Any) -> Any:
+        if n == "auto":
+            return n
+        if isinstance(n, str) and n.strip().isdigit():
+            n = int(n)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 256:
+            raise _rule("must be 'auto' or a whole number between 1 and 256")
+        return n
+
+    def resolved_workers(self) -> int:
+        """Worker processes for this host (1: in-process, with the tokenizer's threads)."""
+        if self.num_workers != "auto":
+            return self.num_workers
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return 1 if cores <= 2 else cores
+
+    @field_validator("source")
+    @classmethod
+    def _source_form(cls, source: str) -> str:
+        s = source.strip()
+        if s.startswith("hf:") and not s[3:].strip():
+            raise _rule("'hf:' needs a dataset", "e.g. 'hf:wikitext' or 'hf:/path/to/folder'")
+        if s.startswith("builtin:") and s != BUILTIN_SOURCE:
+            raise _rule("is an unknown built-in corpus", f"use {BUILTIN_SOURCE!r}")
+        problem = _url_problem(s, "the source")
+        if problem is not None:
+            raise problem
+        return source
+
+    @field_validator("storage_options")
+    @classmethod
+    def _options_need_a_url(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        _no_credentials(options)
+        source = info.data.get("source")
+        if options and source is not None and not _is_url_or_hf(source):
+            raise _rule(f"only used with a URL source, and {source!r} is not one")
+        return options
+
+    @field_validator("hf_name", "hf_revision")
+    @classmethod
+    def _only_for_hf(cls, value: str | None, info: ValidationInfo) -> str | None:
+        source = info.data.get("source")
+        if value and source is not None and not source.strip().startswith("hf:"):
+            raise _rule("only applies to 'hf:' sources")
+        return value
+
+
+_OBJECT_STORES = ("s3", "gs", "gcs", "az", "abfs", "abfss", "r2")
+
+
+def _url_problem(value: str, what: str) -> PydanticCustomError | None:
+    """A URL whose form cannot work: an object-store URL without a bucket, an unknown-looking
+    scheme spelled without '//' ... (a string test, no network)."""
+    scheme, sep, rest = value.strip().partition("://")
+    if not sep:
+        return None
+    if not scheme or not scheme.replace("+", "").replace("-", "").isalnum():
+        return _rule("has no valid URL scheme", f"write {what} as scheme://..., e.g. s3://bucket/prefix")
+    if scheme.lower() in _OBJECT_STORES and not rest.split("/", 1)[0]:
+        return _rule("names no bucket", f"write {scheme}://<bucket>/<prefix>, e.g. {scheme}://my-bucket/stoker")
+    if scheme.lower() in ("http", "https") and not rest.split("/", 1)[0]:
+        return _rule("names no host", "write https://host/path")
+    return None
+
+
+def _is_url_or_hf(source: str) -> bool:
+    source = source.strip()
+    return "://" in source or source.startswith("hf:")
+
+
+class TokenizerConfig(_Section):
+    path: str | None = Field(
+        None,
+        description="A tokenizer.json to load instead of training one (local path or URL).",
+    )
+    vocab_size: int = _field(
+        2048,
+        "Vocabulary size of the byte-level BPE trained on the corpus; with 'path', "
+        "at least the loaded tokenizer's size (it sizes the model's embedding).",
+        fix="room for the 256 byte tokens plus specials, within uint32 ids; e.g. 2048",
+        ge=260, le=2**32 - 1,
+    )
+    min_frequency: int = _field(2, "Minimum pair frequency for a BPE merge.", fix="2 is typical", ge=1)
+    eot_token: NonBlank = _field(
+        "<|endoftext|>",
+        "End-of-text special token that ends every document in the shards.",
+        fix="use the tokenizer's end-of-text token, e.g. '<|endoftext|>'",
+    )
+
+
+class ModelConfig(_Section):
+    n_layer: int = _field(4, "Number of transformer blocks.", fix="e.g. 4 (tiny) or 12 (GPT-2 small)", ge=1)
+    n_head: int = _field(4, "Attention heads per block; must divide n_embd.", fix="e.g. 4", ge=1)
+    n_embd: int = _field(128, "Embedding width.", fix="pick a multiple of n_head", ge=1)
+    block_size: int = _field(128, "Context length in tokens.", fix="e.g. 128 or 1024", ge=1)
+    dropout: float = _field(0.0, "Dropout probability (0 for pretraining from scratch).",
+                            fix="use 0 for pretraining from scratch", ge=0, lt=1)
+    bias: bool = Field(False, description="Use bias in Linear and LayerNorm layers.")
+    vocab_pad_multiple: int = _field(
+        128, "Pad the embedding and output rows up to a multiple of this (GPU matmuls run "
+        "fastest on multiples of 64-128); token ids are unchanged, the extra rows are never "
+        "a target. 1 turns padding off.", fix="e.g. 128, or 1 for no padding", ge=1, le=4096)
+
+    @field_validator("n_embd")
+    @classmethod
+    def _heads_divide_width(cls, n_embd: int, info: ValidationInfo) -> int:
+        n_head = info.data.get("n_head")
+        if n_head and n_embd % n_head:
+            raise _rule(f"is not divisible by n_head={n_head}",
+                        f"pick a multiple of {n_head}, e.g. {n_head * max(1, round(n_embd / n_head))}")
+        return n_embd
+
+
+class TrainConfig(_Section):
+    seed: int = Field(1337, description="Seed of the model init and of the data order.")
+    max_steps: int = _field(500, "Optimizer steps to train in total (across resumes).", ge=1)
+    global_batch_size: int = _field(
+        16, "Sequences per optimizer step across all ranks.",
+        fix="use a multiple of world_size x micro_batch_size", ge=1,
+    )
+    micro_batch_size: int = _field(
+        4, "Sequences per rank per forward pass; the rest is gradient accumulation.", ge=1,
+    )
+    lr: float = _field(3e-3, "Peak learning rate of AdamW.", fix="a typical value is 3e-4", gt=0)
+    min_lr: float = _field(3e-4, "Learning rate at the end of the cosine decay.",
+                           fix="e.g. a tenth of lr", ge=0)
+    warmup_steps: int = _field(20, "Linear warm-up steps before the cosine decay.",
+                               fix="a few percent of max_steps is typical", ge=0)
+    weight_decay: float = _field(0.1, "AdamW weight decay on 2-D weights.", fix="0.1 is typical", ge=0)
+    beta1: float = _field(0.9, "AdamW beta1.", fix="0.9 is typical", ge=0, lt=1)
+    beta2: float = _field(0.95, "AdamW beta2.", fix="0.95 is typical", ge=0, lt=1)
+    grad_clip: float = _field(1.0, "Clip the global gradient norm to this (0 = off).",
+                              fix="0 turns clipping off; 1.0 is typical", ge=0)
+    log_interval: int = _field(10, "Steps between training-loss log lines.", ge=1)
+    deterministic: bool | Literal["auto"] = Field(
+        "auto", description="Deterministic torch algorithms (and, past 2 ranks, DDP's gradient "
+        "buckets fixed) so a run resumed at the same world size ends bitwise equal to one that "
+        "never stopped. 'auto': on with CPU ranks (it costs almost nothing there), off on CUDA "
+        "(it costs speed; a resumed GPU run is then equal up to rounding). true or false: "
+        "always on or off.",
+        json_schema_extra={"fix": "give true, false or 'auto'"})
+    nonfinite: Literal["fail", "skip"] = Field(
+        "fail", description="What a step whose loss or gradient norm is NaN/inf does. 'fail': "
+        "the run stops within one log interval (and before any checkpoint), naming the step, and "
+        "is not retried. 'skip': the step's update is not applied (the step number, the data "
+        "order and the learning-rate schedule go on), up to nonfinite_skip_limit skipped steps, "
+        "then fail; skip reads one flag per step (a host sync the fail policy does not need).",
+        json_schema_extra={"fix": "use 'fail' (the default) or 'skip'"})
+    nonfinite_skip_limit: int = _field(
+        3, "Under nonfinite='skip': how many non-finite steps one launch may skip before it fails.",
+        fix="a small count such as 3; 0 fails at the first non-finite step", ge=0)
+
+    @field_validator("min_lr")
+    @classmethod
+    def _min_lr_below_lr(cls, min_lr: float, info: ValidationInfo) -> float:
+        lr = info.data.get("lr")
+        if lr is not None and min_lr > lr:
+            raise _rule(f"must be in [0, lr] with lr={lr}")
+        return min_lr
+
+    @field_validator("warmup_steps")
+    @classmethod
+    def _warmup_below_max_steps(cls, warmup_steps: int, info: ValidationInfo) -> int:
+        max_steps = info.data.get("max_steps")
+        if max_steps is not None and warmup_steps >= max_steps:
+            raise _rule(f"must be below max_steps={max_steps}")
+        return warmup_steps
+
+
+class CheckpointConfig(_Section):
+    interval_steps: int = _field(100, "Steps between checkpoints (the last step always saves).", ge=1)
+    keep_latest_k: int = _field(
+        2, "Committed checkpoints to keep; at least 2, as the newest may still be uploading.",
+        fix="keep at least 2, as the newest may still be uploading", ge=2,
+    )
+    async_enabled: bool = Field(
+        True, description="Upload in the background while training goes on (False: the step "
+        "waits for save, upload and commit)."
+    )
+    upload_timeout_seconds: float = _field(
+        900.0, "How long one rank keeps retrying (with backoff) its upload of one "
+        "checkpoint before the checkpoint is given up (reported, never committed).",
+        fix="e.g. 900", gt=0,
+    )
+    commit_timeout_seconds: float = _field(
+        1200.0, "How long rank 0 waits for every rank's upload receipt before it "
+        "gives the checkpoint up.",
+        fix="give at least upload_timeout_seconds, e.g. 1200", gt=0,
+    )
+    max_pending_uploads: int = _field(
+        2, "Checkpoints written to local staging and waiting for their upload (an object-store "
+        "outage): when a new one is written while this many wait, the oldest waiting one is "
+        "dropped (its staging deleted, a checkpoint_dropped record, never committed), so the "
+        "local disk holds at most this many and training never waits for the store.",
+        fix="give at least 1, e.g. 2 (each costs one checkpoint of local disk per host)", ge=1,
+    )
+    evaluation_pin_seconds: float = _field(
+        7200.0, "With eval.per_checkpoint_enabled, each committed checkpoint is pinned until its "
+        "evaluation is done, and retention (keep_latest_k) spares it meanwhile; a pin older than "
+        "this (an evaluation that died) no longer keeps it.",
+        fix="give more than an evaluation takes with its retries, e.g. 7200", gt=0,
+    )
+
+    @field_validator("commit_timeout_seconds")
+    @classmethod
+    def _commit_outwaits_upload(cls, commit: float, info: ValidationInfo) -> float:
+        upload = info.data.get("upload_timeout_seconds")
+        if upload is not None and commit < upload:
+            raise _rule(f"must be >= upload_timeout_seconds={upload}")
+        return commit
+
+
+class EvalConfig(_Section):
+    interval_steps: int = _field(100, "Steps between validation-loss evaluations.", ge=1)
+    num_batches: int = _field(8, "Validation batches (of micro_batch_size per rank) per evaluation.", ge=1)
+    per_checkpoint_enabled: bool = Field(
+        True, description="Evaluate every committed checkpoint in its own task run (a separate "
+        "process) while training goes on."
+    )
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class NodeConfig(_Section):
+    """One node of launch.nodes: where its torchrun agent runs and how the others reach it."""
+
+    prefix: list[NonBlank] = Field(
+        default_factory=list,
+        description="Command that starts this node's torchrun agent on its machine, one word per "
+        "item, run as is (no shell): ['srun', '--nodes=1', '--ntasks=1', '--nodelist=host1'] or "
+        "['ssh', 'host1']. The agent gets this host's environment and env only through a "
+        "prefix that passes them on (srun does, ssh does not). Empty: this host.",
+        json_schema_extra={"fix": "give the command as a list of words, e.g. ['ssh', 'host1']"})
+    address: str | None = Field(
+        None,
+        description="Where the other nodes reach this one (torchrun --local-addr), on the "
+        "interface env names. The node whose address is launch.rdzv_host hosts the rendezvous.",
+        json_schema_extra={"fix": "give an IP address or host name, e.g. '10.0.0.11'"})
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Added to the agent's environment: GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME "
+        "(the interface of address), STOKER_CACHE (the node's cache folder). Never credentials.",
+        json_schema_extra={"fix": "give variable names such as GLOO_SOCKET_IFNAME"})
+
+    @field_validator("prefix")
+    @classmethod
+    def _a_list_of_words(cls, prefix: list[str]) -> list[str]:
+        if prefix and len(prefix[0].split()) > 1:  # no program's name holds a space
+            raise _rule("is one shell string", f"give one word per item: {prefix[0].split()!r}; "
+                        "it is run without a shell")
+        return prefix
+
+    @field_validator("address")
+    @classmethod
+    def _an_address(cls, address: str | None) -> str | None:
+        if address is None or not address.strip():
+            return None
+        address = address.strip()
+        if len(address.split()) > 1 or "/" in address:
+            raise _rule("is not an address")
+        return address
+
+    @field_validator("env")
+    @classmethod
+    def _names_without_credentials(cls, env: dict[str, str]) -> dict[str, str]:
+        _no_credentials(env)  # first: the other problem's line would show the values
+        bad = [name for name in env if not _ENV_NAME.match(name)]
+        if bad:
+            raise _rule(f"{bad!r} cannot be an environment variable's name",
+                        "use letters, digits and '_', e.g. GLOO_SOCKET_IFNAME")
+        return env
+
+
+class LaunchConfig(_Section):
+    launcher: Literal["local", "ray"] = Field(
+        "local", description="'local': torchrun agents (num_nodes simulated nodes on this host, or "
+        "one per host with launch.nodes). 'ray': Ray Train workers (TorchTrainer, num_nodes x "
+        "nproc_per_node of them) on the cluster at ray.address; needs the 'ray' extra: pip "
+        "install 'stoker[ray]'.")
+    num_nodes: int = _field(1, "torchrun agents (nodes) meeting by c10d rendezvous: simulated on "
+                            "this host, or where launch.nodes puts them.", ge=1)
+    nproc_per_node: int = _field(2, "Training ranks per node.", ge=1)
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Process-group backend; 'auto' is NCCL with GPUs, gloo otherwise."
+    )
+    nodes: list[NodeConfig] | None = Field(
+        None,
+        description="Where each node's torchrun agent runs, one entry per node (num_nodes): "
+        "the command prefix that starts it on its machine, its address and environment. Empty: "
+        "every node on this host.",
+        json_schema_extra={"fix": "give one entry per node, or leave it empty"})
+    rdzv_host: str = Field(
+        "127.0.0.1", validate_default=True,
+        description="Host of the c10d rendezvous endpoint. With launch.nodes: the address of the "
+        "node whose agent hosts it.",
+        json_schema_extra={"fix": "give the address of one node of launch.nodes"})
+    rdzv_port: int | None = _field(
+        None,
+        "Port of the rendezvous endpoint. Needed when its node is another machine (has a "
+        "prefix); empty: a free port of this host.",
+        fix="give the port the rendezvous node listens on, e.g. 29500", ge=1, le=65535,
+        validate_default=True)
+    timeout_seconds: int = _field(3600, "Wall-clock limit of one training launch.", ge=10)
+    max_attempts: int = _field(
+        2, "Launch attempts; each retry resumes from the newest valid checkpoint.", ge=1)
+    max_restarts: int = _field(
+        2, "In-place restarts per launch attempt: when a rank dies, torchrun restarts the ranks "
+        "and they load the newest valid checkpoint themselves (seconds, not a relaunch). A "
+        "failure no restart can fix (a bug, a bad input) is not restarted. 0: every failure "
+        "goes to a new launch attempt.", fix="e.g. 2, or 0 to relaunch instead", ge=0, le=100)
+    concurrency_limit: str = Field(
+        "stoker-accelerators",
+        description="Prefect global concurrency limit a launch holds one slot of while its ranks "
+        "run, so two runs never take the same accelerators; `stoker deploy` creates it with one "
+        "slot. Not on the server (an embedded server, a notebook) or empty: no limit. Give each "
+        "machine's runs their own name to run one per machine.")
+    hang_timeout_seconds: int = _field(
+        300,
+        "Hang watchdog: when no training step finishes for this long (rank 0 "
+        "reports each one), the gang is killed and the launch fails as transient (retried from "
+        "the newest valid checkpoint). Armed at rank 0's first report, so start-up (rendezvous, "
+        "loading shards and the checkpoint, the step-0 evaluation) counts only against "
+        "timeout_seconds. Keep it above the slowest step plus an evaluation and a checkpoint "
+        "save. 0 turns the watchdog off.",
+        fix="give 0 (watchdog off) or more than the slowest step plus an evaluation and a "
+        "checkpoint save, e.g. 300",
+        ge=0,
+    )
+
+    startup_timeout_seconds: int = _field(
+        900,
+        "Start-up watchdog: when rank 0 has not reported (its step-0 evaluation or first step) "
+        "this long after the launch, start-up has hung (a rendezvous that never completes, a rank "
+        "stuck loading) and the gang is killed; the launch fails as transient and is retried. "
+        "Give it room for rendezvous, loading the shards and the checkpoint, compiling, and the "
+        "step-0 evaluation. 0 turns it off.",
+        fix="give 0 (off) or the longest start-up plus a margin, e.g. 900", ge=0)
+    takeover: bool = Field(
+        False,
+        description="Take the run over from another launch that holds its lease "
+        "({root}/runs/{run}/lease.json) and is still alive: that launch stops at its next "
+        "heartbeat. Without it a second launch of the run refuses in one line naming the holder; "
+        "a lease whose heartbeat expired (launch.lease_seconds), or whose process on this host "
+        "is gone, is taken without it. The CLI's `stoker run --takeover` sets it.")
+    lease_seconds: int = _field(
+        90,
+        "How long the run lease lasts without a heartbeat (renewed every third of it by the "
+        "process that launches training). After that another launch may take the run over.",
+        fix="give at least 10 seconds, e.g. 90", ge=10)
+    collective_timeout_seconds: int = _field(
+        1800,
+        "How long a rank waits in one collective (the process group's timeout, NCCL's and "
+        "gloo's) before it fails with an error naming the collective, instead of hanging: "
+        "longer than any wait of one rank for another (a peer loading and checking a "
+        "checkpoint from the store, compiling, evaluating, a synchronous checkpoint save). "
+        "NCCL's own default is 10 minutes, which a slow checkpoint download can exceed.",
+        fix="give at least the longest checkpoint download and check plus a compile, e.g. 1800",
+        ge=60)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.nproc_per_node
+
+    @field_validator("nodes")
+    @classmethod
+    def _one_per_node(cls, nodes: list[NodeConfig] | None, info: ValidationInfo) -> list[NodeConfig] | None:
+        if not nodes:
+            return None  # an empty list (the UI form's) is no list
+        if info.data.get("launcher") == "ray":
+            raise _rule("places torchrun agents, and launch.launcher is 'ray'",
+                        "remove launch.nodes (Ray places its workers), or use launcher 'local'")
+        num_nodes = info.data.get("num_nodes")
+        if num_nodes is not None and len(nodes) != num_nodes:
+            raise _rule(f"gives {len(nodes)} node(s) for num_nodes={num_nodes}",
+                        f"give one entry per node, or set launch.num_nodes to {len(nodes)}")
+        return nodes
+
+    @field_validator("rdzv_host")
+    @classmethod
+    def _a_node_hosts_the_rendezvous(cls, host: str, info: ValidationInfo) -> str:
+        nodes = info.data.get("nodes")
+        if not nodes:  # none given, or they failed (reported on their own)
+            return host
+        hosting = [i for i, node in enumerate(nodes) if node.address == host]
+        addresses = [node.address for node in nodes if node.address]
+        if not hosting:
+            raise _rule("is no node's address: the rendezvous is hosted by the node whose "
+                        "address it is", f"give one of {addresses}" if addresses else
+                        "give that node's address in launch.nodes[i].address and here")
+        if len(hosting) > 1:
+            raise _rule(f"is the address of nodes {hosting}",
+                        "give each node its own address: one node hosts the rendezvous")
+        return host
+
+    @field_validator("rdzv_port")
+    @classmethod
+    def _port_of_a_remote_rendezvous(cls, port: int | None, info: ValidationInfo) -> int | None:
+        nodes, host = info.data.get("nodes"), info.data.get("rdzv_host")
+        if port is not None or not nodes or host is None:
+            return port
+        for i, node in enumerate(nodes):
+            if node.address == host and node.prefix:
+                raise _rule(f"is needed: the rendezvous host {host} is node {i}, started on "
+                            f"another machine ({node.prefix[0]}), where no free port can be "
+                            "picked from here")
+        return port
+
+    @field_validator("hang_timeout_seconds")
+    @classmethod
+    def _off_or_long_enough(cls, seconds: int) -> int:
+        if 0 < seconds < 5:
+            raise _rule("must be 0 (watchdog off) or >= 5")
+        return seconds
+
+
+class RayConfig(_Section):
+    """The Ray cluster behind launch.launcher 'ray' and data.engine 'ray'. Where work runs, not
+    what it computes: left out of the run's identity."""
+
+    address: str | None = Field(
+        None,
+        description="The cluster: 'ray://HEAD:10001' (Ray Client, from any host that reaches the "
+        "head), 'auto' or 'HOST:6379' (from a host that is a node of the cluster). Empty: a "
+        "local Ray instance started for the job on 127.0.0.1 and stopped after it. Every node "
+        "needs stoker installed and must reach storage.root (an object store, not a local "
+        "folder, once the cluster spans hosts).",
+        json_schema_extra={"fix": "give ray://HOST:10001, auto or HOST:PORT, or leave it empty"})
+    cpus_per_worker: float = _field(
+        1.0, "CPUs a training worker reserves (Ray's ScalingConfig resources_per_worker).",
+        fix="e.g. 1 or 4", gt=0, le=1024)
+    cpus_per_data_task: float = _field(
+        1.0, "CPUs a tokenizing task reserves (data.engine 'ray').", fix="e.g. 1", gt=0, le=1024)
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, address: str | None) -> str | None:
+        if address is None or not address.strip():
+            return None
+        address = address.strip()
+        if address == "auto" or address.startswith("ray://"):
+            return address
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or "/" in address or not port.isdigit():
+            raise _rule("is not a Ray address")
+        return address
+
+
+# torch.distributed.fsdp.fully_shard is public from torch 2.6, but the sharded init
+# (distribute_tensor's src_data_rank=None: every rank fills its own shard, no communication)
+# is 2.7's
+FSDP2_TORCH = (2, 7)
+
+
+class EngineConfig(_Section):
+    """How the ranks compute: none of it changes what the run is (a run may resume with other
+    engine settings), so it is left out of the run's identity."""
+
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="Matmul precision: 'bf16' autocast (fp32 weights and optimizer), "
+        "'fp32', or 'auto': bf16 on a CUDA device that supports it, fp32 otherwise.")
+    tf32: bool = Field(True, description="On CUDA, let fp32 matmuls and convolutions use TF32.")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="torch.compile the model: 'auto' is on for CUDA, off on CPU "
+        "(a compiled first step takes 20-60 s).")
+    compile_tuning: Literal["none", "coordinate-descent", "max-autotune"] = Field(
+        "none", description="How hard torch.compile tunes, with compile on: 'coordinate-descent' "
+        "tunes the launch parameters of each fused kernel (on an H100, bench_gpu's bare loop "
+        "with cuDNN attention went from 42.0% to 42.7% MFU, its first compile from ~25 s to "
+        "~150 s); 'max-autotune' also times Triton matmul kernels against cuBLAS (a first "
+        "compile of minutes).")
+    fused_optimizer: Literal["auto", "on", "off"] = Field(
+        "auto", description="Fused AdamW kernels: 'auto' is fused on CUDA, multi-tensor "
+        "(foreach) on CPU; 'off' is the plain per-parameter loop.")
+    parallelism: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="'ddp': replicated model, gradients all-reduced. 'fsdp': FSDP2 "
+        "(fully_shard per block and on the root; bf16 params, fp32 gradient reduction under "
+        "bf16) for models whose state does not fit on one device; needs torch 2.7 or newer.")
+    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+        "none", description="'full': recompute each block in the backward pass (about a third "
+        "more compute for the least activation memory). 'selective': keep the outputs of the "
+        "matmuls and attention and recompute only the cheap ops between them (LayerNorm, GELU, "
+        "dropout, residual adds): less memory than 'none' for little extra compute.")
+    cross_entropy: Literal["standard", "chunked"] = Field(
+        "standard", description="'standard': the output matmul makes the whole (tokens x "
+        "vocabulary) logits, then the loss. 'chunked': the matmul and the loss run "
+        "engine.cross_entropy_chunk tokens at a time, with the gradient made in the forward "
+        "pass, so the whole logits, their fp32 copy and their gradient never exist (GBs at "
+        "GPT-2's vocabulary): a larger micro-batch fits. The same loss up to rounding.")
+    cross_entropy_chunk: int = _field(
+        4096, "Tokens per chunk of the 'chunked' cross-entropy: fewer hold less memory and make "
+        "smaller matmuls.", ge=1)
+    prefetch: bool = Field(
+        True, description="Prepare the next batch in a background thread while the step runs "
+        "(pinned memory, non-blocking copies on CUDA).")
+
+    @field_validator("compile", "fused_optimizer", mode="before")
+    @classmethod
+    def _on_off_words(cls, value: Any) -> Any:
+        """YAML reads on and off (in a recipe, or a --set value) as true and false: they mean
+        the words."""
+        return ("on" if value else "off") if isinstance(value, bool) else value
+
+    def cpu_problems(self) -> list[str]:
+        """What ranks on CPUs cannot do of these settings: checked on the host before the
+        launch (launch.devices, for the ranks it starts there) and by each rank."""
+        problems = []
+        if self.fused_optimizer == "on":
+            problems.append("engine.fused_optimizer: fused AdamW needs a CUDA device and the "
+                            "ranks run on CPUs; use 'auto' or 'off'.")
+        if self.compile_tuning != "none" and self.compile == "auto":
+            problems.append(f"engine.compile_tuning: '{self.compile_tuning}' tunes torch.compile, "
+                            "which engine.compile 'auto' leaves off on CPUs; use 'none', or set "
+                            "engine.compile to 'on'.")
+        return problems
+
+    def torch_problems(self, torch_version: str) -> list[str]:
+        """What ranks with this torch (its version string, e.g. '2.5.1+cu124') cannot do of
+        these settings: checked on the host before the launch, from the installed package's
+        metadata, and by each rank."""
+        found = re.match(r"(\d+)\.(\d+)", torch_version)
+        release = (int(found[1]), int(found[2])) if found else (0, 0)
+        if self.parallelism == "fsdp" and release < FSDP2_TORCH:
+            return [f"engine.parallelism: 'fsdp' needs torch {FSDP2_TORCH[0]}.{FSDP2_TORCH[1]} or newer "
+                    f"(FSDP2's fully_shard and its sharded init) and the ranks have torch {torch_version}; upgrade torch, or "
+                    "use 'ddp'."]
+        return []
+
+    @field_validator("compile_tuning")
+    @classmethod
+    def _tunes_a_compile(cls, tuning: str, info: ValidationInfo) -> str:
+        if tuning != "none" and info.data.get("compile") == "off":
+            raise _rule("tunes torch.compile, which engine.compile turns off",
+                        "use 'none', or set engine.compile to 'on' or 'auto'")
+        return tuning
+
+
+class StorageConfig(_Section):
+    root: NonBlank = Field(
+        default_factory=default_root,
+        description="Object-store root URL: file:///abs/path, s3://bucket/prefix, or any fsspec "
+        "URL. Defaults to ./stoker-data (or $STOKER_ROOT).",
+        json_schema_extra={"fix": "use file:///abs/path or s3://bucket/prefix"},
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec storage options (e.g. {'endpoint_url': ...} for S3). Never "
+        "credentials: they come from the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
+        "or AWS_PROFILE), and a config holding any is refused.",
+    )
+
+    credentials_block: str | None = Field(
+        None,
+        description="Name of a Prefect block holding the S3 credentials of the store and of S3 "
+        "sources: a Secret block whose value is a JSON object with aws_access_key_id and "
+        "aws_secret_access_key (and aws_session_token), e.g. 'stoker-s3', or an AwsCredentials "
+        "block of prefect-aws as 'aws-credentials/NAME'. Loaded on the host that runs the flow; "
+        "the ranks and evaluations get them as AWS_* variables. Empty: the environment or "
+        "AWS_PROFILE.",
+        json_schema_extra={"fix": "give a block name such as 'stoker-s3' or "
+                           "'aws-credentials/stoker-s3', or leave it empty"})
+
+    @field_validator("storage_options")
+    @classmethod
+    def _without_credentials(cls, options: dict[str, Any]) -> dict[str, Any]:
+        return _no_credentials(options)
+
+    @field_validator("credentials_block")
+    @classmethod
+    def _block_name(cls, name: str | None) -> str | None:
+        if name is not None and not name.strip():
+            return None
+        if name is not None and not _BLOCK_NAME.match(name.strip()):
+            raise _rule("is not a Prefect block name", "give NAME (a Secret block) or "
+                        "BLOCK-TYPE/NAME, e.g. 'aws-credentials/stoker-s3'")
+        return name.strip() if name else None
+
+    @field_validator("root")
+    @classmethod
+    def _absolute(cls, root: str) -> str:
+        if "://" not in root and not os.path.isabs(root):  # a string test, no filesystem access
+            raise _rule("is relative", "give an absolute path or a URL such as "
+                        "file:///data/stoker or s3://bucket/prefix")
+        problem = _url_problem(root, "the root")
+        if problem is not None:
+            raise problem
+        if root.startswith("file://") and not root[len("file://"):].startswith("/"):
+            raise _rule("is a relative file:// URL", "write file:///absolute/path (three slashes)")
+        return root
+
+
+class MetricsConfig(_Section):
+    """Where the run's metric records (those rank 0 keeps in {run}/metrics.jsonl) also go. The
+    sinks run beside the flow, on the host that launches the ranks, fed from the ranks' event
+    stream; they are not part of the run's identity."""
+
+    tensorboard_enabled: bool = Field(
+        False, description="Write TensorBoard event files of the training and validation "
+        "metrics to {root}/runs/{run}/tensorboard/ (tensorboard --logdir <that folder>). Needs "
+        "the 'metrics' extra: pip install 'stoker[metrics]'.")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="Also log the metrics (and the config as parameters) to MLflow at this "
+        "tracking URI: http(s)://host:5000, sqlite:////abs/mlflow.db, file:///abs/mlruns (MLflow 3 "
+        "wants MLFLOW_ALLOW_FILE_STORE=true for that one) or databricks. One MLflow run per stoker "
+        "run (tag stoker.run_name), continued when the run resumes. Empty: off. Needs the "
+        "'metrics' extra: pip install 'stoker[metrics]'.",
+        json_schema_extra={"fix": "give http(s)://host:port, sqlite:////abs/path.db or "
+                           "file:///abs/path, or leave it empty"})
+    mlflow_experiment: NonBlank = _field(
+        "stoker", "MLflow experiment of the run (created when missing).", fix="e.g. 'stoker'")
+
+    @field_validator("mlflow_tracking_uri")
+    @classmethod
+    def _tracking_uri(cls, uri: str | None) -> str | None:
+        if uri is None or not uri.strip():
+            return None
+        uri = uri.strip()
+        scheme, sep, rest = uri.partition("://")
+        if "@" in rest.split("/", 1)[0]:
+            raise PydanticCustomError("secret_in_config", "holds credentials (user:password@)", {
+                "fix": "give them to the environment: MLFLOW_TRACKING_USERNAME and "
+                "MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN"})
+        problem = _url_problem(uri, "the tracking URI")
+        if problem is not None:
+            raise problem
+        if scheme == "file" and not rest.startswith("/"):
+            raise _rule("is a relative file:// URL", "write file:///absolute/path (three slashes)")
+        if not sep and uri != "databricks" and not os.path.isabs(uri):  # a string test
+            raise _rule("is relative: it would depend on where the flow runs")
+        return uri
+
+
+# ---- rules that span sections --------------------------------------------------------------
+def _batch_divides(global_batch_size: int, micro_batch_size: int, num_nodes: int,
+                   nproc_per_node: int) -> PydanticCustomError | None:
+    world = num_nodes * nproc_per_node
+    per_pass = world * micro_batch_size
+    if global_batch_size % per_pass:
+        return _rule(
+            f"is not divisible by world_size x micro_batch_size = {world} x {micro_batch_size} "
+            f"= {per_pass}",
+            f"use a multiple of {per_pass} (e.g. {per_pass * max(1, global_batch_size // per_pass)})")
+    return None
+
+
+def _ids_fit_dtype(token_dtype: str, vocab_size: int) -> PydanticCustomError | None:
+    if token_dtype == "uint16" and vocab_size > 65536:
+        return _rule(f"uint16 holds token ids below 65536, and tokenizer.vocab_size is {vocab_size}",
+                     "use 'uint32' or 'auto', or a vocabulary of at most 65536")
+    return None
+
+
+_Loc = tuple[str, str]
+# (the field a rule reports on, the fields it reads in order of its arguments, the rule)
+_CROSS_SECTION_RULES: list[tuple[_Loc, tuple[_Loc, ...], Callable[..., Any]]] = [
+    (("train", "global_batch_size"),
+     (("train", "global_batch_size"), ("train", "micro_batch_size"), ("launch", "num_nodes"),
+      ("launch", "nproc_per_node")),
+     _batch_divides),
+    (("data", "token_dtype"), (("data", "token_dtype"), ("tokenizer", "vocab_size")), _ids_fit_dtype),
+]
+
+
+def _overlaps(loc: tuple, path: tuple) -> bool:
+    """Whether an error at ``loc`` (a field, a section, or the whole input) touches ``path``."""
+    n = min(len(loc), len(path))
+    return tuple(loc[:n]) == tuple(path[:n])
+
+
+def _read(source: Any, path: _Loc) -> Any:
+    """A field's value from a RunConfig, or from raw input (a field that failed nowhere
+    validates alone to the same value; one that is absent is its default)."""
+    section_name, name = path
+    section = source.get(section_name) if isinstance(source, dict) else getattr(source, section_name, None)
+    if isinstance(section, BaseModel):
+        return getattr(section, name)
+    field = RunConfig.model_fields[section_name].annotation.model_fields[name]
+    if not isinstance(section, dict) or name not in section:
+        return field.get_default(call_default_factory=True)
+    return TypeAdapter(field.annotation).validate_python(section[name])
+
+
+class RunConfig(_Section):
+    """Everything a pretraining run needs, in one tree."""
+
+    run_name: str | None = _field(
+        None,
+        "Name of the run folder. Empty: derived from the config, so the same config "
+        "resumes the same run.",
+        fix="use letters, digits, '.', '_' or '-' (max 128), starting with a letter or digit",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+    )
+    recipe: str | None = _field(
+        None,
+        "The recipe this config started from (load_config sets it from the recipe's name or "
+        "file). Informational: it tags the run's flow runs and is no part of the run's identity.",
+        fix="use letters, digits, '.', '_' or '-'", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+    )
+    data: DataConfig = Field(default_factory=DataConfig, description="Raw data source and split.")
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="GPT model size.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Optimization.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation during training.")
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How ranks are started.")
+    engine: EngineConfig = Field(default_factory=EngineConfig,
+                                 description="Precision, compilation and parallelism of the ranks.")
+    storage: StorageConfig = Field(default_factory=StorageConfig, description="Object store.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig,
+                                   description="TensorBoard and MLflow sinks of the run's metrics.")
+    ray: RayConfig = Field(default_factory=RayConfig,
+                           description="The Ray cluster of launch.launcher 'ray' and data.engine 'ray'.")
+
+    # ---- derived facts -------------------------------------------------------------
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.launch.world_size * self.train.micro_batch_size)
+
+    def identity_hash(self) -> str:
+        """Hash of what determines the run's trajectory: not where it is stored, how it is
+        launched or computed, nor how the global batch is split (world size, micro-batch),
+        since every step trains on the same sequences at any split. A run may resume with
+        any of those changed."""
+        payload = self.model_dump(mode="json", exclude={"run_name": True, "recipe": True, "storage": True,
+                                                        "launch": True, "engine": True,
+                                                        "metrics": True, "ray": True,
+                                                        "data": {"num_workers", "engine"},
+                                                        "train": {"micro_batch_size"}})
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def model_hash(self) -> str:
+        """Hash of what must match for a checkpoint to load into this model."""
+        payload = {"model": self.model.model_dump(mode="json"), "vocab": self.tokenizer.vocab_size}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def resolved_run_name(self) -> str:
+        return self.run_name or f"run-{self.identity_hash()[:10]}"
+
+    # ---- validation ----------------------------------------------------------------
+    @model_validator(mode="wrap")
+    @classmethod
+    def _cross_section_rules(cls, data: Any, handler: Callable[[Any], RunConfig]) -> RunConfig:
+        """Run the rules that span sections even when other fields failed, and raise their
+        problems together with the others: an after-validator would be skipped whenever any
+        field failed. A rule is skipped only when a field it reads failed itself."""
+        failed: ValidationError | None = None
+        try:
+            cfg = handler(data)
+            errors: list[Any] = []
+        except ValidationError as err:
+            failed, errors = err, err.errors()
+        source = data if failed else cfg
+        found = []
+        for target, reads, check in _CROSS_SECTION_RULES:
+            if any(_overlaps(e["loc"], path) for e in errors for path in reads):
+                continue
+            problem = check(*(_read(source, path) for path in reads))
+            if problem is not None:
+                found.append({"type": problem, "loc": target, "input": _read(source, target)})
+        if not found:
+            if failed:
+                raise failed
+            return cfg
+        line_errors = [{"type": PydanticCustomError(e["type"], e["msg"], e.get("ctx")),
+                        "loc": e["loc"], "input": e["input"]} for e in errors]
+        raise ValidationError.from_exception_data(cls.__name__, line_errors + found)
+
+    def check(self) -> "RunConfig":
+        """Re-validate every rule of the model (not the local files: see
+        local_resource_problems); raise one ConfigError listing every problem, else return self."""
+        try:
+            type(self).model_validate(self.model_dump())
+        except ValidationError as err:
+            raise ConfigError(_problems(err)) from None
+        return self
+
+    # ---- (de)serialization ---------------------------------------------------------
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+
+# ---- telling problems ----------------------------------------------------------------------
+_BOUNDS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+_OPS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def _model_in(ann: Any) -> Any:
+    """The section model an annotation holds (``Model``, ``list[Model] | None``), or None."""
+    import typing
+
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    for arg in typing.get_args(ann):
+        model = _model_in(arg)
+        if model is not None:
+            return model
+    return None
+
+
+def _field_at(loc: tuple) -> Any:
+    """The FieldInfo an error location names (the deepest one that is a field), or None."""
+    model: Any = RunConfig
+    field = None
+    for part in loc:
+        if isinstance(part, int) and field is not None:  # an item of a list of sections
+            continue
+        if model is None or part not in model.model_fields:
+            break
+        field = model.model_fields[part]
+        model = _model_in(field.annotation)
+    return field
+
+
+def field_table() -> list[dict]:
+    """Every key of the config: dotted name, type, default and description (`stoker config
+    --list`, the README)."""
+    import typing
+
+    def type_name(ann: Any) -> str:
+        if typing.get_origin(ann) is Literal:
+            return " | ".join(repr(a) for a in typing.get_args(ann))
+        text = getattr(ann, "__name__", None) or str(ann)
+        return text.replace("typing.", "").replace(f"{__name__}.", "")
+
+    rows = []
+    for section, sfield in RunConfig.model_fields.items():
+        model = sfield.annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            rows.append({"key": section, "type": type_name(sfield.annotation),
+                         "default": sfield.get_default(call_default_factory=True),
+                         "description": sfield.description or ""})
+            continue
+        for name, f in model.model_fields.items():
+            bounds = _range(f)
+            rows.append({"key": f"{section}.{name}", "type": type_name(f.annotation) + (f" ({bounds})" if bounds else ""),
+                         "default": f.get_default(call_default_factory=True),
+                         "description": f.description or ""})
+    return rows
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """The fix for an unknown key: the closest field of its section, or the section's fields."""
+    import difflib
+
+    model: Any = RunConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):  # an item of a list of sections
+            continue
+        field = model.model_fields.get(part) if model is not None else None
+        model = _model_in(field.annotation) if field is not None else None
+    if model is None:
+        return "remove it or check its spelling"
+    names = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {'.'.join(map(str, loc[:-1] + (close[0],)))}?"
+    where = ".".join(map(str, loc[:-1])) or "the config"
+    return f"remove it or check its spelling ({where} has: {', '.join(names)})"
+
+
+def _range(field: Any) -> str:
+    """A field's bounds as a person writes them: '> 0', '>= 2', 'in [1, 256]', 'in (0, 0.5)'."""
+    b = {k: getattr(m, k) for m in field.metadata for k in _OPS if getattr(m, k, None) is not None}
+    lo = f"[{b['ge']}" if "ge" in b else f"({b['gt']}" if "gt" in b else ""
+    hi = f"{b['le']}]" if "le" in b else f"{b['lt']})" if "lt" in b else ""
+    if lo and hi:
+        return f"in {lo}, {hi}"
+    return " and ".join(f"{_OPS[k]} {v}" for k, v in b.items())
+
+
+def _problem(e: Any) -> str:
+    """One line per problem: '<dotted field>: <what> (got <value>); <fix>.'"""
+    loc = tuple(e["loc"])
+    field = _field_at(loc)
+    extra = field.json_schema_extra if field is not None else None
+    fix = (e.get("ctx") or {}).get("fix") or (extra.get("fix") if isinstance(extra, dict) else None)
+    if e["type"] in _BOUNDS and field is not None:
+        what = "must be " + _range(field)
+    elif e["type"] in ("blank", "string_too_short"):
+        what = "is empty"
+    elif e["type"] == "extra_forbidden":
+        what, fix = "is not a field of the config", _did_you_mean(loc)
+    else:
+        what = e["msg"]
+    got = repr(e["input"]) if e["type"] != "secret_in_config" else "<not shown>"
+    got = got if len(got) <= 80 else got[:77] + "..."  # a whole section is no help to read
+    line = f"{'.'.join(map(str, loc)) or 'config'}: {what} (got {got})"
+    if not fix:
+        return f"{line}."
+    return f"{line}; {fix}" + ("" if fix.endswith(("?", ".")) else ".")
+
+
+def _problems(err: ValidationError) -> list[str]:
+    return [_problem(e) for e in err.errors()]
+
+
+# ---- what only this host can check ---------------------------------------------------------
+def _holds_a_file(pattern: str) -> bool:
+    """Whether a local glob matches a file, or a folder holding one; stops at the first."""
+    for match in glob.iglob(pattern):
+        if os.path.isfile(match):
+            return True
+        for _, _, files in os.walk(match):
+            if files:
+                return True
+    return False
+
+
+# the module each metric sink needs (the 'metrics' extra), by the field that asks for it
+_SINK_MODULES = {"tensorboard_enabled": "tensorboard", "mlflow_tracking_uri": "mlflow"}
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported here (found, not imported: no cost)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or an import blocked
+        return False
+
+
+def missing_sink_packages(metrics: MetricsConfig) -> list[str]:
+    """A problem line for each metric sink asked for whose package this host lacks."""
+    return [f"metrics.{field}: needs the {module!r} package, which is not installed here; pip "
+            "install 'stoker[metrics]', or turn the sink off." for field, module in _SINK_MODULES.items()
+            if getattr(metrics, field, None) and not _installed(module)]
+
+
+def local_resource_problems(cfg: RunConfig) -> list[str]:
+    """Problems with the local files the config names (the data source and the tokenizer), and
+    metric sinks whose packages (the 'metrics' extra) are not installed on this host.
+
+    Kept out of the model on purpose: every rank re-validates config.json on its own host,
+    where these paths need not exist (and re-globbing the source on each would be waste).
+    ``load_config`` and the flow's validate task call it on the host that reads the data.
+    """
+    out = []
+    source = cfg.data.source.strip()
+    if source.startswith("hf:"):
+        name = source[3:].strip()
+        if name.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(name)):
+            out.append(f"data.source: no local dataset folder {name!r}; give an existing folder "
+                       "or a Hub name such as 'hf:wikitext'.")
+    elif source and not source.startswith("builtin:") and (
+            "://" not in source or source.startswith("file://")):
+        if not _holds_a_file(os.path.expanduser(source.removeprefix("file://"))):
+            out.append(f"data.source: no file matches {cfg.data.source!r}; give an existing file, "
+                       "folder or glob, or use 'builtin:stdlib'.")
+    path = cfg.tokenizer.path
+    if path and "://" not in path and not Path(path).expanduser().is_file():
+        out.append(f"tokenizer.path: {path!r} is not a file; give a tokenizer.json or leave it "
+                   "empty to train one.")
+    return out + missing_sink_packages(cfg.metrics) + missing_ray(cfg)
+
+
+def missing_ray(cfg: RunConfig) -> list[str]:
+    """The fields that choose Ray, when Ray is not installed on this host."""
+    import importlib.util
+
+    chosen = [name for name, value in (("launch.launcher", getattr(cfg.launch, "launcher", "local")),
+                                       ("data.engine", getattr(cfg.data, "engine", "local")))
+              if value == "ray"]
+    if not chosen or importlib.util.find_spec("ray") is not None:
+        return []
+    return [f"{name}: 'ray' needs Ray, which is not installed here; pip install 'stoker[ray]', or "
+            "use 'local'." for name in chosen]
+
+
+def _resources_of(data: Any, errors: list[Any]) -> RunConfig:
+    """The fields local_resource_problems reads, from input that failed validation elsewhere,
+    so its problems are reported with the others (a field that failed itself is left out)."""
+    found: dict[str, dict[str, Any]] = {"data": {}, "tokenizer": {}, "metrics": {}, "launch": {}}
+    for path in (("data", "source"), ("data", "engine"), ("tokenizer", "path"),
+                 ("launch", "launcher"), *(("metrics", f) for f in _SINK_MODULES)):
+        if isinstance(data, dict) and not any(_overlaps(e["loc"], path) for e in errors):
+            found[path[0]][path[1]] = _read(data, path)
+    return RunConfig.model_construct(data=DataConfig.model_construct(**found["data"]),
+                                     tokenizer=TokenizerConfig.model_construct(**found["tokenizer"]),
+                                     metrics=MetricsConfig.model_construct(**found["metrics"]),
+                                     launch=LaunchConfig.model_construct(**found["launch"]))
+
+
+def load_config(source: "RunConfig | dict | str | Path | None" = None, **overrides: Any) -> RunConfig:
+    """Build a checked RunConfig from a model, a dict, a YAML/JSON file or a recipe name.
+
+    ``overrides`` are dotted keys (``train__max_steps=10`` or ``{"train.max_steps": 10}``).
+    Type, bound and cross-field problems and missing local files are reported together in
+    one ConfigError.
+    """
+    if source is None:
+        data: dict[str, Any] = {}
+    elif isinstance(source, RunConfig):
+        data = source.model_dump(mode="json")
+    elif isinstance(source, dict):
+        data = json.loads(json.dumps(source))
+    else:
+        path = Path(source)
+        if not path.exists() and (RECIPES_DIR / f"{source}.yaml").exists():
+            path = RECIPES_DIR / f"{source}.yaml"
+        if not path.exists():
+            recipes = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+            raise ConfigError([f"config: {str(source)!r} is neither a file nor a recipe ({recipes})."])
+        data = yaml.safe_load(path.read_text()) or {}
+        if isinstance(data, dict) and re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", path.stem):
+            data.setdefault("recipe", path.stem)
+    if not isinstance(data, dict):
+        raise ConfigError([f"config: {str(source)!r} holds {type(data).__name__}, not a mapping of "
+                           "sections; start from a recipe such as 'tiny-cpu'"])
+    for key, value in overrides.items():
+        parts = key.replace("__", ".").split(".")
+        node = data
+        for depth, p in enumerate(parts[:-1]):
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError([f"{'.'.join(parts[:depth + 1])}: is a value, not a section, so "
+                                   f"{key!r} cannot be set; e.g. train.max_steps=100"])
+        if not parts[-1]:
+            raise ConfigError([f"{key!r}: names no field; e.g. train.max_steps=100"])
+        node[parts[-1]] = value
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as err:
+        errors = err.errors()
+        problems = [_problem(e) for e in errors] + local_resource_problems(_resources_of(data, errors))
+        raise ConfigError(problems) from None
+    problems = local_resource_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg

@@ -1,0 +1,72 @@
+"""The DAG of a pretraining run. Thin: task calls only; the work lives in tasks/ and below.
+
+    from stoker.flows.pipeline import train_pipeline
+    result = train_pipeline(config)   # a PipelineResult
+"""
+
+# no `from __future__ import annotations`: a served flow resolves its parameter types at
+# run time, and string annotations of the nested prepare_data flow would not resolve
+from prefect import flow
+
+from stoker.tasks.data import download_dataset, tokenize_and_shard, train_tokenizer
+from stoker.core.results import ShardInfo
+from stoker.tasks.evaluate import evaluate_checkpoint
+from stoker.tasks.lease import run_lease
+from stoker.tasks.report import report
+from stoker.core.results import PipelineResult
+from stoker.tasks.training import (
+    find_resume_checkpoint,
+    launch_training,
+    validate_config,
+    write_run_config,
+)
+from stoker.core.config import DataConfig, RayConfig, RunConfig, StorageConfig, TokenizerConfig
+from stoker.flows import claim_flow_run, fails_in_one_line, flow_runs_tagged, tag_flow_run
+from stoker.tasks.credentials import use_store_credentials
+
+
+def _run_name() -> str:
+    """The flow run's name: the stoker run's (Prefect's random names say nothing), and from
+    its second flow run on, which one: `run (flow run 3)` (a resume, a scheduled run)."""
+    from prefect.runtime import flow_run
+
+    config = flow_run.parameters.get("config")
+    try:
+        config = config if isinstance(config, RunConfig) else RunConfig.model_validate(config or {})
+        run = config.resolved_run_name()
+    except Exception:  # the flow's first task reports the config's problems
+        return "train-pipeline (config to check)"
+    earlier = flow_runs_tagged(f"run:{run}")
+    return run if not earlier else f"{run} (flow run {earlier + 1})"
+
+
+@flow(name="prepare-data", log_prints=True)
+@fails_in_one_line
+def prepare_data(data: DataConfig, tokenizer: TokenizerConfig, storage: StorageConfig,
+                 ray: RayConfig | None = None) -> ShardInfo:
+    """Download -> tokenizer -> tokenize and shard; each step is a no-op when its output exists.
+    `ray`: the cluster of data.engine 'ray' (empty: a local Ray instance)."""
+    claim_flow_run()  # its owner process, so a dead one's run ends Crashed, not Running
+    use_store_credentials(storage)  # a credentials block named in storage, when run on its own
+    dataset = download_dataset(data, storage)
+    tok = train_tokenizer(dataset, tokenizer, storage)
+    return tokenize_and_shard(dataset, tok, data, storage, ray)
+
+
+@flow(name="train-pipeline", log_prints=True, flow_run_name=_run_name)
+@fails_in_one_line
+def train_pipeline(config: RunConfig | None = None) -> PipelineResult:
+    """Prepare data, resume or start training on a torchrun gang, evaluate, report."""
+    claim_flow_run()  # its owner process, so a dead one's run ends Crashed, not Running
+    config = validate_config(config or RunConfig())
+    tag_flow_run(f"run:{config.resolved_run_name()}", f"recipe:{config.recipe or 'custom'}",
+                 f"launcher:{config.launch.launcher}",
+                 f"world:{config.launch.num_nodes}x{config.launch.nproc_per_node}")
+    with run_lease(config):  # one writer per run: a second launch refuses here, before any work
+        shards = prepare_data(config.data, config.tokenizer, config.storage, config.ray)
+        config_url = write_run_config(config, shards)
+        resume = find_resume_checkpoint(config)
+        training = launch_training.with_options(retries=config.launch.max_attempts - 1)(
+            config, config_url, shards, resume)
+        evaluation = evaluate_checkpoint(config, config_url, training.final_checkpoint_key, shards.key)
+    return report(config, shards, resume, training, evaluation)

@@ -1,0 +1,225 @@
+"""The run lease: one writer per run. ``{root}/runs/{run}/lease.json`` names the launch that
+trains the run (owner, host, pid, flow run, since when) and until when its heartbeat holds it.
+
+Taken with a conditional write where the store has one (a local disk: a hard link, then
+replace-if-unchanged under a folder lock; S3: ``If-None-Match: *``, then ``If-Match`` on the
+ETag), and always read back after writing (on other stores, after a settle wait: the only
+guard there). A second launch of the run refuses with ``LeaseHeld`` (permanent, one line).
+
+Who may take a held lease:
+- its own owner again (the same flow run: a retry of the training task, a restarted flow run);
+- anyone once it expired (no heartbeat for ``ttl`` seconds: its owner died or lost the store);
+- anyone when its owner is a process of this host that is gone (no wait for the expiry);
+- anyone who forces it (``--takeover`` / ``launch.takeover``): the old owner finds the lease
+  gone at its next heartbeat and stops its training (``LeaseLost``, permanent).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from stoker.core.failures import StokerError
+from stoker.storage.layout import LEASE_FILE, run_file_key
+from stoker.storage.store import Store
+
+SETTLE_SECONDS = 2.0  # verify-after-write wait, on stores without conditional writes
+
+
+class LeaseHeld(StokerError):
+    """Another launch holds the run's lease: this one must not train. Never retried."""
+
+
+class LeaseLost(StokerError):
+    """This launch's lease was taken by another launch: its training must stop. Never retried."""
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """The content of lease.json."""
+
+    run_name: str
+    owner: str  # the flow run id, or a uuid outside a flow run: who may re-take it
+    token: str  # one per take: tells this take from any other, the owner's earlier ones too
+    host: str
+    pid: int
+    flow_run_id: str
+    acquired_at: float
+    heartbeat_at: float
+    expires_at: float
+
+    def describe(self, now: float | None = None) -> str:
+        now = time.time() if now is None else now
+        since = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self.acquired_at))
+        left = self.expires_at - now
+        expiry = f"expires in {left:.0f}s" if left > 0 else f"expired {-left:.0f}s ago"
+        return (f"host {self.host}, pid {self.pid}, flow run {self.flow_run_id or '-'}, since {since}; "
+                f"heartbeat {now - self.heartbeat_at:.0f}s ago, {expiry}")
+
+
+def lease_key(run_name: str) -> str:
+    return run_file_key(run_name, LEASE_FILE)
+
+
+def read_lease(store: Store, run_name: str) -> tuple[LeaseRecord, str] | tuple[None, None]:
+    """(the lease, its version) or (None, None) when nobody holds the run. A damaged file
+    counts as an expired lease, so it can be replaced."""
+    found = store.read_versioned(lease_key(run_name))
+    if found is None:
+        return None, None
+    data, version = found
+    try:
+        return LeaseRecord(**json.loads(data)), version
+    except (ValueError, TypeError):
+        return LeaseRecord(run_name, "?", "?", "?", 0, "", 0.0, 0.0, 0.0), version
+
+
+def _owner_is_gone(record: LeaseRecord) -> bool:
+    """The owner is a process of this host that no longer exists."""
+    if record.host != socket.gethostname() or record.pid <= 0:
+        return False
+    try:
+        os.kill(record.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        return False
+    return False
+
+
+def why_takeable(record: LeaseRecord, owner: str, takeover: bool, now: float) -> str:
+    """'' when `owner` must not take the lease `record`; else why it may."""
+    if record.owner == owner:
+        return "its own lease (an earlier attempt of this flow run)"
+    if record.expires_at <= now:
+        return "expired"
+    if _owner_is_gone(record):
+        return "its owner process is gone"
+    if takeover:
+        return "takeover forced"
+    return ""
+
+
+def held_message(record: LeaseRecord, run_name: str) -> str:
+    return (f"run {run_name!r} is already being trained by another launch ({record.describe()}); "
+            "wait for it to end, use another run_name, or take the run over with --takeover "
+            "(CLI) / launch.takeover=true (config), which stops the other launch at its next "
+            "heartbeat (an expired lease is taken without it)")
+
+
+class RunLease:
+    """A lease this process holds; renew it (``heartbeat``), release it at the end."""
+
+    def __init__(self, store: Store, record: LeaseRecord, version: str, ttl: float):
+        self.store, self.record, self.version, self.ttl = store, record, version, ttl
+        self.lost = ""  # why, once another launch took the lease
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def key(self) -> str:
+        return lease_key(self.record.run_name)
+
+    def renew(self) -> bool:
+        """Push the expiry out; False (and `lost` set) when another launch took the lease."""
+        if self.lost:
+            return False
+        now = time.time()
+        record = LeaseRecord(**{**asdict(self.record), "heartbeat_at": now, "expires_at": now + self.ttl})
+        if self.store.write_bytes_if_version(self.key, _encode(record), self.version):
+            found = self.store.read_versioned(self.key)
+            if found is not None and _token(found[0]) == record.token:
+                self.record, self.version = record, found[1]
+                return True
+        current, _ = read_lease(self.store, self.record.run_name)
+        if current is not None and current.token == self.record.token:  # ours, version moved on
+            return False
+        self.lost = ("the run's lease was taken by another launch ("
+                     + (current.describe() if current else "removed") + ")")
+        return False
+
+    def check(self) -> None:
+        """Raise LeaseLost when another launch took the lease."""
+        if self.lost:
+            raise LeaseLost(f"run {self.record.run_name!r}: {self.lost}; this launch stopped")
+
+    def start_heartbeat(self, on_lost: Callable[[str], None] | None = None,
+                        log: Callable[[str], None] | None = None) -> None:
+        """Renew every ttl/3 seconds in a daemon thread; call on_lost(reason) once if lost.
+        A store error is logged and retried at the next beat: the lease lasts ttl seconds."""
+        interval = max(0.5, self.ttl / 3)
+
+        def beat() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    if not self.renew() and self.lost:
+                        if on_lost is not None:
+                            on_lost(self.lost)
+                        return
+                except Exception as err:  # transient: the next beat tries again
+                    if log is not None:
+                        log(f"lease heartbeat of run {self.record.run_name!r} failed: {err!r}")
+
+        self._thread = threading.Thread(target=beat, name="stoker-lease", daemon=True)
+        self._thread.start()
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lease if it is still this take's."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        current, _ = read_lease(self.store, self.record.run_name)
+        if current is not None and current.token == self.record.token:
+            self.store.rm(self.key, recursive=False)
+
+
+def _encode(record: LeaseRecord) -> bytes:
+    return json.dumps(asdict(record), indent=2, sort_keys=True).encode()
+
+
+def _token(data: bytes) -> str:
+    try:
+        return str(json.loads(data).get("token", ""))
+    except (ValueError, AttributeError):
+        return ""
+
+
+def acquire_lease(store: Store, run_name: str, *, owner: str = "", flow_run_id: str = "",
+                  ttl: float = 90.0, takeover: bool = False,
+                  settle_seconds: float = SETTLE_SECONDS) -> RunLease:
+    """Take the run's lease, or raise LeaseHeld naming its holder. `owner`: who may re-take it
+    (the flow run id; a fresh uuid when empty). Among racing launches exactly one wins: the
+    conditional write refuses the others, who then find the winner's lease and refuse."""
+    owner = owner or flow_run_id or uuid.uuid4().hex
+    key = lease_key(run_name)
+    for _ in range(5):
+        now = time.time()
+        record = LeaseRecord(run_name, owner, uuid.uuid4().hex, socket.gethostname(), os.getpid(),
+                             flow_run_id, now, now, now + ttl)
+        current, version = read_lease(store, run_name)
+        if current is None:
+            written = store.write_bytes_if_absent(key, _encode(record))
+        elif why_takeable(current, owner, takeover, now):
+            written = store.write_bytes_if_version(key, _encode(record), version)
+        else:
+            raise LeaseHeld(held_message(current, run_name))
+        if not written:
+            continue  # another launch wrote first: look again at what it wrote
+        if not store.conditional_writes:
+            time.sleep(settle_seconds)  # a racing plain write lands within it; read back after
+        found = store.read_versioned(key)
+        if found is not None and _token(found[0]) == record.token:
+            return RunLease(store, record, found[1], ttl)
+    current, _ = read_lease(store, run_name)
+    if current is None:
+        raise TimeoutError(f"the lease of run {run_name!r} kept changing; try again")
+    raise LeaseHeld(held_message(current, run_name))

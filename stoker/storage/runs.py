@@ -1,0 +1,133 @@
+"""A run's folder in the store: pinning its config, tokenizer and shard set before launch,
+and reading them back from a checkpoint URL."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from stoker.core.config import RunConfig
+from stoker.core.failures import CheckpointUnavailable, ConfigError, ExportError
+from stoker.core.results import ShardInfo
+from stoker.storage.layout import (CONFIG_FILE, SHARDS_FILE, TOKENIZER_FILE, CheckpointLocation,
+                            parse_checkpoint_url, run_file_key, run_key)
+from stoker.storage.store import Store, join
+
+
+def store_problem(store: Store) -> str:
+    """'' when the store root can be written (a tiny probe object, written and removed), else
+    one line naming storage.root and the fix. Permanent failures only (a missing bucket,
+    access denied); a store that is merely unreachable raises, to be retried."""
+    from stoker.core.failures import describe, is_transient
+
+    probe = f".stoker-probe-{uuid.uuid4().hex[:12]}"
+    try:
+        store.write_bytes(probe, b"")
+        store.rm(probe)
+    except Exception as err:
+        if is_transient(err):
+            raise
+        return (f"storage.root: {store.root} cannot be written ({describe(err)}); create the "
+                "bucket or folder, fix its name, or give credentials that may write there.")
+    return ""
+
+
+def pin_run_folder(store: Store, config: RunConfig, shards: ShardInfo) -> str:
+    """Write config.json, the tokenizer and shards.json into the run folder; return the
+    config URL. A run folder that already holds another model is refused: resuming from it
+    could not load, and overwriting it would lose work."""
+    run = config.resolved_run_name()
+    key = run_file_key(run, CONFIG_FILE)
+    if store.exists(key):
+        old = RunConfig.model_validate_json(store.read_bytes(key))
+        if old.model_hash() != config.model_hash():
+            raise ConfigError([f"run_name: run {run!r} already holds a different model "
+                               "(model or tokenizer.vocab_size changed); choose a new run_name."])
+        pinned = run_file_key(run, SHARDS_FILE)
+        if store.exists(pinned):
+            before = store.read_json(pinned).get("cache_key")
+            if before and before != shards.cache_key:
+                raise ConfigError([f"run_name: run {run!r} was trained on shard set {before}, and this "
+                                   f"config makes {shards.cache_key} (the data, tokenizer or "
+                                   "sharding changed); resuming would change the data under the "
+                                   "run: choose a new run_name."])
+    store.write_bytes(key, config.to_json().encode())
+    store.copy(join(shards.key, TOKENIZER_FILE), run_file_key(run, TOKENIZER_FILE))
+    store.write_json(run_file_key(run, SHARDS_FILE), shards.as_dict())
+    return store.url(key)
+
+
+def checkpoint_inputs(checkpoint_url: str, storage_options: dict) -> tuple[RunConfig, str, str, str]:
+    """From a checkpoint URL: the run's config (pointed at that store), its URL, the
+    checkpoint key and the shard-set key."""
+    where = parse_checkpoint_url(checkpoint_url)  # ConfigError naming checkpoint_uri
+    store = Store(where.root, storage_options)
+    config_key = run_file_key(where.run_name, CONFIG_FILE)
+    config = RunConfig.model_validate_json(store.read_bytes(config_key))
+    config = config.model_copy(update={"storage": config.storage.model_copy(
+        update={"root": where.root, "storage_options": storage_options or config.storage.storage_options})})
+    shard_key = store.read_json(run_file_key(where.run_name, SHARDS_FILE))["key"]
+    from stoker.storage.checkpoints import COMMIT_FILE, unavailable_message
+
+    if not store.exists(join(where.key, COMMIT_FILE)):  # deleted or never committed: said once
+        raise CheckpointUnavailable(unavailable_message(store, where.key, "no commit manifest"))
+    return config, store.url(config_key), where.key, shard_key
+
+
+@dataclass(frozen=True)
+class NamedCheckpoint:
+    """A checkpoint a user named by URL, with its run's config and shards.json and its manifest."""
+
+    store: Store
+    where: CheckpointLocation
+    config: RunConfig
+    shards: dict
+    manifest: dict
+
+
+def named_checkpoint(checkpoint_url: str, storage_options: dict | None = None) -> NamedCheckpoint:
+    """A checkpoint named by URL, checked without reading a tensor: the URL's form, its run
+    folder's config.json and shards.json, its commit manifest with every listed file present
+    at its size, and its identity (the manifest names this run and the run's model).
+    ConfigError naming checkpoint_uri otherwise. The full checksum check is rehydrate's,
+    where the bytes are read."""
+    from pydantic import ValidationError
+
+    from stoker.storage.checkpoints import identity_problem, validate_checkpoint
+
+    where = parse_checkpoint_url(checkpoint_url)  # ConfigError naming checkpoint_uri
+    store = Store(where.root, storage_options)
+    url, run = store.url(where.key), where.run_name
+    try:
+        config = RunConfig.model_validate_json(store.read_bytes(run_file_key(run, CONFIG_FILE)))
+        shards = store.read_json(run_file_key(run, SHARDS_FILE))
+    except FileNotFoundError:
+        raise ConfigError([f"checkpoint_uri: {url} is in no run folder ({store.url(run_key(run))} "
+                           f"holds no {CONFIG_FILE} and {SHARDS_FILE}); check the store root and "
+                           "the run name"]) from None
+    except (ValidationError, ValueError) as err:
+        raise ConfigError([f"checkpoint_uri: the run folder of {url} holds a {CONFIG_FILE} or "
+                           f"{SHARDS_FILE} stoker cannot read ({str(err).splitlines()[0]})"]) from None
+    verdict = validate_checkpoint(store, where.key)
+    if not verdict:
+        raise ConfigError([f"checkpoint_uri: {url} is not a committed, intact checkpoint "
+                           f"({verdict.reason}); name one whose commit.json exists"])
+    mismatch = identity_problem(verdict.manifest, {"run_name": run, "model_hash": config.model_hash()})
+    if mismatch:
+        raise ConfigError([f"checkpoint_uri: {url} {mismatch}: its run folder's {CONFIG_FILE} "
+                           "does not describe it"])
+    return NamedCheckpoint(store, where, config, shards, verdict.manifest)
+
+
+def export_source(checkpoint_url: str, folder: str, storage_options: dict | None = None) -> NamedCheckpoint:
+    """The checks of `stoker export` that read no tensor: the output folder is new or empty,
+    and the checkpoint is named_checkpoint's. ExportError (one line) otherwise."""
+    import os
+
+    folder = os.path.abspath(folder)
+    if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
+        raise ExportError(f"folder: {folder} exists and is not an empty folder; give a new one")
+    try:
+        return named_checkpoint(checkpoint_url, storage_options)
+    except ConfigError as err:
+        raise ExportError("; ".join(err.problems)) from None

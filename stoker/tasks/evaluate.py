@@ -1,0 +1,149 @@
+"""Evaluate a committed checkpoint in a separate process (stoker/training/evaluate.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from stoker.core import events
+from stoker.core.failures import CheckpointUnavailable, EvaluationStopped, TrainingFailed, is_transient
+from stoker.launch.torchrun import child_env
+from stoker.tasks.policy import BACKOFF, JITTER, retry_if_transient
+from stoker.core.results import EvalResult
+from stoker.storage import runs
+from stoker.core.config import RunConfig
+
+EVAL_TIMEOUT_SECONDS = 1800
+_LIVE: set[subprocess.Popen] = set()  # evaluation processes running now, in this process
+_STOPPED: set[int] = set()  # pids of evaluations this process killed on a stop
+# an evaluation process ended by one of these was stopped by someone who meant it
+_STOP_SIGNALS = {-signal.SIGINT: "SIGINT (Ctrl-C)", -signal.SIGTERM: "SIGTERM"}
+
+
+def check_checkpoint_uri(uri: str) -> None:
+    """ConfigError naming checkpoint_uri when it is not a checkpoint URL; on a local store
+    (no credentials involved), CheckpointUnavailable when it holds no committed checkpoint
+    there, so `stoker evaluate` of a deleted one says so in one line, before any server starts.
+    An object store is asked by the flow, with its credentials."""
+    from stoker.storage.checkpoints import COMMIT_FILE, unavailable_message
+    from stoker.storage.layout import parse_checkpoint_url
+    from stoker.storage.store import Store, join
+
+    where = parse_checkpoint_url(uri)
+    store = Store(where.root)
+    if store.is_local and not store.exists(join(where.key, COMMIT_FILE)):
+        raise CheckpointUnavailable(unavailable_message(store, where.key, "no commit manifest"))
+
+
+def kill_running_evaluations() -> int:
+    """Kill every evaluation process this process started (on cancel); returns how many."""
+    procs = list(_LIVE)
+    for proc in procs:
+        _STOPPED.add(proc.pid)  # its task must not retry what the stop just ended
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(procs)
+
+
+def _interrupted_at_start(returncode: int | None, err: str) -> str | None:
+    """A Ctrl-C that reached the process while Python was still starting: the interpreter
+    reports a fatal KeyboardInterrupt and exits 1 instead of dying by SIGINT."""
+    if returncode == 1 and err.rstrip().endswith("KeyboardInterrupt"):
+        return _STOP_SIGNALS[-signal.SIGINT]
+    return None
+
+
+def run_evaluation(config: RunConfig, config_url: str, checkpoint_key: str, shard_key: str,
+                   timeout: float = EVAL_TIMEOUT_SECONDS) -> EvalResult:
+    """Run `python -m stoker.training.evaluate` in its own process group; parse its JSON line."""
+    t0 = time.monotonic()
+    cmd = [sys.executable, "-m", "stoker.training.evaluate", "--config", config_url,
+           "--checkpoint", checkpoint_key, "--shards", shard_key]
+    proc = subprocess.Popen(cmd, env=child_env(config), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _LIVE.add(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        _LIVE.discard(proc)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stopped = ("the end of its training (Ctrl-C, a cancel, a failed launch)" if proc.pid in _STOPPED
+               else _STOP_SIGNALS.get(proc.returncode) or _interrupted_at_start(proc.returncode, err))
+    _STOPPED.discard(proc.pid)
+    if stopped and proc.returncode != 0:  # (one that finished just before the kill counts)
+        raise EvaluationStopped(f"evaluation of {checkpoint_key} was stopped by {stopped}; not retried")
+    said = [e for e in map(events.decode, out.splitlines()) if e is not None]
+    done = [e for e in said if isinstance(e, events.Evaluated)]
+    if proc.returncode != 0 or not done:
+        failure = next((e for e in said if isinstance(e, events.Failure)), None)
+        why = f"{failure.type}: {failure.message}" if failure else err.strip()[-3000:]
+        # a killed process (negative exit code) or a transient error (storage) may heal on retry
+        transient = failure.transient if failure else (proc.returncode or 0) < 0
+        raise TrainingFailed(f"evaluation of {checkpoint_key} failed (exit {proc.returncode}): {why}",
+                             transient=transient, reason="evaluation")
+    e = done[-1]
+    return EvalResult(checkpoint_uri=e.checkpoint, step=e.step, val_loss=e.val_loss, val_ppl=e.val_ppl,
+                      windows=e.windows, seconds=time.monotonic() - t0)
+
+
+@task(name="evaluate_checkpoint", retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
+      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
+def evaluate_checkpoint(config: RunConfig, config_url: str, checkpoint_key: str,
+                        shard_key: str) -> EvalResult:
+    """Validation loss and perplexity of one committed checkpoint, from a fresh process.
+    Its time limit is run_evaluation's (EVAL_TIMEOUT_SECONDS, the process is killed): a
+    Prefect task timeout could not stop a task submitted to a worker thread, and says so in a
+    warning on every call."""
+    try:
+        result = run_evaluation(config, config_url, checkpoint_key, shard_key)
+    except BaseException as exc:  # a retry keeps the pin; a failure for good (or a stop) ends it
+        if not (isinstance(exc, Exception) and is_transient(exc)):
+            _finish_evaluation(config, checkpoint_key)
+        raise
+    _finish_evaluation(config, checkpoint_key)
+    get_run_logger().info("evaluated %s: validation loss %.4f, perplexity %.1f (%d windows, %.1fs)",
+                          result.checkpoint_uri, result.val_loss, result.val_ppl, result.windows,
+                          result.seconds)
+    return result
+
+
+def _finish_evaluation(config: RunConfig, checkpoint_key: str) -> None:
+    """Remove the checkpoint's evaluation pin and apply the retention it held off (best effort:
+    a pin left behind expires after checkpoint.evaluation_pin_seconds)."""
+    from stoker.storage.checkpoints import finish_evaluation
+    from stoker.storage.store import Store
+
+    try:
+        deleted = finish_evaluation(Store(config.storage.root, config.storage.storage_options),
+                                    config.resolved_run_name(), checkpoint_key,
+                                    config.checkpoint.keep_latest_k,
+                                    config.checkpoint.evaluation_pin_seconds)
+    except Exception as err:  # the evaluation's own outcome matters more than the cleanup
+        get_run_logger().warning("could not remove the evaluation pin of %s (%s); it expires "
+                                 "after checkpoint.evaluation_pin_seconds", checkpoint_key, err)
+        return
+    if deleted:
+        get_run_logger().info("retention, held off during the evaluation, deleted %s", ", ".join(deleted))
+
+
+@task(name="checkpoint_inputs", retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
+      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False,
+      timeout_seconds=300)
+def checkpoint_inputs(checkpoint_uri: str, storage_options: dict,
+                      credentials_block: str | None = None) -> tuple[RunConfig, str, str, str]:
+    """From a checkpoint URI, the run's config, config URL, checkpoint key and shard key.
+    The store is opened with the credentials of `credentials_block` when one is named."""
+    from stoker.tasks.credentials import use_credentials_block
+
+    use_credentials_block(credentials_block)
+    return runs.checkpoint_inputs(checkpoint_uri, storage_options)

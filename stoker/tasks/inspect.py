@@ -1,0 +1,116 @@
+"""What is in a store, for `stoker runs`, `stoker checkpoints` and `stoker verify`: plain
+functions (no flow run), reading manifests and listings; only verify reads every byte."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from stoker.core.config import RunConfig
+from stoker.core.failures import ConfigError
+from stoker.storage.checkpoints import (first_nonfinite_step, list_checkpoints, numerics_problem,
+                                 validate_checkpoint)
+from stoker.storage.layout import CONFIG_FILE, METRICS_FILE, parse_checkpoint_url, run_file_key
+from stoker.storage.manifest import Verdict
+from stoker.storage.shards import validate_shard_set
+from stoker.storage.store import Store
+
+_SHARD_URL = re.compile(r"^(?P<root>.+)/shards/(?P<key>[^/]+)/?$")
+
+
+def _store(root: str, options: dict | None = None) -> Store:
+    store = Store(root, options or {})
+    if not store.exists(""):
+        raise ConfigError([f"storage.root: {store.root} does not exist; give the root the runs "
+                           "were written to (--root or $STOKER_ROOT)"])
+    return store
+
+
+def _verdicts(store: Store, run: str) -> list[tuple]:
+    """(ref, Verdict) of every checkpoint of a run, newest first; a committed one known to hold
+    NaN/inf (storage.checkpoints.numerics_problem) counts as not valid, with that reason."""
+    since = first_nonfinite_step(store, run)
+    out = []
+    for ref in list_checkpoints(store, run):
+        verdict = validate_checkpoint(store, ref.key)
+        problem = numerics_problem(verdict.manifest, ref.step, since) if verdict else ""
+        out.append((ref, Verdict(False, problem, verdict.manifest) if problem else verdict))
+    return out
+
+
+def run_ending(store: Store, run: str) -> str | None:
+    """How the run's last launch ended, from metrics.jsonl: done, stopped, or failed with
+    non-finite numerics (the step named); None when the metrics say nothing of it."""
+    try:
+        lines = store.read_bytes(run_file_key(run, METRICS_FILE)).decode().splitlines()
+    except Exception:  # no metrics yet
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        kind = record.get("event")
+        if kind == "nonfinite" and record.get("action") == "failed":
+            return f"failed: non-finite {record.get('what')} at step {record.get('first_step')}"
+        if kind in ("done", "stopped"):
+            return f"{kind} at step {record.get('step')}"
+        if kind == "resumed":
+            return None
+    return None
+
+
+def list_runs(root: str, options: dict | None = None) -> list[dict]:
+    """One row per run folder: its newest valid checkpoint step, how many checkpoint folders
+    it has, how its last launch ended (from metrics.jsonl), train.max_steps and the model's
+    shape from its config.json."""
+    store = _store(root, options)
+    rows = []
+    names = store.listdir("runs") if store.exists("runs") else []
+    for run in sorted(names):
+        verdicts = _verdicts(store, run)
+        newest = next((ref for ref, verdict in verdicts if verdict), None)
+        row = {"run": run, "newest_valid_step": newest.step if newest else None,
+               "checkpoints": len(verdicts), "max_steps": None, "model": None,
+               "metrics": store.exists(run_file_key(run, METRICS_FILE)),
+               "ended": run_ending(store, run)}
+        try:
+            cfg = RunConfig.model_validate_json(store.read_bytes(run_file_key(run, CONFIG_FILE)))
+            m = cfg.model
+            row.update(max_steps=cfg.train.max_steps,
+                       model=f"{m.n_layer} layers x {m.n_embd}, {m.n_head} heads, block {m.block_size}")
+        except Exception:  # a run folder without a readable config is listed all the same
+            pass
+        rows.append(row)
+    return rows
+
+
+def checkpoint_rows(root: str, run: str, options: dict | None = None) -> list[dict]:
+    """Every checkpoint folder of a run, newest first, with whether it is committed (manifest
+    present, every listed file at its size, not marked invalid: no byte read, so a flipped byte
+    is not seen; `verify` reads them) and the reason when it is not."""
+    store = _store(root, options)
+    rows = []
+    for ref, verdict in _verdicts(store, run):
+        files = verdict.manifest.get("files", {}) if verdict.manifest else {}
+        rows.append({"step": ref.step, "name": ref.name, "uri": store.url(ref.key),
+                     "valid": bool(verdict), "reason": verdict.reason,
+                     "size_mb": round(sum(e.get("size", 0) for e in files.values()) / 1e6, 1)})
+    return rows
+
+
+def verify(uri: str, options: dict | None = None) -> tuple[str, Verdict]:
+    """The full check of a checkpoint or shard-set URL: every listed file's sha256. Returns
+    what was checked and the verdict; ConfigError for a URL of neither form."""
+    shard = _SHARD_URL.match(uri.strip())
+    if shard:
+        store = Store(shard.group("root"), options or {})
+        return "shard set", validate_shard_set(store, shard.group("key"), deep=True)
+    try:
+        where = parse_checkpoint_url(uri)
+    except ConfigError:
+        raise ConfigError([f"uri: {uri!r} is neither a checkpoint ({{root}}/runs/{{run}}/checkpoints/"
+                           "step-NNNNNNNN) nor a shard set ({root}/shards/{key}); copy one from "
+                           "`stoker checkpoints RUN` or the run report"]) from None
+    store = Store(where.root, options or {})
+    return "checkpoint", validate_checkpoint(store, where.key, deep=True)

@@ -1,0 +1,223 @@
+"""Prefect tasks around training: check the config, pin the run folder, find the resume
+point, launch the gang. The work lives in storage/ and launch/; the torch side in training/."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run, task_run
+
+from stoker.core import events
+from stoker.core.config import RunConfig, StorageConfig, local_resource_problems
+from stoker.core.failures import ConfigError
+from stoker.core.results import ResumePoint, ShardInfo, TrainingResult
+from stoker.launch import make_launcher
+from stoker.launch.devices import device_problems
+from stoker.launch.attempts import launch_attempt
+from stoker.launch.monitor import TrainingMonitor
+from stoker.launch.sinks import open_sinks, sink_problems
+from stoker.storage.checkpoints import find_latest_valid
+from stoker.storage.runs import pin_run_folder, store_problem
+from stoker.storage.store import Store
+from stoker.tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
+from stoker.tasks.credentials import use_store_credentials
+from stoker.tasks.lease import held_lease, on_lease_lost
+from stoker.tasks.policy import BACKOFF, JITTER, retry_if_transient
+from stoker.tasks.publish import FLUSH_SECONDS, BestEffortPublisher
+from stoker.tasks.report import artifact_key, rounded
+
+
+def _store(storage: StorageConfig) -> Store:
+    return Store(storage.root, storage.storage_options)
+
+
+@contextmanager
+def accelerator_slot(limit_name: str, logger):
+    """Hold a slot of the Prefect global concurrency limit `limit_name` while the ranks run,
+    so two runs never take the same accelerators (`stoker deploy` creates it with one slot).
+    No limit of that name on the server (an embedded server, a notebook): nothing to hold."""
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectNotFound
+
+    if not limit_name:
+        yield
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            limit = client.read_global_concurrency_limit_by_name(limit_name)
+    except ObjectNotFound:
+        yield
+        return
+    if not limit.active:
+        yield
+        return
+    logger.info("taking a slot of concurrency limit %r (%d slot(s); waits while other runs hold them)",
+                limit_name, limit.limit)
+    # a lease renewal that fails while the server is away must not end a healthy run
+    with concurrency(limit_name, occupy=1, strict=True, raise_on_lease_renewal_failure=False):
+        yield
+
+
+def host_problems(config: RunConfig) -> list[str]:
+    """What this host lacks for the config: the local files it names, the GPUs it asks for."""
+    return local_resource_problems(config) + device_problems(config)
+
+
+@task(name="validate_config", cache_policy=NO_CACHE, persist_result=False)
+def validate_config(config: RunConfig) -> RunConfig:
+    """Every problem of the config at once, before anything is computed or written: the
+    model's rules, the local files it names, the GPUs it needs, and whether the store root
+    can be written."""
+    problems = host_problems(config)
+    try:
+        config = config.check()
+    except ConfigError as err:
+        problems = err.problems + problems
+    if problems:
+        raise ConfigError(problems)
+    use_store_credentials(config.storage)  # a named credentials block: loaded, or one clear error
+    problem = store_problem(_store(config.storage))
+    if problem:
+        raise ConfigError([problem])
+    problems = sink_problems(config)  # an MLflow tracking URI that cannot be used
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+@task(name="write_run_config", retries=3, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
+      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False,
+      timeout_seconds=600)
+def write_run_config(config: RunConfig, shards: ShardInfo) -> str:
+    """Pin config.json, the tokenizer and the shard set in the run folder; return the config URL."""
+    return pin_run_folder(_store(config.storage), config, shards)
+
+
+@task(name="find_resume_checkpoint", retries=3, retry_delay_seconds=BACKOFF,
+      retry_jitter_factor=JITTER, retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE,
+      persist_result=False, timeout_seconds=3600)
+def find_resume_checkpoint(config: RunConfig) -> ResumePoint:
+    """Newest checkpoint of this run and model whose manifest and listing check out (no
+    tensor is downloaded here: the full check is the ranks' load); every newer one skipped
+    is reported with its reason."""
+    return _resume_point(config)
+
+
+def _resume_point(config: RunConfig) -> ResumePoint:
+    logger = get_run_logger()
+    run = config.resolved_run_name()
+    choice = find_latest_valid(_store(config.storage), run,
+                               expected={"run_name": run, "model_hash": config.model_hash()})
+    skipped = [f"{ref.url}: {reason}" for ref, reason in choice.skipped]
+    for line in skipped:
+        logger.warning("skipping invalid checkpoint %s", line)
+    if choice.checkpoint is None:
+        logger.info("no valid checkpoint: training starts at step 0")
+        return ResumePoint(skipped=skipped)
+    ref = choice.checkpoint
+    logger.info("resuming from %s (step %d)", ref.url, ref.step)
+    return ResumePoint(checkpoint_key=ref.key, checkpoint_uri=ref.url, step=ref.step, skipped=skipped)
+
+
+@task(name="launch_training", retry_delay_seconds=5, retry_jitter_factor=JITTER,
+      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
+def launch_training(config: RunConfig, config_url: str, shards: ShardInfo,
+                    resume: ResumePoint) -> TrainingResult:
+    """Launch the gang (launch.launcher), stream every rank's log, stop it on any exit path.
+    Retries (launch.max_attempts, set by the flow from the config) first look again for the
+    newest valid checkpoint; the time limit is launch.timeout_seconds, kept by the launcher."""
+    logger = get_run_logger()
+    attempt = task_run.run_count or 1
+    if attempt > 1:
+        resume = _resume_point(config)
+    result = TrainingResult(final_step=resume.step, final_checkpoint_key=resume.checkpoint_key,
+                            final_checkpoint_uri=resume.checkpoint_uri,
+                            resumed_from_step=resume.step, attempts=attempt, seconds=0.0)
+    max_steps = config.train.max_steps
+    if resume.step >= max_steps:
+        logger.info("run already complete at step %d; nothing to train", resume.step)
+        return result
+    ui = TrainingUI(config.resolved_run_name(), BestEffortPublisher(logger))
+    ui.progress(100.0 * resume.step / max_steps)
+
+    def evaluate_while_training(key: str, step: int):
+        return evaluate_checkpoint.submit(config, config_url, key, shards.key)
+
+    lease = held_lease(config, logger)  # this flow run's (a retry re-takes its own); LeaseLost if taken
+    launcher = make_launcher(config, config_url, shards.key, resume.checkpoint_key)
+    sinks = open_sinks(config, logger)  # TensorBoard, MLflow (metrics.*), or None
+    monitor = TrainingMonitor(
+        result, max_steps, logger, on_progress=ui.progress,
+        on_commit=evaluate_while_training if config.eval.per_checkpoint_enabled else None,
+        sink=ui.feeding(sinks))
+    try:
+        # another launch took the run over (launch.takeover): stop the gang at once
+        with accelerator_slot(config.launch.concurrency_limit, logger), \
+                on_lease_lost(config, lambda why: launcher.stop()):
+            logger.info("launching %s", getattr(launcher, "description", config.launch.launcher))
+            result = launch_attempt(launcher, monitor, _store(config.storage), config.resolved_run_name(),
+                                    str(flow_run.id), attempt, resume.step)
+    except BaseException as exc:  # failed, cancelled (Prefect's TerminationSignal) or crashed: no evaluation left
+        kill_running_evaluations()
+        if sinks is not None:
+            sinks.close("FAILED" if isinstance(exc, Exception) else "KILLED")
+        ui.close(timeout=2.0)  # a cancel's grace is short; the UI is not worth waiting for
+        if lease.lost and isinstance(exc, Exception):
+            lease.check()  # LeaseLost (permanent): the gang was stopped for the new holder; no retry
+        raise
+    if sinks is not None:
+        sinks.close("FINISHED")
+    ui.progress(100.0)
+    ui.close()
+    return result
+
+
+class TrainingUI:
+    """The progress bar and the live checkpoint table of one launch, sent best-effort: the
+    stream loop only hands over the newest value (tasks.publish), never waits for the server."""
+
+    def __init__(self, run: str, publisher: BestEffortPublisher):
+        self.run, self.publisher = run, publisher
+        self.progress_id = None  # the artifact, once the server has it
+        self.progress_key = artifact_key(run, "progress")
+        # a key of its own: the report's final table (with each checkpoint's losses) keeps
+        # "checkpoints", so the run's page shows one card of each, not two of one name
+        self.table_key = artifact_key(run, "checkpoints-live")
+        self.rows: list[dict] = []
+
+    def progress(self, pct: float) -> None:
+        self.publisher.latest("progress artifact", lambda: self._send_progress(pct))
+
+    def _send_progress(self, pct: float) -> None:
+        if self.progress_id is None:
+            self.progress_id = create_progress_artifact(progress=pct, key=self.progress_key,
+                                                        description=f"steps of {self.run}")
+        else:
+            update_progress_artifact(self.progress_id, progress=pct)
+
+    def checkpoints(self, checkpoints: list[dict]) -> None:
+        """The checkpoints committed so far (the report's final table adds their losses)."""
+        rows = rounded([{"step": c["step"], "uri": c["uri"], "size_mb": (c.get("bytes") or 0) / 1e6,
+                         "upload_seconds": c.get("upload_seconds")} for c in checkpoints])
+        if rows:
+            self.publisher.latest("checkpoint table", lambda: create_table_artifact(
+                rows, key=self.table_key, description=f"checkpoints of {self.run} committed so far"))
+
+    def feeding(self, sinks):
+        """The monitor's sink: the metric sinks (if any), and this table at each commit."""
+        def sink(event: events.Event) -> None:
+            if isinstance(event, events.CheckpointCommitted):
+                self.rows.append({"step": event.step, "uri": event.uri, "bytes": event.bytes,
+                                  "upload_seconds": event.upload_seconds})
+                self.checkpoints(self.rows)
+            if sinks is not None:
+                sinks(event)
+        return sink
+
+    def close(self, timeout: float = FLUSH_SECONDS) -> None:
+        """Send what is still pending (the server may be back), for `timeout` at most."""
+        self.publisher.close(timeout)

@@ -1,0 +1,222 @@
+"""How a rank computes: device, precision, compilation, parallelism, optimizer, throughput.
+
+``Engine.resolve`` turns the config's ``engine`` section and the device into decisions
+('auto' settled once, with a ConfigError naming the field when the hardware cannot do what
+was asked); ``build`` makes the model (DDP, or FSDP2 from the meta device), the optimizer
+and the process groups the loop needs. No orchestrator here.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from stoker.core.config import RunConfig
+from stoker.core.failures import ConfigError
+from stoker.training.model import GPT, init_weights, logits_and_loss, param_groups
+
+# dense bf16 tensor-core peak per device (no sparsity: half NVIDIA's datasheet figure "with
+# sparsity"), by a substring of the device name; the first match wins, so the PCIe and NVL
+# boards (lower clocks and power) come before the SXM name they contain. Unknown devices
+# report tokens/s but no MFU. torch names them e.g. "NVIDIA H100 80GB HBM3" (SXM),
+# "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA H800 PCIe".
+PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756e12),  # datasheet 1,513 sparse
+    ("H100 NVL", 835e12),  # 1,671 sparse (per GPU; older sheets gave 3,958 for the pair)
+    ("H200 NVL", 835e12),  # 1,671 sparse
+    ("H800 PCIe", 756e12),  # 1,513 sparse
+    ("GH200", 989e12),
+    ("H200", 989e12),  # SXM: 1,979 sparse
+    ("H100", 989e12),  # SXM: 1,979 sparse
+    ("H800", 989e12),  # SXM
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 70e12),
+)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of one device, or None when it is not in the table (CPU included)."""
+    if device.type != "cuda":
+        return None
+    return peak_flops_of(torch.cuda.get_device_name(device))
+
+
+def peak_flops_of(device_name: str) -> float | None:
+    """Peak bf16 FLOP/s of a CUDA device by its name (torch.cuda.get_device_name)."""
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in device_name), None)
+
+
+@dataclass(frozen=True)
+class Engine:
+    device: torch.device
+    bf16: bool
+    compile: bool
+    fused: bool
+    fsdp: bool
+    activation_checkpointing: str  # "none", "selective" or "full"
+    prefetch: bool
+    loss_chunk: int = 0  # tokens per chunk of a chunked cross-entropy; 0: the full logits
+    compile_tuning: str = "none"  # or "coordinate-descent", "max-autotune"
+    deterministic: bool = False  # train.deterministic, 'auto' settled for the device
+
+    @classmethod
+    def resolve(cls, cfg: RunConfig, device: torch.device, training: bool = True) -> "Engine":
+        """training=False (an evaluation): the optimizer and compile settings do not apply, so
+        a run's settings for GPUs do not stop its checkpoints being evaluated on a CPU."""
+        e, cuda = cfg.engine, device.type == "cuda"
+        if e.precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
+            raise ConfigError([f"engine.precision: bf16 is not supported by "
+                               f"{torch.cuda.get_device_name(device)}; use 'fp32' or 'auto'."])
+        problems = (e.torch_problems(torch.__version__) + (e.cpu_problems() if not cuda else [])
+                    if training else [])
+        if problems:
+            raise ConfigError(problems)
+        bf16 = e.precision == "bf16" or (e.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
+        return cls(device=device, bf16=bf16,
+                   compile=e.compile == "on" or (e.compile == "auto" and cuda),
+                   fused=e.fused_optimizer == "on" or (e.fused_optimizer == "auto" and cuda),
+                   fsdp=e.parallelism == "fsdp",
+                   activation_checkpointing=e.activation_checkpointing,
+                   prefetch=e.prefetch,
+                   loss_chunk=e.cross_entropy_chunk if e.cross_entropy == "chunked" else 0,
+                   compile_tuning=e.compile_tuning,
+                   deterministic=deterministic_enabled(cfg, device))
+
+    def describe(self) -> dict:
+        return {"device": str(self.device), "precision": "bf16" if self.bf16 else "fp32",
+                "compile": self.compile, "compile_tuning": self.compile_tuning,
+                "fused_optimizer": self.fused,
+                "parallelism": "fsdp" if self.fsdp else "ddp",
+                "activation_checkpointing": self.activation_checkpointing,
+                "deterministic": self.deterministic,
+                "cross_entropy": (f"chunked, {self.loss_chunk} tokens a chunk" if self.loss_chunk
+                                  else "standard")}
+
+    def autocast(self):
+        if not self.bf16:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+
+def deterministic_enabled(cfg: RunConfig, device: torch.device) -> bool:
+    """train.deterministic settled: 'auto' is on with CPU ranks (bitwise-equal resume, at
+    almost no cost there) and off on CUDA (deterministic kernels and DDP's fixed buckets cost
+    speed; a resumed GPU run is then equal up to rounding, not bit for bit)."""
+    value = cfg.train.deterministic
+    return device.type != "cuda" if value == "auto" else bool(value)
+
+
+def configure_backends(cfg: RunConfig, device: torch.device) -> None:
+    """Process-wide switches, before any CUDA work: TF32 and deterministic algorithms."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.engine.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.engine.tf32
+    if deterministic_enabled(cfg, device):
+        # cuBLAS is deterministic only with a fixed workspace; set before its first use
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def compile_options(tuning: str) -> dict:
+    """torch.compile's arguments for engine.compile_tuning. Coordinate-descent tuning is an
+    inductor setting of the process (one model per process here), set before the first
+    compile."""
+    import torch._inductor.config as inductor
+
+    inductor.coordinate_descent_tuning = tuning == "coordinate-descent"
+    return {"mode": "max-autotune-no-cudagraphs"} if tuning == "max-autotune" else {}
+
+
+def _build_fsdp(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int) -> GPT:
+    """FSDP2 in torchtitan's order: activation checkpointing (inside each block's forward),
+    then compile (each block, and the output layer with the loss), then fully_shard (each
+    block, then the root); built on the meta device and materialized after sharding."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    with torch.device("meta"):
+        raw = GPT(cfg.model, vocab_size, seed=None)
+    raw.activation_checkpointing, raw.loss_chunk = engine.activation_checkpointing, engine.loss_chunk
+    mesh = init_device_mesh(engine.device.type, (world_size,))
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if engine.bf16 else MixedPrecisionPolicy())
+    options = compile_options(engine.compile_tuning) if engine.compile else {}
+    for block in raw.blocks:
+        if engine.compile:  # per block, as torchtitan does under FSDP2
+            block.compile(**options)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    if engine.compile:  # else the vocabulary-wide matmul and cross-entropy run eagerly
+        raw.output_loss = torch.compile(logits_and_loss, **options)
+    fully_shard(raw, mesh=mesh, mp_policy=mp)
+    raw.to_empty(device=engine.device)
+    init_weights(raw, cfg.train.seed)
+    return raw
+
+
+def build_model(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int):
+    """(raw_model, model): the module whose parameters the optimizer and checkpoints see,
+    and the one the step calls (compiled and/or DDP-wrapped). Initial weights are the same
+    under DDP and FSDP2 (a function of the seed and the parameter names)."""
+    if engine.fsdp:
+        raw = _build_fsdp(cfg, vocab_size, engine, world_size)
+        return raw, raw
+    device = engine.device
+    raw = GPT(cfg.model, vocab_size, seed=cfg.train.seed).to(device)
+    raw.activation_checkpointing, raw.loss_chunk = engine.activation_checkpointing, engine.loss_chunk
+    model = torch.compile(raw, **compile_options(engine.compile_tuning)) if engine.compile else raw
+    # alone (torchrun --nproc-per-node=1 included) there is nothing to all-reduce: no DDP,
+    # whose wrapper would split the compiled graph at its bucket boundaries for nothing
+    if world_size > 1:
+        ids = [device.index] if device.type == "cuda" else None
+        # DDP rebuilds its gradient buckets after its first step, in the order gradients became
+        # ready; a resumed process rebuilds after its own first step, so for one step its
+        # buckets (and so the order a ring all-reduce adds more than two ranks' gradients)
+        # differ from the unbroken run's. find_unused_parameters turns the rebuild off: with
+        # train.deterministic and more than 2 ranks, a resumed run stays bitwise equal (at the
+        # cost of one graph traversal per step).
+        fixed_buckets = engine.deterministic and world_size > 2
+        model = DDP(model, device_ids=ids, gradient_as_bucket_view=True,
+                    find_unused_parameters=fixed_buckets)
+    return raw, model
+
+
+def build_optimizer(cfg: RunConfig, raw_model: torch.nn.Module, engine: Engine) -> torch.optim.AdamW:
+    t = cfg.train
+    impl = {"fused": True} if engine.fused else {"foreach": cfg.engine.fused_optimizer != "off"}
+    return torch.optim.AdamW(param_groups(raw_model, t.weight_decay), lr=t.lr,
+                             betas=(t.beta1, t.beta2), **impl)
+
+
+@contextmanager
+def grad_sync(model: torch.nn.Module, enabled: bool):
+    """Gradient all-reduce (DDP) or reduce-scatter (FSDP2) only when enabled: on the last
+    micro-batch of an accumulated step."""
+    if enabled:
+        yield
+    elif isinstance(model, DDP):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def side_group() -> "dist.ProcessGroup | None":
+    """A gloo group over every rank, for traffic that must not share the world group's
+    queue (the stop vote, the checkpoint writer's thread). Collective: every rank calls it
+    in the same order. None when alone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo")

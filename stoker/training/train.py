@@ -1,0 +1,206 @@
+"""Entry point of every rank: ``torchrun ... -m stoker.training.train --config <run>/config.json``.
+
+Parse, build, train, close. No orchestrator is imported here or below. A failure of any
+kind (``BaseException`` included) is filed through torchelastic's ``@record`` error file with
+stoker's verdict on it (``extraInfo.stoker``, a ``core.events.Failure``), which the launcher
+reads after the gang ends, and is printed as a Failure event for the live log.
+
+In-place recovery: torchrun restarts the ranks (``launch.max_restarts``) after one dies.
+A restarted rank ignores ``--resume-from`` (chosen before the failure) and resumes from the
+newest valid checkpoint of its run, which rank 0 picks from the store and tells the others.
+A rank that failed permanently leaves its Failure in the launch's marker file, and restarted
+ranks that find it end at once with the same failure instead of repeating it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+import traceback
+from functools import partial
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+
+from stoker.core import events, lifeline
+from stoker.core.config import RunConfig
+from stoker.core.failures import RankAborted, is_transient
+from stoker.storage.checkpoints import find_latest_valid
+from stoker.storage.shards import materialize
+from stoker.storage.store import Store, default_cache_dir
+from stoker.training.loop import Trainer, emit, setup_distributed, stop_grace_seconds
+
+GANG_ENV = "STOKER_GANG_ID"  # launch.gang.GANG_ENV (training never imports launch)
+
+
+def failure_of(e: BaseException) -> events.Failure:
+    """This rank's Failure record of an exception: its type, message and whether a retry helps."""
+    cause = e.__cause__ if isinstance(e, RankAborted) and e.__cause__ is not None else e
+    return events.Failure(rank=int(os.environ.get("RANK", "0")), type=type(cause).__name__,
+                          message=str(cause)[:800], transient=is_transient(e))
+
+
+class RankErrorHandler(ErrorHandler):
+    """torchelastic's structured error file, plus the Failure record the launcher classifies by."""
+
+    def record_exception(self, e: BaseException) -> None:
+        failure = failure_of(e)
+        emit(failure)
+        path = self._get_error_file_path()
+        if not path:
+            return
+        data = {"message": {"message": f"{failure.type}: {failure.message}", "extraInfo": {
+            "py_callstack": traceback.format_exc(), "timestamp": str(int(time.time())),
+            events.ERROR_INFO_KEY: failure.to_dict()}}}
+        with open(path, "w") as f:
+            json.dump(data, f)
+        marker = os.environ.get(events.PERMANENT_MARKER_ENV)
+        if marker and not failure.transient:
+            with open(marker, "w") as f:
+                json.dump(failure.to_dict(), f)
+
+
+def read_config(url: str) -> RunConfig:
+    """Read config.json from any URL the store can reach (storage options from env)."""
+    store_root, _, name = url.rpartition("/")
+    options = json.loads(os.environ.get("STOKER_STORAGE_OPTIONS", "{}"))
+    return RunConfig.model_validate_json(Store(store_root, options).read_bytes(name))
+
+
+class FailedBefore(Exception):
+    """A rank of this launch failed permanently before torchrun restarted the ranks."""
+
+
+def _end_if_failed_for_good() -> None:
+    marker = os.environ.get(events.PERMANENT_MARKER_ENV)
+    if marker and os.path.exists(marker):
+        with open(marker) as f:
+            failure = events.from_dict(json.load(f))
+        raise FailedBefore(f"not restarted: rank {failure.rank} failed with {failure.type}: "
+                           f"{failure.message}")
+
+
+def newest_checkpoint(store: Store, cfg: RunConfig) -> str | None:
+    """The newest valid checkpoint of this run and model, picked by rank 0 and told to every
+    rank (a restarted gang resumes from what was committed before the failure)."""
+    box = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        run = cfg.resolved_run_name()
+        choice = find_latest_valid(store, run, {"run_name": run, "model_hash": cfg.model_hash()})
+        box[0] = choice.checkpoint.key if choice.checkpoint else None
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)  # group: world
+    return box[0]
+
+
+def any_rank_restarted(mine: bool) -> bool:
+    """Whether this gang is a restart round. torchrun counts a restart on the nodes whose ranks
+    failed; a node that restarts its ranks only because another node came back to the
+    rendezvous keeps TORCHELASTIC_RESTART_COUNT at 0, so with several nodes the ranks ask
+    each other."""
+    if not dist.is_initialized():
+        return mine
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, mine)  # group: world; one agreed answer for every rank
+    return any(flags)
+
+
+def run_rank(config_url: str, shards: str, resume_from: str | None, cache_dir: str,
+             restarted: bool) -> dict:
+    """One rank's whole run, under any launcher: join the process group (torchrun's or Ray's),
+    load the shards once per host, resume (a restart round from the newest valid checkpoint,
+    else from `resume_from`), train."""
+    shard_key = shards.rstrip("/").rsplit("/", 1)[-1]
+    cfg = read_config(config_url)
+    ranks = setup_distributed(cfg)
+    restarted = any_rank_restarted(restarted)
+    store = Store(cfg.storage.root, cfg.storage.storage_options)
+    trainer = Trainer(cfg, ranks, materialize(store, shard_key, cache_dir), store, shard_key,
+                      cache_dir=cache_dir)
+    resume = newest_checkpoint(store, cfg) if restarted else resume_from
+    if resume:
+        trainer.resume(resume)
+    return trainer.fit()
+
+
+def file_rank_numbers() -> None:
+    """Say this rank's global, group and local rank: on stdout (a Joined event, from which the
+    launcher prefixes this rank's lines) and beside its torchelastic error file (where the
+    launcher looks for its fate). c10d numbers the nodes in its own order, so the launcher
+    cannot work a global rank out from the order it started the nodes in."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file or "RANK" not in os.environ:  # not a torchrun rank
+        return
+    numbers = {name.lower(): int(os.environ[name]) for name in ("RANK", "GROUP_RANK", "LOCAL_RANK")
+               if os.environ.get(name, "").isdigit()}
+    if len(numbers) == 3:
+        print(events.Joined(**numbers).encode(), flush=True)
+    try:
+        with open(os.path.join(os.path.dirname(error_file), events.RANK_FILE), "w") as f:
+            json.dump(numbers, f)
+    except OSError:  # evidence only: the launcher falls back to the launch order
+        pass
+
+
+def watch_launcher() -> None:
+    """Stop this rank the way a cancel does (SIGTERM: a stop checkpoint when it fits) when the
+    process that launched the gang is gone, or this rank's torchrun agent is: a launcher
+    SIGKILLed by the OOM killer, or a lost VM, never stops the gang itself. Local rank 0 also
+    sends its agent SIGTERM, so the agent neither restarts the ranks nor waits on."""
+    is_torchrun_rank = "TORCHELASTIC_RESTART_COUNT" in os.environ
+    watch = lifeline.Lifeline.from_env(_launcher_gone, watch_parent=is_torchrun_rank)
+    if watch is not None and os.environ.get(GANG_ENV):  # only ranks a stoker launcher started
+        watch.start()
+
+
+def _launcher_gone(reason: str) -> None:
+    agent = os.getppid()
+    if os.environ.get("LOCAL_RANK") == "0" and agent > 1 and _same_gang(agent):
+        try:
+            os.kill(agent, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    lifeline.terminate_self(stop_grace_seconds() + 15.0)(reason)
+
+
+def _same_gang(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{GANG_ENV}={os.environ[GANG_ENV]}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Train one rank of a stoker run.")
+    p.add_argument("--config", required=True, help="URL or path of the run's config.json")
+    p.add_argument("--shards", required=True, help="shard-set key under the store root (shards/<key>)")
+    p.add_argument("--resume-from", default=None, help="checkpoint key under the store root")
+    p.add_argument("--cache-dir", default=default_cache_dir())
+    return p.parse_args(argv)
+
+
+@partial(record, error_handler=RankErrorHandler())
+def main(argv: list[str] | None = None) -> None:
+    file_rank_numbers()
+    watch_launcher()
+    args = parse_args(argv)
+    try:
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if restarted:
+            _end_if_failed_for_good()
+        run_rank(args.config, args.shards, args.resume_from, args.cache_dir, restarted)
+    except (Exception, SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # e.g. DCP's CheckpointException, which @record would not see
+        raise RankAborted(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
