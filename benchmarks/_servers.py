@@ -11,7 +11,6 @@ import time
 import uuid
 from contextlib import contextmanager
 
-
 MOTO_PID: int | None = None
 
 

@@ -20,10 +20,10 @@ import torch
 
 from benchmarks import _servers
 from benchmarks._servers import moto_s3
+from stoker.core.config import ModelConfig
 from stoker.storage.store import Store
 from stoker.storage.uploader import CheckpointUploader
 from stoker.training.checkpoint import Checkpointer, flat_state, rng_state_tensors
-from stoker.core.config import ModelConfig
 from stoker.training.model import GPT, param_groups
 
 STEPS, INTERVAL = 24, 8

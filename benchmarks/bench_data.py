@@ -76,9 +76,9 @@ def _scale_corpus(src: str, dst: str, copies: int) -> None:
 # ---- children --------------------------------------------------------------------------
 def child_prepare(work: str, corpus: str) -> dict:
     """Download the 1x corpus and train the tokenizer every other measurement uses."""
-    from stoker.storage.store import Store
-    from stoker.data import prepare as data_prep
     from stoker.core.config import DataConfig, TokenizerConfig
+    from stoker.data import prepare as data_prep
+    from stoker.storage.store import Store
 
     store = Store(os.path.join(work, "store-prepare"))
     ds = data_prep.download_dataset(DataConfig(source=corpus, max_bytes=0), store)
@@ -91,9 +91,9 @@ def child_prepare(work: str, corpus: str) -> dict:
 def child_stage(work: str, corpus: str, tokenizer: str, name: str) -> dict:
     """The data stage (download, load tokenizer, tokenize+shard) into a fresh store, then
     the same three calls again (a cache hit)."""
-    from stoker.storage.store import Store
-    from stoker.data import prepare as data_prep
     from stoker.core.config import DataConfig, TokenizerConfig
+    from stoker.data import prepare as data_prep
+    from stoker.storage.store import Store
 
     data = DataConfig(source=corpus, max_bytes=0, num_workers=2, shard_tokens=10_000_000)
     tok_cfg = TokenizerConfig(path=tokenizer, vocab_size=VOCAB)
@@ -124,9 +124,9 @@ def child_stage(work: str, corpus: str, tokenizer: str, name: str) -> dict:
 def child_rerun(work: str, corpus: str, tokenizer: str, name: str) -> dict:
     """A cache-hit rerun in a fresh interpreter: imports included."""
     start = time.perf_counter()
-    from stoker.storage.store import Store
-    from stoker.data import prepare as data_prep
     from stoker.core.config import DataConfig, TokenizerConfig
+    from stoker.data import prepare as data_prep
+    from stoker.storage.store import Store
 
     data = DataConfig(source=corpus, max_bytes=0, num_workers=2, shard_tokens=10_000_000)
     store = Store(os.path.join(work, f"store-{name}"))

@@ -115,6 +115,7 @@ def _chunked(chunk: int) -> dict:
 def _sdpa(name: str):
     """A context for the attention kernels: 'default' (PyTorch's choice) or one backend first."""
     from contextlib import nullcontext
+
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if name == "default":
@@ -198,7 +199,7 @@ class BareLoop:
 
     def train_step(self):
         x, y = self.batch()
-        for micro in range(self.accum):
+        for _ in range(self.accum):
             with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=_cuda()), self.attention():
                 _, loss = self.step_fn(x, y)
             x, y = self.batch()  # next batch while the GPU works
@@ -313,7 +314,7 @@ def bench_profile(cfg, store, shard_key, cache_dir, steps: int = 2) -> dict:
         ours.train_step()
     out = kernel_breakdown(lambda n: [ours.train_step() for _ in range(n)], steps, ours.ranks.device)
     ours.batches.close()
-    del ours
+    ours = None  # drop the model before _free (the lambda above holds the name, not the object)
     _free()
     return out
 

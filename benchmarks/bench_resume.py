@@ -23,13 +23,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from benchmarks._servers import moto_s3
-from stoker.storage.checkpoints import list_checkpoints, rehydrate, validate_checkpoint
-from stoker.storage.store import Store, join
 from stoker.core import events
+from stoker.core.config import load_config
 from stoker.data import prepare as data_prep
 from stoker.launch.gang import run_gang
 from stoker.launch.torchrun import child_env, free_port, torchrun_commands
-from stoker.core.config import load_config
+from stoker.storage.checkpoints import list_checkpoints, rehydrate, validate_checkpoint
+from stoker.storage.store import Store, join
 
 
 def _config(root: str, options: dict):

@@ -308,8 +308,8 @@ def tiny_config(tmp_path):
 
 def prepare_shards(cfg):
     """Run the data stage with the plain functions (no Prefect); return (store, ShardInfo)."""
-    from stoker.storage.store import Store
     from stoker.data import prepare as data_prep
+    from stoker.storage.store import Store
 
     store = Store(cfg.storage.root, cfg.storage.storage_options)
     dataset = data_prep.download_dataset(cfg.data, store)

@@ -23,8 +23,17 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
-                      ValidationInfo, field_validator, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from stoker.core.failures import ConfigError

@@ -18,6 +18,11 @@ from typing import Iterator
 
 import numpy as np
 
+from stoker.core.config import DataConfig, RayConfig, TokenizerConfig
+from stoker.core.failures import DataError
+from stoker.core.results import DatasetInfo, ShardInfo, TokenizerInfo
+from stoker.data.sharding import PARTITION_BYTES, SPLITS, available_cores, build_shards, corpus_text, partition_jobs
+from stoker.data.sources import resolve_source, with_retries, write_corpus
 from stoker.storage.datasets import (
     CORPUS_FILE,
     committed_dataset,
@@ -38,12 +43,6 @@ from stoker.storage.shards import (
     validate_shard_set,
 )
 from stoker.storage.store import Store, build_lock, fetch_url, join, sha256_file
-from stoker.data.sharding import (PARTITION_BYTES, SPLITS, available_cores, build_shards, corpus_text,
-                           partition_jobs)
-from stoker.data.sources import resolve_source, with_retries, write_corpus
-from stoker.core.config import DataConfig, RayConfig, TokenizerConfig
-from stoker.core.failures import DataError
-from stoker.core.results import DatasetInfo, ShardInfo, TokenizerInfo
 
 log = logging.getLogger("stoker.data")
 TRAIN_BATCH_DOCS = 1000

@@ -34,8 +34,18 @@ import numpy as np
 
 from stoker.core import ray_connect
 from stoker.core.failures import ConfigError, DataError, StokerError
-from stoker.data.sharding import (COPY_CHUNK, SPLITS, available_cores, corpus_text, partition_ranges,
-                           range_lines, shard_cuts, shard_entries, shard_name, tokenize_docs)
+from stoker.data.sharding import (
+    COPY_CHUNK,
+    SPLITS,
+    available_cores,
+    corpus_text,
+    partition_ranges,
+    range_lines,
+    shard_cuts,
+    shard_entries,
+    shard_name,
+    tokenize_docs,
+)
 from stoker.storage.credentials import options_for
 from stoker.storage.store import Store, join
 

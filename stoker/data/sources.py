@@ -26,10 +26,17 @@ import sysconfig
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TypeVar
 
-from stoker.core.failures import (DataError, RetriesExhausted, SourceUnreachable, describe, http_status,
-                           is_transient, retry)
-from stoker.storage.store import expand_url, fetch_url, sha256_file
 from stoker.core.config import BUILTIN_SOURCE, DataConfig
+from stoker.core.failures import (
+    DataError,
+    RetriesExhausted,
+    SourceUnreachable,
+    describe,
+    http_status,
+    is_transient,
+    retry,
+)
+from stoker.storage.store import expand_url, fetch_url, sha256_file
 
 log = logging.getLogger("stoker.data")
 T = TypeVar("T")

@@ -142,8 +142,12 @@ def sweep_dead_flow_runs(client, keep: object = None) -> list[str]:
     started and whose process is gone; returns their names. `keep`: the current run's id."""
     import socket
 
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState,
-                                                FlowRunFilterStateType, FlowRunFilterTags)
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        FlowRunFilterTags,
+    )
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 

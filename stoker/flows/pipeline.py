@@ -8,21 +8,20 @@
 # run time, and string annotations of the nested prepare_data flow would not resolve
 from prefect import flow
 
+from stoker.core.config import DataConfig, RayConfig, RunConfig, StorageConfig, TokenizerConfig
+from stoker.core.results import PipelineResult, ShardInfo
+from stoker.flows import claim_flow_run, fails_in_one_line, flow_runs_tagged, tag_flow_run
+from stoker.tasks.credentials import use_store_credentials
 from stoker.tasks.data import download_dataset, tokenize_and_shard, train_tokenizer
-from stoker.core.results import ShardInfo
 from stoker.tasks.evaluate import evaluate_checkpoint
 from stoker.tasks.lease import run_lease
 from stoker.tasks.report import report
-from stoker.core.results import PipelineResult
 from stoker.tasks.training import (
     find_resume_checkpoint,
     launch_training,
     validate_config,
     write_run_config,
 )
-from stoker.core.config import DataConfig, RayConfig, RunConfig, StorageConfig, TokenizerConfig
-from stoker.flows import claim_flow_run, fails_in_one_line, flow_runs_tagged, tag_flow_run
-from stoker.tasks.credentials import use_store_credentials
 
 
 def _run_name() -> str:

@@ -58,7 +58,7 @@ class Launcher(ABC):
         """Add the evidence only a stopped gang gives (exit codes, error files)."""
         return result
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (a launcher that leaves nothing on the host keeps it)
         """Remove what the launch left on this host (its work folder). Idempotent; `run`
         calls it on every exit path: an exception, KeyboardInterrupt, Prefect's SIGTERM."""
 

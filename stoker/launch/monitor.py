@@ -10,7 +10,6 @@ from typing import Callable
 from stoker.core import events
 from stoker.core.results import EvalResult, TrainingResult
 
-
 THROUGHPUT_FIELDS = ("step", "step_seconds", "tokens_per_second", "mfu", "peak_memory_gb",
                      "data_wait_share")
 

@@ -27,13 +27,12 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
-from stoker.storage import credentials
 from stoker.core.config import LaunchConfig, RunConfig
 from stoker.core.events import ERROR_INFO_KEY, PERMANENT_MARKER_ENV, RANK_FILE, Failure, from_dict
 from stoker.core.failures import PERMANENT, classify_reported
 from stoker.launch.base import GangResult
-from stoker.launch.gang import (GRACE_SECONDS, RANK_STOP_MARGIN_SECONDS, GangLauncher,
-                         ProcessGang, make_work_dir)
+from stoker.launch.gang import GRACE_SECONDS, RANK_STOP_MARGIN_SECONDS, GangLauncher, ProcessGang, make_work_dir
+from stoker.storage import credentials
 
 CPU_THREADS_ENV = "STOKER_CPU_THREADS"  # a CPU rank's torch threads (training.loop.setup_distributed)
 

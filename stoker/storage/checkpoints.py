@@ -32,8 +32,7 @@ from dataclasses import dataclass
 from stoker.core.failures import CheckpointInvalid, CheckpointUnavailable, ConfigError
 from stoker.storage.cache import checked_in_place, host_lock, verified_copy
 from stoker.storage.layout import METRICS_FILE, checkpoints_key, run_file_key
-from stoker.storage.manifest import (Verdict, describe_files, invalid_reason, mark_invalid, read_manifest,
-                              verify_files)
+from stoker.storage.manifest import Verdict, describe_files, invalid_reason, mark_invalid, read_manifest, verify_files
 from stoker.storage.store import Store, join
 
 COMMIT_FILE = "commit.json"

@@ -10,11 +10,10 @@ that knows where a run's files live:
 
 from __future__ import annotations
 
-from stoker.core.failures import ConfigError
-
 import re
 from dataclasses import dataclass
 
+from stoker.core.failures import ConfigError
 from stoker.storage.store import join
 
 RUNS = "runs"

@@ -9,8 +9,15 @@ from dataclasses import dataclass
 from stoker.core.config import RunConfig
 from stoker.core.failures import CheckpointUnavailable, ConfigError, ExportError
 from stoker.core.results import ShardInfo
-from stoker.storage.layout import (CONFIG_FILE, SHARDS_FILE, TOKENIZER_FILE, CheckpointLocation,
-                            parse_checkpoint_url, run_file_key, run_key)
+from stoker.storage.layout import (
+    CONFIG_FILE,
+    SHARDS_FILE,
+    TOKENIZER_FILE,
+    CheckpointLocation,
+    parse_checkpoint_url,
+    run_file_key,
+    run_key,
+)
 from stoker.storage.store import Store, join
 
 

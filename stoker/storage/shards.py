@@ -22,8 +22,15 @@ import uuid
 
 from stoker.core.failures import DataError
 from stoker.storage.cache import checked_in_place, host_lock, verified_copy
-from stoker.storage.manifest import (INVALID_MARKER, Verdict, invalid_reason, mark_invalid, publish_folder,
-                              read_manifest, verify_files)
+from stoker.storage.manifest import (
+    INVALID_MARKER,
+    Verdict,
+    invalid_reason,
+    mark_invalid,
+    publish_folder,
+    read_manifest,
+    verify_files,
+)
 from stoker.storage.store import Store, join
 
 # 2: per-file token/doc counts, byte sizes and checksums for .bin, .idx and tokenizer.json;

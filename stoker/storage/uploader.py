@@ -37,18 +37,24 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from stoker.core.events import (CheckpointCommitted, CheckpointDropped, CheckpointFailed, CheckpointStaged,
-                         Event, UploadRetry)
+from stoker.core.events import (
+    CheckpointCommitted,
+    CheckpointDropped,
+    CheckpointFailed,
+    CheckpointStaged,
+    Event,
+    UploadRetry,
+)
 from stoker.core.failures import RetriesExhausted, StokerError, error_code, http_status, retry
 from stoker.storage.cache import drop_stamp, host_lock, write_stamp
 from stoker.storage.checkpoints import (
     COMMIT_FILE,
     DEFAULT_PIN_SECONDS,
-    pin_for_evaluation,
     commit_checkpoint,
-    local_checkpoint_dir,
     list_checkpoints,
+    local_checkpoint_dir,
     new_checkpoint_key,
+    pin_for_evaluation,
     prune_checkpoints,
     rank_receipt_key,
 )
@@ -393,7 +399,7 @@ class CheckpointUploader:
                 self._check(w)
                 files[name] = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
                 if not self.store.is_local:
-                    self._call(w, lambda: self.store.put_file(path, join(w.key, name)),
+                    self._call(w, lambda path=path, name=name: self.store.put_file(path, join(w.key, name)),
                                f"upload of {name} to {self.store.url(w.key)}", deadline)
             receipt = {"rank": self.rank, "files": files, "upload_seconds": time.perf_counter() - t0}
             if self.rank != 0:

@@ -9,11 +9,11 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from stoker.storage.store import Store
+from stoker.core.config import DataConfig, RayConfig, StorageConfig, TokenizerConfig
 from stoker.core.results import DatasetInfo, ShardInfo, TokenizerInfo
 from stoker.data import prepare
+from stoker.storage.store import Store
 from stoker.tasks.policy import BACKOFF, JITTER, retry_if_transient
-from stoker.core.config import DataConfig, RayConfig, StorageConfig, TokenizerConfig
 
 
 def vocabulary_note(got: int, asked: int) -> str:

@@ -12,12 +12,12 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from stoker.core import events
-from stoker.core.failures import CheckpointUnavailable, EvaluationStopped, TrainingFailed, is_transient
-from stoker.launch.torchrun import child_env
-from stoker.tasks.policy import BACKOFF, JITTER, retry_if_transient
-from stoker.core.results import EvalResult
-from stoker.storage import runs
 from stoker.core.config import RunConfig
+from stoker.core.failures import CheckpointUnavailable, EvaluationStopped, TrainingFailed, is_transient
+from stoker.core.results import EvalResult
+from stoker.launch.torchrun import child_env
+from stoker.storage import runs
+from stoker.tasks.policy import BACKOFF, JITTER, retry_if_transient
 
 EVAL_TIMEOUT_SECONDS = 1800
 _LIVE: set[subprocess.Popen] = set()  # evaluation processes running now, in this process

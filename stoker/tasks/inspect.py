@@ -8,8 +8,7 @@ import re
 
 from stoker.core.config import RunConfig
 from stoker.core.failures import ConfigError
-from stoker.storage.checkpoints import (first_nonfinite_step, list_checkpoints, numerics_problem,
-                                 validate_checkpoint)
+from stoker.storage.checkpoints import first_nonfinite_step, list_checkpoints, numerics_problem, validate_checkpoint
 from stoker.storage.layout import CONFIG_FILE, METRICS_FILE, parse_checkpoint_url, run_file_key
 from stoker.storage.manifest import Verdict
 from stoker.storage.shards import validate_shard_set

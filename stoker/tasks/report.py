@@ -11,12 +11,11 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from stoker.core.config import RunConfig
+from stoker.core.results import EvalResult, PipelineResult, ResumePoint, ShardInfo, TrainingResult
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.layout import METRICS_FILE, checkpoints_key, run_file_key, run_key
 from stoker.storage.store import Store
-from stoker.core.results import ShardInfo
-from stoker.core.results import EvalResult, PipelineResult, ResumePoint, TrainingResult
-from stoker.core.config import RunConfig
 
 
 def artifact_key(run: str, what: str) -> str:

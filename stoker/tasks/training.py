@@ -15,15 +15,15 @@ from stoker.core.config import RunConfig, StorageConfig, local_resource_problems
 from stoker.core.failures import ConfigError
 from stoker.core.results import ResumePoint, ShardInfo, TrainingResult
 from stoker.launch import make_launcher
-from stoker.launch.devices import device_problems
 from stoker.launch.attempts import launch_attempt
+from stoker.launch.devices import device_problems
 from stoker.launch.monitor import TrainingMonitor
 from stoker.launch.sinks import open_sinks, sink_problems
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.runs import pin_run_folder, store_problem
 from stoker.storage.store import Store
-from stoker.tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
 from stoker.tasks.credentials import use_store_credentials
+from stoker.tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
 from stoker.tasks.lease import held_lease, on_lease_lost
 from stoker.tasks.policy import BACKOFF, JITTER, retry_if_transient
 from stoker.tasks.publish import FLUSH_SECONDS, BestEffortPublisher

@@ -18,7 +18,6 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from stoker.core import events
-
 from stoker.storage.checkpoints import COMMIT_FILE, rehydrate
 from stoker.storage.shards import materialize
 from stoker.storage.store import Store, default_cache_dir

@@ -19,7 +19,6 @@ import os
 import signal
 import time
 
-
 _NAN_STATE: dict = {"hook": None, "fired": False}  # the NaN fault's forward hook and progress
 
 

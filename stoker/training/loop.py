@@ -34,8 +34,15 @@ from stoker.storage.store import Store
 from stoker.storage.uploader import CheckpointUploader
 from stoker.training.checkpoint import Checkpointer, agree_on_checkpoint, load_checkpoint, seed_rank_rngs
 from stoker.training.data import Batches, TokenStream, eval_offsets, get_batch
-from stoker.training.engine import (Engine, build_model, build_optimizer, configure_backends, grad_sync,
-                             peak_flops, side_group)
+from stoker.training.engine import (
+    Engine,
+    build_model,
+    build_optimizer,
+    configure_backends,
+    grad_sync,
+    peak_flops,
+    side_group,
+)
 from stoker.training.faults import maybe_inject, settles_before
 from stoker.training.numerics import FINITE, NumericsGuard, count_nonfinite_tensors, state_tensors
 

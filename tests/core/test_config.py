@@ -2,8 +2,7 @@ import json
 
 import pytest
 
-from stoker.core.config import (RECIPES_DIR, ConfigError, DataConfig, RunConfig, load_config,
-                         local_resource_problems)
+from stoker.core.config import RECIPES_DIR, ConfigError, DataConfig, RunConfig, load_config, local_resource_problems
 from tests.conftest import tiny_dict
 
 

@@ -5,9 +5,9 @@ pydantic traceback reaching the user)."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stoker.cli import config_from_args
 from stoker.core.config import RunConfig, load_config
 from stoker.core.failures import ConfigError
-from stoker.cli import config_from_args
 
 FIELDS = [f"{section}.{name}" for section, info in RunConfig.model_fields.items()
           if hasattr(info.annotation, "model_fields") for name in info.annotation.model_fields]

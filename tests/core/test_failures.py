@@ -1,7 +1,5 @@
-from stoker.core.failures import DataError
-from stoker.core.failures import TrainingFailed
-from stoker.core.failures import is_transient
 from stoker.core.config import ConfigError
+from stoker.core.failures import DataError, TrainingFailed, is_transient
 
 
 def test_user_mistakes_are_never_retried():

@@ -4,11 +4,11 @@ import os
 import numpy as np
 import pytest
 
+from stoker.core.config import DataConfig, TokenizerConfig
+from stoker.core.failures import DataError
+from stoker.data import prepare as data_prep
 from stoker.storage.shards import validate_shard_set
 from stoker.storage.store import Store
-from stoker.data import prepare as data_prep
-from stoker.core.failures import DataError
-from stoker.core.config import DataConfig, TokenizerConfig
 
 
 @pytest.fixture

@@ -19,7 +19,8 @@ import pytest
 
 from stoker.core.config import DataConfig, RayConfig, TokenizerConfig
 from stoker.core.failures import ConfigError, DataError
-from stoker.data import prepare as data_prep, ray_engine, sharding
+from stoker.data import prepare as data_prep
+from stoker.data import ray_engine, sharding
 from stoker.storage.datasets import CORPUS_FILE
 from stoker.storage.shards import validate_shard_set
 from stoker.storage.store import Store, join

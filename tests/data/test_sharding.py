@@ -7,12 +7,12 @@ import threading
 import numpy as np
 import pytest
 
+from stoker.core.config import DataConfig, TokenizerConfig
+from stoker.core.failures import DataError, is_transient
+from stoker.data import prepare as data_prep
+from stoker.data import sharding
 from stoker.storage.shards import materialize, validate_shard_set
 from stoker.storage.store import Store
-from stoker.data import prepare as data_prep, sharding
-from stoker.core.failures import DataError
-from stoker.core.failures import is_transient
-from stoker.core.config import DataConfig, TokenizerConfig
 from stoker.training.data import TokenStream
 
 DATA = DataConfig(max_bytes=400_000, val_fraction=0.1, shard_tokens=20_000)

@@ -6,12 +6,11 @@ import json
 
 import pytest
 
-from stoker.storage.store import Store
-from stoker.data import prepare as data_prep
-from stoker.core.failures import DataError, SourceUnreachable
-from stoker.core.failures import is_transient
-from tests.conftest import free_port
 from stoker.core.config import DataConfig
+from stoker.core.failures import DataError, SourceUnreachable, is_transient
+from stoker.data import prepare as data_prep
+from stoker.storage.store import Store
+from tests.conftest import free_port
 
 
 @pytest.fixture

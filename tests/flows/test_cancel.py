@@ -13,10 +13,10 @@ import time
 
 import pytest
 
+from stoker.core.config import load_config
 from stoker.storage.checkpoints import find_latest_valid, list_checkpoints
 from stoker.storage.store import Store
 from tests.conftest import ROOT, GangWatch, descendants, read_proc, stop_process, tiny_dict
-from stoker.core.config import load_config
 
 pytestmark = pytest.mark.e2e
 

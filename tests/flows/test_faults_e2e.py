@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from stoker.core.config import load_config
+from stoker.core.failures import TrainingFailed
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.store import Store
-from stoker.core.failures import TrainingFailed
 from tests.conftest import tiny_dict
-from stoker.core.config import load_config
 
 pytestmark = pytest.mark.e2e
 

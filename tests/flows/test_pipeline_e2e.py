@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
+from stoker.core.config import ConfigError, load_config
 from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
 from stoker.storage.store import Store
-from tests.conftest import tiny_dict
 from stoker.training.checkpoint import load_checkpoint
-from stoker.core.config import ConfigError, load_config
 from stoker.training.model import GPT
+from tests.conftest import tiny_dict
 
 pytestmark = pytest.mark.e2e
 

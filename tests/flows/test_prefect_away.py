@@ -14,8 +14,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.conftest import (ROOT, descendants, free_port, start_process, stop_process, tiny_dict,
-                            wait_for)
+from tests.conftest import ROOT, descendants, free_port, start_process, stop_process, tiny_dict, wait_for
 
 
 class PrefectServer:

@@ -19,8 +19,7 @@ pytestmark = pytest.mark.e2e
 
 def _flow_run_logs(run_name: str) -> list[str]:
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterTags, LogFilter,
-                                                LogFilterFlowRunId)
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags, LogFilter, LogFilterFlowRunId
 
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(

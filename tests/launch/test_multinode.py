@@ -39,8 +39,15 @@ from stoker.launch import make_launcher
 from stoker.launch.torchrun import NodeSpec, TorchrunLauncher, child_env
 from stoker.storage.checkpoints import find_latest_valid, list_checkpoints, validate_checkpoint
 from stoker.storage.store import Store
-from tests.conftest import (MotoServer, assert_bitwise_equal, event_losses, newest_weights,
-                            prepare_shards, run_collecting, tiny_dict)
+from tests.conftest import (
+    MotoServer,
+    assert_bitwise_equal,
+    event_losses,
+    newest_weights,
+    prepare_shards,
+    run_collecting,
+    tiny_dict,
+)
 from tests.netutil import NetnsNodes
 
 pytestmark = pytest.mark.e2e

@@ -21,8 +21,15 @@ from stoker.launch import make_launcher
 from stoker.launch.ray import RayLauncher
 from stoker.storage.checkpoints import find_latest_valid, list_checkpoints
 from stoker.storage.store import Store
-from tests.conftest import (ROOT, assert_bitwise_equal, event_losses, newest_weights, prepare_shards,
-                            run_collecting, tiny_dict)
+from tests.conftest import (
+    ROOT,
+    assert_bitwise_equal,
+    event_losses,
+    newest_weights,
+    prepare_shards,
+    run_collecting,
+    tiny_dict,
+)
 
 MAX_STEPS, INTERVAL = 8, 4
 RAY_PROCESSES = ("RayTrainWorker", "TrainController")

@@ -7,10 +7,10 @@ import subprocess
 import sys
 import time
 
-from stoker.storage.checkpoints import find_latest_valid
 from stoker.launch.base import GangResult, classify
 from stoker.launch.gang import GANG_ENV, GRACE_SECONDS, RANK_STOP_MARGIN_SECONDS, gang_pids, kill_gang, run_gang
 from stoker.launch.torchrun import child_env, free_port, torchrun_commands
+from stoker.storage.checkpoints import find_latest_valid
 from tests.conftest import ROOT, GangWatch, prepare_shards, read_proc, wait_for_none
 
 

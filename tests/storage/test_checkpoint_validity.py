@@ -5,15 +5,15 @@ import pytest
 from stoker.core.failures import CheckpointInvalid, ConfigError
 from stoker.storage.checkpoints import (
     COMMIT_FILE,
-    rank_receipt_key,
-    local_checkpoint_dir,
-    rehydrate,
     KEEP_MARKER,
     commit_checkpoint,
     find_latest_valid,
     list_checkpoints,
+    local_checkpoint_dir,
     new_checkpoint_key,
     prune_checkpoints,
+    rank_receipt_key,
+    rehydrate,
     validate_checkpoint,
 )
 from stoker.storage.manifest import INVALID_MARKER

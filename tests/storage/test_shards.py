@@ -1,4 +1,10 @@
-from stoker.storage.shards import shard_cache_key
+import os
+import threading
+
+import pytest
+
+from stoker.core.failures import DataError
+from stoker.storage.shards import materialize, shard_cache_key
 
 
 def test_cache_key_depends_on_content_and_parameters_only():
@@ -7,15 +13,6 @@ def test_cache_key_depends_on_content_and_parameters_only():
     assert base != shard_cache_key("fp2", "tok", {"val_fraction": 0.1, "shard_tokens": 100})
     assert base != shard_cache_key("fp", "tok2", {"val_fraction": 0.1, "shard_tokens": 100})
     assert base != shard_cache_key("fp", "tok", {"val_fraction": 0.2, "shard_tokens": 100})
-
-
-import os
-import threading
-
-import pytest
-
-from stoker.core.failures import DataError
-from stoker.storage.shards import materialize
 
 
 @pytest.fixture(params=["local", "s3"])

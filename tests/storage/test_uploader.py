@@ -12,8 +12,8 @@ from stoker.core import events
 from stoker.storage.checkpoints import COMMIT_FILE, list_checkpoints, validate_checkpoint
 from stoker.storage.store import Store, join
 from stoker.storage.uploader import CheckpointUploader
-from tests.netutil import TcpProxy
 from stoker.training.checkpoint import Checkpointer
+from tests.netutil import TcpProxy
 
 # fail fast while the proxy refuses connections (botocore's own retries off)
 QUICK = {"config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retries": {"max_attempts": 1}}}
@@ -124,8 +124,8 @@ def test_checkpointer_save_returns_while_the_store_is_down(proxied, tmp_path):
     proxy.start()
     assert uploader.wait(timeout=120)
     assert _kinds(seen, events.CheckpointCommitted) == [1, 2, 3]
-    from stoker.training.checkpoint import load_checkpoint
     from stoker.storage.checkpoints import rehydrate
+    from stoker.training.checkpoint import load_checkpoint
 
     fresh, fopt, fsched = _build(seed=7)
     key = [e.key for e in seen if isinstance(e, events.CheckpointCommitted)][-1]

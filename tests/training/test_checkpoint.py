@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from stoker.core.config import ModelConfig
 from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
 from stoker.storage.store import Store
 from stoker.storage.uploader import CheckpointUploader
 from stoker.training.checkpoint import Checkpointer, load_checkpoint
-from stoker.core.config import ModelConfig
 from stoker.training.model import GPT, param_groups
 
 

@@ -7,13 +7,12 @@ import subprocess
 import sys
 import time
 
-
 from stoker.core import events
-from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
+from stoker.core.config import load_config
 from stoker.launch.torchrun import free_port
+from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
 from tests.conftest import ROOT, prepare_shards, tiny_dict
 from tests.netutil import TcpProxy
-from stoker.core.config import load_config
 
 
 def _s3_config(root, options, **sections):

@@ -75,7 +75,7 @@ def _build(monkeypatch, backend: CountingBackend, **engine):
 
 def _forward_calls_of_a_step(model, backend: CountingBackend) -> int:
     x = torch.randint(0, 384, (2, 32), generator=torch.Generator().manual_seed(0))
-    for step in range(2):  # the first compiles; the second is counted
+    for _ in range(2):  # the first compiles; the second is counted
         backend.calls.clear()
         _, loss = model(x, x)
         loss.backward()

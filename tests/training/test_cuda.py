@@ -277,8 +277,8 @@ def test_fsdp2_compiled_blocks_checkpoint_inside_on_cuda():
     block, 'selective' recomputed the whole block and saved no more than 'full')."""
     import torch.distributed as dist
 
-    from tests.conftest import tiny_dict
     from stoker.training.engine import Engine, build_model
+    from tests.conftest import tiny_dict
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)

@@ -1,9 +1,8 @@
 import numpy as np
-
-from tests.conftest import prepare_shards
 import torch
 
 from stoker.training.data import Batches, TokenStream, eval_offsets, step_offsets, train_batch
+from tests.conftest import prepare_shards
 
 
 def test_batch_order_is_a_pure_function_of_seed_and_step():

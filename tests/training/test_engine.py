@@ -8,8 +8,8 @@ import torch
 
 from stoker.core.config import RunConfig, load_config
 from stoker.core.failures import ConfigError
-from tests.conftest import prepare_shards, run_ranks, tiny_dict, train_losses
 from stoker.training.engine import Engine, peak_flops
+from tests.conftest import prepare_shards, run_ranks, tiny_dict, train_losses
 
 CKPT = "runs/eng/checkpoints/step-{:08d}"
 

@@ -12,10 +12,10 @@ import torch
 
 from stoker.core.config import ModelConfig, load_config
 from stoker.storage.runs import pin_run_folder
-from tests.conftest import ROOT, prepare_shards, run_ranks, tiny_dict
 from stoker.training.checkpoint import load_checkpoint
 from stoker.training.export import gpt2_config, gpt2_state_dict
 from stoker.training.model import GPT, padded_vocab
+from tests.conftest import ROOT, prepare_shards, run_ranks, tiny_dict
 
 CHECKPOINT = "runs/export/checkpoints/step-00000004"
 
@@ -46,8 +46,8 @@ def _our_model(cfg, store, vocab_size):
 
 
 def test_an_exported_checkpoint_loads_in_transformers_with_our_logits(trained, tmp_path):
-    from transformers import AutoTokenizer, GPT2LMHeadModel
     from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, GPT2LMHeadModel
 
     cfg, store, shards = trained
     out = _cli("export", store.url(CHECKPOINT), str(tmp_path / "hf"))

@@ -97,10 +97,12 @@ def test_a_killed_rank_is_restarted_in_place_and_ends_bitwise_like_an_unbroken_r
 
 
 def test_a_permanent_failure_is_not_restarted(tiny_config, tmp_path):
-    import subprocess, sys
+    import os
+    import subprocess
+    import sys
+
     from stoker.launch.torchrun import free_port
     from tests.conftest import ROOT
-    import os
 
     cfg = tiny_config(run_name="perm", train={"max_steps": 4})
     store, shards = prepare_shards(cfg)
