@@ -28,8 +28,12 @@ def moto_s3():
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     port = free_port()
     exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [exe, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:

@@ -53,11 +53,20 @@ def _train(store: Store | None, async_enabled: bool, run: str, staging: str) -> 
     _step(model, opt, sched)  # warm-up (allocations, optimizer state)
     writer = ckpt = None
     if store is not None:
-        writer = CheckpointUploader(store, run, rank=0, world_size=1, staging_root=staging,
-                                  keep_latest_k=100, upload_timeout=300, commit_timeout=300,
-                                  async_enabled=async_enabled)
-        ckpt = Checkpointer(writer, model, opt, sched, rank=0, world_size=1,
-                            device=torch.device("cpu"), seed=0, global_batch_size=4)
+        writer = CheckpointUploader(
+            store,
+            run,
+            rank=0,
+            world_size=1,
+            staging_root=staging,
+            keep_latest_k=100,
+            upload_timeout=300,
+            commit_timeout=300,
+            async_enabled=async_enabled,
+        )
+        ckpt = Checkpointer(
+            writer, model, opt, sched, rank=0, world_size=1, device=torch.device("cpu"), seed=0, global_batch_size=4
+        )
     saves = 0
     t0 = time.perf_counter()
     for step in range(1, STEPS + 1):
@@ -80,11 +89,15 @@ def bench_time_lost(root: str, options: dict) -> float:
         t_sync, _ = _train(store, False, "sync", staging)
     lost_async, lost_sync = max(0.0, (t_async - base) / n), (t_sync - base) / n
     ratio = lost_async / lost_sync
-    print(f"  no checkpoints: {base:.2f}s for {STEPS} steps; async: {t_async:.2f}s; sync: {t_sync:.2f}s "
-          f"({n} checkpoints each)")
+    print(
+        f"  no checkpoints: {base:.2f}s for {STEPS} steps; async: {t_async:.2f}s; sync: {t_sync:.2f}s "
+        f"({n} checkpoints each)"
+    )
     print(f"  time lost per checkpoint: async {lost_async:.2f}s, sync {lost_sync:.2f}s")
-    print(f"  RATIO async/sync time lost per checkpoint = {ratio:.3f}  (goal <= 0.15: "
-          f"{'met' if ratio <= 0.15 else 'NOT met'})")
+    print(
+        f"  RATIO async/sync time lost per checkpoint = {ratio:.3f}  (goal <= 0.15: "
+        f"{'met' if ratio <= 0.15 else 'NOT met'})"
+    )
     return ratio
 
 
@@ -94,11 +107,20 @@ def bench_upload_throughput(root: str, options: dict) -> float:
     _step(model, opt, sched)
     state = {**flat_state(model, opt)[0], **rng_state_tensors(0)}
     with tempfile.TemporaryDirectory() as staging:
-        writer = CheckpointUploader(store, "tput", rank=0, world_size=1, staging_root=staging,
-                                  keep_latest_k=100, upload_timeout=300, commit_timeout=300,
-                                  async_enabled=False)
-        ckpt = Checkpointer(writer, model, opt, sched, rank=0, world_size=1,
-                            device=torch.device("cpu"), seed=0, global_batch_size=4)
+        writer = CheckpointUploader(
+            store,
+            "tput",
+            rank=0,
+            world_size=1,
+            staging_root=staging,
+            keep_latest_k=100,
+            upload_timeout=300,
+            commit_timeout=300,
+            async_enabled=False,
+        )
+        ckpt = Checkpointer(
+            writer, model, opt, sched, rank=0, world_size=1, device=torch.device("cpu"), seed=0, global_batch_size=4
+        )
         ours = []
         for step in (1, 2):
             t0 = time.perf_counter()
@@ -120,10 +142,13 @@ def bench_upload_throughput(root: str, options: dict) -> float:
     # ours includes the local DCP staging; plain starts from staged files (a stricter baseline)
     t_ours, t_plain = min(ours), min(plain)
     ratio = t_plain / t_ours
-    print(f"  {nbytes / 1e6:.0f} MB: writer (stage+checksum+upload+commit) {t_ours:.2f}s "
-          f"= {nbytes / 1e6 / t_ours:.0f} MB/s; plain fs.put {t_plain:.2f}s = {nbytes / 1e6 / t_plain:.0f} MB/s")
-    print(f"  RATIO writer/plain upload throughput = {ratio:.3f}  (goal >= 0.8: "
-          f"{'met' if ratio >= 0.8 else 'NOT met'})")
+    print(
+        f"  {nbytes / 1e6:.0f} MB: writer (stage+checksum+upload+commit) {t_ours:.2f}s "
+        f"= {nbytes / 1e6 / t_ours:.0f} MB/s; plain fs.put {t_plain:.2f}s = {nbytes / 1e6 / t_plain:.0f} MB/s"
+    )
+    print(
+        f"  RATIO writer/plain upload throughput = {ratio:.3f}  (goal >= 0.8: {'met' if ratio >= 0.8 else 'NOT met'})"
+    )
     return ratio
 
 

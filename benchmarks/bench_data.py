@@ -108,17 +108,28 @@ def child_stage(work: str, corpus: str, tokenizer: str, name: str) -> dict:
     total_wall = time.perf_counter() - start
     rss = _peak_rss_mb()  # before the rerun, which reads little
     rerun0 = time.perf_counter()
-    hits = (data_prep.download_dataset(data, store).cache_hit,
-            data_prep.train_tokenizer(ds, tok_cfg, store).cache_hit is False,  # loaded from path
-            data_prep.tokenize_and_shard(ds, tk, data, store).cache_hit)
+    hits = (
+        data_prep.download_dataset(data, store).cache_hit,
+        data_prep.train_tokenizer(ds, tok_cfg, store).cache_hit is False,  # loaded from path
+        data_prep.tokenize_and_shard(ds, tk, data, store).cache_hit,
+    )
     rerun = time.perf_counter() - rerun0
     manifest = store.read_json(f"{shards.key}/manifest.json")
     docs = sum(manifest["num_docs"].values())
     tokens = shards.num_train_tokens + shards.num_val_tokens - docs
-    return {"tokens": tokens, "docs": docs, "cpu_s": cpu, "main_cpu_s": main_cpu, "wall_s": wall,
-            "stage_wall_s": total_wall,
-            "rerun_wall_s": rerun, "rerun_hits": all(hits), "corpus_key": f"{ds.key}/corpus.jsonl",
-            "store": store.root, **rss}
+    return {
+        "tokens": tokens,
+        "docs": docs,
+        "cpu_s": cpu,
+        "main_cpu_s": main_cpu,
+        "wall_s": wall,
+        "stage_wall_s": total_wall,
+        "rerun_wall_s": rerun,
+        "rerun_hits": all(hits),
+        "corpus_key": f"{ds.key}/corpus.jsonl",
+        "store": store.root,
+        **rss,
+    }
 
 
 def child_rerun(work: str, corpus: str, tokenizer: str, name: str) -> dict:
@@ -149,7 +160,7 @@ def child_raw(work: str, corpus_jsonl: str, tokenizer: str) -> dict:
     docs = _load_docs(corpus_jsonl)
     cpu0, wall0, tokens = _cpu(), time.perf_counter(), 0
     for i in range(0, len(docs), BATCH):
-        tokens += sum(len(e) for e in tok.encode_batch_fast(docs[i:i + BATCH]))
+        tokens += sum(len(e) for e in tok.encode_batch_fast(docs[i : i + BATCH]))
     return {"tokens": tokens, "cpu_s": _cpu() - cpu0, "wall_s": time.perf_counter() - wall0}
 
 
@@ -173,15 +184,20 @@ def child_map(work: str, corpus_jsonl: str, tokenizer: str) -> dict:
     return {"tokens": tokens, "cpu_s": cpu, "wall_s": wall}
 
 
-CHILDREN = {"prepare": child_prepare, "stage": child_stage, "rerun": child_rerun, "raw": child_raw,
-            "map": child_map}
+CHILDREN = {"prepare": child_prepare, "stage": child_stage, "rerun": child_rerun, "raw": child_raw, "map": child_map}
 
 
 def _run_child(kind: str, *args: str) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_data", "--child", kind, *args],
-                          cwd=root, env=env, capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_data", "--child", kind, *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark child {kind} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -198,26 +214,35 @@ def _report(one: dict, runs: dict[str, list[dict]], fresh: dict) -> None:
     rate = {k: r["tokens"] / r["cpu_s"] for k, r in best.items()}
     workers_cpu = ten["cpu_s"] - ten["main_cpu_s"]
     print(f"  tokens: {ten['tokens']:,} in {ten['docs']:,} documents (10x corpus); best of {REPEATS} runs each:")
-    print(f"  tokenize+shard    {rate['ours'] / 1e6:.2f} M tok/CPU-s ({ten['cpu_s']:.1f} CPU-s: "
-          f"{ten['main_cpu_s']:.1f} main + {workers_cpu:.1f} workers; {ten['wall_s']:.1f} s wall)")
+    print(
+        f"  tokenize+shard    {rate['ours'] / 1e6:.2f} M tok/CPU-s ({ten['cpu_s']:.1f} CPU-s: "
+        f"{ten['main_cpu_s']:.1f} main + {workers_cpu:.1f} workers; {ten['wall_s']:.1f} s wall)"
+    )
     for label, r in (("encode_batch_fast", raw), ("Dataset.map      ", mapped)):
-        print(f"  {label} {r['tokens'] / r['cpu_s'] / 1e6:.2f} M tok/CPU-s "
-              f"({r['cpu_s']:.1f} CPU-s, {r['wall_s']:.1f} s wall)")
-    every = "; ".join(f"{k} " + ", ".join(f"{r['tokens'] / r['cpu_s'] / 1e6:.2f}" for r in v)
-                      for k, v in runs.items())
+        print(
+            f"  {label} {r['tokens'] / r['cpu_s'] / 1e6:.2f} M tok/CPU-s "
+            f"({r['cpu_s']:.1f} CPU-s, {r['wall_s']:.1f} s wall)"
+        )
+    every = "; ".join(f"{k} " + ", ".join(f"{r['tokens'] / r['cpu_s'] / 1e6:.2f}" for r in v) for k, v in runs.items())
     print(f"  (every run, M tok/CPU-s: {every})")
-    print(f"  cache-hit rerun: {ten['rerun_wall_s']:.2f} s in-process, {fresh['wall_s']:.2f} s in a fresh "
-          f"interpreter (imports included); all hits: {ten['rerun_hits'] and fresh['hit']}")
+    print(
+        f"  cache-hit rerun: {ten['rerun_wall_s']:.2f} s in-process, {fresh['wall_s']:.2f} s in a fresh "
+        f"interpreter (imports included); all hits: {ten['rerun_hits'] and fresh['hit']}"
+    )
     main10 = max(r["main_mb"] for r in runs["ours"])
     worker10 = max(r["worker_mb"] for r in runs["ours"])
-    print(f"  peak RSS 1x: main {one['main_mb']:.0f} MB, largest worker {one['worker_mb']:.0f} MB; "
-          f"10x (worst run): main {main10:.0f} MB, largest worker {worker10:.0f} MB")
+    print(
+        f"  peak RSS 1x: main {one['main_mb']:.0f} MB, largest worker {one['worker_mb']:.0f} MB; "
+        f"10x (worst run): main {main10:.0f} MB, largest worker {worker10:.0f} MB"
+    )
     r1, r2 = rate["ours"] / rate["raw"], rate["ours"] / rate["map"]
     peak = max(main10, worker10) / max(one["main_mb"], one["worker_mb"])
     _line("tokenize+shard tok/CPU-s / raw encode_batch_fast", r1, ">= 0.85", r1 >= 0.85)
     _line("tokenize+shard tok/CPU-s / datasets.Dataset.map(batched=True)", r2, ">= 1.3", r2 >= 1.3)
-    print(f"    (a ceiling: doing the same tokenization, nothing beats raw encode_batch_fast, and raw / "
-          f"Dataset.map is {rate['raw'] / rate['map']:.2f} here)")
+    print(
+        f"    (a ceiling: doing the same tokenization, nothing beats raw encode_batch_fast, and raw / "
+        f"Dataset.map is {rate['raw'] / rate['map']:.2f} here)"
+    )
     _line("cache-hit rerun wall time, fresh interpreter", fresh["wall_s"], "< 2", fresh["wall_s"] < 2, " s")
     _line("peak RSS, 10x corpus / 1x corpus", peak, "<= 1.2", peak <= 1.2)
 
@@ -228,9 +253,12 @@ def main() -> None:
         small, large = os.path.join(work, "small.jsonl"), os.path.join(work, "large.jsonl")
         _write_corpus(small, SMALL_BYTES)
         _scale_corpus(small, large, SCALE)
-        print(f"corpus: Python stdlib sources as JSON lines, {os.path.getsize(small) / 1e6:.1f} MB (1x) and "
-              f"{SCALE} copies of it, {os.path.getsize(large) / 1e6:.1f} MB (10x); {cores} cores; "
-              "num_workers=2", flush=True)
+        print(
+            f"corpus: Python stdlib sources as JSON lines, {os.path.getsize(small) / 1e6:.1f} MB (1x) and "
+            f"{SCALE} copies of it, {os.path.getsize(large) / 1e6:.1f} MB (10x); {cores} cores; "
+            "num_workers=2",
+            flush=True,
+        )
         tokenizer = _run_child("prepare", work, small)["tokenizer"]
         one = _run_child("stage", work, small, tokenizer, "1x")
         runs: dict[str, list[dict]] = {"ours": [], "raw": [], "map": []}

@@ -107,8 +107,11 @@ def main(argv: list[str] | None = None) -> None:
         shards = prepare.tokenize_and_shard(ds, tk, cfg, store)
         start = time.perf_counter()
         num_files, num_bytes = _grow(store, shards.key, args.size_mb, args.file_mb)
-        print(f"shard set {shards.url}: {num_bytes / 2**20:.1f} MiB in {num_files} files on S3 "
-              f"(moto_server, 127.0.0.1), written in {time.perf_counter() - start:.1f} s", flush=True)
+        print(
+            f"shard set {shards.url}: {num_bytes / 2**20:.1f} MiB in {num_files} files on S3 "
+            f"(moto_server, 127.0.0.1), written in {time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
 
         counts: dict = {}
         real_check = prepare.validate_shard_set
@@ -121,12 +124,15 @@ def main(argv: list[str] | None = None) -> None:
                 prepare.validate_shard_set = real_check
         new_s = statistics.median(s for s, _, _ in new)
         new_bytes, new_gets = new[0][1], new[0][2]
-        print(f"cache hit, manifest + sizes (new): {new_s:.3f} s (median of {REPEATS}), "
-              f"{new_bytes} bytes read in {new_gets} GET(s)")
-        print(f"cache hit, deep check (old):       {old[0]:.3f} s, "
-              f"{old[1] / 2**20:.1f} MiB read in {old[2]} GET(s)")
-        print(f"RATIO bytes read new/old: {new_bytes / max(1, old[1]):.2e}   "
-              f"RATIO time new/old: {new_s / old[0]:.4f} (old/new {old[0] / max(new_s, 1e-9):.0f}x)")
+        print(
+            f"cache hit, manifest + sizes (new): {new_s:.3f} s (median of {REPEATS}), "
+            f"{new_bytes} bytes read in {new_gets} GET(s)"
+        )
+        print(f"cache hit, deep check (old):       {old[0]:.3f} s, {old[1] / 2**20:.1f} MiB read in {old[2]} GET(s)")
+        print(
+            f"RATIO bytes read new/old: {new_bytes / max(1, old[1]):.2e}   "
+            f"RATIO time new/old: {new_s / old[0]:.4f} (old/new {old[0] / max(new_s, 1e-9):.0f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -22,18 +22,25 @@ STEPS = 60
 
 
 def _config(root: str, run: str):
-    return load_config({
-        "run_name": run,
-        "storage": {"root": root},
-        "data": {"max_bytes": 300_000, "val_fraction": 0.1},
-        "tokenizer": {"vocab_size": 384},
-        "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64},
-        "train": {"max_steps": STEPS, "warmup_steps": 5, "log_interval": 10, "global_batch_size": 8,
-                  "micro_batch_size": 4},
-        "checkpoint": {"interval_steps": STEPS},
-        "eval": {"interval_steps": STEPS, "num_batches": 2, "per_checkpoint_enabled": False},
-        "launch": {"max_attempts": 1},
-    })
+    return load_config(
+        {
+            "run_name": run,
+            "storage": {"root": root},
+            "data": {"max_bytes": 300_000, "val_fraction": 0.1},
+            "tokenizer": {"vocab_size": 384},
+            "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64},
+            "train": {
+                "max_steps": STEPS,
+                "warmup_steps": 5,
+                "log_interval": 10,
+                "global_batch_size": 8,
+                "micro_batch_size": 4,
+            },
+            "checkpoint": {"interval_steps": STEPS},
+            "eval": {"interval_steps": STEPS, "num_batches": 2, "per_checkpoint_enabled": False},
+            "launch": {"max_attempts": 1},
+        }
+    )
 
 
 def plain(root: str) -> float:
@@ -55,8 +62,14 @@ def plain(root: str) -> float:
     config_url = pin_run_folder(store, cfg, shards)
     assert find_latest_valid(store, cfg.resolved_run_name()).checkpoint is None
     cmds = torchrun_commands(cfg, config_url, shards.key, None, free_port())
-    gang = run_gang(cmds, child_env(cfg), cfg.launch.nproc_per_node, on_line=lambda line: None,
-                    on_event=lambda event: None, timeout=cfg.launch.timeout_seconds)
+    gang = run_gang(
+        cmds,
+        child_env(cfg),
+        cfg.launch.nproc_per_node,
+        on_line=lambda line: None,
+        on_event=lambda event: None,
+        timeout=cfg.launch.timeout_seconds,
+    )
     assert all(rc == 0 for rc in gang.returncodes), gang.tail[-20:]
     newest = list_checkpoints(store, cfg.resolved_run_name())[0]
     run_evaluation(cfg, config_url, newest.key, shards.key)
@@ -85,9 +98,11 @@ def main() -> None:
             times[side].append(seconds)
             print(f"  {side:5s} {seconds:6.1f} s", flush=True)
     p, f = statistics.median(times["plain"]), statistics.median(times["flow"])
-    print(f"whole flow vs plain stages ({STEPS} steps, data cache hit, final evaluation): "
-          f"{f:.1f} s vs {p:.1f} s -> ratio {f / p:.2f}, fixed overhead {f - p:+.1f} s "
-          f"(goal: flow <= 1.05 x plain + 10 s: {'met' if f <= 1.05 * p + 10 else 'NOT met'})")
+    print(
+        f"whole flow vs plain stages ({STEPS} steps, data cache hit, final evaluation): "
+        f"{f:.1f} s vs {p:.1f} s -> ratio {f / p:.2f}, fixed overhead {f - p:+.1f} s "
+        f"(goal: flow <= 1.05 x plain + 10 s: {'met' if f <= 1.05 * p + 10 else 'NOT met'})"
+    )
 
 
 if __name__ == "__main__":

@@ -56,8 +56,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEVICE = torch.device("cuda", 0)  # --smoke: the CPU
 # --smoke: every part at a tiny size on the CPU, to check the benchmark itself before a GPU
 # session spends its minutes on it (its figures mean nothing)
-SMOKE = {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "model.block_size": 64,
-         "engine.compile": "off"}
+SMOKE = {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "model.block_size": 64, "engine.compile": "off"}
 
 
 def _cuda() -> bool:
@@ -82,10 +81,15 @@ def _free() -> None:
 def _config(store_root: str, micro: int, **engine):
     from stoker.core.config import load_config
 
-    over = {"storage.root": store_root, "run_name": f"bench-gpu-{micro}",
-            "train.micro_batch_size": micro, "train.global_batch_size": micro * 4,
-            "train.deterministic": False, "eval.per_checkpoint_enabled": False,
-            "launch.nproc_per_node": 1}
+    over = {
+        "storage.root": store_root,
+        "run_name": f"bench-gpu-{micro}",
+        "train.micro_batch_size": micro,
+        "train.global_batch_size": micro * 4,
+        "train.deterministic": False,
+        "eval.per_checkpoint_enabled": False,
+        "launch.nproc_per_node": 1,
+    }
     over.update({f"engine.{k}": v for k, v in engine.items()})
     if not _cuda():
         over.update(SMOKE)
@@ -120,10 +124,21 @@ def _sdpa(name: str):
 
     if name == "default":
         return nullcontext
-    order = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-             "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
-    rest = [b for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                        SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH) if b != order]
+    order = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }[name]
+    rest = [
+        b
+        for b in (
+            SDPBackend.CUDNN_ATTENTION,
+            SDPBackend.FLASH_ATTENTION,
+            SDPBackend.EFFICIENT_ATTENTION,
+            SDPBackend.MATH,
+        )
+        if b != order
+    ]
     return lambda: sdpa_kernel([order] + rest, set_priority=True)
 
 
@@ -152,11 +167,17 @@ def explore(store_root: str, store, key: str, cache_dir: str, variants: list[str
         tps = statistics.median(_tokens_per_second(bare.train_step, steps, tokens) for _ in range(3))
         peak = peak_flops(DEVICE)
         mfu = bare.model.flops_per_token() * tps / peak if peak else None
-        row = {"variant": variant, "tokens_per_second": round(tps), "mfu": mfu and round(mfu, 4),
-               "warmup_seconds": round(warm, 1),
-               "peak_memory_gb": _peak_gb()}
-        print(f"  explore {variant}: {tps:,.0f} tok/s, MFU {100 * (mfu or 0):.1f}%, "
-              f"compile+warm-up {warm:.0f}s", flush=True)
+        row = {
+            "variant": variant,
+            "tokens_per_second": round(tps),
+            "mfu": mfu and round(mfu, 4),
+            "warmup_seconds": round(warm, 1),
+            "peak_memory_gb": _peak_gb(),
+        }
+        print(
+            f"  explore {variant}: {tps:,.0f} tok/s, MFU {100 * (mfu or 0):.1f}%, compile+warm-up {warm:.0f}s",
+            flush=True,
+        )
         out.append(row)
         del bare
         _free()
@@ -181,10 +202,10 @@ class BareLoop:
         self.model = GPT(cfg.model, self.stream.vocab_size, seed=0).to(DEVICE)
         if cfg.engine.cross_entropy == "chunked":  # the same loss, as the trainer computes it
             self.model.loss_chunk = cfg.engine.cross_entropy_chunk
-        self.opt = torch.optim.AdamW(param_groups(self.model, 0.1), lr=6e-4, betas=(0.9, 0.95),
-                                     fused=_cuda())
-        self.step_fn = (torch.compile(self.model, **compile_options(cfg.engine.compile_tuning))
-                        if _cuda() else self.model)
+        self.opt = torch.optim.AdamW(param_groups(self.model, 0.1), lr=6e-4, betas=(0.9, 0.95), fused=_cuda())
+        self.step_fn = (
+            torch.compile(self.model, **compile_options(cfg.engine.compile_tuning)) if _cuda() else self.model
+        )
         self.rng = np.random.default_rng(0)
         self.attention = _sdpa(attention)
 
@@ -227,7 +248,8 @@ def bench_throughput(cfg, store, shard_key, cache_dir, rounds: int, steps: int) 
     tokens = cfg.train.global_batch_size * cfg.model.block_size
     t0 = time.perf_counter()
     for _ in range(3):  # compile and warm both
-        ours.train_step(); bare.train_step()
+        ours.train_step()
+        bare.train_step()
     _sync()
     warm = time.perf_counter() - t0
     a, b = [], []
@@ -238,21 +260,30 @@ def bench_throughput(cfg, store, shard_key, cache_dir, rounds: int, steps: int) 
     tps_ours, tps_bare = statistics.median(a), statistics.median(b)
     mfu = ours.flops_per_token * tps_ours / ours.peak_flops if ours.peak_flops else None
     mfu_bare = ours.flops_per_token * tps_bare / ours.peak_flops if ours.peak_flops else None
-    out = {"micro_batch": cfg.train.micro_batch_size, "tokens_per_step": tokens,
-           "engine": ours.engine.describe(),
-           "model_params": ours.raw_model.num_params(), "vocab_size": ours.raw_model.vocab_size,
-           "warmup_seconds": round(warm, 1), "ours_tokens_per_second": round(tps_ours),
-           "bare_tokens_per_second": round(tps_bare), "ratio": round(tps_ours / tps_bare, 3),
-           "mfu": None if mfu is None else round(mfu, 4),
-           "bare_mfu": None if mfu_bare is None else round(mfu_bare, 4),
-           "peak_memory_gb": _peak_gb(),
-           "rounds": {"ours": [round(x) for x in a], "bare": [round(x) for x in b]}}
+    out = {
+        "micro_batch": cfg.train.micro_batch_size,
+        "tokens_per_step": tokens,
+        "engine": ours.engine.describe(),
+        "model_params": ours.raw_model.num_params(),
+        "vocab_size": ours.raw_model.vocab_size,
+        "warmup_seconds": round(warm, 1),
+        "ours_tokens_per_second": round(tps_ours),
+        "bare_tokens_per_second": round(tps_bare),
+        "ratio": round(tps_ours / tps_bare, 3),
+        "mfu": None if mfu is None else round(mfu, 4),
+        "bare_mfu": None if mfu_bare is None else round(mfu_bare, 4),
+        "peak_memory_gb": _peak_gb(),
+        "rounds": {"ours": [round(x) for x in a], "bare": [round(x) for x in b]},
+    }
     print(f"  model: {out['model_params'] / 1e6:.1f}M parameters, vocabulary {out['vocab_size']:,}")
     e = out["engine"]
-    print(f"  micro-batch {out['micro_batch']} (cross-entropy {e['cross_entropy']}, compile tuning "
-          f"{e['compile_tuning']}): ours {tps_ours:,.0f} tok/s, bare {tps_bare:,.0f} tok/s; "
-          f"RATIO ours/bare = {out['ratio']:.3f} (goal >= 1.0: {'met' if out['ratio'] >= 1 else 'NOT met'}); "
-          f"MFU {100 * (mfu or 0):.1f}% (bare {100 * (mfu_bare or 0):.1f}%; goal >= 45%)", flush=True)
+    print(
+        f"  micro-batch {out['micro_batch']} (cross-entropy {e['cross_entropy']}, compile tuning "
+        f"{e['compile_tuning']}): ours {tps_ours:,.0f} tok/s, bare {tps_bare:,.0f} tok/s; "
+        f"RATIO ours/bare = {out['ratio']:.3f} (goal >= 1.0: {'met' if out['ratio'] >= 1 else 'NOT met'}); "
+        f"MFU {100 * (mfu or 0):.1f}% (bare {100 * (mfu_bare or 0):.1f}%; goal >= 45%)",
+        flush=True,
+    )
     ours.batches.close()
     del ours, bare
     _free()
@@ -286,8 +317,11 @@ def kernel_breakdown(run_steps, steps: int, device: torch.device, top: int = 12)
             torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
-        t = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-             if cuda else e.self_cpu_time_total)
+        t = (
+            getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+            if cuda
+            else e.self_cpu_time_total
+        )
         if t > 0 and (not cuda or str(getattr(e, "device_type", "")).endswith("CUDA")):
             rows.append((e.key, t, e.count))
     total = sum(t for _, t, _ in rows) or 1
@@ -296,12 +330,17 @@ def kernel_breakdown(run_steps, steps: int, device: torch.device, top: int = 12)
         kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(name)), "other")
         kinds[kind] = kinds.get(kind, 0) + t
     rows.sort(key=lambda r: -r[1])
-    out = {"steps": steps, "device_ms_per_step": round(total / 1000 / steps, 2),
-           "share": {k: round(v / total, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-           "top": [{"kernel": name[:120], "share": round(t / total, 4), "calls": n}
-                   for name, t, n in rows[:top]]}
-    print(f"  kernel time per step {out['device_ms_per_step']} ms: " + ", ".join(
-        f"{k} {100 * v:.1f}%" for k, v in out["share"].items()), flush=True)
+    out = {
+        "steps": steps,
+        "device_ms_per_step": round(total / 1000 / steps, 2),
+        "share": {k: round(v / total, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "top": [{"kernel": name[:120], "share": round(t / total, 4), "calls": n} for name, t, n in rows[:top]],
+    }
+    print(
+        f"  kernel time per step {out['device_ms_per_step']} ms: "
+        + ", ".join(f"{k} {100 * v:.1f}%" for k, v in out["share"].items()),
+        flush=True,
+    )
     for row in out["top"]:
         print(f"    {100 * row['share']:5.1f}%  x{row['calls']:<5} {row['kernel']}")
     return out
@@ -338,10 +377,12 @@ def bench_stall(cfg, store, shard_key, cache_dir, saves: int = 4, window: int = 
     without a save (median step time), for async and synchronous saves of the same state."""
     out = {}
     for mode in ("async", "sync"):
-        run_cfg = cfg.model_copy(update={
-            "run_name": f"{cfg.run_name}-{mode}",
-            "checkpoint": cfg.checkpoint.model_copy(update={"async_enabled": mode == "async",
-                                                            "keep_latest_k": 2})})
+        run_cfg = cfg.model_copy(
+            update={
+                "run_name": f"{cfg.run_name}-{mode}",
+                "checkpoint": cfg.checkpoint.model_copy(update={"async_enabled": mode == "async", "keep_latest_k": 2}),
+            }
+        )
         trainer = _trainer(run_cfg, store, shard_key, cache_dir)
         _step_times(trainer, 3, set())  # compile
         trainer.save()  # the first save allocates the pinned buffers
@@ -353,19 +394,30 @@ def bench_stall(cfg, store, shard_key, cache_dir, saves: int = 4, window: int = 
             lost.append(max(0.0, sum(times) - window * plain))
             trainer.uploader.wait()  # one save in flight, as the loop allows
         assert not trainer.uploader.failures, trainer.uploader.failures
-        out[mode] = {"step_seconds": round(plain, 4), "lost_per_save": [round(x, 4) for x in lost],
-                     "median_lost_seconds": round(statistics.median(lost), 4)}
+        out[mode] = {
+            "step_seconds": round(plain, 4),
+            "lost_per_save": [round(x, 4) for x in lost],
+            "median_lost_seconds": round(statistics.median(lost), 4),
+        }
         trainer.batches.close()
         del trainer
         _free()
-    state_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(
-        store.local_path(f"runs/{cfg.run_name}-sync/checkpoints")) for f in fs) / 2  # 2 kept
+    state_bytes = (
+        sum(
+            os.path.getsize(os.path.join(d, f))
+            for d, _, fs in os.walk(store.local_path(f"runs/{cfg.run_name}-sync/checkpoints"))
+            for f in fs
+        )
+        / 2
+    )  # 2 kept
     ratio = out["async"]["median_lost_seconds"] / max(out["sync"]["median_lost_seconds"], 1e-9)
     out.update(ratio=round(ratio, 4), checkpoint_gb=round(state_bytes / 1e9, 2))
-    print(f"  checkpoint of {out['checkpoint_gb']} GB: time lost per save async "
-          f"{out['async']['median_lost_seconds']:.3f}s, sync {out['sync']['median_lost_seconds']:.3f}s; "
-          f"RATIO async/sync = {ratio:.3f} (goal <= 0.15: {'met' if ratio <= 0.15 else 'NOT met'})",
-          flush=True)
+    print(
+        f"  checkpoint of {out['checkpoint_gb']} GB: time lost per save async "
+        f"{out['async']['median_lost_seconds']:.3f}s, sync {out['sync']['median_lost_seconds']:.3f}s; "
+        f"RATIO async/sync = {ratio:.3f} (goal <= 0.15: {'met' if ratio <= 0.15 else 'NOT met'})",
+        flush=True,
+    )
     return out
 
 
@@ -376,61 +428,105 @@ def bench_real_runs(args, store, key: str, first_micro: int, throughput: list[di
     from benchmarks.real_run import compare_variants, real_run
 
     micro = args.real_micro_batch or first_micro or 32
-    rows = [real_run(store, key, micro, steps=args.real_steps, warmup=args.real_warmup,
-                     smoke=SMOKE if args.smoke else None, global_batch=args.real_global_batch or None,
-                     variant=v, timeout=args.real_timeout)
-            for v in args.real_variants.split(",") if v]
+    rows = [
+        real_run(
+            store,
+            key,
+            micro,
+            steps=args.real_steps,
+            warmup=args.real_warmup,
+            smoke=SMOKE if args.smoke else None,
+            global_batch=args.real_global_batch or None,
+            variant=v,
+            timeout=args.real_timeout,
+        )
+        for v in args.real_variants.split(",")
+        if v
+    ]
     out = {"real_runs": rows, "real_step_time_over_ddp": compare_variants(rows)}
     base = next((r for r in rows if r["variant"] == "ddp:none"), None)
     bench = next((t for t in throughput if t["micro_batch"] == micro), None)
     if base and bench:
         real = base["tokens_per_second"]
         out["real_vs_benchmark"] = {
-            "micro_batch": micro, "real_tokens_per_second": real,
+            "micro_batch": micro,
+            "real_tokens_per_second": real,
             "over_trainer": round(real / bench["ours_tokens_per_second"], 3),
-            "over_bare_loop": round(real / bench["bare_tokens_per_second"], 3)}
+            "over_bare_loop": round(real / bench["bare_tokens_per_second"], 3),
+        }
         ratio = out["real_vs_benchmark"]["over_trainer"]
-        print(f"  RATIO real run / benchmark trainer = {ratio:.3f} (goal >= 0.97: "
-              f"{'met' if ratio >= 0.97 else 'NOT met'}); real / bare loop = "
-              f"{out['real_vs_benchmark']['over_bare_loop']:.3f}", flush=True)
+        print(
+            f"  RATIO real run / benchmark trainer = {ratio:.3f} (goal >= 0.97: "
+            f"{'met' if ratio >= 0.97 else 'NOT met'}); real / bare loop = "
+            f"{out['real_vs_benchmark']['over_bare_loop']:.3f}",
+            flush=True,
+        )
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--store", default=os.environ.get("STOKER_GPU_STORE"),
-                   help="store root holding one shard set (shards/<key>)")
+    p.add_argument(
+        "--store", default=os.environ.get("STOKER_GPU_STORE"), help="store root holding one shard set (shards/<key>)"
+    )
     p.add_argument("--micro-batch", default="32", help="comma-separated micro-batch sizes to try")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per round")
     p.add_argument("--skip-stall", action="store_true")
-    p.add_argument("--profile", action="store_true",
-                   help="also profile our trainer's step: kernel time by kind, the top kernels")
-    p.add_argument("--explore", default="", help="bare-loop variants to time first, e.g. "
-                   "'32:default,32:cudnn,48:cudnn:cdt,64:default:ce4096' "
-                   "(micro-batch:attention[:cdt|:ma][:ce<tokens a chunk>])")
-    p.add_argument("--compile-tuning", default="none",
-                   choices=("none", "coordinate-descent", "max-autotune"),
-                   help="engine.compile_tuning of the trainer and the bare loop alike")
-    p.add_argument("--cross-entropy-chunk", type=int, default=0,
-                   help="the trainer and the bare loop both compute the loss chunked, this many "
-                   "tokens a chunk (engine.cross_entropy 'chunked'); 0: the full logits")
-    p.add_argument("--real-variants", default="",
-                   help="real 1-GPU torchrun runs of the gpt2-124m-1gpu recipe, timed from their "
-                   "event stream, e.g. 'ddp:none,fsdp:none,fsdp:selective,ddp:none:ce4096' "
-                   "(parallelism:activation checkpointing[:ce<tokens a chunk>]); 'ddp:none' is "
-                   "compared with the benchmark's trainer and bare loop")
-    p.add_argument("--real-micro-batch", type=int, default=0,
-                   help="micro-batch of the real runs (default: the first of --micro-batch, else 32)")
+    p.add_argument(
+        "--profile", action="store_true", help="also profile our trainer's step: kernel time by kind, the top kernels"
+    )
+    p.add_argument(
+        "--explore",
+        default="",
+        help="bare-loop variants to time first, e.g. "
+        "'32:default,32:cudnn,48:cudnn:cdt,64:default:ce4096' "
+        "(micro-batch:attention[:cdt|:ma][:ce<tokens a chunk>])",
+    )
+    p.add_argument(
+        "--compile-tuning",
+        default="none",
+        choices=("none", "coordinate-descent", "max-autotune"),
+        help="engine.compile_tuning of the trainer and the bare loop alike",
+    )
+    p.add_argument(
+        "--cross-entropy-chunk",
+        type=int,
+        default=0,
+        help="the trainer and the bare loop both compute the loss chunked, this many "
+        "tokens a chunk (engine.cross_entropy 'chunked'); 0: the full logits",
+    )
+    p.add_argument(
+        "--real-variants",
+        default="",
+        help="real 1-GPU torchrun runs of the gpt2-124m-1gpu recipe, timed from their "
+        "event stream, e.g. 'ddp:none,fsdp:none,fsdp:selective,ddp:none:ce4096' "
+        "(parallelism:activation checkpointing[:ce<tokens a chunk>]); 'ddp:none' is "
+        "compared with the benchmark's trainer and bare loop",
+    )
+    p.add_argument(
+        "--real-micro-batch",
+        type=int,
+        default=0,
+        help="micro-batch of the real runs (default: the first of --micro-batch, else 32)",
+    )
     p.add_argument("--real-steps", type=int, default=40, help="optimizer steps of each real run")
-    p.add_argument("--real-warmup", type=int, default=10,
-                   help="steps of each real run left out of its steady state (compile, warm-up)")
-    p.add_argument("--real-global-batch", type=int, default=0,
-                   help="sequences a step of the real runs (default: the recipe's 480)")
+    p.add_argument(
+        "--real-warmup",
+        type=int,
+        default=10,
+        help="steps of each real run left out of its steady state (compile, warm-up)",
+    )
+    p.add_argument(
+        "--real-global-batch", type=int, default=0, help="sequences a step of the real runs (default: the recipe's 480)"
+    )
     p.add_argument("--real-timeout", type=float, default=540, help="seconds each real run may take")
-    p.add_argument("--smoke", action="store_true",
-                   help="every part at a tiny size on the CPU: checks the benchmark runs, before a "
-                   "GPU session spends its minutes on it; its figures mean nothing, nothing is written")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every part at a tiny size on the CPU: checks the benchmark runs, before a "
+        "GPU session spends its minutes on it; its figures mean nothing, nothing is written",
+    )
     args = p.parse_args(argv)
     global DEVICE
     if args.smoke:
@@ -445,9 +541,13 @@ def main(argv: list[str] | None = None) -> None:
     store = Store(args.store)
     key = _shard_key(store)
     cache_dir = tempfile.mkdtemp(prefix="stoker-bench-gpu-")
-    result = {"device": torch.cuda.get_device_name(0) if _cuda() else "cpu (smoke run)",
-              "torch": torch.__version__,
-              "python": platform.python_version(), "shards": key, "throughput": []}
+    result = {
+        "device": torch.cuda.get_device_name(0) if _cuda() else "cpu (smoke run)",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "shards": key,
+        "throughput": [],
+    }
     # the trainer's engine settings; the bare loop follows them (compile tuning, chunked loss)
     engine = {"compile_tuning": args.compile_tuning, **_chunked(args.cross_entropy_chunk)}
     if args.explore:
@@ -472,7 +572,8 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(RESULTS, exist_ok=True)
     name = "gpu-" + "".join(c if c.isalnum() else "-" for c in result["device"]).strip("-").lower()
     for path in [os.path.join(RESULTS, name + ".json")] + (
-            [os.path.join(os.environ["OUT"], "bench_gpu.json")] if os.environ.get("OUT") else []):
+        [os.path.join(os.environ["OUT"], "bench_gpu.json")] if os.environ.get("OUT") else []
+    ):
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))

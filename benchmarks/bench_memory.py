@@ -30,8 +30,9 @@ def _model(args, variant: str, device: torch.device):
     from stoker.core.config import ModelConfig
     from stoker.training.model import GPT
 
-    cfg = ModelConfig(n_layer=args.layers, n_head=args.width // 64, n_embd=args.width,
-                      block_size=args.block, dropout=0.0)
+    cfg = ModelConfig(
+        n_layer=args.layers, n_head=args.width // 64, n_embd=args.width, block_size=args.block, dropout=0.0
+    )
     model = GPT(cfg, args.vocab, seed=0).to(device)
     model.activation_checkpointing = "none" if variant == "chunked" else variant
     model.loss_chunk = args.chunk if variant == "chunked" else 0
@@ -61,8 +62,7 @@ def peak_bytes(args, variant: str, device: torch.device, x) -> dict:
     with tracker:
         _step(*built, x, device)
     stats = next(s for d, s in tracker.get_tracker_snapshot("peak").items() if torch.device(d) == device)
-    out = {"activations": stats[_MemRefType.ACT], "temporaries": stats[_MemRefType.TEMP],
-           "total": stats["Total"]}
+    out = {"activations": stats[_MemRefType.ACT], "temporaries": stats[_MemRefType.TEMP], "total": stats["Total"]}
     if device.type == "cuda":
         out["allocator_peak"] = torch.cuda.max_memory_allocated(device)
     return out
@@ -89,9 +89,11 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, args.vocab, (args.batch, args.block), generator=gen).to(device)
-    print(f"  {args.layers} layers x {args.width}, block {args.block}, batch {args.batch}, "
-          f"vocab {args.vocab}, chunk {args.chunk}{', compiled' if args.compile else ''}, on "
-          f"{torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}")
+    print(
+        f"  {args.layers} layers x {args.width}, block {args.block}, batch {args.batch}, "
+        f"vocab {args.vocab}, chunk {args.chunk}{', compiled' if args.compile else ''}, on "
+        f"{torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}"
+    )
 
     memory = {v: peak_bytes(args, v, device, x) for v in variants}
     built = {v: _model(args, v, device) for v in variants}
@@ -107,13 +109,17 @@ def main(argv: list[str] | None = None) -> None:
     base, base_time = memory["none"], statistics.median(times["none"])
     for v in variants:
         t, m = statistics.median(times[v]), memory[v]
-        line = (f"  {v:>9}: activations {m['activations'] / 2**20:7.1f} MiB, RATIO to none "
-                f"{m['activations'] / base['activations']:.2f}; peak {m['total'] / 2**20:7.1f} MiB, "
-                f"RATIO {m['total'] / base['total']:.2f}; step {t * 1000:7.1f} ms, RATIO to none "
-                f"{t / base_time:.2f}")
+        line = (
+            f"  {v:>9}: activations {m['activations'] / 2**20:7.1f} MiB, RATIO to none "
+            f"{m['activations'] / base['activations']:.2f}; peak {m['total'] / 2**20:7.1f} MiB, "
+            f"RATIO {m['total'] / base['total']:.2f}; step {t * 1000:7.1f} ms, RATIO to none "
+            f"{t / base_time:.2f}"
+        )
         if "allocator_peak" in m:
-            line += (f"; allocator peak {m['allocator_peak'] / 2**30:.2f} GiB, RATIO "
-                     f"{m['allocator_peak'] / base['allocator_peak']:.2f}")
+            line += (
+                f"; allocator peak {m['allocator_peak'] / 2**30:.2f} GiB, RATIO "
+                f"{m['allocator_peak'] / base['allocator_peak']:.2f}"
+            )
         print(line, flush=True)
 
 

@@ -44,20 +44,32 @@ BLOCK, GLOBAL_BATCH, LOG_INTERVAL = 128, 16, 5
 def _config(root: str, run: str, steps: int, launch: dict | None = None, ray: dict | None = None):
     from stoker.core.config import load_config
 
-    return load_config({
-        "run_name": run,
-        "storage": {"root": root},
-        "data": {"max_bytes": 2_000_000},
-        "tokenizer": {"vocab_size": 2048},
-        "model": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": BLOCK},
-        "train": {"max_steps": steps, "warmup_steps": 2, "log_interval": LOG_INTERVAL,
-                  "global_batch_size": GLOBAL_BATCH, "micro_batch_size": 4},
-        "checkpoint": {"interval_steps": 100_000},  # the last step's only, after the measured ones
-        "eval": {"interval_steps": 100_000, "num_batches": 1, "per_checkpoint_enabled": False},
-        "launch": {"timeout_seconds": 900, "max_attempts": 1, "max_restarts": 0,
-                   "hang_timeout_seconds": 300, **(launch or {})},
-        "ray": ray or {},
-    })
+    return load_config(
+        {
+            "run_name": run,
+            "storage": {"root": root},
+            "data": {"max_bytes": 2_000_000},
+            "tokenizer": {"vocab_size": 2048},
+            "model": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": BLOCK},
+            "train": {
+                "max_steps": steps,
+                "warmup_steps": 2,
+                "log_interval": LOG_INTERVAL,
+                "global_batch_size": GLOBAL_BATCH,
+                "micro_batch_size": 4,
+            },
+            "checkpoint": {"interval_steps": 100_000},  # the last step's only, after the measured ones
+            "eval": {"interval_steps": 100_000, "num_batches": 1, "per_checkpoint_enabled": False},
+            "launch": {
+                "timeout_seconds": 900,
+                "max_attempts": 1,
+                "max_restarts": 0,
+                "hang_timeout_seconds": 300,
+                **(launch or {}),
+            },
+            "ray": ray or {},
+        }
+    )
 
 
 def _measure(cfg, store, shard_key: str, warmup: int) -> tuple[float, float, int]:
@@ -120,8 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     shards = prepare.tokenize_and_shard(dataset, tokenizer, base.data, store)
 
     wanted = args.columns.split(",")
-    columns: dict[str, object] = {"1x2": lambda run: _config(
-        root, run, args.steps, launch={"num_nodes": 1, "nproc_per_node": 2})}
+    columns: dict[str, object] = {
+        "1x2": lambda run: _config(root, run, args.steps, launch={"num_nodes": 1, "nproc_per_node": 2})
+    }
     why_not: dict[str, str] = {}
     netns = ray_cluster = None
     try:
@@ -131,21 +144,41 @@ def main(argv: list[str] | None = None) -> None:
         elif why is None:
             netns = NetnsNodes(2).up()
             ports = iter(range(29500, 29600))  # fresh namespaces: every port is free there
-            nodes = [{"prefix": list(netns.exec_prefix(i)), "address": netns.addresses[i],
-                      "env": {"GLOO_SOCKET_IFNAME": netns.ifnames[i],
-                              "STOKER_CACHE": os.path.join(work, f"cache-node-{i}")}} for i in range(2)]
-            columns["2x1"] = lambda run: _config(root, run, args.steps, launch={
-                "num_nodes": 2, "nproc_per_node": 1, "nodes": nodes,
-                "rdzv_host": netns.addresses[0], "rdzv_port": next(ports)})
+            nodes = [
+                {
+                    "prefix": list(netns.exec_prefix(i)),
+                    "address": netns.addresses[i],
+                    "env": {
+                        "GLOO_SOCKET_IFNAME": netns.ifnames[i],
+                        "STOKER_CACHE": os.path.join(work, f"cache-node-{i}"),
+                    },
+                }
+                for i in range(2)
+            ]
+            columns["2x1"] = lambda run: _config(
+                root,
+                run,
+                args.steps,
+                launch={
+                    "num_nodes": 2,
+                    "nproc_per_node": 1,
+                    "nodes": nodes,
+                    "rdzv_host": netns.addresses[0],
+                    "rdzv_port": next(ports),
+                },
+            )
         else:
             why_not["2x1"] = why
-        columns["2x1-here"] = lambda run: _config(root, run, args.steps, launch={
-            "num_nodes": 2, "nproc_per_node": 1})
+        columns["2x1-here"] = lambda run: _config(root, run, args.steps, launch={"num_nodes": 2, "nproc_per_node": 1})
         ray_cluster, why = _ray_cluster(work) if "ray" in wanted else (None, "not asked for")
         if ray_cluster is not None:
-            columns["ray"] = lambda run: _config(root, run, args.steps, launch={
-                "launcher": "ray", "num_nodes": 2, "nproc_per_node": 1},
-                ray={"address": ray_cluster.client_address, "cpus_per_worker": 1})
+            columns["ray"] = lambda run: _config(
+                root,
+                run,
+                args.steps,
+                launch={"launcher": "ray", "num_nodes": 2, "nproc_per_node": 1},
+                ray={"address": ray_cluster.client_address, "cpus_per_worker": 1},
+            )
         else:
             why_not["ray"] = why
 
@@ -154,13 +187,14 @@ def main(argv: list[str] | None = None) -> None:
         for rnd in range(args.rounds):
             for name, make in list(columns.items()):
                 try:
-                    measured[name].append(_measure(make(f"bench-mn-{name}-{rnd}"), store, shards.key,
-                                                   args.warmup))
+                    measured[name].append(_measure(make(f"bench-mn-{name}-{rnd}"), store, shards.key, args.warmup))
                 except Exception as err:  # a round that fails is reported, not fatal
                     why_not[name] = f"round {rnd + 1}: {type(err).__name__}: {err}"[-2500:]
-        print(f"  model 4 x 128, block {BLOCK}, global batch {GLOBAL_BATCH} (2 ranks x micro 4 x "
-              f"accum 2), {args.steps} steps, tokens/s over steps {args.warmup + 1}-{args.steps}; "
-              f"{os.cpu_count()} cores; {args.threads or 'default'} thread(s) per rank; medians of {args.rounds}")
+        print(
+            f"  model 4 x 128, block {BLOCK}, global batch {GLOBAL_BATCH} (2 ranks x micro 4 x "
+            f"accum 2), {args.steps} steps, tokens/s over steps {args.warmup + 1}-{args.steps}; "
+            f"{os.cpu_count()} cores; {args.threads or 'default'} thread(s) per rank; medians of {args.rounds}"
+        )
         baseline = statistics.median(t for t, _, _ in measured["1x2"]) if measured.get("1x2") else None
         for name in [n for n in ("1x2", "2x1", "2x1-here", "ray") if n in wanted or n == "1x2"]:
             if not measured.get(name):

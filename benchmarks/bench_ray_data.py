@@ -49,8 +49,12 @@ class _Moto:
             s.bind((host, 0))
             self.port = s.getsockname()[1]
         exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
-        self.proc = subprocess.Popen([exe, "-H", host, "-p", str(self.port)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [exe, "-H", host, "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.url = f"http://{host}:{self.port}"
         deadline = time.monotonic() + 30
         while True:
@@ -124,20 +128,28 @@ def child_build(root: str, options: str, prepared: str, engine: str, address: st
 
     class Catch(logging.Handler):
         def emit(self, record):
-            seen.update(nodes=getattr(record, "ray_nodes", seen.get("nodes")),
-                        task_cpu_s=getattr(record, "ray_task_cpu_s", seen.get("task_cpu_s")))
+            seen.update(
+                nodes=getattr(record, "ray_nodes", seen.get("nodes")),
+                task_cpu_s=getattr(record, "ray_task_cpu_s", seen.get("task_cpu_s")),
+            )
 
     logging.getLogger("stoker.data").addHandler(Catch())
     logging.getLogger("stoker.data").setLevel(logging.INFO)
     cpu0, wall0 = _cpu(), time.perf_counter()
-    shards = prepare.tokenize_and_shard(ds, tk, data, store, partition_bytes=PARTITION_BYTES,
-                                        ray=RayConfig(address=address or None))
+    shards = prepare.tokenize_and_shard(
+        ds, tk, data, store, partition_bytes=PARTITION_BYTES, ray=RayConfig(address=address or None)
+    )
     cpu, wall = _cpu() - cpu0, time.perf_counter() - wall0
     manifest = store.read_json(f"{shards.key}/manifest.json")
     docs = sum(manifest["num_docs"].values())
-    return {"tokens": shards.num_train_tokens + shards.num_val_tokens - docs, "cpu_s": cpu, "wall_s": wall,
-            "files": {n: e["sha256"] for n, e in manifest["files"].items()},
-            "nodes": len(seen.get("nodes") or []), "task_cpu_s": seen.get("task_cpu_s")}
+    return {
+        "tokens": shards.num_train_tokens + shards.num_val_tokens - docs,
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "files": {n: e["sha256"] for n, e in manifest["files"].items()},
+        "nodes": len(seen.get("nodes") or []),
+        "task_cpu_s": seen.get("task_cpu_s"),
+    }
 
 
 CHILDREN = {"tokenizer": child_tokenizer, "prepare": child_prepare, "build": child_build}
@@ -145,10 +157,19 @@ CHILDREN = {"tokenizer": child_tokenizer, "prepare": child_prepare, "build": chi
 
 def _run_child(kind: str, *args: str) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
-               RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_ray_data", "--child", kind, *args],
-                          cwd=root, env=env, capture_output=True, text=True, check=False)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+        RAY_USAGE_STATS_ENABLED="0",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_ray_data", "--child", kind, *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark child {kind} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -241,18 +262,30 @@ def _report(mb: float, one: list[dict], two: list[dict], local: list[dict], stor
     best_ray = min(two, key=whole)
     rate_local, rate_ray = tokens / best_local["cpu_s"], tokens / whole(best_ray)
     wall1, wall2 = min(r["wall_s"] for r in one), min(r["wall_s"] for r in two)
-    print(f"  corpus {mb:.1f} MB, {tokens:,} tokens; store {store}; identical shard files in all "
-          f"{len(one) + len(two) + len(local)} builds; best of {len(local)} each:")
-    print(f"  local engine    {rate_local / 1e6:.2f} M tok/CPU-s ({best_local['cpu_s']:.1f} CPU-s, "
-          f"{best_local['wall_s']:.1f} s wall, num_workers=2)")
-    print(f"  ray, 2 nodes    {rate_ray / 1e6:.2f} M tok/CPU-s ({whole(best_ray):.1f} CPU-s: "
-          f"{best_ray['cpu_s']:.1f} driver + {best_ray['cluster_cpu_s']:.1f} cluster, of which "
-          f"{best_ray['task_cpu_s']:.1f} in tasks; {best_ray['wall_s']:.1f} s wall, "
-          f"tasks on {best_ray['nodes']} node(s))")
+    print(
+        f"  corpus {mb:.1f} MB, {tokens:,} tokens; store {store}; identical shard files in all "
+        f"{len(one) + len(two) + len(local)} builds; best of {len(local)} each:"
+    )
+    print(
+        f"  local engine    {rate_local / 1e6:.2f} M tok/CPU-s ({best_local['cpu_s']:.1f} CPU-s, "
+        f"{best_local['wall_s']:.1f} s wall, num_workers=2)"
+    )
+    print(
+        f"  ray, 2 nodes    {rate_ray / 1e6:.2f} M tok/CPU-s ({whole(best_ray):.1f} CPU-s: "
+        f"{best_ray['cpu_s']:.1f} driver + {best_ray['cluster_cpu_s']:.1f} cluster, of which "
+        f"{best_ray['task_cpu_s']:.1f} in tasks; {best_ray['wall_s']:.1f} s wall, "
+        f"tasks on {best_ray['nodes']} node(s))"
+    )
     print(f"  ray, 1 node     {wall1:.1f} s wall; 2 nodes {wall2:.1f} s wall")
-    print("  (every run, wall s: local " + ", ".join(f"{r['wall_s']:.1f}" for r in local)
-          + "; ray 1 node " + ", ".join(f"{r['wall_s']:.1f}" for r in one)
-          + "; ray 2 nodes " + ", ".join(f"{r['wall_s']:.1f}" for r in two) + ")")
+    print(
+        "  (every run, wall s: local "
+        + ", ".join(f"{r['wall_s']:.1f}" for r in local)
+        + "; ray 1 node "
+        + ", ".join(f"{r['wall_s']:.1f}" for r in one)
+        + "; ray 2 nodes "
+        + ", ".join(f"{r['wall_s']:.1f}" for r in two)
+        + ")"
+    )
     r1, r2 = rate_ray / rate_local, wall1 / wall2
     in_tasks = tokens / best_ray["task_cpu_s"] / rate_local
     _line("tokens/CPU-s, ray engine (2 nodes, whole cluster) / local engine", r1, ">= 0.8", r1 >= 0.8)
@@ -283,8 +316,11 @@ def main() -> None:
         _scale_corpus(base, corpus, max(1, round(args.mb / (os.path.getsize(base) / 1e6))))
         mb = os.path.getsize(corpus) / 1e6
         tokenizer = _run_child("tokenizer", work, base, os.path.join(work, "tokenizer.json"))["tokenizer"]
-        print(f"corpus: Python stdlib sources as JSON lines, {mb:.1f} MB; partitions of "
-              f"{PARTITION_BYTES >> 20} MiB; {os.cpu_count()} cores", flush=True)
+        print(
+            f"corpus: Python stdlib sources as JSON lines, {mb:.1f} MB; partitions of "
+            f"{PARTITION_BYTES >> 20} MiB; {os.cpu_count()} cores",
+            flush=True,
+        )
         results = {}
         for nodes in (1, 2):
             cluster = _cluster(nodes)

@@ -33,17 +33,24 @@ from stoker.storage.store import Store, join
 
 
 def _config(root: str, options: dict):
-    cfg = load_config({
-        "run_name": "bench-resume",
-        "storage": {"root": root, "storage_options": options},
-        "data": {"max_bytes": 1_000_000},
-        "tokenizer": {"vocab_size": 2048},
-        "model": {"n_layer": 6, "n_head": 8, "n_embd": 384, "block_size": 64},
-        "train": {"max_steps": 12, "warmup_steps": 2, "log_interval": 1, "global_batch_size": 8,
-                  "micro_batch_size": 4},
-        "checkpoint": {"interval_steps": 4},
-        "eval": {"interval_steps": 100, "num_batches": 1, "per_checkpoint_enabled": False},
-    })
+    cfg = load_config(
+        {
+            "run_name": "bench-resume",
+            "storage": {"root": root, "storage_options": options},
+            "data": {"max_bytes": 1_000_000},
+            "tokenizer": {"vocab_size": 2048},
+            "model": {"n_layer": 6, "n_head": 8, "n_embd": 384, "block_size": 64},
+            "train": {
+                "max_steps": 12,
+                "warmup_steps": 2,
+                "log_interval": 1,
+                "global_batch_size": 8,
+                "micro_batch_size": 4,
+            },
+            "checkpoint": {"interval_steps": 4},
+            "eval": {"interval_steps": 100, "num_batches": 1, "per_checkpoint_enabled": False},
+        }
+    )
     return cfg
 
 
@@ -70,8 +77,14 @@ def main() -> None:
         env = {**child_env(cfg), "STOKER_FAULT": "kill:rank=1:step=11", "STOKER_FAULT_ONCE": once}
 
         relaunch = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={"max_restarts": 0})})
-        first = run_gang(torchrun_commands(relaunch, config_url, shards.key, None, free_port()), env,
-                         cfg.launch.nproc_per_node, lambda s: None, lambda m: None, timeout=600)
+        first = run_gang(
+            torchrun_commands(relaunch, config_url, shards.key, None, free_port()),
+            env,
+            cfg.launch.nproc_per_node,
+            lambda s: None,
+            lambda m: None,
+            timeout=600,
+        )
         reaped = time.time()
         assert first.reason == "failed", first.tail[-20:]
         detection = reaped - os.path.getmtime(once)
@@ -97,8 +110,10 @@ def main() -> None:
         # the measured choice: load straight from the object store vs rehydrate + local load
         remote = _time_load(lambda: FsspecReader(store.url(chosen.key), **options))
         local_load = _time_load(lambda: dcp.FileSystemReader(local))
-        print(f"  load the checkpoint straight from S3: {remote:.2f}s; rehydrate + local load: "
-              f"{rehydration + local_load:.2f}s (rehydration verifies every byte on the way)")
+        print(
+            f"  load the checkpoint straight from S3: {remote:.2f}s; rehydrate + local load: "
+            f"{rehydration + local_load:.2f}s (rehydration verifies every byte on the way)"
+        )
 
         marks: dict[str, float] = {}
 
@@ -109,16 +124,24 @@ def main() -> None:
                 marks.setdefault("first_step", time.perf_counter())
 
         t_launch = time.perf_counter()
-        second = run_gang(torchrun_commands(relaunch, config_url, shards.key, chosen.key, free_port()), env,
-                          cfg.launch.nproc_per_node, lambda s: None, on_event, timeout=600)
+        second = run_gang(
+            torchrun_commands(relaunch, config_url, shards.key, chosen.key, free_port()),
+            env,
+            cfg.launch.nproc_per_node,
+            lambda s: None,
+            on_event,
+            timeout=600,
+        )
         assert second.reason == "completed", second.tail[-20:]
         start = marks["resumed"] - t_launch
         first_step = marks["first_step"] - marks["resumed"]
         total = detection + validation + rehydration + start + first_step
         print(f"  checkpoint of step {chosen.step}: {nbytes / 1e6:.1f} MB in {len(names) - 1} files")
-        print(f"  failure -> first resumed step: {total:.2f}s = detection {detection:.2f}s + validation "
-              f"{validation:.2f}s + rehydration {rehydration:.2f}s + process start and load {start:.2f}s "
-              f"+ first step {first_step:.2f}s")
+        print(
+            f"  failure -> first resumed step: {total:.2f}s = detection {detection:.2f}s + validation "
+            f"{validation:.2f}s + rehydration {rehydration:.2f}s + process start and load {start:.2f}s "
+            f"+ first step {first_step:.2f}s"
+        )
         ratio = rehydration / plain
         print(f"  plain copy of the same bytes: {plain:.2f}s")
         print(f"  RATIO rehydration / plain copy = {ratio:.2f}  (goal <= 1.5: {'met' if ratio <= 1.5 else 'NOT met'})")
@@ -126,8 +149,9 @@ def main() -> None:
         relaunch_total = total
 
         # 2. in place: the same kill, with torchrun restarting the ranks
-        inplace = cfg.model_copy(update={"run_name": "bench-resume-inplace",
-                                         "launch": cfg.launch.model_copy(update={"max_restarts": 1})})
+        inplace = cfg.model_copy(
+            update={"run_name": "bench-resume-inplace", "launch": cfg.launch.model_copy(update={"max_restarts": 1})}
+        )
         store.write_bytes("runs/bench-resume-inplace/config.json", inplace.to_json().encode())
         once2 = os.path.join(tmp, "fault-fired-inplace")
         env2 = {**env, "STOKER_FAULT_ONCE": once2}
@@ -140,18 +164,29 @@ def main() -> None:
             elif isinstance(e, events.Train) and "resumed" in marks2 and e.step == marks2["resumed_step"] + 1:
                 marks2.setdefault("first_step", time.time())
 
-        third = run_gang(torchrun_commands(inplace, store.url("runs/bench-resume-inplace/config.json"),
-                                           shards.key, None, free_port()), env2,
-                         cfg.launch.nproc_per_node, lambda s: None, on_event2, timeout=600)
+        third = run_gang(
+            torchrun_commands(
+                inplace, store.url("runs/bench-resume-inplace/config.json"), shards.key, None, free_port()
+            ),
+            env2,
+            cfg.launch.nproc_per_node,
+            lambda s: None,
+            on_event2,
+            timeout=600,
+        )
         assert third.reason == "completed", third.tail[-20:]
         fault_at = os.path.getmtime(once2)
         restart = marks2["resumed"] - fault_at
         step = marks2["first_step"] - marks2["resumed"]
         total2 = restart + step
-        print(f"  in place (torchrun --max-restarts): failure -> first resumed step: {total2:.2f}s = "
-              f"restart, process start, rendezvous, choice and load {restart:.2f}s + first step {step:.2f}s")
-        print(f"  relaunch {relaunch_total:.2f}s -> in place {total2:.2f}s  (goal <= 8 s: "
-              f"{'met' if total2 <= 8 else 'NOT met'})")
+        print(
+            f"  in place (torchrun --max-restarts): failure -> first resumed step: {total2:.2f}s = "
+            f"restart, process start, rendezvous, choice and load {restart:.2f}s + first step {step:.2f}s"
+        )
+        print(
+            f"  relaunch {relaunch_total:.2f}s -> in place {total2:.2f}s  (goal <= 8 s: "
+            f"{'met' if total2 <= 8 else 'NOT met'})"
+        )
 
 
 if __name__ == "__main__":

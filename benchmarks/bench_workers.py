@@ -35,10 +35,14 @@ def main() -> None:
                 assert not info.cache_hit
         one, many = (statistics.median(v) for v in times.values())
         n = max(times)
-        print(f"  {info.num_train_tokens} tokens on {cores} cores: 1 worker {one:.2f}s, {n} processes "
-              f"{many:.2f}s (medians of 3)")
-        print(f"  RATIO {n} processes / 1 worker wall time = {many / one:.2f}  ('auto' picks "
-              f"{DataConfig().resolved_workers()} here)")
+        print(
+            f"  {info.num_train_tokens} tokens on {cores} cores: 1 worker {one:.2f}s, {n} processes "
+            f"{many:.2f}s (medians of 3)"
+        )
+        print(
+            f"  RATIO {n} processes / 1 worker wall time = {many / one:.2f}  ('auto' picks "
+            f"{DataConfig().resolved_workers()} here)"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

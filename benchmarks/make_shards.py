@@ -31,8 +31,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--recipe", default="gpt2-124m-1gpu")
     p.add_argument("--max-bytes", type=int, default=30_000_000)
     p.add_argument("--out", default=".gpu/store")
-    p.add_argument("--vocab", type=int, default=GPT2_VOCAB,
-                   help="pad the trained tokenizer with unused special tokens to this many ids (0: no padding)")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=GPT2_VOCAB,
+        help="pad the trained tokenizer with unused special tokens to this many ids (0: no padding)",
+    )
     args = p.parse_args(argv)
 
     from stoker.core.config import load_config
@@ -40,8 +44,10 @@ def main(argv: list[str] | None = None) -> None:
     from stoker.storage.store import Store
 
     out = os.path.abspath(args.out)
-    cfg = load_config(args.recipe, **{"storage.root": "file://" + out, "data.max_bytes": args.max_bytes,
-                                      "data.shard_tokens": 5_000_000})
+    cfg = load_config(
+        args.recipe,
+        **{"storage.root": "file://" + out, "data.max_bytes": args.max_bytes, "data.shard_tokens": 5_000_000},
+    )
     store = Store(cfg.storage.root)
     dataset = prepare.download_dataset(cfg.data, store)
     tokenizer = prepare.train_tokenizer(dataset, cfg.tokenizer, store)
@@ -79,8 +85,10 @@ def model_line(cfg, vocab_size: int) -> str:
     with torch.device("meta"):
         n = GPT(cfg.model, vocab_size, seed=None).num_params()
     small = padded_vocab(vocab_size, cfg.model.vocab_pad_multiple) < cfg.tokenizer.vocab_size
-    return (f"vocabulary {vocab_size:,} (recipe: {cfg.tokenizer.vocab_size:,}); the model has "
-            f"{n / 1e6:.1f}M parameters" + (" -- smaller than the recipe's model" if small else ""))
+    return (
+        f"vocabulary {vocab_size:,} (recipe: {cfg.tokenizer.vocab_size:,}); the model has "
+        f"{n / 1e6:.1f}M parameters" + (" -- smaller than the recipe's model" if small else "")
+    )
 
 
 if __name__ == "__main__":

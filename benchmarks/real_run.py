@@ -37,35 +37,59 @@ def parse_variant(spec: str) -> dict:
     return engine
 
 
-def run_config(store_root: str, name: str, micro: int, steps: int, smoke: dict | None,
-               global_batch: int | None = None, **engine):
+def run_config(
+    store_root: str, name: str, micro: int, steps: int, smoke: dict | None, global_batch: int | None = None, **engine
+):
     """The recipe as a user runs it, shortened to `steps` steps; only the first evaluation is
     made small (it runs before the first step and is not timed)."""
-    over = {"storage.root": store_root, "run_name": name, "train.micro_batch_size": micro,
-            "train.max_steps": steps, "train.warmup_steps": 1, "eval.num_batches": 2,
-            "eval.per_checkpoint_enabled": False}
+    over = {
+        "storage.root": store_root,
+        "run_name": name,
+        "train.micro_batch_size": micro,
+        "train.max_steps": steps,
+        "train.warmup_steps": 1,
+        "eval.num_batches": 2,
+        "eval.per_checkpoint_enabled": False,
+    }
     if global_batch:
         over["train.global_batch_size"] = global_batch
     over.update({f"engine.{k}": v for k, v in engine.items()})
     if smoke is not None:  # a tiny model on CPU ranks (gloo)
         over.update(smoke)
-        over.update({"launch.backend": "gloo", "train.log_interval": 2,
-                     "train.global_batch_size": global_batch or micro * 2})
+        over.update(
+            {"launch.backend": "gloo", "train.log_interval": 2, "train.global_batch_size": global_batch or micro * 2}
+        )
     return load_config(RECIPE, **over)
 
 
 def _launch(config_url: str, shard_key: str, cache_dir: str, timeout: float) -> tuple[list, float | None, str]:
     """torchrun one rank; (events, seconds to the first finished step, the output's tail)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           "--nproc-per-node=1", "-m", "stoker.training.train", "--config", config_url,
-           "--shards", shard_key, "--cache-dir", cache_dir]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        "--nproc-per-node=1",
+        "-m",
+        "stoker.training.train",
+        "--config",
+        config_url,
+        "--shards",
+        shard_key,
+        "--cache-dir",
+        cache_dir,
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+    }
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: the side groups' gloo on loopback
     t0 = time.monotonic()
     first_step, seen, tail = None, [], []
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     # a run that hangs prints nothing: a timer ends it (its whole process group)
     watchdog = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
     watchdog.start()
@@ -93,15 +117,18 @@ def steady_state(seen: list, warmup: int, tokens_per_step: int) -> dict:
     train = [e for e in seen if isinstance(e, events.Train)]
     steady = [e for e in train if e.step > warmup and e.tokens_per_second]
     if len(steady) < 2:
-        raise SystemExit(f"real run: {len(steady)} log steps after step {warmup}; give more "
-                         "--real-steps (at least two log intervals past the warm-up)")
+        raise SystemExit(
+            f"real run: {len(steady)} log steps after step {warmup}; give more "
+            "--real-steps (at least two log intervals past the warm-up)"
+        )
     first = max((e for e in train if e.step <= warmup), key=lambda e: e.step, default=steady[0])
     span = steady[-1].time - first.time
-    out = {"tokens_per_second": round(statistics.median(e.tokens_per_second for e in steady)),
-           "wall_tokens_per_second": round((steady[-1].step - first.step) * tokens_per_step / span)
-           if span > 0 else None,
-           "step_seconds": round(statistics.median(e.step_seconds for e in steady), 4),
-           "log_steps": [e.step for e in steady]}
+    out = {
+        "tokens_per_second": round(statistics.median(e.tokens_per_second for e in steady)),
+        "wall_tokens_per_second": round((steady[-1].step - first.step) * tokens_per_step / span) if span > 0 else None,
+        "step_seconds": round(statistics.median(e.step_seconds for e in steady), 4),
+        "log_steps": [e.step for e in steady],
+    }
     mfus = [e.mfu for e in steady if e.mfu is not None]
     out["mfu"] = round(statistics.median(mfus), 4) if mfus else None
     memory = [e.peak_memory_gb for e in steady if e.peak_memory_gb is not None]
@@ -117,12 +144,25 @@ def model_facts(cfg, vocab_size: int) -> dict:
 
     with torch.device("meta"):
         model = GPT(cfg.model, vocab_size, seed=None)
-    return {"model_params": model.num_params(), "vocab_size": vocab_size,
-            "padded_vocab": padded_vocab(vocab_size, cfg.model.vocab_pad_multiple)}
+    return {
+        "model_params": model.num_params(),
+        "vocab_size": vocab_size,
+        "padded_vocab": padded_vocab(vocab_size, cfg.model.vocab_pad_multiple),
+    }
 
 
-def real_run(store, shard_key: str, micro: int, *, steps: int, warmup: int, smoke: dict | None,
-             global_batch: int | None = None, variant: str = "ddp:none", timeout: float = 540) -> dict:
+def real_run(
+    store,
+    shard_key: str,
+    micro: int,
+    *,
+    steps: int,
+    warmup: int,
+    smoke: dict | None,
+    global_batch: int | None = None,
+    variant: str = "ddp:none",
+    timeout: float = 540,
+) -> dict:
     """One real 1-rank run of the recipe with the variant's engine settings: its steady-state
     throughput, the time to its first step, and what it ran (model size, vocabulary, batch)."""
     from stoker.storage.layout import CONFIG_FILE, run_file_key
@@ -138,16 +178,25 @@ def real_run(store, shard_key: str, micro: int, *, steps: int, warmup: int, smok
 
         vocab = TokenStream(materialize(store, shard_key, cache_dir), "train").vocab_size
     tokens = cfg.train.global_batch_size * cfg.model.block_size
-    out = {"variant": variant, "recipe": RECIPE, "micro_batch": micro,
-           "global_batch": cfg.train.global_batch_size, "tokens_per_step": tokens,
-           "steps": steps, "warmup_steps": warmup, **model_facts(cfg, vocab),
-           "seconds_to_first_step": None if first_step is None else round(first_step, 1),
-           **steady_state(seen, warmup, tokens)}
-    print(f"  real run {variant} (torchrun, {RECIPE}, micro-batch {micro}, {out['global_batch']} "
-          f"sequences a step): {out['tokens_per_second']:,} tok/s steady "
-          f"(wall {out['wall_tokens_per_second'] or 0:,}), step {out['step_seconds']} s, MFU "
-          f"{100 * (out['mfu'] or 0):.1f}%, first step after {out['seconds_to_first_step']} s",
-          flush=True)
+    out = {
+        "variant": variant,
+        "recipe": RECIPE,
+        "micro_batch": micro,
+        "global_batch": cfg.train.global_batch_size,
+        "tokens_per_step": tokens,
+        "steps": steps,
+        "warmup_steps": warmup,
+        **model_facts(cfg, vocab),
+        "seconds_to_first_step": None if first_step is None else round(first_step, 1),
+        **steady_state(seen, warmup, tokens),
+    }
+    print(
+        f"  real run {variant} (torchrun, {RECIPE}, micro-batch {micro}, {out['global_batch']} "
+        f"sequences a step): {out['tokens_per_second']:,} tok/s steady "
+        f"(wall {out['wall_tokens_per_second'] or 0:,}), step {out['step_seconds']} s, MFU "
+        f"{100 * (out['mfu'] or 0):.1f}%, first step after {out['seconds_to_first_step']} s",
+        flush=True,
+    )
     return out
 
 

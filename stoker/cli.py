@@ -17,17 +17,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stoker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the training pipeline")
-    run.add_argument("--recipe", default="tiny-cpu",
-                     help="recipe name under stoker/recipes or a YAML/JSON file")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a field, e.g. --set train.max_steps=100")
-    run.add_argument("--takeover", action="store_true",
-                     help="take the run over from another launch that holds its lease (it stops "
-                     "at its next heartbeat); same as --set launch.takeover=true")
+    run.add_argument("--recipe", default="tiny-cpu", help="recipe name under stoker/recipes or a YAML/JSON file")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, e.g. --set train.max_steps=100",
+    )
+    run.add_argument(
+        "--takeover",
+        action="store_true",
+        help="take the run over from another launch that holds its lease (it stops "
+        "at its next heartbeat); same as --set launch.takeover=true",
+    )
     ev = sub.add_parser("evaluate", help="evaluate one checkpoint URI")
     ev.add_argument("checkpoint_uri")
-    ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT-2 folder "
-                        "(model.safetensors, config.json, the run's tokenizer)")
+    ex = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face GPT-2 folder (model.safetensors, config.json, the run's tokenizer)",
+    )
     ex.add_argument("checkpoint_uri", help="{root}/runs/{run}/checkpoints/step-NNNNNNNN")
     ex.add_argument("folder", help="a new or empty local folder")
     runs = sub.add_parser("runs", help="list the runs in the store, with their newest valid checkpoint")
@@ -41,10 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg.add_argument("--list", action="store_true", help="every key, type, default and description")
     cfg.add_argument("--recipe", default=None, help="show this recipe's values (with --set)")
     cfg.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    sub.add_parser("deploy", help="create the work pool, the accelerator concurrency limit and "
-                   "the deployments of prefect.yaml on $PREFECT_API_URL (idempotent)")
-    sub.add_parser("serve", help="serve the deployments of prefect.yaml from this process "
-                   "(schedules included; no worker needed)")
+    sub.add_parser(
+        "deploy",
+        help="create the work pool, the accelerator concurrency limit and "
+        "the deployments of prefect.yaml on $PREFECT_API_URL (idempotent)",
+    )
+    sub.add_parser(
+        "serve", help="serve the deployments of prefect.yaml from this process (schedules included; no worker needed)"
+    )
     args = parser.parse_args(argv)
 
     from stoker.core.failures import StokerError
@@ -68,9 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-INTERRUPTED = ("stoker: interrupted; the ranks were stopped (a checkpoint was written if it "
-               "fitted) and the attempt recorded; run the same command again to resume from "
-               "the newest valid checkpoint")
+INTERRUPTED = (
+    "stoker: interrupted; the ranks were stopped (a checkpoint was written if it "
+    "fitted) and the attempt recorded; run the same command again to resume from "
+    "the newest valid checkpoint"
+)
 _CHILD_ENV = "STOKER_CLI_CHILD"
 STOP_SECONDS = 28  # the child's grace after SIGTERM: the launcher needs 20 s + 5 s
 
@@ -93,9 +108,11 @@ def check_api_reachable(timeout: float = 5.0) -> None:
         httpx.get(url.rstrip("/") + "/health", timeout=timeout)
     except httpx.HTTPError as err:
         why = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-        raise StokerError(f"PREFECT_API_URL={url}: nothing answers there ({why}); start that Prefect "
-                          "server (prefect server start), or unset PREFECT_API_URL to run on "
-                          "stoker's embedded server") from None
+        raise StokerError(
+            f"PREFECT_API_URL={url}: nothing answers there ({why}); start that Prefect "
+            "server (prefect server start), or unset PREFECT_API_URL to run on "
+            "stoker's embedded server"
+        ) from None
 
 
 def _preflight(args) -> None:
@@ -147,9 +164,12 @@ def _supervise(argv: list[str]) -> int:
     me = os.getpid()
     # SIGKILLed (the OOM killer), this process cannot stop the child: the kernel sends it the
     # SIGTERM of a cancel instead (forked from the main thread, which lives as long as we do)
-    child = subprocess.Popen([sys.executable, "-m", "stoker.cli", *argv],
-                             env={**os.environ, _CHILD_ENV: "1"}, start_new_session=True,
-                             preexec_fn=lambda: set_parent_death_signal(parent=me))
+    child = subprocess.Popen(
+        [sys.executable, "-m", "stoker.cli", *argv],
+        env={**os.environ, _CHILD_ENV: "1"},
+        start_new_session=True,
+        preexec_fn=lambda: set_parent_death_signal(parent=me),
+    )
     stopping = []
 
     def stop(signum, frame):
@@ -206,8 +226,9 @@ def config_from_args(recipe: str, sets: list[str]):
             overrides[key.strip()] = yaml.safe_load(value)
         except yaml.YAMLError as err:
             why = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise ConfigError([f"--set {item!r}: the value is not valid YAML ({why}); "
-                               "quote it, e.g. --set run_name='my-run'"]) from None
+            raise ConfigError(
+                [f"--set {item!r}: the value is not valid YAML ({why}); quote it, e.g. --set run_name='my-run'"]
+            ) from None
     return load_config(recipe, **overrides)
 
 
@@ -242,8 +263,11 @@ def _inspect(args) -> int:
 
     if args.command == "runs":
         rows = inspect.list_runs(_root(args.root))
-        print(_table(rows, ["run", "newest_valid_step", "max_steps", "checkpoints", "ended", "model"])
-              if rows else f"no runs under {_root(args.root)}")
+        print(
+            _table(rows, ["run", "newest_valid_step", "max_steps", "checkpoints", "ended", "model"])
+            if rows
+            else f"no runs under {_root(args.root)}"
+        )
         return 0
     if args.command == "checkpoints":
         rows = inspect.checkpoint_rows(_root(args.root), args.run)
@@ -253,8 +277,9 @@ def _inspect(args) -> int:
         for row in rows:  # listings and sizes only: `verify` is the one that reads every byte
             row["state"] = "committed (not verified)" if row["valid"] else f"INVALID: {row['reason']}"
         print(_table(rows, ["step", "name", "size_mb", "state", "uri"]))
-        print("committed: commit manifest present, every listed file at its size; "
-              "`stoker verify URI` checks every sha256")
+        print(
+            "committed: commit manifest present, every listed file at its size; `stoker verify URI` checks every sha256"
+        )
         return 0
     what, verdict = inspect.verify(args.uri)
     if verdict:
@@ -283,16 +308,20 @@ def _command(args) -> int:
         from stoker.tasks.export import export_checkpoint
 
         done = export_checkpoint(args.checkpoint_uri, args.folder)
-        print(f"exported step {done.step} ({done.num_params:,} parameters, vocabulary "
-              f"{done.vocab_size}) of {done.checkpoint}\nto {done.folder}: {', '.join(done.files)}\n"
-              f"load it with transformers.GPT2LMHeadModel.from_pretrained({done.folder!r})")
+        print(
+            f"exported step {done.step} ({done.num_params:,} parameters, vocabulary "
+            f"{done.vocab_size}) of {done.checkpoint}\nto {done.folder}: {', '.join(done.files)}\n"
+            f"load it with transformers.GPT2LMHeadModel.from_pretrained({done.folder!r})"
+        )
         return 0
     if args.command == "evaluate":
         from stoker.flows.evaluate import evaluate_checkpoint_flow  # the URI was checked: _preflight
 
         result = evaluate_checkpoint_flow(args.checkpoint_uri)
-        print(f"\nvalidation loss {result.val_loss:.4f}, perplexity {result.val_ppl:.1f} "
-              f"at step {result.step} ({result.checkpoint_uri})")
+        print(
+            f"\nvalidation loss {result.val_loss:.4f}, perplexity {result.val_ppl:.1f} "
+            f"at step {result.step} ({result.checkpoint_uri})"
+        )
         return 0
     config = config_from_args(args.recipe, _sets(args))  # host checks: _preflight (and the flow)
     from stoker.flows.pipeline import train_pipeline
@@ -306,8 +335,9 @@ def print_summary(result) -> None:
     print("\n" + "=" * 72)
     print(f"run {result.run_name}: step {result.resumed_from_step} -> {result.final_step}")
     if result.first_train_loss is not None:
-        print(f"training loss: {result.first_train_loss:.4f} (first logged step) -> "
-              f"{result.last_train_loss:.4f} (last)")
+        print(
+            f"training loss: {result.first_train_loss:.4f} (first logged step) -> {result.last_train_loss:.4f} (last)"
+        )
     for step, loss in result.val_losses:
         print(f"  validation loss at step {step:>6}: {loss:.4f}")
     if result.num_attempts > 1:

@@ -17,15 +17,17 @@ import pytest
 
 # Prefect reads its settings at import: set them before any test module imports it.
 _PREFECT_HOME = tempfile.mkdtemp(prefix="stoker-prefect-home-")
-os.environ.update({
-    "PREFECT_HOME": _PREFECT_HOME,
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "DO_NOT_TRACK": "1",
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-    "PREFECT_LOGGING_LEVEL": "INFO",
-    "GLOO_SOCKET_IFNAME": "lo",
-    "STOKER_CACHE": os.path.join(_PREFECT_HOME, "cache"),
-})
+os.environ.update(
+    {
+        "PREFECT_HOME": _PREFECT_HOME,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "PREFECT_LOGGING_LEVEL": "INFO",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "STOKER_CACHE": os.path.join(_PREFECT_HOME, "cache"),
+    }
+)
 os.environ.pop("PREFECT_API_URL", None)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,8 +71,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def start_process(cmd: list[str], env: dict, log) -> subprocess.Popen:
     """`cmd` from the repo root in a session of its own (so stop_process ends all of it),
     stdout and stderr to the open file `log`."""
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def stop_process(proc: subprocess.Popen) -> None:
@@ -107,21 +108,28 @@ def prefect_api(tmp_path):
     import httpx
 
     port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
-           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
-           "PREFECT_SERVER_LOG_RETRYABLE_ERRORS": "true",  # what a 503 was, in server.log
-           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+        "PREFECT_SERVER_LOG_RETRYABLE_ERRORS": "true",  # what a 503 was, in server.log
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+    }
     log = tmp_path / "server.log"
     with open(log, "w") as out:
-        server = start_process([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                "--port", str(port)], env, out)
+        server = start_process(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, out
+        )
     try:
+
         def healthy():
             try:
                 return httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200
             except httpx.HTTPError:
                 return False
+
         wait_for("the Prefect server", healthy, 120, [log])
         yield env
     finally:
@@ -144,8 +152,9 @@ class MotoServer:
         cmd = [sys.executable, "-m", "tests.keyed_moto"] if self.keyed else [exe]
         log = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL
         try:
-            self.proc = subprocess.Popen([*cmd, "-H", self.host, "-p", str(self.port)], cwd=ROOT,
-                                         stdout=log, stderr=log, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [*cmd, "-H", self.host, "-p", str(self.port)], cwd=ROOT, stdout=log, stderr=log, start_new_session=True
+            )
         finally:
             if self.log_path:
                 log.close()
@@ -173,15 +182,26 @@ class MotoServer:
 
         import boto3
 
-        iam = boto3.client("iam", endpoint_url=self.url, region_name="us-east-1",
-                           aws_access_key_id="setup", aws_secret_access_key="setup")
+        iam = boto3.client(
+            "iam",
+            endpoint_url=self.url,
+            region_name="us-east-1",
+            aws_access_key_id="setup",
+            aws_secret_access_key="setup",
+        )
         user = "stoker-" + os.urandom(4).hex()
         iam.create_user(UserName=user)
-        iam.put_user_policy(UserName=user, PolicyName="s3", PolicyDocument=json.dumps({
-            "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+        iam.put_user_policy(
+            UserName=user,
+            PolicyName="s3",
+            PolicyDocument=json.dumps(
+                {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+            ),
+        )
         key = iam.create_access_key(UserName=user)["AccessKey"]
-        request = urllib.request.Request(f"{self.url}/moto-api/reset-auth", data=b"0", method="POST",
-                                         headers={"Content-Type": "text/plain"})
+        request = urllib.request.Request(
+            f"{self.url}/moto-api/reset-auth", data=b"0", method="POST", headers={"Content-Type": "text/plain"}
+        )
         with urllib.request.urlopen(request, timeout=10) as answer:
             assert json.load(answer)["status"] == "ok"
         return key["AccessKeyId"], key["SecretAccessKey"]
@@ -189,8 +209,9 @@ class MotoServer:
 
 @pytest.fixture(scope="session")
 def s3_server():
-    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"})
+    os.environ.update(
+        {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    )
     server = MotoServer()
     server.start()
     yield server
@@ -262,8 +283,9 @@ def ray_cluster():
     why = ray_unavailable()
     if why:
         pytest.skip(why)
-    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"})
+    os.environ.update(
+        {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    )
     # in /tmp/stoker-ray-<tag>: Ray's socket paths under its temp folder must stay short
     cluster = RayCluster(num_nodes=2, cpus_per_node=1).up()
     with_store = RayClusterWithStore(cluster, MotoServer(host=cluster.bridge_address))
@@ -282,8 +304,15 @@ def tiny_dict(root: str, **sections) -> dict:
         "data": {"max_bytes": 300_000, "val_fraction": 0.1},
         "tokenizer": {"vocab_size": 384},
         "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
-        "train": {"max_steps": 8, "warmup_steps": 2, "log_interval": 1, "global_batch_size": 8,
-                  "micro_batch_size": 2, "lr": 1e-2, "min_lr": 1e-3},
+        "train": {
+            "max_steps": 8,
+            "warmup_steps": 2,
+            "log_interval": 1,
+            "global_batch_size": 8,
+            "micro_batch_size": 2,
+            "lr": 1e-2,
+            "min_lr": 1e-3,
+        },
         "checkpoint": {"interval_steps": 4},
         "eval": {"interval_steps": 4, "num_batches": 2},
         "launch": {"nproc_per_node": 2, "timeout_seconds": 300, "max_attempts": 1},
@@ -338,7 +367,7 @@ def read_proc(pid: int) -> Proc | None:
             cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # fields from the 3rd (state) on
+    fields = stat[stat.rindex(")") + 2 :].split()  # fields from the 3rd (state) on
     if fields[0] in ("Z", "X"):
         return None
     return Proc(pid, int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]), cmdline)
@@ -424,8 +453,12 @@ class GangWatch:
         groups, left = self.groups(), []
         for proc in live_processes().values():
             was = self.seen.get(proc.pid)
-            if ((was is not None and was.start == proc.start) or proc.pgid in groups
-                    or proc.sid in groups or self.marker in proc.cmdline):
+            if (
+                (was is not None and was.start == proc.start)
+                or proc.pgid in groups
+                or proc.sid in groups
+                or self.marker in proc.cmdline
+            ):
                 left.append(proc)
         return left
 
@@ -518,26 +551,53 @@ def fast_retries(monkeypatch):
 
 
 # ---- real torchrun ranks, without the orchestrator --------------------------------------
-def run_ranks(config_url: str, shard_key: str, resume: str | None = None, nproc: int = 2,
-              timeout: int = 240, cache_dir: str | None = None, max_restarts: int = 0,
-              env: dict | None = None) -> list[dict]:
+def run_ranks(
+    config_url: str,
+    shard_key: str,
+    resume: str | None = None,
+    nproc: int = 2,
+    timeout: int = 240,
+    cache_dir: str | None = None,
+    max_restarts: int = 0,
+    env: dict | None = None,
+) -> list[dict]:
     """torchrun `nproc` ranks of training.train on this host; assert they succeed and return
     their events (decoded metric lines)."""
     from stoker.launch.torchrun import free_port as rdzv_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rdzv_port()}", "--tee=3",
-           f"--max-restarts={max_restarts}",
-           "-m", "stoker.training.train", "--config", config_url, "--shards", shard_key]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{rdzv_port()}",
+        "--tee=3",
+        f"--max-restarts={max_restarts}",
+        "-m",
+        "stoker.training.train",
+        "--config",
+        config_url,
+        "--shards",
+        shard_key,
+    ]
     if resume:
         cmd += ["--resume-from", resume]
     if cache_dir:
         cmd += ["--cache-dir", cache_dir]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", **(env or {})})
+    out = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", **(env or {})},
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return [json.loads(line.split("STOKER_METRIC ", 1)[1]) for line in out.stdout.splitlines()
-            if "STOKER_METRIC " in line]
+    return [
+        json.loads(line.split("STOKER_METRIC ", 1)[1]) for line in out.stdout.splitlines() if "STOKER_METRIC " in line
+    ]
 
 
 def run_collecting(launcher, on_event=None):

@@ -134,8 +134,7 @@ class NetnsNodes:
             self.made.append(("link", self.bridge))
             self._ip("addr", "add", f"{self.bridge_address}/24", "dev", self.bridge)
             self._ip("link", "set", self.bridge, "up")
-            for ns, ifname, host_if, addr in zip(self.namespaces, self.ifnames, self.host_ifnames,
-                                                 self.addresses):
+            for ns, ifname, host_if, addr in zip(self.namespaces, self.ifnames, self.host_ifnames, self.addresses):
                 self._ip("netns", "add", ns)
                 self.made.append(("netns", ns))
                 self._ip("link", "add", host_if, "type", "veth", "peer", "name", ifname, "netns", ns)
@@ -155,8 +154,7 @@ class NetnsNodes:
 
     def pids(self, node: int) -> list[int]:
         """Every process in the node's namespace."""
-        out = subprocess.run(["ip", "netns", "pids", self.namespaces[node]], capture_output=True,
-                             text=True, timeout=30)
+        out = subprocess.run(["ip", "netns", "pids", self.namespaces[node]], capture_output=True, text=True, timeout=30)
         return [int(p) for p in out.stdout.split()]
 
     def kill(self, node: int) -> list[int]:
@@ -187,7 +185,8 @@ class NetnsNodes:
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
         return [n for n in self.namespaces if n in names] + [
-            n for n in [self.bridge, *self.host_ifnames] if f" {n}:" in links or f" {n}@" in links]
+            n for n in [self.bridge, *self.host_ifnames] if f" {n}:" in links or f" {n}@" in links
+        ]
 
 
 def _routed_networks() -> list:

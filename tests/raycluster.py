@@ -80,9 +80,14 @@ class RayCluster:
             env.pop(name, None)
         # token authentication off, said explicitly: a local Ray started on this machine before
         # (ray.init) leaves ~/.ray/auth_token, and a head that finds it would require tokens
-        env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", GLOO_SOCKET_IFNAME=self.nodes.ifnames[node],
-                   STOKER_CACHE=self.caches[node], PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, env.get("PYTHONPATH")) if p))
+        env.update(
+            RAY_USAGE_STATS_ENABLED="0",
+            RAY_AUTH_MODE="disabled",
+            GLOO_SOCKET_IFNAME=self.nodes.ifnames[node],
+            STOKER_CACHE=self.caches[node],
+            PYTHONUNBUFFERED="1",
+            PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, env.get("PYTHONPATH")) if p),
+        )
         if node == 0:
             env.update(GRPC_ENABLE_FORK_SUPPORT="0", GRPC_POLL_STRATEGY="poll")
         return env
@@ -100,11 +105,21 @@ class RayCluster:
                 os.makedirs(self.temp_dirs[i], exist_ok=True)
                 os.makedirs(self.caches[i], exist_ok=True)
             for i, addr in enumerate(self.nodes.addresses):
-                common = [f"--node-ip-address={addr}", f"--num-cpus={self.cpus_per_node}",
-                          "--num-gpus=0", "--disable-usage-stats", f"--temp-dir={self.temp_dirs[i]}"]
+                common = [
+                    f"--node-ip-address={addr}",
+                    f"--num-cpus={self.cpus_per_node}",
+                    "--num-gpus=0",
+                    "--disable-usage-stats",
+                    f"--temp-dir={self.temp_dirs[i]}",
+                ]
                 if i == 0:
-                    cmd = ["--head", f"--port={GCS_PORT}", f"--ray-client-server-port={CLIENT_PORT}",
-                           "--include-dashboard=false", *common]
+                    cmd = [
+                        "--head",
+                        f"--port={GCS_PORT}",
+                        f"--ray-client-server-port={CLIENT_PORT}",
+                        "--include-dashboard=false",
+                        *common,
+                    ]
                 else:
                     cmd = [f"--address={self.gcs_address}", *common]
                 self._ray(i, "start", *cmd)
@@ -116,8 +131,9 @@ class RayCluster:
 
     def _ray(self, node: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         cmd = [*self.nodes.exec_prefix(node), sys.executable, "-m", "ray.scripts.scripts", *args]
-        out = subprocess.run(cmd, env=self.node_env(node), capture_output=True, text=True,
-                             timeout=120, cwd=self.work_dir)
+        out = subprocess.run(
+            cmd, env=self.node_env(node), capture_output=True, text=True, timeout=120, cwd=self.work_dir
+        )
         if check and out.returncode != 0:
             raise OSError(f"ray {args[0]} on node {node} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
         return out

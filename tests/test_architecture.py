@@ -20,8 +20,16 @@ MAY_IMPORT = {
     "tasks": {"core", "data", "launch", "storage", "tasks"},
     "flows": {"core", "tasks", "flows"},
 }
-NEVER = {"cli": {"torch"}, "launch": {"torch"}, "tasks": {"torch"}, "flows": {"torch"}, "core": {"torch", "prefect"},
-         "storage": {"torch", "prefect"}, "data": {"torch", "prefect"}, "training": {"prefect"}}
+NEVER = {
+    "cli": {"torch"},
+    "launch": {"torch"},
+    "tasks": {"torch"},
+    "flows": {"torch"},
+    "core": {"torch", "prefect"},
+    "storage": {"torch", "prefect"},
+    "data": {"torch", "prefect"},
+    "training": {"prefect"},
+}
 
 
 def _modules() -> dict[str, set[str]]:

@@ -17,10 +17,32 @@ def test_bench_gpu_runs_every_part_in_a_cpu_smoke_run(tiny_config, capsys):
     results = sorted(glob.glob(os.path.join(bench_gpu.RESULTS, "*.json")))
     before = {p: os.path.getmtime(p) for p in results}
     try:
-        bench_gpu.main(["--smoke", "--store", cfg.storage.root, "--micro-batch", "4", "--rounds", "1",
-                        "--steps", "1", "--profile", "--explore", "4:default,4:default:ce64",
-                        "--cross-entropy-chunk", "100", "--real-variants", "ddp:none,fsdp:selective",
-                        "--real-steps", "6", "--real-warmup", "2", "--real-timeout", "300"])
+        bench_gpu.main(
+            [
+                "--smoke",
+                "--store",
+                cfg.storage.root,
+                "--micro-batch",
+                "4",
+                "--rounds",
+                "1",
+                "--steps",
+                "1",
+                "--profile",
+                "--explore",
+                "4:default,4:default:ce64",
+                "--cross-entropy-chunk",
+                "100",
+                "--real-variants",
+                "ddp:none,fsdp:selective",
+                "--real-steps",
+                "6",
+                "--real-warmup",
+                "2",
+                "--real-timeout",
+                "300",
+            ]
+        )
     finally:
         bench_gpu.DEVICE = __import__("torch").device("cuda", 0)
     out = capsys.readouterr().out

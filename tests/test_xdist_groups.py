@@ -65,9 +65,14 @@ def test_the_ray_tests_run_on_one_xdist_worker_under_loadgroup(tmp_path):
         (suite / f"test_{m}.py").write_text(TESTS.format(m=m))
     env = {**os.environ, "PYTHONPATH": ROOT, "SEEN_DIR": str(seen)}
     env.pop("PYTEST_XDIST_WORKER", None)
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                          "--dist", "loadgroup", str(suite)], cwd=str(suite), env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", str(suite)],
+        cwd=str(suite),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     workers = {name: (seen / name).read_text() for name in os.listdir(seen)}
     assert len(workers) == 16, sorted(workers)
@@ -75,5 +80,6 @@ def test_the_ray_tests_run_on_one_xdist_worker_under_loadgroup(tmp_path):
     assert len(ray) == 1, (
         f"the Ray tests ran on workers {sorted(ray)}: pytest-xdist's --dist loadgroup lost the "
         f"xdist_group marks (pytest-xdist#1386, pytest 9.2); install the pinned pytest "
-        f"(pip install -e '.[test]')")
+        f"(pip install -e '.[test]')"
+    )
     assert len(set(workers.values())) == 2  # and the other tests were dealt to both workers

@@ -54,8 +54,7 @@ def default_root() -> str:
 def _field(default: Any, description: str, *, fix: str | None = None, **constraints: Any) -> Any:
     """A field with its description, its bounds (they appear in the JSON schema, hence in the
     UI form) and the fix that the error report appends to any problem of this field."""
-    return Field(default, description=description,
-                 json_schema_extra={"fix": fix} if fix else None, **constraints)
+    return Field(default, description=description, json_schema_extra={"fix": fix} if fix else None, **constraints)
 
 
 def _rule(what: str, fix: str | None = None) -> PydanticCustomError:
@@ -86,16 +85,33 @@ class _Section(BaseModel):
 
 # option names that hold credentials (fsspec/s3fs/gcsfs/adlfs spellings); matched case-blind,
 # at any depth, plus any name containing one of the words
-_SECRET_NAMES = {"key", "secret", "token", "password", "passwd", "aws_access_key_id",
-                 "aws_secret_access_key", "aws_session_token", "session_token", "access_key",
-                 "secret_key", "client_secret", "account_key", "sas_token", "connection_string",
-                 "credentials", "private_key"}
+_SECRET_NAMES = {
+    "key",
+    "secret",
+    "token",
+    "password",
+    "passwd",
+    "aws_access_key_id",
+    "aws_secret_access_key",
+    "aws_session_token",
+    "session_token",
+    "access_key",
+    "secret_key",
+    "client_secret",
+    "account_key",
+    "sas_token",
+    "connection_string",
+    "credentials",
+    "private_key",
+}
 _SECRET_WORDS = ("secret", "password", "token", "credential", "private_key")
-CREDENTIALS_FIX = ("credentials never go in the config (it is written to the store and to "
-                   "Prefect): give them to the environment (AWS_ACCESS_KEY_ID and "
-                   "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with ~/.aws/credentials), where s3fs, "
-                   "the ranks and the evaluations find them, or name a Prefect Secret or "
-                   "AwsCredentials block in storage.credentials_block")
+CREDENTIALS_FIX = (
+    "credentials never go in the config (it is written to the store and to "
+    "Prefect): give them to the environment (AWS_ACCESS_KEY_ID and "
+    "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with ~/.aws/credentials), where s3fs, "
+    "the ranks and the evaluations find them, or name a Prefect Secret or "
+    "AwsCredentials block in storage.credentials_block"
+)
 _BLOCK_NAME = re.compile(r"^(?:[a-z0-9][a-z0-9-]*/)?[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -118,8 +134,9 @@ def _secret_paths(value: Any, path: str = "") -> list[str]:
 def _no_credentials(options: dict[str, Any]) -> dict[str, Any]:
     found = _secret_paths(options)
     if found:
-        raise PydanticCustomError("secret_in_config", f"holds credentials ({', '.join(found)})",
-                                  {"fix": CREDENTIALS_FIX})
+        raise PydanticCustomError(
+            "secret_in_config", f"holds credentials ({', '.join(found)})", {"fix": CREDENTIALS_FIX}
+        )
     return options
 
 
@@ -142,15 +159,16 @@ class DataConfig(_Section):
         json_schema_extra={"fix": "remove them or give data.source as a URL"},
     )
     text_field: NonBlank = _field(
-        "text", "Field (JSON lines) or column (Parquet, Hugging Face) holding the text.",
+        "text",
+        "Field (JSON lines) or column (Parquet, Hugging Face) holding the text.",
         fix="name the field that holds the text, e.g. 'text'",
     )
     hf_name: str | None = _field(
-        None, "Hugging Face dataset configuration (subset) name, if it has several.",
+        None,
+        "Hugging Face dataset configuration (subset) name, if it has several.",
         fix="remove it or set data.source to 'hf:NAME'",
     )
-    hf_split: NonBlank = _field("train", "Hugging Face dataset split to read.",
-                                fix="use a split such as 'train'")
+    hf_split: NonBlank = _field("train", "Hugging Face dataset split to read.", fix="use a split such as 'train'")
     hf_revision: str | None = _field(
         None,
         "Hub branch, tag or commit of an 'hf:' dataset (default: main). It is "
@@ -164,17 +182,22 @@ class DataConfig(_Section):
     )
     max_bytes: int = _field(
         3_000_000,
-        "Cap on raw bytes taken from the source (0 = no cap). Keeps the built-in "
-        "corpus small enough for a CPU run.",
-        fix="use 0 for no cap", ge=0,
+        "Cap on raw bytes taken from the source (0 = no cap). Keeps the built-in corpus small enough for a CPU run.",
+        fix="use 0 for no cap",
+        ge=0,
     )
     val_fraction: float = _field(
-        0.05, "Fraction of documents held out for validation, chosen by document hash.",
-        fix="e.g. 0.05", gt=0, lt=0.5,
+        0.05,
+        "Fraction of documents held out for validation, chosen by document hash.",
+        fix="e.g. 0.05",
+        gt=0,
+        lt=0.5,
     )
     shard_tokens: int = _field(
-        2_000_000, "Tokens per shard file (a file is closed after the document that reaches it).",
-        fix="e.g. 2000000", ge=1024,
+        2_000_000,
+        "Tokens per shard file (a file is closed after the document that reaches it).",
+        fix="e.g. 2000000",
+        ge=1024,
     )
     token_dtype: Literal["auto", "uint16", "uint32"] = Field(
         "auto",
@@ -195,7 +218,8 @@ class DataConfig(_Section):
         description="Where the corpus is tokenized: 'local' (num_workers processes on the flow's "
         "host) or 'ray' (one Ray task per fixed partition on the cluster at ray.address, reading "
         "the corpus from the store and writing the shard files to it; the manifest is committed "
-        "last). The shard files are byte-identical whatever the engine. Needs the 'ray' extra.")
+        "last). The shard files are byte-identical whatever the engine. Needs the 'ray' extra.",
+    )
 
     @field_validator("num_workers", mode="before")
     @classmethod
@@ -279,7 +303,8 @@ class TokenizerConfig(_Section):
         "Vocabulary size of the byte-level BPE trained on the corpus; with 'path', "
         "at least the loaded tokenizer's size (it sizes the model's embedding).",
         fix="room for the 256 byte tokens plus specials, within uint32 ids; e.g. 2048",
-        ge=260, le=2**32 - 1,
+        ge=260,
+        le=2**32 - 1,
     )
     min_frequency: int = _field(2, "Minimum pair frequency for a BPE merge.", fix="2 is typical", ge=1)
     eot_token: NonBlank = _field(
@@ -294,21 +319,33 @@ class ModelConfig(_Section):
     n_head: int = _field(4, "Attention heads per block; must divide n_embd.", fix="e.g. 4", ge=1)
     n_embd: int = _field(128, "Embedding width.", fix="pick a multiple of n_head", ge=1)
     block_size: int = _field(128, "Context length in tokens.", fix="e.g. 128 or 1024", ge=1)
-    dropout: float = _field(0.0, "Dropout probability (0 for pretraining from scratch).",
-                            fix="use 0 for pretraining from scratch", ge=0, lt=1)
+    dropout: float = _field(
+        0.0,
+        "Dropout probability (0 for pretraining from scratch).",
+        fix="use 0 for pretraining from scratch",
+        ge=0,
+        lt=1,
+    )
     bias: bool = Field(False, description="Use bias in Linear and LayerNorm layers.")
     vocab_pad_multiple: int = _field(
-        128, "Pad the embedding and output rows up to a multiple of this (GPU matmuls run "
+        128,
+        "Pad the embedding and output rows up to a multiple of this (GPU matmuls run "
         "fastest on multiples of 64-128); token ids are unchanged, the extra rows are never "
-        "a target. 1 turns padding off.", fix="e.g. 128, or 1 for no padding", ge=1, le=4096)
+        "a target. 1 turns padding off.",
+        fix="e.g. 128, or 1 for no padding",
+        ge=1,
+        le=4096,
+    )
 
     @field_validator("n_embd")
     @classmethod
     def _heads_divide_width(cls, n_embd: int, info: ValidationInfo) -> int:
         n_head = info.data.get("n_head")
         if n_head and n_embd % n_head:
-            raise _rule(f"is not divisible by n_head={n_head}",
-                        f"pick a multiple of {n_head}, e.g. {n_head * max(1, round(n_embd / n_head))}")
+            raise _rule(
+                f"is not divisible by n_head={n_head}",
+                f"pick a multiple of {n_head}, e.g. {n_head * max(1, round(n_embd / n_head))}",
+            )
         return n_embd
 
 
@@ -316,40 +353,52 @@ class TrainConfig(_Section):
     seed: int = Field(1337, description="Seed of the model init and of the data order.")
     max_steps: int = _field(500, "Optimizer steps to train in total (across resumes).", ge=1)
     global_batch_size: int = _field(
-        16, "Sequences per optimizer step across all ranks.",
-        fix="use a multiple of world_size x micro_batch_size", ge=1,
+        16,
+        "Sequences per optimizer step across all ranks.",
+        fix="use a multiple of world_size x micro_batch_size",
+        ge=1,
     )
     micro_batch_size: int = _field(
-        4, "Sequences per rank per forward pass; the rest is gradient accumulation.", ge=1,
+        4,
+        "Sequences per rank per forward pass; the rest is gradient accumulation.",
+        ge=1,
     )
     lr: float = _field(3e-3, "Peak learning rate of AdamW.", fix="a typical value is 3e-4", gt=0)
-    min_lr: float = _field(3e-4, "Learning rate at the end of the cosine decay.",
-                           fix="e.g. a tenth of lr", ge=0)
-    warmup_steps: int = _field(20, "Linear warm-up steps before the cosine decay.",
-                               fix="a few percent of max_steps is typical", ge=0)
+    min_lr: float = _field(3e-4, "Learning rate at the end of the cosine decay.", fix="e.g. a tenth of lr", ge=0)
+    warmup_steps: int = _field(
+        20, "Linear warm-up steps before the cosine decay.", fix="a few percent of max_steps is typical", ge=0
+    )
     weight_decay: float = _field(0.1, "AdamW weight decay on 2-D weights.", fix="0.1 is typical", ge=0)
     beta1: float = _field(0.9, "AdamW beta1.", fix="0.9 is typical", ge=0, lt=1)
     beta2: float = _field(0.95, "AdamW beta2.", fix="0.95 is typical", ge=0, lt=1)
-    grad_clip: float = _field(1.0, "Clip the global gradient norm to this (0 = off).",
-                              fix="0 turns clipping off; 1.0 is typical", ge=0)
+    grad_clip: float = _field(
+        1.0, "Clip the global gradient norm to this (0 = off).", fix="0 turns clipping off; 1.0 is typical", ge=0
+    )
     log_interval: int = _field(10, "Steps between training-loss log lines.", ge=1)
     deterministic: bool | Literal["auto"] = Field(
-        "auto", description="Deterministic torch algorithms (and, past 2 ranks, DDP's gradient "
+        "auto",
+        description="Deterministic torch algorithms (and, past 2 ranks, DDP's gradient "
         "buckets fixed) so a run resumed at the same world size ends bitwise equal to one that "
         "never stopped. 'auto': on with CPU ranks (it costs almost nothing there), off on CUDA "
         "(it costs speed; a resumed GPU run is then equal up to rounding). true or false: "
         "always on or off.",
-        json_schema_extra={"fix": "give true, false or 'auto'"})
+        json_schema_extra={"fix": "give true, false or 'auto'"},
+    )
     nonfinite: Literal["fail", "skip"] = Field(
-        "fail", description="What a step whose loss or gradient norm is NaN/inf does. 'fail': "
+        "fail",
+        description="What a step whose loss or gradient norm is NaN/inf does. 'fail': "
         "the run stops within one log interval (and before any checkpoint), naming the step, and "
         "is not retried. 'skip': the step's update is not applied (the step number, the data "
         "order and the learning-rate schedule go on), up to nonfinite_skip_limit skipped steps, "
         "then fail; skip reads one flag per step (a host sync the fail policy does not need).",
-        json_schema_extra={"fix": "use 'fail' (the default) or 'skip'"})
+        json_schema_extra={"fix": "use 'fail' (the default) or 'skip'"},
+    )
     nonfinite_skip_limit: int = _field(
-        3, "Under nonfinite='skip': how many non-finite steps one launch may skip before it fails.",
-        fix="a small count such as 3; 0 fails at the first non-finite step", ge=0)
+        3,
+        "Under nonfinite='skip': how many non-finite steps one launch may skip before it fails.",
+        fix="a small count such as 3; 0 fails at the first non-finite step",
+        ge=0,
+    )
 
     @field_validator("min_lr")
     @classmethod
@@ -371,35 +420,45 @@ class TrainConfig(_Section):
 class CheckpointConfig(_Section):
     interval_steps: int = _field(100, "Steps between checkpoints (the last step always saves).", ge=1)
     keep_latest_k: int = _field(
-        2, "Committed checkpoints to keep; at least 2, as the newest may still be uploading.",
-        fix="keep at least 2, as the newest may still be uploading", ge=2,
+        2,
+        "Committed checkpoints to keep; at least 2, as the newest may still be uploading.",
+        fix="keep at least 2, as the newest may still be uploading",
+        ge=2,
     )
     async_enabled: bool = Field(
-        True, description="Upload in the background while training goes on (False: the step "
-        "waits for save, upload and commit)."
+        True,
+        description="Upload in the background while training goes on (False: the step "
+        "waits for save, upload and commit).",
     )
     upload_timeout_seconds: float = _field(
-        900.0, "How long one rank keeps retrying (with backoff) its upload of one "
+        900.0,
+        "How long one rank keeps retrying (with backoff) its upload of one "
         "checkpoint before the checkpoint is given up (reported, never committed).",
-        fix="e.g. 900", gt=0,
+        fix="e.g. 900",
+        gt=0,
     )
     commit_timeout_seconds: float = _field(
-        1200.0, "How long rank 0 waits for every rank's upload receipt before it "
-        "gives the checkpoint up.",
-        fix="give at least upload_timeout_seconds, e.g. 1200", gt=0,
+        1200.0,
+        "How long rank 0 waits for every rank's upload receipt before it gives the checkpoint up.",
+        fix="give at least upload_timeout_seconds, e.g. 1200",
+        gt=0,
     )
     max_pending_uploads: int = _field(
-        2, "Checkpoints written to local staging and waiting for their upload (an object-store "
+        2,
+        "Checkpoints written to local staging and waiting for their upload (an object-store "
         "outage): when a new one is written while this many wait, the oldest waiting one is "
         "dropped (its staging deleted, a checkpoint_dropped record, never committed), so the "
         "local disk holds at most this many and training never waits for the store.",
-        fix="give at least 1, e.g. 2 (each costs one checkpoint of local disk per host)", ge=1,
+        fix="give at least 1, e.g. 2 (each costs one checkpoint of local disk per host)",
+        ge=1,
     )
     evaluation_pin_seconds: float = _field(
-        7200.0, "With eval.per_checkpoint_enabled, each committed checkpoint is pinned until its "
+        7200.0,
+        "With eval.per_checkpoint_enabled, each committed checkpoint is pinned until its "
         "evaluation is done, and retention (keep_latest_k) spares it meanwhile; a pin older than "
         "this (an evaluation that died) no longer keeps it.",
-        fix="give more than an evaluation takes with its retries, e.g. 7200", gt=0,
+        fix="give more than an evaluation takes with its retries, e.g. 7200",
+        gt=0,
     )
 
     @field_validator("commit_timeout_seconds")
@@ -415,8 +474,9 @@ class EvalConfig(_Section):
     interval_steps: int = _field(100, "Steps between validation-loss evaluations.", ge=1)
     num_batches: int = _field(8, "Validation batches (of micro_batch_size per rank) per evaluation.", ge=1)
     per_checkpoint_enabled: bool = Field(
-        True, description="Evaluate every committed checkpoint in its own task run (a separate "
-        "process) while training goes on."
+        True,
+        description="Evaluate every committed checkpoint in its own task run (a separate "
+        "process) while training goes on.",
     )
 
 
@@ -432,24 +492,28 @@ class NodeConfig(_Section):
         "item, run as is (no shell): ['srun', '--nodes=1', '--ntasks=1', '--nodelist=host1'] or "
         "['ssh', 'host1']. The agent gets this host's environment and env only through a "
         "prefix that passes them on (srun does, ssh does not). Empty: this host.",
-        json_schema_extra={"fix": "give the command as a list of words, e.g. ['ssh', 'host1']"})
+        json_schema_extra={"fix": "give the command as a list of words, e.g. ['ssh', 'host1']"},
+    )
     address: str | None = Field(
         None,
         description="Where the other nodes reach this one (torchrun --local-addr), on the "
         "interface env names. The node whose address is launch.rdzv_host hosts the rendezvous.",
-        json_schema_extra={"fix": "give an IP address or host name, e.g. '10.0.0.11'"})
+        json_schema_extra={"fix": "give an IP address or host name, e.g. '10.0.0.11'"},
+    )
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Added to the agent's environment: GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME "
         "(the interface of address), STOKER_CACHE (the node's cache folder). Never credentials.",
-        json_schema_extra={"fix": "give variable names such as GLOO_SOCKET_IFNAME"})
+        json_schema_extra={"fix": "give variable names such as GLOO_SOCKET_IFNAME"},
+    )
 
     @field_validator("prefix")
     @classmethod
     def _a_list_of_words(cls, prefix: list[str]) -> list[str]:
         if prefix and len(prefix[0].split()) > 1:  # no program's name holds a space
-            raise _rule("is one shell string", f"give one word per item: {prefix[0].split()!r}; "
-                        "it is run without a shell")
+            raise _rule(
+                "is one shell string", f"give one word per item: {prefix[0].split()!r}; it is run without a shell"
+            )
         return prefix
 
     @field_validator("address")
@@ -468,19 +532,26 @@ class NodeConfig(_Section):
         _no_credentials(env)  # first: the other problem's line would show the values
         bad = [name for name in env if not _ENV_NAME.match(name)]
         if bad:
-            raise _rule(f"{bad!r} cannot be an environment variable's name",
-                        "use letters, digits and '_', e.g. GLOO_SOCKET_IFNAME")
+            raise _rule(
+                f"{bad!r} cannot be an environment variable's name",
+                "use letters, digits and '_', e.g. GLOO_SOCKET_IFNAME",
+            )
         return env
 
 
 class LaunchConfig(_Section):
     launcher: Literal["local", "ray"] = Field(
-        "local", description="'local': torchrun agents (num_nodes simulated nodes on this host, or "
+        "local",
+        description="'local': torchrun agents (num_nodes simulated nodes on this host, or "
         "one per host with launch.nodes). 'ray': Ray Train workers (TorchTrainer, num_nodes x "
         "nproc_per_node of them) on the cluster at ray.address; needs the 'ray' extra: pip "
-        "install 'stoker[ray]'.")
-    num_nodes: int = _field(1, "torchrun agents (nodes) meeting by c10d rendezvous: simulated on "
-                            "this host, or where launch.nodes puts them.", ge=1)
+        "install 'stoker[ray]'.",
+    )
+    num_nodes: int = _field(
+        1,
+        "torchrun agents (nodes) meeting by c10d rendezvous: simulated on this host, or where launch.nodes puts them.",
+        ge=1,
+    )
     nproc_per_node: int = _field(2, "Training ranks per node.", ge=1)
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Process-group backend; 'auto' is NCCL with GPUs, gloo otherwise."
@@ -490,32 +561,43 @@ class LaunchConfig(_Section):
         description="Where each node's torchrun agent runs, one entry per node (num_nodes): "
         "the command prefix that starts it on its machine, its address and environment. Empty: "
         "every node on this host.",
-        json_schema_extra={"fix": "give one entry per node, or leave it empty"})
+        json_schema_extra={"fix": "give one entry per node, or leave it empty"},
+    )
     rdzv_host: str = Field(
-        "127.0.0.1", validate_default=True,
+        "127.0.0.1",
+        validate_default=True,
         description="Host of the c10d rendezvous endpoint. With launch.nodes: the address of the "
         "node whose agent hosts it.",
-        json_schema_extra={"fix": "give the address of one node of launch.nodes"})
+        json_schema_extra={"fix": "give the address of one node of launch.nodes"},
+    )
     rdzv_port: int | None = _field(
         None,
         "Port of the rendezvous endpoint. Needed when its node is another machine (has a "
         "prefix); empty: a free port of this host.",
-        fix="give the port the rendezvous node listens on, e.g. 29500", ge=1, le=65535,
-        validate_default=True)
+        fix="give the port the rendezvous node listens on, e.g. 29500",
+        ge=1,
+        le=65535,
+        validate_default=True,
+    )
     timeout_seconds: int = _field(3600, "Wall-clock limit of one training launch.", ge=10)
-    max_attempts: int = _field(
-        2, "Launch attempts; each retry resumes from the newest valid checkpoint.", ge=1)
+    max_attempts: int = _field(2, "Launch attempts; each retry resumes from the newest valid checkpoint.", ge=1)
     max_restarts: int = _field(
-        2, "In-place restarts per launch attempt: when a rank dies, torchrun restarts the ranks "
+        2,
+        "In-place restarts per launch attempt: when a rank dies, torchrun restarts the ranks "
         "and they load the newest valid checkpoint themselves (seconds, not a relaunch). A "
         "failure no restart can fix (a bug, a bad input) is not restarted. 0: every failure "
-        "goes to a new launch attempt.", fix="e.g. 2, or 0 to relaunch instead", ge=0, le=100)
+        "goes to a new launch attempt.",
+        fix="e.g. 2, or 0 to relaunch instead",
+        ge=0,
+        le=100,
+    )
     concurrency_limit: str = Field(
         "stoker-accelerators",
         description="Prefect global concurrency limit a launch holds one slot of while its ranks "
         "run, so two runs never take the same accelerators; `stoker deploy` creates it with one "
         "slot. Not on the server (an embedded server, a notebook) or empty: no limit. Give each "
-        "machine's runs their own name to run one per machine.")
+        "machine's runs their own name to run one per machine.",
+    )
     hang_timeout_seconds: int = _field(
         300,
         "Hang watchdog: when no training step finishes for this long (rank 0 "
@@ -524,8 +606,7 @@ class LaunchConfig(_Section):
         "loading shards and the checkpoint, the step-0 evaluation) counts only against "
         "timeout_seconds. Keep it above the slowest step plus an evaluation and a checkpoint "
         "save. 0 turns the watchdog off.",
-        fix="give 0 (watchdog off) or more than the slowest step plus an evaluation and a "
-        "checkpoint save, e.g. 300",
+        fix="give 0 (watchdog off) or more than the slowest step plus an evaluation and a checkpoint save, e.g. 300",
         ge=0,
     )
 
@@ -536,19 +617,24 @@ class LaunchConfig(_Section):
         "stuck loading) and the gang is killed; the launch fails as transient and is retried. "
         "Give it room for rendezvous, loading the shards and the checkpoint, compiling, and the "
         "step-0 evaluation. 0 turns it off.",
-        fix="give 0 (off) or the longest start-up plus a margin, e.g. 900", ge=0)
+        fix="give 0 (off) or the longest start-up plus a margin, e.g. 900",
+        ge=0,
+    )
     takeover: bool = Field(
         False,
         description="Take the run over from another launch that holds its lease "
         "({root}/runs/{run}/lease.json) and is still alive: that launch stops at its next "
         "heartbeat. Without it a second launch of the run refuses in one line naming the holder; "
         "a lease whose heartbeat expired (launch.lease_seconds), or whose process on this host "
-        "is gone, is taken without it. The CLI's `stoker run --takeover` sets it.")
+        "is gone, is taken without it. The CLI's `stoker run --takeover` sets it.",
+    )
     lease_seconds: int = _field(
         90,
         "How long the run lease lasts without a heartbeat (renewed every third of it by the "
         "process that launches training). After that another launch may take the run over.",
-        fix="give at least 10 seconds, e.g. 90", ge=10)
+        fix="give at least 10 seconds, e.g. 90",
+        ge=10,
+    )
     collective_timeout_seconds: int = _field(
         1800,
         "How long a rank waits in one collective (the process group's timeout, NCCL's and "
@@ -557,7 +643,8 @@ class LaunchConfig(_Section):
         "checkpoint from the store, compiling, evaluating, a synchronous checkpoint save). "
         "NCCL's own default is 10 minutes, which a slow checkpoint download can exceed.",
         fix="give at least the longest checkpoint download and check plus a compile, e.g. 1800",
-        ge=60)
+        ge=60,
+    )
 
     @property
     def world_size(self) -> int:
@@ -569,12 +656,16 @@ class LaunchConfig(_Section):
         if not nodes:
             return None  # an empty list (the UI form's) is no list
         if info.data.get("launcher") == "ray":
-            raise _rule("places torchrun agents, and launch.launcher is 'ray'",
-                        "remove launch.nodes (Ray places its workers), or use launcher 'local'")
+            raise _rule(
+                "places torchrun agents, and launch.launcher is 'ray'",
+                "remove launch.nodes (Ray places its workers), or use launcher 'local'",
+            )
         num_nodes = info.data.get("num_nodes")
         if num_nodes is not None and len(nodes) != num_nodes:
-            raise _rule(f"gives {len(nodes)} node(s) for num_nodes={num_nodes}",
-                        f"give one entry per node, or set launch.num_nodes to {len(nodes)}")
+            raise _rule(
+                f"gives {len(nodes)} node(s) for num_nodes={num_nodes}",
+                f"give one entry per node, or set launch.num_nodes to {len(nodes)}",
+            )
         return nodes
 
     @field_validator("rdzv_host")
@@ -586,12 +677,16 @@ class LaunchConfig(_Section):
         hosting = [i for i, node in enumerate(nodes) if node.address == host]
         addresses = [node.address for node in nodes if node.address]
         if not hosting:
-            raise _rule("is no node's address: the rendezvous is hosted by the node whose "
-                        "address it is", f"give one of {addresses}" if addresses else
-                        "give that node's address in launch.nodes[i].address and here")
+            raise _rule(
+                "is no node's address: the rendezvous is hosted by the node whose address it is",
+                f"give one of {addresses}"
+                if addresses
+                else "give that node's address in launch.nodes[i].address and here",
+            )
         if len(hosting) > 1:
-            raise _rule(f"is the address of nodes {hosting}",
-                        "give each node its own address: one node hosts the rendezvous")
+            raise _rule(
+                f"is the address of nodes {hosting}", "give each node its own address: one node hosts the rendezvous"
+            )
         return host
 
     @field_validator("rdzv_port")
@@ -602,9 +697,11 @@ class LaunchConfig(_Section):
             return port
         for i, node in enumerate(nodes):
             if node.address == host and node.prefix:
-                raise _rule(f"is needed: the rendezvous host {host} is node {i}, started on "
-                            f"another machine ({node.prefix[0]}), where no free port can be "
-                            "picked from here")
+                raise _rule(
+                    f"is needed: the rendezvous host {host} is node {i}, started on "
+                    f"another machine ({node.prefix[0]}), where no free port can be "
+                    "picked from here"
+                )
         return port
 
     @field_validator("hang_timeout_seconds")
@@ -626,12 +723,18 @@ class RayConfig(_Section):
         "local Ray instance started for the job on 127.0.0.1 and stopped after it. Every node "
         "needs stoker installed and must reach storage.root (an object store, not a local "
         "folder, once the cluster spans hosts).",
-        json_schema_extra={"fix": "give ray://HOST:10001, auto or HOST:PORT, or leave it empty"})
+        json_schema_extra={"fix": "give ray://HOST:10001, auto or HOST:PORT, or leave it empty"},
+    )
     cpus_per_worker: float = _field(
-        1.0, "CPUs a training worker reserves (Ray's ScalingConfig resources_per_worker).",
-        fix="e.g. 1 or 4", gt=0, le=1024)
+        1.0,
+        "CPUs a training worker reserves (Ray's ScalingConfig resources_per_worker).",
+        fix="e.g. 1 or 4",
+        gt=0,
+        le=1024,
+    )
     cpus_per_data_task: float = _field(
-        1.0, "CPUs a tokenizing task reserves (data.engine 'ray').", fix="e.g. 1", gt=0, le=1024)
+        1.0, "CPUs a tokenizing task reserves (data.engine 'ray').", fix="e.g. 1", gt=0, le=1024
+    )
 
     @field_validator("address")
     @classmethod
@@ -658,42 +761,57 @@ class EngineConfig(_Section):
     engine settings), so it is left out of the run's identity."""
 
     precision: Literal["auto", "bf16", "fp32"] = Field(
-        "auto", description="Matmul precision: 'bf16' autocast (fp32 weights and optimizer), "
-        "'fp32', or 'auto': bf16 on a CUDA device that supports it, fp32 otherwise.")
+        "auto",
+        description="Matmul precision: 'bf16' autocast (fp32 weights and optimizer), "
+        "'fp32', or 'auto': bf16 on a CUDA device that supports it, fp32 otherwise.",
+    )
     tf32: bool = Field(True, description="On CUDA, let fp32 matmuls and convolutions use TF32.")
     compile: Literal["auto", "on", "off"] = Field(
-        "auto", description="torch.compile the model: 'auto' is on for CUDA, off on CPU "
-        "(a compiled first step takes 20-60 s).")
+        "auto",
+        description="torch.compile the model: 'auto' is on for CUDA, off on CPU (a compiled first step takes 20-60 s).",
+    )
     compile_tuning: Literal["none", "coordinate-descent", "max-autotune"] = Field(
-        "none", description="How hard torch.compile tunes, with compile on: 'coordinate-descent' "
+        "none",
+        description="How hard torch.compile tunes, with compile on: 'coordinate-descent' "
         "tunes the launch parameters of each fused kernel (on an H100, bench_gpu's bare loop "
         "with cuDNN attention went from 42.0% to 42.7% MFU, its first compile from ~25 s to "
         "~150 s); 'max-autotune' also times Triton matmul kernels against cuBLAS (a first "
-        "compile of minutes).")
+        "compile of minutes).",
+    )
     fused_optimizer: Literal["auto", "on", "off"] = Field(
-        "auto", description="Fused AdamW kernels: 'auto' is fused on CUDA, multi-tensor "
-        "(foreach) on CPU; 'off' is the plain per-parameter loop.")
+        "auto",
+        description="Fused AdamW kernels: 'auto' is fused on CUDA, multi-tensor "
+        "(foreach) on CPU; 'off' is the plain per-parameter loop.",
+    )
     parallelism: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="'ddp': replicated model, gradients all-reduced. 'fsdp': FSDP2 "
+        "ddp",
+        description="'ddp': replicated model, gradients all-reduced. 'fsdp': FSDP2 "
         "(fully_shard per block and on the root; bf16 params, fp32 gradient reduction under "
-        "bf16) for models whose state does not fit on one device; needs torch 2.7 or newer.")
+        "bf16) for models whose state does not fit on one device; needs torch 2.7 or newer.",
+    )
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
-        "none", description="'full': recompute each block in the backward pass (about a third "
+        "none",
+        description="'full': recompute each block in the backward pass (about a third "
         "more compute for the least activation memory). 'selective': keep the outputs of the "
         "matmuls and attention and recompute only the cheap ops between them (LayerNorm, GELU, "
-        "dropout, residual adds): less memory than 'none' for little extra compute.")
+        "dropout, residual adds): less memory than 'none' for little extra compute.",
+    )
     cross_entropy: Literal["standard", "chunked"] = Field(
-        "standard", description="'standard': the output matmul makes the whole (tokens x "
+        "standard",
+        description="'standard': the output matmul makes the whole (tokens x "
         "vocabulary) logits, then the loss. 'chunked': the matmul and the loss run "
         "engine.cross_entropy_chunk tokens at a time, with the gradient made in the forward "
         "pass, so the whole logits, their fp32 copy and their gradient never exist (GBs at "
-        "GPT-2's vocabulary): a larger micro-batch fits. The same loss up to rounding.")
+        "GPT-2's vocabulary): a larger micro-batch fits. The same loss up to rounding.",
+    )
     cross_entropy_chunk: int = _field(
-        4096, "Tokens per chunk of the 'chunked' cross-entropy: fewer hold less memory and make "
-        "smaller matmuls.", ge=1)
+        4096, "Tokens per chunk of the 'chunked' cross-entropy: fewer hold less memory and make smaller matmuls.", ge=1
+    )
     prefetch: bool = Field(
-        True, description="Prepare the next batch in a background thread while the step runs "
-        "(pinned memory, non-blocking copies on CUDA).")
+        True,
+        description="Prepare the next batch in a background thread while the step runs "
+        "(pinned memory, non-blocking copies on CUDA).",
+    )
 
     @field_validator("compile", "fused_optimizer", mode="before")
     @classmethod
@@ -707,12 +825,16 @@ class EngineConfig(_Section):
         launch (launch.devices, for the ranks it starts there) and by each rank."""
         problems = []
         if self.fused_optimizer == "on":
-            problems.append("engine.fused_optimizer: fused AdamW needs a CUDA device and the "
-                            "ranks run on CPUs; use 'auto' or 'off'.")
+            problems.append(
+                "engine.fused_optimizer: fused AdamW needs a CUDA device and the "
+                "ranks run on CPUs; use 'auto' or 'off'."
+            )
         if self.compile_tuning != "none" and self.compile == "auto":
-            problems.append(f"engine.compile_tuning: '{self.compile_tuning}' tunes torch.compile, "
-                            "which engine.compile 'auto' leaves off on CPUs; use 'none', or set "
-                            "engine.compile to 'on'.")
+            problems.append(
+                f"engine.compile_tuning: '{self.compile_tuning}' tunes torch.compile, "
+                "which engine.compile 'auto' leaves off on CPUs; use 'none', or set "
+                "engine.compile to 'on'."
+            )
         return problems
 
     def torch_problems(self, torch_version: str) -> list[str]:
@@ -722,17 +844,21 @@ class EngineConfig(_Section):
         found = re.match(r"(\d+)\.(\d+)", torch_version)
         release = (int(found[1]), int(found[2])) if found else (0, 0)
         if self.parallelism == "fsdp" and release < FSDP2_TORCH:
-            return [f"engine.parallelism: 'fsdp' needs torch {FSDP2_TORCH[0]}.{FSDP2_TORCH[1]} or newer "
-                    f"(FSDP2's fully_shard and its sharded init) and the ranks have torch {torch_version}; upgrade torch, or "
-                    "use 'ddp'."]
+            return [
+                f"engine.parallelism: 'fsdp' needs torch {FSDP2_TORCH[0]}.{FSDP2_TORCH[1]} or newer "
+                f"(FSDP2's fully_shard and its sharded init) and the ranks have torch {torch_version}; upgrade torch, or "
+                "use 'ddp'."
+            ]
         return []
 
     @field_validator("compile_tuning")
     @classmethod
     def _tunes_a_compile(cls, tuning: str, info: ValidationInfo) -> str:
         if tuning != "none" and info.data.get("compile") == "off":
-            raise _rule("tunes torch.compile, which engine.compile turns off",
-                        "use 'none', or set engine.compile to 'on' or 'auto'")
+            raise _rule(
+                "tunes torch.compile, which engine.compile turns off",
+                "use 'none', or set engine.compile to 'on' or 'auto'",
+            )
         return tuning
 
 
@@ -758,8 +884,10 @@ class StorageConfig(_Section):
         "block of prefect-aws as 'aws-credentials/NAME'. Loaded on the host that runs the flow; "
         "the ranks and evaluations get them as AWS_* variables. Empty: the environment or "
         "AWS_PROFILE.",
-        json_schema_extra={"fix": "give a block name such as 'stoker-s3' or "
-                           "'aws-credentials/stoker-s3', or leave it empty"})
+        json_schema_extra={
+            "fix": "give a block name such as 'stoker-s3' or 'aws-credentials/stoker-s3', or leave it empty"
+        },
+    )
 
     @field_validator("storage_options")
     @classmethod
@@ -772,20 +900,23 @@ class StorageConfig(_Section):
         if name is not None and not name.strip():
             return None
         if name is not None and not _BLOCK_NAME.match(name.strip()):
-            raise _rule("is not a Prefect block name", "give NAME (a Secret block) or "
-                        "BLOCK-TYPE/NAME, e.g. 'aws-credentials/stoker-s3'")
+            raise _rule(
+                "is not a Prefect block name",
+                "give NAME (a Secret block) or BLOCK-TYPE/NAME, e.g. 'aws-credentials/stoker-s3'",
+            )
         return name.strip() if name else None
 
     @field_validator("root")
     @classmethod
     def _absolute(cls, root: str) -> str:
         if "://" not in root and not os.path.isabs(root):  # a string test, no filesystem access
-            raise _rule("is relative", "give an absolute path or a URL such as "
-                        "file:///data/stoker or s3://bucket/prefix")
+            raise _rule(
+                "is relative", "give an absolute path or a URL such as file:///data/stoker or s3://bucket/prefix"
+            )
         problem = _url_problem(root, "the root")
         if problem is not None:
             raise problem
-        if root.startswith("file://") and not root[len("file://"):].startswith("/"):
+        if root.startswith("file://") and not root[len("file://") :].startswith("/"):
             raise _rule("is a relative file:// URL", "write file:///absolute/path (three slashes)")
         return root
 
@@ -796,19 +927,25 @@ class MetricsConfig(_Section):
     stream; they are not part of the run's identity."""
 
     tensorboard_enabled: bool = Field(
-        False, description="Write TensorBoard event files of the training and validation "
+        False,
+        description="Write TensorBoard event files of the training and validation "
         "metrics to {root}/runs/{run}/tensorboard/ (tensorboard --logdir <that folder>). Needs "
-        "the 'metrics' extra: pip install 'stoker[metrics]'.")
+        "the 'metrics' extra: pip install 'stoker[metrics]'.",
+    )
     mlflow_tracking_uri: str | None = Field(
-        None, description="Also log the metrics (and the config as parameters) to MLflow at this "
+        None,
+        description="Also log the metrics (and the config as parameters) to MLflow at this "
         "tracking URI: http(s)://host:5000, sqlite:////abs/mlflow.db, file:///abs/mlruns (MLflow 3 "
         "wants MLFLOW_ALLOW_FILE_STORE=true for that one) or databricks. One MLflow run per stoker "
         "run (tag stoker.run_name), continued when the run resumes. Empty: off. Needs the "
         "'metrics' extra: pip install 'stoker[metrics]'.",
-        json_schema_extra={"fix": "give http(s)://host:port, sqlite:////abs/path.db or "
-                           "file:///abs/path, or leave it empty"})
+        json_schema_extra={
+            "fix": "give http(s)://host:port, sqlite:////abs/path.db or file:///abs/path, or leave it empty"
+        },
+    )
     mlflow_experiment: NonBlank = _field(
-        "stoker", "MLflow experiment of the run (created when missing).", fix="e.g. 'stoker'")
+        "stoker", "MLflow experiment of the run (created when missing).", fix="e.g. 'stoker'"
+    )
 
     @field_validator("mlflow_tracking_uri")
     @classmethod
@@ -818,9 +955,14 @@ class MetricsConfig(_Section):
         uri = uri.strip()
         scheme, sep, rest = uri.partition("://")
         if "@" in rest.split("/", 1)[0]:
-            raise PydanticCustomError("secret_in_config", "holds credentials (user:password@)", {
-                "fix": "give them to the environment: MLFLOW_TRACKING_USERNAME and "
-                "MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN"})
+            raise PydanticCustomError(
+                "secret_in_config",
+                "holds credentials (user:password@)",
+                {
+                    "fix": "give them to the environment: MLFLOW_TRACKING_USERNAME and "
+                    "MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN"
+                },
+            )
         problem = _url_problem(uri, "the tracking URI")
         if problem is not None:
             raise problem
@@ -832,32 +974,41 @@ class MetricsConfig(_Section):
 
 
 # ---- rules that span sections --------------------------------------------------------------
-def _batch_divides(global_batch_size: int, micro_batch_size: int, num_nodes: int,
-                   nproc_per_node: int) -> PydanticCustomError | None:
+def _batch_divides(
+    global_batch_size: int, micro_batch_size: int, num_nodes: int, nproc_per_node: int
+) -> PydanticCustomError | None:
     world = num_nodes * nproc_per_node
     per_pass = world * micro_batch_size
     if global_batch_size % per_pass:
         return _rule(
-            f"is not divisible by world_size x micro_batch_size = {world} x {micro_batch_size} "
-            f"= {per_pass}",
-            f"use a multiple of {per_pass} (e.g. {per_pass * max(1, global_batch_size // per_pass)})")
+            f"is not divisible by world_size x micro_batch_size = {world} x {micro_batch_size} = {per_pass}",
+            f"use a multiple of {per_pass} (e.g. {per_pass * max(1, global_batch_size // per_pass)})",
+        )
     return None
 
 
 def _ids_fit_dtype(token_dtype: str, vocab_size: int) -> PydanticCustomError | None:
     if token_dtype == "uint16" and vocab_size > 65536:
-        return _rule(f"uint16 holds token ids below 65536, and tokenizer.vocab_size is {vocab_size}",
-                     "use 'uint32' or 'auto', or a vocabulary of at most 65536")
+        return _rule(
+            f"uint16 holds token ids below 65536, and tokenizer.vocab_size is {vocab_size}",
+            "use 'uint32' or 'auto', or a vocabulary of at most 65536",
+        )
     return None
 
 
 _Loc = tuple[str, str]
 # (the field a rule reports on, the fields it reads in order of its arguments, the rule)
 _CROSS_SECTION_RULES: list[tuple[_Loc, tuple[_Loc, ...], Callable[..., Any]]] = [
-    (("train", "global_batch_size"),
-     (("train", "global_batch_size"), ("train", "micro_batch_size"), ("launch", "num_nodes"),
-      ("launch", "nproc_per_node")),
-     _batch_divides),
+    (
+        ("train", "global_batch_size"),
+        (
+            ("train", "global_batch_size"),
+            ("train", "micro_batch_size"),
+            ("launch", "num_nodes"),
+            ("launch", "nproc_per_node"),
+        ),
+        _batch_divides,
+    ),
     (("data", "token_dtype"), (("data", "token_dtype"), ("tokenizer", "vocab_size")), _ids_fit_dtype),
 ]
 
@@ -886,8 +1037,7 @@ class RunConfig(_Section):
 
     run_name: str | None = _field(
         None,
-        "Name of the run folder. Empty: derived from the config, so the same config "
-        "resumes the same run.",
+        "Name of the run folder. Empty: derived from the config, so the same config resumes the same run.",
         fix="use letters, digits, '.', '_' or '-' (max 128), starting with a letter or digit",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
     )
@@ -895,7 +1045,8 @@ class RunConfig(_Section):
         None,
         "The recipe this config started from (load_config sets it from the recipe's name or "
         "file). Informational: it tags the run's flow runs and is no part of the run's identity.",
-        fix="use letters, digits, '.', '_' or '-'", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+        fix="use letters, digits, '.', '_' or '-'",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
     )
     data: DataConfig = Field(default_factory=DataConfig, description="Raw data source and split.")
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer.")
@@ -904,13 +1055,16 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation during training.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How ranks are started.")
-    engine: EngineConfig = Field(default_factory=EngineConfig,
-                                 description="Precision, compilation and parallelism of the ranks.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="Precision, compilation and parallelism of the ranks."
+    )
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Object store.")
-    metrics: MetricsConfig = Field(default_factory=MetricsConfig,
-                                   description="TensorBoard and MLflow sinks of the run's metrics.")
-    ray: RayConfig = Field(default_factory=RayConfig,
-                           description="The Ray cluster of launch.launcher 'ray' and data.engine 'ray'.")
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig, description="TensorBoard and MLflow sinks of the run's metrics."
+    )
+    ray: RayConfig = Field(
+        default_factory=RayConfig, description="The Ray cluster of launch.launcher 'ray' and data.engine 'ray'."
+    )
 
     # ---- derived facts -------------------------------------------------------------
     @property
@@ -922,11 +1076,20 @@ class RunConfig(_Section):
         launched or computed, nor how the global batch is split (world size, micro-batch),
         since every step trains on the same sequences at any split. A run may resume with
         any of those changed."""
-        payload = self.model_dump(mode="json", exclude={"run_name": True, "recipe": True, "storage": True,
-                                                        "launch": True, "engine": True,
-                                                        "metrics": True, "ray": True,
-                                                        "data": {"num_workers", "engine"},
-                                                        "train": {"micro_batch_size"}})
+        payload = self.model_dump(
+            mode="json",
+            exclude={
+                "run_name": True,
+                "recipe": True,
+                "storage": True,
+                "launch": True,
+                "engine": True,
+                "metrics": True,
+                "ray": True,
+                "data": {"num_workers", "engine"},
+                "train": {"micro_batch_size"},
+            },
+        )
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
     def model_hash(self) -> str:
@@ -962,8 +1125,10 @@ class RunConfig(_Section):
             if failed:
                 raise failed
             return cfg
-        line_errors = [{"type": PydanticCustomError(e["type"], e["msg"], e.get("ctx")),
-                        "loc": e["loc"], "input": e["input"]} for e in errors]
+        line_errors = [
+            {"type": PydanticCustomError(e["type"], e["msg"], e.get("ctx")), "loc": e["loc"], "input": e["input"]}
+            for e in errors
+        ]
         raise ValidationError.from_exception_data(cls.__name__, line_errors + found)
 
     def check(self) -> "RunConfig":
@@ -1027,15 +1192,25 @@ def field_table() -> list[dict]:
     for section, sfield in RunConfig.model_fields.items():
         model = sfield.annotation
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
-            rows.append({"key": section, "type": type_name(sfield.annotation),
-                         "default": sfield.get_default(call_default_factory=True),
-                         "description": sfield.description or ""})
+            rows.append(
+                {
+                    "key": section,
+                    "type": type_name(sfield.annotation),
+                    "default": sfield.get_default(call_default_factory=True),
+                    "description": sfield.description or "",
+                }
+            )
             continue
         for name, f in model.model_fields.items():
             bounds = _range(f)
-            rows.append({"key": f"{section}.{name}", "type": type_name(f.annotation) + (f" ({bounds})" if bounds else ""),
-                         "default": f.get_default(call_default_factory=True),
-                         "description": f.description or ""})
+            rows.append(
+                {
+                    "key": f"{section}.{name}",
+                    "type": type_name(f.annotation) + (f" ({bounds})" if bounds else ""),
+                    "default": f.get_default(call_default_factory=True),
+                    "description": f.description or "",
+                }
+            )
     return rows
 
 
@@ -1123,9 +1298,12 @@ def _installed(module: str) -> bool:
 
 def missing_sink_packages(metrics: MetricsConfig) -> list[str]:
     """A problem line for each metric sink asked for whose package this host lacks."""
-    return [f"metrics.{field}: needs the {module!r} package, which is not installed here; pip "
-            "install 'stoker[metrics]', or turn the sink off." for field, module in _SINK_MODULES.items()
-            if getattr(metrics, field, None) and not _installed(module)]
+    return [
+        f"metrics.{field}: needs the {module!r} package, which is not installed here; pip "
+        "install 'stoker[metrics]', or turn the sink off."
+        for field, module in _SINK_MODULES.items()
+        if getattr(metrics, field, None) and not _installed(module)
+    ]
 
 
 def local_resource_problems(cfg: RunConfig) -> list[str]:
@@ -1141,17 +1319,19 @@ def local_resource_problems(cfg: RunConfig) -> list[str]:
     if source.startswith("hf:"):
         name = source[3:].strip()
         if name.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(name)):
-            out.append(f"data.source: no local dataset folder {name!r}; give an existing folder "
-                       "or a Hub name such as 'hf:wikitext'.")
-    elif source and not source.startswith("builtin:") and (
-            "://" not in source or source.startswith("file://")):
+            out.append(
+                f"data.source: no local dataset folder {name!r}; give an existing folder "
+                "or a Hub name such as 'hf:wikitext'."
+            )
+    elif source and not source.startswith("builtin:") and ("://" not in source or source.startswith("file://")):
         if not _holds_a_file(os.path.expanduser(source.removeprefix("file://"))):
-            out.append(f"data.source: no file matches {cfg.data.source!r}; give an existing file, "
-                       "folder or glob, or use 'builtin:stdlib'.")
+            out.append(
+                f"data.source: no file matches {cfg.data.source!r}; give an existing file, "
+                "folder or glob, or use 'builtin:stdlib'."
+            )
     path = cfg.tokenizer.path
     if path and "://" not in path and not Path(path).expanduser().is_file():
-        out.append(f"tokenizer.path: {path!r} is not a file; give a tokenizer.json or leave it "
-                   "empty to train one.")
+        out.append(f"tokenizer.path: {path!r} is not a file; give a tokenizer.json or leave it empty to train one.")
     return out + missing_sink_packages(cfg.metrics) + missing_ray(cfg)
 
 
@@ -1159,27 +1339,41 @@ def missing_ray(cfg: RunConfig) -> list[str]:
     """The fields that choose Ray, when Ray is not installed on this host."""
     import importlib.util
 
-    chosen = [name for name, value in (("launch.launcher", getattr(cfg.launch, "launcher", "local")),
-                                       ("data.engine", getattr(cfg.data, "engine", "local")))
-              if value == "ray"]
+    chosen = [
+        name
+        for name, value in (
+            ("launch.launcher", getattr(cfg.launch, "launcher", "local")),
+            ("data.engine", getattr(cfg.data, "engine", "local")),
+        )
+        if value == "ray"
+    ]
     if not chosen or importlib.util.find_spec("ray") is not None:
         return []
-    return [f"{name}: 'ray' needs Ray, which is not installed here; pip install 'stoker[ray]', or "
-            "use 'local'." for name in chosen]
+    return [
+        f"{name}: 'ray' needs Ray, which is not installed here; pip install 'stoker[ray]', or use 'local'."
+        for name in chosen
+    ]
 
 
 def _resources_of(data: Any, errors: list[Any]) -> RunConfig:
     """The fields local_resource_problems reads, from input that failed validation elsewhere,
     so its problems are reported with the others (a field that failed itself is left out)."""
     found: dict[str, dict[str, Any]] = {"data": {}, "tokenizer": {}, "metrics": {}, "launch": {}}
-    for path in (("data", "source"), ("data", "engine"), ("tokenizer", "path"),
-                 ("launch", "launcher"), *(("metrics", f) for f in _SINK_MODULES)):
+    for path in (
+        ("data", "source"),
+        ("data", "engine"),
+        ("tokenizer", "path"),
+        ("launch", "launcher"),
+        *(("metrics", f) for f in _SINK_MODULES),
+    ):
         if isinstance(data, dict) and not any(_overlaps(e["loc"], path) for e in errors):
             found[path[0]][path[1]] = _read(data, path)
-    return RunConfig.model_construct(data=DataConfig.model_construct(**found["data"]),
-                                     tokenizer=TokenizerConfig.model_construct(**found["tokenizer"]),
-                                     metrics=MetricsConfig.model_construct(**found["metrics"]),
-                                     launch=LaunchConfig.model_construct(**found["launch"]))
+    return RunConfig.model_construct(
+        data=DataConfig.model_construct(**found["data"]),
+        tokenizer=TokenizerConfig.model_construct(**found["tokenizer"]),
+        metrics=MetricsConfig.model_construct(**found["metrics"]),
+        launch=LaunchConfig.model_construct(**found["launch"]),
+    )
 
 
 def load_config(source: "RunConfig | dict | str | Path | None" = None, **overrides: Any) -> RunConfig:
@@ -1206,16 +1400,24 @@ def load_config(source: "RunConfig | dict | str | Path | None" = None, **overrid
         if isinstance(data, dict) and re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", path.stem):
             data.setdefault("recipe", path.stem)
     if not isinstance(data, dict):
-        raise ConfigError([f"config: {str(source)!r} holds {type(data).__name__}, not a mapping of "
-                           "sections; start from a recipe such as 'tiny-cpu'"])
+        raise ConfigError(
+            [
+                f"config: {str(source)!r} holds {type(data).__name__}, not a mapping of "
+                "sections; start from a recipe such as 'tiny-cpu'"
+            ]
+        )
     for key, value in overrides.items():
         parts = key.replace("__", ".").split(".")
         node = data
         for depth, p in enumerate(parts[:-1]):
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ConfigError([f"{'.'.join(parts[:depth + 1])}: is a value, not a section, so "
-                                   f"{key!r} cannot be set; e.g. train.max_steps=100"])
+                raise ConfigError(
+                    [
+                        f"{'.'.join(parts[: depth + 1])}: is a value, not a section, so "
+                        f"{key!r} cannot be set; e.g. train.max_steps=100"
+                    ]
+                )
         if not parts[-1]:
             raise ConfigError([f"{key!r}: names no field; e.g. train.max_steps=100"])
         node[parts[-1]] = value

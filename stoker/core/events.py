@@ -220,9 +220,26 @@ class Joined(Event):
 
 
 TYPES: dict[str, type[Event]] = {
-    cls.kind: cls for cls in (Step, Joined, Train, Eval, CheckpointStaged, CheckpointCommitted, UploadRetry,
-                              CheckpointFailed, CheckpointDropped, Resumed, Failure, NonFinite, Stopped,
-                              Done, Evaluated, Exported)}
+    cls.kind: cls
+    for cls in (
+        Step,
+        Joined,
+        Train,
+        Eval,
+        CheckpointStaged,
+        CheckpointCommitted,
+        UploadRetry,
+        CheckpointFailed,
+        CheckpointDropped,
+        Resumed,
+        Failure,
+        NonFinite,
+        Stopped,
+        Done,
+        Evaluated,
+        Exported,
+    )
+}
 
 
 def from_dict(record: dict) -> Event | None:

@@ -99,8 +99,7 @@ class RetriesExhausted(StokerError, ConnectionError):
 
     def __init__(self, what: str, attempts: int, seconds: float, last_error: str):
         self.what, self.attempts, self.seconds, self.last_error = what, attempts, seconds, last_error
-        super().__init__(f"{what} failed after {attempts} attempts in {seconds:.1f}s "
-                         f"(last error: {last_error})")
+        super().__init__(f"{what} failed after {attempts} attempts in {seconds:.1f}s (last error: {last_error})")
 
     def __reduce__(self):
         return type(self), (self.what, self.attempts, self.seconds, self.last_error)
@@ -113,18 +112,38 @@ class RankAborted(Exception):
 
 # Exception types (matched by name anywhere in the MRO, so torch, botocore and aiohttp need
 # not be imported here) that mean a peer, the network or the store blinked.
-_TRANSIENT_TYPES = {"Preempted", "DistBackendError", "DistNetworkError", "DistStoreError",
-                    "RendezvousTimeoutError", "RendezvousClosedError", "EndpointConnectionError",
-                    "ConnectTimeoutError", "ReadTimeoutError", "ServerDisconnectedError",
-                    "ClientConnectionError", "ClientPayloadError"}
+_TRANSIENT_TYPES = {
+    "Preempted",
+    "DistBackendError",
+    "DistNetworkError",
+    "DistStoreError",
+    "RendezvousTimeoutError",
+    "RendezvousClosedError",
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ServerDisconnectedError",
+    "ClientConnectionError",
+    "ClientPayloadError",
+}
 # S3-style error codes that no retry can fix
-_PERMANENT_CODES = {"NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-                    "AllAccessDisabled", "InvalidBucketName", "NoSuchKey", "ExpiredToken"}
+_PERMANENT_CODES = {
+    "NoSuchBucket",
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AllAccessDisabled",
+    "InvalidBucketName",
+    "NoSuchKey",
+    "ExpiredToken",
+}
 _TRANSIENT_STATUS = {408, 425, 429}
 # a collective whose peer died surfaces as a plain RuntimeError from gloo/NCCL
 _LOST_PEER = re.compile(
     r"Connection (reset|closed|refused) by peer|Broken pipe|gloo/transport|NCCL (error|communicator)|"
-    r"ProcessGroup\w* .*(timed out|aborted)|Socket Timeout", re.IGNORECASE)
+    r"ProcessGroup\w* .*(timed out|aborted)|Socket Timeout",
+    re.IGNORECASE,
+)
 _NOT_THERE = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
@@ -230,9 +249,16 @@ def describe(exc: BaseException) -> str:
     return f"{type(root).__name__}: {root}"
 
 
-def retry(fn: Callable[[], T], *, what: str, attempts: int | None = None,
-          budget_seconds: float | None = None, base_delay: float = 0.5, max_delay: float = 8.0,
-          on_retry: Callable[[int, BaseException, float], None] | None = None) -> T:
+def retry(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    attempts: int | None = None,
+    budget_seconds: float | None = None,
+    base_delay: float = 0.5,
+    max_delay: float = 8.0,
+    on_retry: Callable[[int, BaseException, float], None] | None = None,
+) -> T:
     """Call ``fn`` until it succeeds. A permanent failure is raised at once; a transient one
     is retried with backoff (``base_delay`` doubling to ``max_delay``, times a random factor in
     [0.5, 1.0) drawn per call) while fewer than ``attempts`` were made and the next try starts

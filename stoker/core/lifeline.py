@@ -75,7 +75,7 @@ def process_start(pid: int) -> int | None:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # from the 3rd field (state) on
+    fields = stat[stat.rindex(")") + 2 :].split()  # from the 3rd field (state) on
     return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
@@ -135,9 +135,14 @@ class Lifeline:
     """The watcher's side: calls `on_gone(reason)` once, from a daemon thread, when the launcher
     of `launcher_token` / `heartbeat` is gone, or (`watch_parent`) this process's parent is."""
 
-    def __init__(self, on_gone: Callable[[str], None], launcher_token: str | None = None,
-                 heartbeat: str | None = None, watch_parent: bool = False,
-                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT_SECONDS):
+    def __init__(
+        self,
+        on_gone: Callable[[str], None],
+        launcher_token: str | None = None,
+        heartbeat: str | None = None,
+        watch_parent: bool = False,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT_SECONDS,
+    ):
         self.on_gone, self.launcher_token, self.heartbeat = on_gone, launcher_token, heartbeat
         self.parent = os.getppid() if watch_parent else None
         self.heartbeat_timeout = heartbeat_timeout
@@ -194,11 +199,13 @@ class Lifeline:
 def terminate_self(grace: float) -> Callable[[str], None]:
     """An `on_gone` that stops this process as a cancel does (SIGTERM to itself), and SIGKILLs
     it when it is still here `grace` seconds later (stuck where no handler runs)."""
+
     def on_gone(reason: str) -> None:
         print(f"stoker: stopping: {reason}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace)
         os.kill(os.getpid(), signal.SIGKILL)
+
     return on_gone
 
 

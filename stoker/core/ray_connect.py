@@ -24,8 +24,9 @@ def start_local(num_cpus: int, **init_kwargs: Any) -> Any:
     if saved is not None:
         ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        return ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                        num_cpus=num_cpus, **init_kwargs)
+        return ray.init(
+            address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus, **init_kwargs
+        )
     finally:
         if saved is not None:
             ray_constants.ENABLE_RAY_CLUSTER = saved
@@ -43,5 +44,7 @@ def connect(address: str, **init_kwargs: Any) -> Any:
             socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
         return ray.init(address=address, logging_level=logging.WARNING, **init_kwargs)
     except (ConnectionError, TimeoutError, OSError) as err:
-        raise ConnectionError(f"ray.address: cannot reach the Ray cluster at {address} ({err}); start "
-                              "it, or fix ray.address (ray://HEAD:10001, or auto on a node).") from None
+        raise ConnectionError(
+            f"ray.address: cannot reach the Ray cluster at {address} ({err}); start "
+            "it, or fix ray.address (ray://HEAD:10001, or auto on a node)."
+        ) from None

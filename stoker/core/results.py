@@ -75,10 +75,12 @@ class TrainingResult(BaseModel):
     attempt_log: list[dict] = Field(default_factory=list, description="one record per launch attempt")
     goodput: float | None = None
     throughput: list[dict] = Field(
-        default_factory=list, description="per log step: tokens/s, MFU, peak GPU memory, data wait")
+        default_factory=list, description="per log step: tokens/s, MFU, peak GPU memory, data wait"
+    )
     skipped_steps: list[int] = Field(
-        default_factory=list, description="steps whose update was dropped for a NaN/inf loss or "
-        "gradient norm (train.nonfinite=skip)")
+        default_factory=list,
+        description="steps whose update was dropped for a NaN/inf loss or gradient norm (train.nonfinite=skip)",
+    )
 
 
 class PipelineResult(BaseModel):
@@ -98,7 +100,8 @@ class PipelineResult(BaseModel):
     first_train_loss: float | None = None
     last_train_loss: float | None = None
     checkpoints: list[dict] = Field(
-        default_factory=list, description="step, uri, size_mb, upload_seconds, val_loss per checkpoint")
+        default_factory=list, description="step, uri, size_mb, upload_seconds, val_loss per checkpoint"
+    )
     attempts: list[dict] = Field(default_factory=list, description="launch attempts, with steps lost")
     num_attempts: int = 0
     steps_lost: int = 0

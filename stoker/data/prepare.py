@@ -50,8 +50,9 @@ TRAIN_BATCH_DOCS = 1000
 
 # ---- download ------------------------------------------------------------------------
 def _dataset_info(info: dict, key: str, cache_hit: bool) -> DatasetInfo:
-    return DatasetInfo(info["fingerprint"], key, info["num_docs"], info["num_bytes"], cache_hit,
-                       info.get("num_skipped_files", 0))
+    return DatasetInfo(
+        info["fingerprint"], key, info["num_docs"], info["num_bytes"], cache_hit, info.get("num_skipped_files", 0)
+    )
 
 
 def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
@@ -77,8 +78,9 @@ def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
             stats = write_corpus(source, cfg, corpus)
             if stats.num_docs == 0:
                 skipped = f" ({len(stats.skipped)} file(s) skipped as not UTF-8)" if stats.skipped else ""
-                raise DataError(f"data.source: {cfg.source!r} holds no non-empty document{skipped}; "
-                                "point it at text data.")
+                raise DataError(
+                    f"data.source: {cfg.source!r} holds no non-empty document{skipped}; point it at text data."
+                )
             if stats.skipped:
                 log.warning("%d file(s) of %s skipped as not UTF-8 text", len(stats.skipped), cfg.source)
             digest = sha256_file(corpus)
@@ -88,16 +90,25 @@ def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
                 info = committed_dataset(store, fingerprint)
                 stored_before = info is not None  # the same documents, from another source
                 if not stored_before:
-                    info = {"source": cfg.source, "fingerprint": fingerprint,
-                            "source_fingerprint": source.fingerprint,
-                            "fingerprint_inputs": source.fingerprint_inputs, "num_docs": stats.num_docs,
-                            "num_bytes": stats.num_bytes, "num_skipped_files": len(stats.skipped),
-                            "skipped_files": stats.skipped[:100],
-                            "files": {CORPUS_FILE: {"size": os.path.getsize(corpus), "sha256": digest}}}
+                    info = {
+                        "source": cfg.source,
+                        "fingerprint": fingerprint,
+                        "source_fingerprint": source.fingerprint,
+                        "fingerprint_inputs": source.fingerprint_inputs,
+                        "num_docs": stats.num_docs,
+                        "num_bytes": stats.num_bytes,
+                        "num_skipped_files": len(stats.skipped),
+                        "skipped_files": stats.skipped[:100],
+                        "files": {CORPUS_FILE: {"size": os.path.getsize(corpus), "sha256": digest}},
+                    }
                     publish_dataset(store, fingerprint, corpus, info)
                 else:
-                    log.info("%s holds the same documents as dataset %s (from %s): stored once",
-                             cfg.source, fingerprint, info.get("source"))
+                    log.info(
+                        "%s holds the same documents as dataset %s (from %s): stored once",
+                        cfg.source,
+                        fingerprint,
+                        info.get("source"),
+                    )
             link_source(store, source.fingerprint, fingerprint)
             return _dataset_info(info, key, cache_hit=stored_before)
 
@@ -172,13 +183,17 @@ def train_tokenizer(dataset: DatasetInfo, cfg: TokenizerConfig, store: Store) ->
             raise DataError(f"tokenizer.path: {cfg.path!r} is not a tokenizers JSON file ({err}).") from None
         eot_id = tok.token_to_id(cfg.eot_token)
         if eot_id is None:
-            raise DataError(f"tokenizer.eot_token: the tokenizer has no {cfg.eot_token!r} token; add it "
-                            "as a special token, or set tokenizer.eot_token to its end-of-text token.")
+            raise DataError(
+                f"tokenizer.eot_token: the tokenizer has no {cfg.eot_token!r} token; add it "
+                "as a special token, or set tokenizer.eot_token to its end-of-text token."
+            )
         vocab_size = tok.get_vocab_size()
         if vocab_size > cfg.vocab_size:
-            raise DataError(f"tokenizer.vocab_size: the tokenizer has {vocab_size} ids but the config "
-                            f"says {cfg.vocab_size}, which sizes the model's embedding; set "
-                            f"tokenizer.vocab_size >= {vocab_size}.")
+            raise DataError(
+                f"tokenizer.vocab_size: the tokenizer has {vocab_size} ids but the config "
+                f"says {cfg.vocab_size}, which sizes the model's embedding; set "
+                f"tokenizer.vocab_size >= {vocab_size}."
+            )
         digest = sha256_file(local)
         key = join("tokenizers", "by-hash", digest[:24], TOKENIZER_FILE)
         if not store.exists(key):
@@ -192,14 +207,20 @@ def token_dtype(choice: str, vocab_size: int) -> np.dtype:
     if choice == "auto":
         return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
     if choice == "uint16" and vocab_size > 2**16:
-        raise DataError(f"data.token_dtype: uint16 holds token ids below 65536, but the tokenizer has "
-                        f"{vocab_size} ids; set data.token_dtype to 'uint32' or 'auto'.")
+        raise DataError(
+            f"data.token_dtype: uint16 holds token ids below 65536, but the tokenizer has "
+            f"{vocab_size} ids; set data.token_dtype to 'uint32' or 'auto'."
+        )
     return np.dtype("<u2" if choice == "uint16" else "<u4")
 
 
 def tokenize_and_shard(
-    dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig, store: Store,
-    partition_bytes: int = PARTITION_BYTES, ray: RayConfig | None = None,
+    dataset: DatasetInfo,
+    tokenizer: TokenizerInfo,
+    cfg: DataConfig,
+    store: Store,
+    partition_bytes: int = PARTITION_BYTES,
+    ray: RayConfig | None = None,
 ) -> ShardInfo:
     """Tokenize the corpus once into flat little-endian token files, manifest last.
 
@@ -210,8 +231,12 @@ def tokenize_and_shard(
     `ray` (default: a local Ray instance). The key and the bytes do not depend on the
     engine, cfg.num_workers or partition_bytes."""
     dtype = token_dtype(cfg.token_dtype, tokenizer.vocab_size)  # before any work
-    params = {"val_fraction": cfg.val_fraction, "shard_tokens": cfg.shard_tokens,
-              "dtype": dtype.str, "eot_id": tokenizer.eot_id}
+    params = {
+        "val_fraction": cfg.val_fraction,
+        "shard_tokens": cfg.shard_tokens,
+        "dtype": dtype.str,
+        "eot_id": tokenizer.eot_id,
+    }
     cache_key = shard_cache_key(dataset.fingerprint, tokenizer.sha256, params)
     existing = validate_shard_set(store, cache_key)  # cheap: the bytes are hashed where they land
     if existing:
@@ -222,8 +247,7 @@ def tokenize_and_shard(
             return _shard_info(store, cache_key, existing.manifest, cache_hit=True)
         if store.is_local:
             clear_stale_staging(store, cache_key)
-        inputs = {"dataset_fingerprint": dataset.fingerprint, "tokenizer_sha256": tokenizer.sha256,
-                  "params": params}
+        inputs = {"dataset_fingerprint": dataset.fingerprint, "tokenizer_sha256": tokenizer.sha256, "params": params}
         staging = staging_key(cache_key)
         try:
             manifest = _build(dataset, tokenizer, cfg, store, staging, dtype, partition_bytes, ray)
@@ -234,8 +258,9 @@ def tokenize_and_shard(
         published = publish_shard_set(store, staging, cache_key, manifest)
     verdict = validate_shard_set(store, cache_key)
     if not verdict:
-        raise OSError(f"shard set {store.url(shard_set_key(cache_key))} did not validate after "
-                      f"publishing: {verdict.reason}")
+        raise OSError(
+            f"shard set {store.url(shard_set_key(cache_key))} did not validate after publishing: {verdict.reason}"
+        )
     return _shard_info(store, cache_key, verdict.manifest, cache_hit=not published)
 
 
@@ -264,8 +289,15 @@ def _token_bytes(dataset: DatasetInfo, store: Store, tokenizer_path: str, dtype:
     return int(dataset.num_bytes / max(1, sampled) * tokens * dtype.itemsize * DISK_MARGIN)
 
 
-def _check_disk_space(dataset: DatasetInfo, store: Store, tokenizer_path: str, dtype: np.dtype,
-                      shard_tokens: int, tmp: str, ray: RayConfig | None = None) -> None:
+def _check_disk_space(
+    dataset: DatasetInfo,
+    store: Store,
+    tokenizer_path: str,
+    dtype: np.dtype,
+    shard_tokens: int,
+    tmp: str,
+    ray: RayConfig | None = None,
+) -> None:
     """Before tokenizing: is there room for what this host writes? Estimated from a tokenized
     sample of the corpus. Local engine: the per-partition token files and, on a remote store,
     the corpus copy go to the temp folder; the shards go to the store (local) or one at a
@@ -276,8 +308,11 @@ def _check_disk_space(dataset: DatasetInfo, store: Store, tokenizer_path: str, d
     to_root = ("storage.root", "free space there or point storage.root at a bigger disk")
     to_tmp = ("the temporary folder (TMPDIR)", "free space there or set TMPDIR to a folder on a bigger disk")
     if ray is not None:  # pieces, then shards: twice the tokens, in the store
-        needs = [(store.local_path(), 2 * _token_bytes(dataset, store, tokenizer_path, dtype), *to_root)
-                 ] if store.is_local else []
+        needs = (
+            [(store.local_path(), 2 * _token_bytes(dataset, store, tokenizer_path, dtype), *to_root)]
+            if store.is_local
+            else []
+        )
         if ray.address is None:
             needs.append((tmp, available_cores() * shard_tokens * dtype.itemsize, *to_tmp))
     else:
@@ -300,16 +335,26 @@ def _check_disk_space(dataset: DatasetInfo, store: Store, tokenizer_path: str, d
             raise DataError(
                 f"{name}: tokenizing {dataset.num_bytes / 1e6:.1f} MB of text needs about "
                 f"{need / 1e6:.1f} MB on {_existing(path)} ({where}) and {free / 1e6:.1f} MB are "
-                f"free; {fix}.")
+                f"free; {fix}."
+            )
 
 
-def _build(dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig, store: Store,
-           staging: str, dtype: np.dtype, partition_bytes: int, ray: RayConfig | None = None) -> dict:
+def _build(
+    dataset: DatasetInfo,
+    tokenizer: TokenizerInfo,
+    cfg: DataConfig,
+    store: Store,
+    staging: str,
+    dtype: np.dtype,
+    partition_bytes: int,
+    ray: RayConfig | None = None,
+) -> dict:
     """Build the shard set into `staging`; return its manifest (without key and inputs)."""
     with tempfile.TemporaryDirectory(prefix="stoker-shards-") as tmp:
         if cfg.engine == "ray":
-            by_split, files = _build_on_ray(dataset, tokenizer, cfg, store, staging, dtype, partition_bytes,
-                                            ray or RayConfig(), tmp)
+            by_split, files = _build_on_ray(
+                dataset, tokenizer, cfg, store, staging, dtype, partition_bytes, ray or RayConfig(), tmp
+            )
         else:
             by_split, files = _build_here(dataset, tokenizer, cfg, store, staging, dtype, partition_bytes, tmp)
     bins = {s: sorted(n for n in by_split[s] if n.endswith(".bin")) for s in SPLITS}
@@ -334,8 +379,16 @@ def _every_split_filled(by_split: dict[str, dict], dataset: DatasetInfo) -> None
             )
 
 
-def _build_here(dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig, store: Store,
-                staging: str, dtype: np.dtype, partition_bytes: int, tmp: str) -> tuple[dict, dict]:
+def _build_here(
+    dataset: DatasetInfo,
+    tokenizer: TokenizerInfo,
+    cfg: DataConfig,
+    store: Store,
+    staging: str,
+    dtype: np.dtype,
+    partition_bytes: int,
+    tmp: str,
+) -> tuple[dict, dict]:
     """The local engine: cfg.num_workers processes on this host. Returns the shard files by
     split and every file's manifest entry (tokenizer.json included)."""
     build = store.local_path(staging) if store.is_local else os.path.join(tmp, "build")
@@ -356,8 +409,15 @@ def _build_here(dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig,
 
     parts = os.path.join(tmp, "parts")
     os.makedirs(parts)
-    jobs = partition_jobs(corpus, partition_bytes, parts, tokenizer=local_tok, eot_id=tokenizer.eot_id,
-                          dtype=dtype.str, val_fraction=cfg.val_fraction)
+    jobs = partition_jobs(
+        corpus,
+        partition_bytes,
+        parts,
+        tokenizer=local_tok,
+        eot_id=tokenizer.eot_id,
+        dtype=dtype.str,
+        val_fraction=cfg.val_fraction,
+    )
     by_split = build_shards(jobs, build, cfg.shard_tokens, cfg.resolved_workers(), tmp, on_close)
     _every_split_filled(by_split, dataset)
     files = {TOKENIZER_FILE: {"size": os.path.getsize(local_tok), "sha256": sha256_file(local_tok)}}
@@ -367,9 +427,17 @@ def _build_here(dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig,
     return by_split, files
 
 
-def _build_on_ray(dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig, store: Store,
-                  staging: str, dtype: np.dtype, partition_bytes: int, ray: RayConfig,
-                  tmp: str) -> tuple[dict, dict]:
+def _build_on_ray(
+    dataset: DatasetInfo,
+    tokenizer: TokenizerInfo,
+    cfg: DataConfig,
+    store: Store,
+    staging: str,
+    dtype: np.dtype,
+    partition_bytes: int,
+    ray: RayConfig,
+    tmp: str,
+) -> tuple[dict, dict]:
     """The Ray engine (stoker/data/ray_engine.py): Ray tasks read the corpus from the store and write
     the shard files to staging; this host writes only tokenizer.json there."""
     from stoker.data.ray_engine import build_shards_on_ray
@@ -377,10 +445,25 @@ def _build_on_ray(dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfi
     local_tok = os.path.join(tmp, TOKENIZER_FILE)
     store.get_file(tokenizer.key, local_tok)
     _check_disk_space(dataset, store, local_tok, dtype, cfg.shard_tokens, tmp, ray)
-    built = build_shards_on_ray(store, ray, join(dataset.key, CORPUS_FILE), tokenizer.key, staging,
-                                tokenizer.eot_id, dtype, cfg.val_fraction, cfg.shard_tokens, partition_bytes)
-    log.info("data.engine ray: %d tasks on %d node(s), %.1f task CPU-s", built.num_tasks, len(built.nodes),
-             built.task_cpu_s, extra={"ray_nodes": sorted(built.nodes), "ray_task_cpu_s": built.task_cpu_s})
+    built = build_shards_on_ray(
+        store,
+        ray,
+        join(dataset.key, CORPUS_FILE),
+        tokenizer.key,
+        staging,
+        tokenizer.eot_id,
+        dtype,
+        cfg.val_fraction,
+        cfg.shard_tokens,
+        partition_bytes,
+    )
+    log.info(
+        "data.engine ray: %d tasks on %d node(s), %.1f task CPU-s",
+        built.num_tasks,
+        len(built.nodes),
+        built.task_cpu_s,
+        extra={"ray_nodes": sorted(built.nodes), "ray_task_cpu_s": built.task_cpu_s},
+    )
     _every_split_filled(built.files, dataset)
     files = {TOKENIZER_FILE: {"size": os.path.getsize(local_tok), "sha256": sha256_file(local_tok)}}
     store.put_file(local_tok, join(staging, TOKENIZER_FILE))

@@ -117,9 +117,20 @@ def piece_key(staging: str, index: int, split: str) -> str:
     return join(staging, PARTS, f"p-{index:05d}.{split}.bin")
 
 
-def tokenize_task(spec: StoreSpec, corpus_key: str, corpus_size: int, index: int, start: int, end: int,
-                  tokenizer_key: str, eot_id: int, dtype: str, val_fraction: float, staging: str,
-                  cpus: float) -> dict:
+def tokenize_task(
+    spec: StoreSpec,
+    corpus_key: str,
+    corpus_size: int,
+    index: int,
+    start: int,
+    end: int,
+    tokenizer_key: str,
+    eot_id: int,
+    dtype: str,
+    val_fraction: float,
+    staging: str,
+    cpus: float,
+) -> dict:
     """Phase 1, one partition: its pieces go to the store; returns counts and document ends."""
     cpu0 = time.process_time()
     _set_threads(cpus)
@@ -134,10 +145,13 @@ def tokenize_task(spec: StoreSpec, corpus_key: str, corpus_size: int, index: int
         docs = (corpus_text(line, offset) for offset, line in range_lines(read, start, end))
         counts = tokenize_docs(docs, tok, eot_id, np.dtype(dtype), val_fraction, files)
     except FileNotFoundError:
-        raise ConfigError([
-            f"storage.root: a Ray node ({_node_id()[:12]}) finds no {store.url(corpus_key)}, which the "
-            "flow's host reads; with data.engine 'ray' every node must reach storage.root: use an "
-            "object store (s3://...) or a folder mounted at the same path on every node."]) from None
+        raise ConfigError(
+            [
+                f"storage.root: a Ray node ({_node_id()[:12]}) finds no {store.url(corpus_key)}, which the "
+                "flow's host reads; with data.engine 'ray' every node must reach storage.root: use an "
+                "object store (s3://...) or a folder mounted at the same path on every node."
+            ]
+        ) from None
     for split, (binf, _) in files.items():
         if counts[split][0]:
             store.write_bytes(piece_key(staging, index, split), binf.getvalue())  # one PUT: whole or absent
@@ -145,8 +159,15 @@ def tokenize_task(spec: StoreSpec, corpus_key: str, corpus_size: int, index: int
     return {"counts": counts, "ends": ends, "node": _node_id(), "cpu_s": time.process_time() - cpu0}
 
 
-def assemble_task(spec: StoreSpec, staging: str, split: str, index: int,
-                  runs: list[tuple[str, int, int]], idx: np.ndarray, itemsize: int) -> dict:
+def assemble_task(
+    spec: StoreSpec,
+    staging: str,
+    split: str,
+    index: int,
+    runs: list[tuple[str, int, int]],
+    idx: np.ndarray,
+    itemsize: int,
+) -> dict:
     """Phase 2, one shard file: the token runs [first, end) of pieces, in order, then its
     document ends; uploaded whole. Returns sizes and sha256s."""
     cpu0 = time.process_time()
@@ -166,9 +187,14 @@ def assemble_task(spec: StoreSpec, staging: str, split: str, index: int,
         store.put_file(tmp.name, join(staging, shard_name(split, index, "bin")))
     idx_bytes = np.ascontiguousarray(idx, dtype="<u8").tobytes()
     store.write_bytes(join(staging, shard_name(split, index, "idx")), idx_bytes)
-    return {"bin_size": size, "bin_sha256": digest.hexdigest(), "idx_size": len(idx_bytes),
-            "idx_sha256": hashlib.sha256(idx_bytes).hexdigest(), "node": _node_id(),
-            "cpu_s": time.process_time() - cpu0}
+    return {
+        "bin_size": size,
+        "bin_sha256": digest.hexdigest(),
+        "idx_size": len(idx_bytes),
+        "idx_sha256": hashlib.sha256(idx_bytes).hexdigest(),
+        "node": _node_id(),
+        "cpu_s": time.process_time() - cpu0,
+    }
 
 
 # ---- the driver's plan ---------------------------------------------------------------
@@ -206,8 +232,9 @@ class _ShardPlanner:
     def close(self) -> ShardPlan | None:
         if not self.runs:
             return None
-        plan = ShardPlan(self.split, self.index, self.count, self.docs, self.runs,
-                         np.concatenate(self.idx).astype("<u8"))
+        plan = ShardPlan(
+            self.split, self.index, self.count, self.docs, self.runs, np.concatenate(self.idx).astype("<u8")
+        )
         self.index, self.count, self.docs, self.runs, self.idx = self.index + 1, 0, 0, [], []
         return plan
 
@@ -217,14 +244,18 @@ def _start_local(ray, cpus_per_task: float) -> None:
     """A Ray instance for this job on 127.0.0.1, with this host's cores (core.ray_connect)."""
     cores = available_cores()
     if cpus_per_task > cores:
-        raise ConfigError([f"ray.cpus_per_data_task: {cpus_per_task:g} CPUs per task, but the local Ray "
-                           f"instance (ray.address empty) has this host's {cores}; use at most {cores}."])
+        raise ConfigError(
+            [
+                f"ray.cpus_per_data_task: {cpus_per_task:g} CPUs per task, but the local Ray "
+                f"instance (ray.address empty) has this host's {cores}; use at most {cores}."
+            ]
+        )
     try:
-        ray_connect.start_local(cores, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                                logging_level=logging.WARNING)
+        ray_connect.start_local(cores, object_store_memory=LOCAL_OBJECT_STORE_BYTES, logging_level=logging.WARNING)
     except Exception as err:  # e.g. "timed out during startup" on a host too busy: worth a retry
-        raise ChildProcessError(f"data.engine 'ray': the local Ray instance did not start "
-                                f"({type(err).__name__}: {err})") from err
+        raise ChildProcessError(
+            f"data.engine 'ray': the local Ray instance did not start ({type(err).__name__}: {err})"
+        ) from err
 
 
 def connect(cfg: RayConfig, cpus_per_task: float) -> tuple[Any, bool]:
@@ -262,8 +293,12 @@ def _result(ray, ref, what: str) -> dict:
         if isinstance(cause, StokerError):
             raise cause from None
         if isinstance(cause, ModuleNotFoundError):
-            raise ConfigError([f"data.engine: 'ray' runs stoker's own code on every node, and a node cannot "
-                               f"import it ({cause}); install stoker on every node of the cluster."]) from None
+            raise ConfigError(
+                [
+                    f"data.engine: 'ray' runs stoker's own code on every node, and a node cannot "
+                    f"import it ({cause}); install stoker on every node of the cluster."
+                ]
+            ) from None
         if isinstance(cause, Exception):
             if hasattr(cause, "add_note"):
                 cause.add_note(f"(in the Ray task that {what})")
@@ -271,8 +306,9 @@ def _result(ray, ref, what: str) -> dict:
         raise RuntimeError(f"data.engine 'ray': the task that {what} failed: {err}") from None
     except ray.exceptions.RayError as err:  # a lost worker or node: a retry may well succeed
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise ChildProcessError(f"data.engine 'ray': the task that {what} was lost "
-                                f"({type(err).__name__}: {first})") from None
+        raise ChildProcessError(
+            f"data.engine 'ray': the task that {what} was lost ({type(err).__name__}: {first})"
+        ) from None
 
 
 def _cancel(ray, refs: list) -> None:
@@ -293,9 +329,18 @@ def _cancel(ray, refs: list) -> None:
 
 
 # ---- the build -------------------------------------------------------------------------
-def build_shards_on_ray(store: Store, ray_cfg: RayConfig, corpus_key: str, tokenizer_key: str,
-                        staging: str, eot_id: int, dtype: np.dtype, val_fraction: float,
-                        shard_tokens: int, partition_bytes: int) -> RayBuild:
+def build_shards_on_ray(
+    store: Store,
+    ray_cfg: RayConfig,
+    corpus_key: str,
+    tokenizer_key: str,
+    staging: str,
+    eot_id: int,
+    dtype: np.dtype,
+    val_fraction: float,
+    shard_tokens: int,
+    partition_bytes: int,
+) -> RayBuild:
     """Tokenize the stored corpus into shard files under `staging` with Ray tasks (see the
     module docstring); returns their manifest entries by split (as sharding.build_shards does)
     and where the work ran. On any failure, Ctrl-C included, the tasks are cancelled and waited
@@ -309,11 +354,27 @@ def build_shards_on_ray(store: Store, ray_cfg: RayConfig, corpus_key: str, token
     refs: list = []
     try:
         # SPREAD: partitions go round the nodes (each reads its own range), not first to the driver's
-        tokenize = ray.remote(tokenize_task).options(num_cpus=cpus, name="stoker-tokenize",
-                                                     scheduling_strategy="SPREAD")
+        tokenize = ray.remote(tokenize_task).options(
+            num_cpus=cpus, name="stoker-tokenize", scheduling_strategy="SPREAD"
+        )
         assemble = ray.remote(assemble_task).options(num_cpus=cpus, name="stoker-assemble")
-        parts = [tokenize.remote(spec, corpus_key, corpus_size, k, start, end, tokenizer_key, eot_id,
-                                 dtype.str, val_fraction, staging, cpus) for k, (start, end) in enumerate(ranges)]
+        parts = [
+            tokenize.remote(
+                spec,
+                corpus_key,
+                corpus_size,
+                k,
+                start,
+                end,
+                tokenizer_key,
+                eot_id,
+                dtype.str,
+                val_fraction,
+                staging,
+                cpus,
+            )
+            for k, (start, end) in enumerate(ranges)
+        ]
         refs += parts
         planners = {s: _ShardPlanner(s, shard_tokens) for s in SPLITS}
         plans: list[ShardPlan] = []
@@ -322,8 +383,7 @@ def build_shards_on_ray(store: Store, ray_cfg: RayConfig, corpus_key: str, token
         def submit(plan: ShardPlan | None) -> None:
             if plan is not None:
                 plans.append(plan)
-                refs.append(assemble.remote(spec, staging, plan.split, plan.index, plan.runs, plan.idx,
-                                            dtype.itemsize))
+                refs.append(assemble.remote(spec, staging, plan.split, plan.index, plan.runs, plan.idx, dtype.itemsize))
 
         for k, ref in enumerate(parts):  # in partition order, as the local engine appends them
             got = _result(ray, ref, f"tokenizes partition {k}")
@@ -335,16 +395,21 @@ def build_shards_on_ray(store: Store, ray_cfg: RayConfig, corpus_key: str, token
         for planner in planners.values():
             submit(planner.close())
         files: dict[str, dict[str, dict]] = {s: {} for s in SPLITS}
-        for plan, ref in zip(plans, refs[len(parts):]):
+        for plan, ref in zip(plans, refs[len(parts) :]):
             name = shard_name(plan.split, plan.index, "bin")
             got = _result(ray, ref, f"assembles {name}")
             nodes.add(got["node"])
             cpu_s += got["cpu_s"]
             if (got["bin_size"], got["idx_size"]) != (plan.tokens * dtype.itemsize, plan.docs * 8):
-                raise OSError(f"{store.url(staging, name)}: {got['bin_size']} bytes written, "
-                              f"{plan.tokens * dtype.itemsize} planned")
-            files[plan.split].update(shard_entries(plan.split, plan.index, plan.tokens, plan.docs,
-                                                   dtype.itemsize, got["bin_sha256"], got["idx_sha256"]))
+                raise OSError(
+                    f"{store.url(staging, name)}: {got['bin_size']} bytes written, "
+                    f"{plan.tokens * dtype.itemsize} planned"
+                )
+            files[plan.split].update(
+                shard_entries(
+                    plan.split, plan.index, plan.tokens, plan.docs, dtype.itemsize, got["bin_sha256"], got["idx_sha256"]
+                )
+            )
         store.rm(join(staging, PARTS))
         return RayBuild(files, nodes, len(refs), cpu_s)
     except BaseException:

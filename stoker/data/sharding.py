@@ -87,8 +87,10 @@ def partition_ranges(size: int, partition_bytes: int) -> list[tuple[int, int]]:
 
 def partition_jobs(corpus: str, partition_bytes: int, out_dir: str, **common) -> list[PartitionJob]:
     ranges = partition_ranges(os.path.getsize(corpus), partition_bytes)
-    return [PartitionJob(k, corpus, s, e, out=os.path.join(out_dir, f"p-{k:05d}"), **common)
-            for k, (s, e) in enumerate(ranges)]
+    return [
+        PartitionJob(k, corpus, s, e, out=os.path.join(out_dir, f"p-{k:05d}"), **common)
+        for k, (s, e) in enumerate(ranges)
+    ]
 
 
 # ---- one partition (runs in a worker, or in-process) ------------------------------------
@@ -99,8 +101,9 @@ READ_BYTES = 1 << 20  # of the corpus per read (past the range's end: TAIL_BYTES
 TAIL_BYTES = 64 << 10
 
 
-def range_lines(read: Callable[[int, int], bytes], start: int, end: int,
-                chunk: int = READ_BYTES) -> Iterator[tuple[int, bytes]]:
+def range_lines(
+    read: Callable[[int, int], bytes], start: int, end: int, chunk: int = READ_BYTES
+) -> Iterator[tuple[int, bytes]]:
     """(offset, line) for each line that starts in [start, end) of a file read through
     `read(offset, size)` (b"" at its end): the one definition of a partition, shared by the
     local and the Ray engine. Reads up to `end` in `chunk`s, then the last line's tail."""
@@ -119,7 +122,7 @@ def range_lines(read: Callable[[int, int], bytes], start: int, end: int,
             nxt += len(block)
             if cut >= 0:
                 base = nxt - len(block) + cut + 1
-                buf = block[cut + 1:]
+                buf = block[cut + 1 :]
                 break
     pos = 0  # of the next line in buf
     while base + pos < end:
@@ -133,7 +136,7 @@ def range_lines(read: Callable[[int, int], bytes], start: int, end: int,
             if pos < len(buf):
                 yield base + pos, buf[pos:]  # the last line, without a newline
             return
-        yield base + pos, buf[pos:cut + 1]
+        yield base + pos, buf[pos : cut + 1]
         pos = cut + 1
 
 
@@ -146,15 +149,18 @@ def corpus_text(line: bytes, offset: int) -> str:
     else:
         why = f"its text is {type(text).__name__}, not a string"
     if not isinstance(text, str):
-        raise DataError(f"the stored corpus is damaged: its line at byte {offset} is not a JSON object "
-                        f"with a 'text' string ({why}); delete the dataset's folder under datasets/ "
-                        "in the store and prepare again, which downloads it afresh.")
+        raise DataError(
+            f"the stored corpus is damaged: its line at byte {offset} is not a JSON object "
+            f"with a 'text' string ({why}); delete the dataset's folder under datasets/ "
+            "in the store and prepare again, which downloads it afresh."
+        )
     return text
 
 
 def _partition_docs(path: str, start: int, end: int) -> Iterator[str]:
     """Documents of the lines that start in [start, end) of a local file."""
     with open(path, "rb") as f:
+
         def read(offset: int, size: int) -> bytes:
             f.seek(offset)
             return f.read(size)
@@ -173,8 +179,14 @@ def load_tokenizer(path: str):
     return tok
 
 
-def tokenize_docs(docs: Iterable[str], tok, eot_id: int, dtype: np.dtype, val_fraction: float,
-                  files: dict[str, tuple[BinaryIO, BinaryIO]]) -> dict[str, list[int]]:
+def tokenize_docs(
+    docs: Iterable[str],
+    tok,
+    eot_id: int,
+    dtype: np.dtype,
+    val_fraction: float,
+    files: dict[str, tuple[BinaryIO, BinaryIO]],
+) -> dict[str, list[int]]:
     """Tokenize documents into `files` ({split: (tokens, document ends)}): every document's ids
     then eot_id, in `dtype`, cut in pieces of PIECE_TOKENS, each piece to the split is_val
     picks (so val_fraction holds by tokens); a piece ends an entry; the ends are cumulative
@@ -193,7 +205,7 @@ def tokenize_docs(docs: Iterable[str], tok, eot_id: int, dtype: np.dtype, val_fr
                 # a piece counts as a document of its split (an entry in its ends)
                 val = (offset + piece * val_fraction) % 1.0 < val_fraction  # is_val, hash once
                 ids, ends = out["val" if val else "train"]
-                ids.extend(doc_ids[start:start + PIECE_TOKENS])
+                ids.extend(doc_ids[start : start + PIECE_TOKENS])
                 ends.append(len(ids))
         for split, (ids, ends) in out.items():
             if ids:
@@ -221,8 +233,14 @@ def tokenize_partition(job: PartitionJob) -> dict[str, list[int]]:
     tok = load_tokenizer(job.tokenizer)
     files = {s: tuple(open(p, "wb") for p in job.paths(s)) for s in SPLITS}
     try:
-        return tokenize_docs(_partition_docs(job.corpus, job.start, job.end), tok, job.eot_id,
-                             np.dtype(job.dtype), job.val_fraction, files)
+        return tokenize_docs(
+            _partition_docs(job.corpus, job.start, job.end),
+            tok,
+            job.eot_id,
+            np.dtype(job.dtype),
+            job.val_fraction,
+            files,
+        )
     finally:
         for pair in files.values():
             for f in pair:
@@ -257,9 +275,16 @@ class _WorkerGang:
                     json.dump(mine, f)
                 self.logs.append(os.path.join(work_dir, f"worker-{w}.log"))
                 with open(self.logs[-1], "wb") as log:
-                    self.procs.append(subprocess.Popen(
-                        [sys.executable, "-m", "stoker.data.sharding", job_file], stdout=subprocess.PIPE,
-                        stderr=log, stdin=subprocess.DEVNULL, env=env, cwd=work_dir))
+                    self.procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-m", "stoker.data.sharding", job_file],
+                            stdout=subprocess.PIPE,
+                            stderr=log,
+                            stdin=subprocess.DEVNULL,
+                            env=env,
+                            cwd=work_dir,
+                        )
+                    )
         except BaseException:
             self.close()
             raise
@@ -272,8 +297,10 @@ class _WorkerGang:
             code = proc.wait()
             with open(self.logs[w], "rb") as f:
                 tail = f.read()[-2000:].decode("utf-8", "replace").strip()
-            raise ChildProcessError(f"tokenizer worker {w} exited with code {code} before partition "
-                                    f"{job.index} was done (killed? out of memory?): {tail}")
+            raise ChildProcessError(
+                f"tokenizer worker {w} exited with code {code} before partition "
+                f"{job.index} was done (killed? out of memory?): {tail}"
+            )
         msg = json.loads(line)
         if "error" in msg:
             err = msg["error"]
@@ -304,9 +331,15 @@ def _worker_main(job_file: str) -> int:
             # a worker opens only files its parent has just written: an OSError there is this
             # host's trouble (disk, temp folder), never the user's, so a retry may help
             transient = isinstance(err, OSError) or is_transient(err)
-            proto.write(json.dumps({"index": job.index, "error": {
-                "type": type(err).__name__, "message": str(err),
-                "transient": transient}}) + "\n")
+            proto.write(
+                json.dumps(
+                    {
+                        "index": job.index,
+                        "error": {"type": type(err).__name__, "message": str(err), "transient": transient},
+                    }
+                )
+                + "\n"
+            )
             return 1
         proto.write(json.dumps({"index": job.index, "counts": counts}) + "\n")
     return 0
@@ -335,20 +368,28 @@ def shard_cuts(ends: np.ndarray, count: int, shard_tokens: int) -> Iterator[tupl
         done, first = stop, last + 1
 
 
-def shard_entries(split: str, index: int, tokens: int, docs: int, itemsize: int,
-                  bin_sha256: str, idx_sha256: str) -> dict[str, dict]:
+def shard_entries(
+    split: str, index: int, tokens: int, docs: int, itemsize: int, bin_sha256: str, idx_sha256: str
+) -> dict[str, dict]:
     """The manifest entries of one shard file pair."""
-    return {shard_name(split, index, "bin"): {"tokens": tokens, "docs": docs, "size": tokens * itemsize,
-                                              "sha256": bin_sha256},
-            shard_name(split, index, "idx"): {"docs": docs, "size": docs * 8, "sha256": idx_sha256}}
+    return {
+        shard_name(split, index, "bin"): {
+            "tokens": tokens,
+            "docs": docs,
+            "size": tokens * itemsize,
+            "sha256": bin_sha256,
+        },
+        shard_name(split, index, "idx"): {"docs": docs, "size": docs * 8, "sha256": idx_sha256},
+    }
 
 
 class _ShardAssembler:
     """Appends partitions of one split into {split}-00000.bin/.idx ..., cutting a file after
     the document that brings it to shard_tokens; hashes while writing."""
 
-    def __init__(self, folder: str, split: str, dtype: np.dtype, shard_tokens: int,
-                 on_close: Callable[[str, str], None]):
+    def __init__(
+        self, folder: str, split: str, dtype: np.dtype, shard_tokens: int, on_close: Callable[[str, str], None]
+    ):
         self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
         self.on_close = on_close
         self.index = self.count = self.docs = 0
@@ -393,16 +434,30 @@ class _ShardAssembler:
         self.bin.close()
         self.idx.close()
         names = (self._name("bin"), self._name("idx"))
-        self.files.update(shard_entries(self.split, self.index, self.count, self.docs, self.dtype.itemsize,
-                                        self.bin_hash.hexdigest(), self.idx_hash.hexdigest()))
+        self.files.update(
+            shard_entries(
+                self.split,
+                self.index,
+                self.count,
+                self.docs,
+                self.dtype.itemsize,
+                self.bin_hash.hexdigest(),
+                self.idx_hash.hexdigest(),
+            )
+        )
         for name in names:
             self.on_close(name, os.path.join(self.folder, name))
         self.index, self.count, self.docs, self.bin, self.idx = self.index + 1, 0, 0, None, None
 
 
-def build_shards(jobs: list[PartitionJob], folder: str, shard_tokens: int, num_workers: int,
-                 work_dir: str, on_close: Callable[[str, str], None] = lambda name, path: None,
-                 ) -> dict[str, dict[str, dict]]:
+def build_shards(
+    jobs: list[PartitionJob],
+    folder: str,
+    shard_tokens: int,
+    num_workers: int,
+    work_dir: str,
+    on_close: Callable[[str, str], None] = lambda name, path: None,
+) -> dict[str, dict[str, dict]]:
     """Tokenize every partition and assemble the shard files into `folder`; returns
     {split: {file name: manifest entry}}. `on_close(name, path)` sees each finished file."""
     dtype = np.dtype(jobs[0].dtype)

@@ -62,8 +62,14 @@ def with_retries(what: str, fn: Callable[[], T], field_name: str = "data.source"
     (RETRY_BUDGET_S). A permanent failure becomes a DataError naming ``field_name``; still
     failing after the retries is a SourceUnreachable (transient: the task retries later)."""
     try:
-        return retry(fn, what=what, attempts=RETRY_ATTEMPTS, budget_seconds=RETRY_BUDGET_S,
-                     base_delay=RETRY_BASE_DELAY, max_delay=RETRY_MAX_DELAY)
+        return retry(
+            fn,
+            what=what,
+            attempts=RETRY_ATTEMPTS,
+            budget_seconds=RETRY_BUDGET_S,
+            base_delay=RETRY_BASE_DELAY,
+            max_delay=RETRY_MAX_DELAY,
+        )
     except (DataError, SourceUnreachable):
         raise
     except RetriesExhausted as err:
@@ -76,11 +82,12 @@ def with_retries(what: str, fn: Callable[[], T], field_name: str = "data.source"
             raise
         status, root = http_status(err), describe(err)
         if status in (404, 410) or (status is None and isinstance(err, FileNotFoundError)):
-            raise DataError(f"{field_name}: {what} does not exist ({root}); check the URL, "
-                            "bucket and key.") from err
+            raise DataError(f"{field_name}: {what} does not exist ({root}); check the URL, bucket and key.") from err
         if status in (401, 403) or (status is None and isinstance(err, PermissionError)):
-            raise DataError(f"{field_name}: access to {what} was refused ({root}); check the "
-                            "credentials in the environment or data.storage_options.") from err
+            raise DataError(
+                f"{field_name}: access to {what} was refused ({root}); check the "
+                "credentials in the environment or data.storage_options."
+            ) from err
         if (status is not None and 400 <= status < 500) or isinstance(err, (IsADirectoryError, NotADirectoryError)):
             raise DataError(f"{field_name}: {what} was rejected ({root}); check the URL.") from err
         raise
@@ -132,8 +139,11 @@ def _local_files(source: str) -> list[str]:
         return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
     path = os.path.expanduser(source)
     if os.path.isdir(path):
-        return sorted(p for p in glob.glob(os.path.join(path, "**", "*"), recursive=True)
-                      if os.path.isfile(p) and _known_suffix(p))
+        return sorted(
+            p
+            for p in glob.glob(os.path.join(path, "**", "*"), recursive=True)
+            if os.path.isfile(p) and _known_suffix(p)
+        )
     return sorted(p for p in glob.glob(path) if os.path.isfile(p))
 
 
@@ -155,8 +165,14 @@ def _remote_id(url: str, info: dict) -> dict | None:
 
 
 def _fingerprint(cfg: DataConfig, items: list) -> tuple[str, dict]:
-    inputs = {"format": SOURCE_FORMAT, "doc_chars": DOC_CHARS, "text_field": cfg.text_field,
-              "max_bytes": cfg.max_bytes, "on_decode_error": cfg.on_decode_error, "items": items}
+    inputs = {
+        "format": SOURCE_FORMAT,
+        "doc_chars": DOC_CHARS,
+        "text_field": cfg.text_field,
+        "max_bytes": cfg.max_bytes,
+        "on_decode_error": cfg.on_decode_error,
+        "items": items,
+    }
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:24]
     return digest, inputs
 
@@ -169,11 +185,13 @@ def resolve_source(cfg: DataConfig, workdir: str) -> Source:
         return _resolve_hf(cfg, source[3:].strip(), workdir)
     if "://" in source and not source.startswith("file://"):
         return _resolve_remote(cfg, source, workdir)
-    local = source[len("file://"):] if source.startswith("file://") else source
+    local = source[len("file://") :] if source.startswith("file://") else source
     paths = _local_files(local)
     if not paths:
-        raise DataError(f"data.source: {cfg.source!r} matches no file; give an existing file, "
-                        "folder or glob, or use 'builtin:stdlib'.")
+        raise DataError(
+            f"data.source: {cfg.source!r} matches no file; give an existing file, "
+            "folder or glob, or use 'builtin:stdlib'."
+        )
     files = [SourceFile(p, *format_of(p), local=p) for p in paths]
     # the content, not the path: the same data found elsewhere has the same fingerprint
     items = [[f.fmt, f.compression, "sha256:" + sha256_file(f.local)] for f in files]
@@ -187,8 +205,10 @@ def _resolve_remote(cfg: DataConfig, url: str, workdir: str) -> Source:
     if not single and not any(c in url.split("://", 1)[1] for c in "*["):
         listed = [(u, i) for u, i in listed if _known_suffix(u)]  # a folder: data files only
     if not listed:
-        raise DataError(f"data.source: {url!r} matches no object; check the URL, or give a "
-                        "folder holding .txt/.jsonl/.parquet files.")
+        raise DataError(
+            f"data.source: {url!r} matches no object; check the URL, or give a "
+            "folder holding .txt/.jsonl/.parquet files."
+        )
     files, items = [], []
     for i, (name, info) in enumerate(listed):
         f = SourceFile(name, *format_of(name), local=None, info=info)
@@ -226,8 +246,11 @@ def _resolve_hf(cfg: DataConfig, name: str, workdir: str) -> Source:
     local = os.path.expanduser(name)
     spec = {"name": cfg.hf_name, "split": cfg.hf_split}
     if os.path.exists(local):
-        paths = sorted(p for p in glob.glob(os.path.join(local, "**", "*"), recursive=True)
-                       if os.path.isfile(p) and "/." not in p[len(local):])
+        paths = sorted(
+            p
+            for p in glob.glob(os.path.join(local, "**", "*"), recursive=True)
+            if os.path.isfile(p) and "/." not in p[len(local) :]
+        )
         items = [[os.path.relpath(p, local), "sha256:" + sha256_file(p)] for p in paths]
         hf = {"path": local, "revision": None, "saved": _is_saved_dataset(local), **spec}
         fingerprint, inputs = _fingerprint(cfg, [{"hf_local": items, **spec}])
@@ -247,14 +270,15 @@ def _resolve_hub_revision(repo: str, revision: str | None) -> str:
     if constants.HF_HUB_OFFLINE:
         raise DataError(
             f"data.hf_revision: the Hub is offline (HF_HUB_OFFLINE), so {revision or 'main'!r} of "
-            f"{repo!r} cannot be resolved; give a 40-hex commit sha, or a local dataset folder.")
+            f"{repo!r} cannot be resolved; give a 40-hex commit sha, or a local dataset folder."
+        )
     try:
-        return with_retries(f"the Hub dataset {repo!r}",
-                            lambda: HfApi().dataset_info(repo, revision=revision).sha)
+        return with_retries(f"the Hub dataset {repo!r}", lambda: HfApi().dataset_info(repo, revision=revision).sha)
     except DataError as err:
         if "RevisionNotFound" in str(err):
-            raise DataError(f"data.hf_revision: {repo!r} has no revision {revision!r}; give a "
-                            "branch, tag or commit that exists.") from err
+            raise DataError(
+                f"data.hf_revision: {repo!r} has no revision {revision!r}; give a branch, tag or commit that exists."
+            ) from err
         raise
 
 
@@ -267,32 +291,49 @@ def _hf_documents(hf: dict, text_field: str, cache_dir: str) -> Iterator[str]:
             ds = datasets.load_from_disk(hf["path"])
             if isinstance(ds, datasets.DatasetDict):
                 if hf["split"] not in ds:
-                    raise DataError(f"data.hf_split: {what} has no split {hf['split']!r} "
-                                    f"(splits: {sorted(ds)}); set data.hf_split to one of them.")
+                    raise DataError(
+                        f"data.hf_split: {what} has no split {hf['split']!r} "
+                        f"(splits: {sorted(ds)}); set data.hf_split to one of them."
+                    )
                 ds = ds[hf["split"]]
         else:
-            ds = datasets.load_dataset(hf["path"], name=hf["name"], split=hf["split"],
-                                       revision=hf["revision"], streaming=True, cache_dir=cache_dir)
+            ds = datasets.load_dataset(
+                hf["path"],
+                name=hf["name"],
+                split=hf["split"],
+                revision=hf["revision"],
+                streaming=True,
+                cache_dir=cache_dir,
+            )
     except DataError:
         raise
     except ValueError as err:  # datasets reports a bad split or config name as ValueError
         text = str(err)
-        fld = ("data.hf_split" if "split" in text.lower()
-               else "data.hf_name" if "config" in text.lower() else "data.source")
+        fld = (
+            "data.hf_split"
+            if "split" in text.lower()
+            else "data.hf_name"
+            if "config" in text.lower()
+            else "data.source"
+        )
         raise DataError(f"{fld}: datasets could not load {what}: {text}") from None
     except FileNotFoundError as err:
         raise DataError(f"data.source: datasets found no data for {what} ({err}); check the name or folder.") from None
     columns = ds.column_names
     if columns is not None and text_field not in columns:
-        raise DataError(f"data.text_field: {what} has no column {text_field!r} (columns: "
-                        f"{sorted(columns)}); set data.text_field to the text column.")
+        raise DataError(
+            f"data.text_field: {what} has no column {text_field!r} (columns: "
+            f"{sorted(columns)}); set data.text_field to the text column."
+        )
     for record in ds:
         value = record.get(text_field)
         if isinstance(value, str):
             yield value
         elif value is not None:
-            raise DataError(f"data.text_field: column {text_field!r} of {what} holds "
-                            f"{type(value).__name__}, not text; pick a string column.")
+            raise DataError(
+                f"data.text_field: column {text_field!r} of {what} holds "
+                f"{type(value).__name__}, not text; pick a string column."
+            )
 
 
 # ---- documents of one file -----------------------------------------------------------
@@ -335,11 +376,14 @@ def _jsonl_documents(stream, name: str, text_field: str) -> Iterator[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise DataError(f"data.source: {name} line {lineno} is not JSON ({err.msg}); fix it, "
-                            "or give plain text a .txt name.") from None
+            raise DataError(
+                f"data.source: {name} line {lineno} is not JSON ({err.msg}); fix it, or give plain text a .txt name."
+            ) from None
         if not isinstance(record, dict):
-            raise DataError(f"data.source: {name} line {lineno} is a JSON {type(record).__name__}, "
-                            f"not an object with a {text_field!r} field.")
+            raise DataError(
+                f"data.source: {name} line {lineno} is a JSON {type(record).__name__}, "
+                f"not an object with a {text_field!r} field."
+            )
         if text_field not in record:
             raise DataError(
                 f"data.text_field: {name} line {lineno} has no field {text_field!r} "
@@ -349,8 +393,10 @@ def _jsonl_documents(stream, name: str, text_field: str) -> Iterator[str]:
         if isinstance(value, str):
             yield value
         elif value is not None:
-            raise DataError(f"data.text_field: {name} line {lineno}: field {text_field!r} holds "
-                            f"{type(value).__name__}, not text; point data.text_field at a string field.")
+            raise DataError(
+                f"data.text_field: {name} line {lineno}: field {text_field!r} holds "
+                f"{type(value).__name__}, not text; point data.text_field at a string field."
+            )
 
 
 def _parquet_documents(f: SourceFile, text_field: str) -> Iterator[str]:
@@ -363,13 +409,16 @@ def _parquet_documents(f: SourceFile, text_field: str) -> Iterator[str]:
         raise DataError(f"data.source: {f.name} is not a Parquet file ({err}).") from None
     schema = pf.schema_arrow
     if text_field not in schema.names:
-        raise DataError(f"data.text_field: {f.name} has no column {text_field!r} (columns: "
-                        f"{sorted(schema.names)}); set data.text_field to the text column.")
+        raise DataError(
+            f"data.text_field: {f.name} has no column {text_field!r} (columns: "
+            f"{sorted(schema.names)}); set data.text_field to the text column."
+        )
     kind = schema.field(text_field).type
     is_view = getattr(pa.types, "is_string_view", lambda _: False)
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or is_view(kind)):
-        raise DataError(f"data.text_field: column {text_field!r} of {f.name} is {kind}, not text; "
-                        "pick a string column.")
+        raise DataError(
+            f"data.text_field: column {text_field!r} of {f.name} is {kind}, not text; pick a string column."
+        )
     for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
         yield from (v for v in batch.column(0).to_pylist() if v)
 

@@ -124,12 +124,11 @@ def _process_start(pid: int) -> str | None:
 def owner_tags() -> list[str]:
     import socket
 
-    return [OWNER_HOST_TAG + socket.gethostname(),
-            f"{OWNER_PID_TAG}{os.getpid()}:{_process_start(os.getpid()) or ''}"]
+    return [OWNER_HOST_TAG + socket.gethostname(), f"{OWNER_PID_TAG}{os.getpid()}:{_process_start(os.getpid()) or ''}"]
 
 
 def _owner_alive(tags: list[str]) -> bool:
-    owner = next((t[len(OWNER_PID_TAG):] for t in tags if t.startswith(OWNER_PID_TAG)), None)
+    owner = next((t[len(OWNER_PID_TAG) :] for t in tags if t.startswith(OWNER_PID_TAG)), None)
     if owner is None:
         return True  # not ours to judge
     pid, _, started = owner.partition(":")
@@ -151,17 +150,26 @@ def sweep_dead_flow_runs(client, keep: object = None) -> list[str]:
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
-    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-        tags=FlowRunFilterTags(all_=[OWNER_HOST_TAG + socket.gethostname()]),
-        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING]))))
+    runs = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[OWNER_HOST_TAG + socket.gethostname()]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING])),
+        )
+    )
     swept = []
     for run in runs:
         if str(run.id) == str(keep) or _owner_alive(run.tags or []):
             continue
-        client.set_flow_run_state(run.id, Crashed(message=(
-            "stoker: the process that ran this flow run ended without reporting (a notebook kernel "
-            "restarted, the process was killed); found by the next stoker flow on this host")),
-            force=True)
+        client.set_flow_run_state(
+            run.id,
+            Crashed(
+                message=(
+                    "stoker: the process that ran this flow run ended without reporting (a notebook kernel "
+                    "restarted, the process was killed); found by the next stoker flow on this host"
+                )
+            ),
+            force=True,
+        )
         swept.append(run.name)
     return swept
 

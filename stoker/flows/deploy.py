@@ -29,9 +29,13 @@ ACCELERATOR_LIMIT = "stoker-accelerators"  # launch.concurrency_limit's default
 
 def deployment_specs() -> list[dict]:
     if not os.path.exists(PREFECT_YAML):
-        raise ConfigError([f"prefect.yaml: not found at {PREFECT_YAML}; deploy and serve run from a "
-                           "checkout of stoker (pip install -e <checkout>), where prefect.yaml "
-                           "defines the deployments."])
+        raise ConfigError(
+            [
+                f"prefect.yaml: not found at {PREFECT_YAML}; deploy and serve run from a "
+                "checkout of stoker (pip install -e <checkout>), where prefect.yaml "
+                "defines the deployments."
+            ]
+        )
     with open(PREFECT_YAML) as f:
         return yaml.safe_load(f)["deployments"]
 
@@ -41,9 +45,13 @@ def _api_url() -> str:
 
     url = PREFECT_API_URL.value()
     if not url:
-        raise ConfigError(["PREFECT_API_URL: not set, so there is no Prefect server to deploy to; "
-                           "start one (prefect server start) and export "
-                           "PREFECT_API_URL=http://127.0.0.1:4200/api"])
+        raise ConfigError(
+            [
+                "PREFECT_API_URL: not set, so there is no Prefect server to deploy to; "
+                "start one (prefect server start) and export "
+                "PREFECT_API_URL=http://127.0.0.1:4200/api"
+            ]
+        )
     return url
 
 
@@ -65,8 +73,7 @@ def ensure_work_pool_and_limit(slots: int = 1) -> list[str]:
             limit = client.read_global_concurrency_limit_by_name(ACCELERATOR_LIMIT)
             done.append(f"concurrency limit {ACCELERATOR_LIMIT!r}: already there ({limit.limit} slot(s))")
         except ObjectNotFound:
-            client.create_global_concurrency_limit(
-                GlobalConcurrencyLimitCreate(name=ACCELERATOR_LIMIT, limit=slots))
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=ACCELERATOR_LIMIT, limit=slots))
             done.append(f"concurrency limit {ACCELERATOR_LIMIT!r}: created with {slots} slot(s)")
     return done
 
@@ -75,8 +82,13 @@ def deploy() -> list[str]:
     """Pool, limit and every deployment of prefect.yaml; returns the lines to print."""
     url = _api_url()
     done = ensure_work_pool_and_limit()
-    out = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"],
-                         cwd=SOURCE_ROOT, env=os.environ.copy(), capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"],
+        cwd=SOURCE_ROOT,
+        env=os.environ.copy(),
+        capture_output=True,
+        text=True,
+    )
     if out.returncode:
         tail = "\n".join((out.stdout + out.stderr).strip().splitlines()[-15:])
         raise RuntimeError(f"prefect deploy --all failed (exit {out.returncode}):\n{tail}")
@@ -105,9 +117,15 @@ def runner_deployments() -> list:
     for spec in deployment_specs():
         flow = _flow(spec["entrypoint"])
         schedules = [s["cron"] for s in spec.get("schedules", []) if s.get("active", True) and "cron" in s]
-        out.append(flow.to_deployment(
-            name=spec["name"], description=spec.get("description"), tags=spec.get("tags"),
-            parameters=spec.get("parameters") or {}, cron=schedules[0] if schedules else None))
+        out.append(
+            flow.to_deployment(
+                name=spec["name"],
+                description=spec.get("description"),
+                tags=spec.get("tags"),
+                parameters=spec.get("parameters") or {},
+                cron=schedules[0] if schedules else None,
+            )
+        )
     return out
 
 
@@ -140,6 +158,8 @@ def take_over_pooled_deployments() -> list[str]:
                 continue
             if found.work_pool_name:
                 client.delete_deployment(found.id)
-                done.append(f"deployment {name}: was on work pool {found.work_pool_name!r} (stoker "
-                            "deploy); served from this process now (stoker deploy gives it back)")
+                done.append(
+                    f"deployment {name}: was on work pool {found.work_pool_name!r} (stoker "
+                    "deploy); served from this process now (stoker deploy gives it back)"
+                )
     return done

@@ -11,13 +11,15 @@ from stoker.tasks.evaluate import checkpoint_inputs, evaluate_checkpoint
 
 @flow(name="evaluate-checkpoint")
 @fails_in_one_line
-def evaluate_checkpoint_flow(checkpoint_uri: str, storage_options: dict | None = None,
-                             credentials_block: str | None = None) -> EvalResult:
+def evaluate_checkpoint_flow(
+    checkpoint_uri: str, storage_options: dict | None = None, credentials_block: str | None = None
+) -> EvalResult:
     """Validation loss and perplexity of the checkpoint at `checkpoint_uri`
     (``{root}/runs/{run}/checkpoints/step-...``), using the run's own config and shards.
     credentials_block: a Prefect block with the store's credentials (see
     storage.credentials_block); empty: the environment's."""
     claim_flow_run()  # its owner process, so a dead one's run ends Crashed, not Running
     config, config_url, checkpoint_key, shard_key = checkpoint_inputs(
-        checkpoint_uri, storage_options or {}, credentials_block)
+        checkpoint_uri, storage_options or {}, credentials_block
+    )
     return evaluate_checkpoint(config, config_url, checkpoint_key, shard_key)

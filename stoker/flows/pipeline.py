@@ -1,7 +1,7 @@
 """The DAG of a pretraining run. Thin: task calls only; the work lives in tasks/ and below.
 
-    from stoker.flows.pipeline import train_pipeline
-    result = train_pipeline(config)   # a PipelineResult
+from stoker.flows.pipeline import train_pipeline
+result = train_pipeline(config)   # a PipelineResult
 """
 
 # no `from __future__ import annotations`: a served flow resolves its parameter types at
@@ -41,8 +41,9 @@ def _run_name() -> str:
 
 @flow(name="prepare-data", log_prints=True)
 @fails_in_one_line
-def prepare_data(data: DataConfig, tokenizer: TokenizerConfig, storage: StorageConfig,
-                 ray: RayConfig | None = None) -> ShardInfo:
+def prepare_data(
+    data: DataConfig, tokenizer: TokenizerConfig, storage: StorageConfig, ray: RayConfig | None = None
+) -> ShardInfo:
     """Download -> tokenizer -> tokenize and shard; each step is a no-op when its output exists.
     `ray`: the cluster of data.engine 'ray' (empty: a local Ray instance)."""
     claim_flow_run()  # its owner process, so a dead one's run ends Crashed, not Running
@@ -58,14 +59,18 @@ def train_pipeline(config: RunConfig | None = None) -> PipelineResult:
     """Prepare data, resume or start training on a torchrun gang, evaluate, report."""
     claim_flow_run()  # its owner process, so a dead one's run ends Crashed, not Running
     config = validate_config(config or RunConfig())
-    tag_flow_run(f"run:{config.resolved_run_name()}", f"recipe:{config.recipe or 'custom'}",
-                 f"launcher:{config.launch.launcher}",
-                 f"world:{config.launch.num_nodes}x{config.launch.nproc_per_node}")
+    tag_flow_run(
+        f"run:{config.resolved_run_name()}",
+        f"recipe:{config.recipe or 'custom'}",
+        f"launcher:{config.launch.launcher}",
+        f"world:{config.launch.num_nodes}x{config.launch.nproc_per_node}",
+    )
     with run_lease(config):  # one writer per run: a second launch refuses here, before any work
         shards = prepare_data(config.data, config.tokenizer, config.storage, config.ray)
         config_url = write_run_config(config, shards)
         resume = find_resume_checkpoint(config)
         training = launch_training.with_options(retries=config.launch.max_attempts - 1)(
-            config, config_url, shards, resume)
+            config, config_url, shards, resume
+        )
         evaluation = evaluate_checkpoint(config, config_url, training.final_checkpoint_key, shards.key)
     return report(config, shards, resume, training, evaluation)

@@ -55,8 +55,15 @@ def summarize(attempts: list[dict], final_step: int) -> dict:
     }
 
 
-def launch_attempt(launcher: Launcher, monitor: TrainingMonitor, store: Store, run_name: str,
-                   flow_run_id: str, attempt: int, resume_step: int) -> TrainingResult:
+def launch_attempt(
+    launcher: Launcher,
+    monitor: TrainingMonitor,
+    store: Store,
+    run_name: str,
+    flow_run_id: str,
+    attempt: int,
+    resume_step: int,
+) -> TrainingResult:
     """Run one launch to its end, record it in attempts.jsonl, and raise TrainingFailed
     (transient or not) when it failed; else return the result with the attempts summary."""
     started_at = time.time()
@@ -66,26 +73,45 @@ def launch_attempt(launcher: Launcher, monitor: TrainingMonitor, store: Store, r
         result = monitor.result
         logged = result.train_losses[-1][0] if result.train_losses else resume_step
         try:
-            record_attempt(store, run_name, flow_run_id=flow_run_id, attempt=attempt,
-                           started_at=started_at, resumed_from_step=resume_step,
-                           reached_step=max(logged, result.final_step), committed_step=result.final_step,
-                           outcome=f"interrupted ({type(stop).__name__})",
-                           median_step_seconds=monitor.median_step_seconds())
+            record_attempt(
+                store,
+                run_name,
+                flow_run_id=flow_run_id,
+                attempt=attempt,
+                started_at=started_at,
+                resumed_from_step=resume_step,
+                reached_step=max(logged, result.final_step),
+                committed_step=result.final_step,
+                outcome=f"interrupted ({type(stop).__name__})",
+                median_step_seconds=monitor.median_step_seconds(),
+            )
         except Exception as err:  # the store may be what failed; the interruption still wins
             monitor.logger.warning("the interrupted attempt could not be recorded: %s", err)
         raise
     monitor.collect_evaluations()
     failure = launcher.classify(gang)
     result = monitor.result
-    record_attempt(store, run_name, flow_run_id=flow_run_id, attempt=attempt, started_at=started_at,
-                   resumed_from_step=resume_step, reached_step=gang.last_step or resume_step,
-                   committed_step=result.final_step, outcome=failure.reason if failure else "completed",
-                   error=str(failure).split("\n", 1)[0][:500] if failure else None,  # why, in one line
-                   median_step_seconds=monitor.median_step_seconds())
+    record_attempt(
+        store,
+        run_name,
+        flow_run_id=flow_run_id,
+        attempt=attempt,
+        started_at=started_at,
+        resumed_from_step=resume_step,
+        reached_step=gang.last_step or resume_step,
+        committed_step=result.final_step,
+        outcome=failure.reason if failure else "completed",
+        error=str(failure).split("\n", 1)[0][:500] if failure else None,  # why, in one line
+        median_step_seconds=monitor.median_step_seconds(),
+    )
     if failure is not None:
         raise failure
     summary = summarize(read_attempts(store, run_name, flow_run_id), result.final_step)
     result.seconds, result.attempt_log, result.goodput = gang.seconds, summary["attempts"], summary["goodput"]
-    monitor.logger.info("training done: %d attempt(s), %d step(s) lost, goodput %s",
-                        summary["num_attempts"], summary["steps_lost"], summary["goodput"])
+    monitor.logger.info(
+        "training done: %d attempt(s), %d step(s) lost, goodput %s",
+        summary["num_attempts"],
+        summary["steps_lost"],
+        summary["goodput"],
+    )
     return result

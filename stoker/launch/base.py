@@ -87,25 +87,34 @@ def classify(result: GangResult) -> TrainingFailed:
     permanent = [f for f in result.failures if not f.transient]
     if permanent:
         first = permanent[0]
-        return TrainingFailed(f"rank {first.rank} raised {first.type}: {first.message} "
-                              "(not retried: it would fail the same way)\n" + tail,
-                              transient=False, reason="error")
+        return TrainingFailed(
+            f"rank {first.rank} raised {first.type}: {first.message} "
+            "(not retried: it would fail the same way)\n" + tail,
+            transient=False,
+            reason="error",
+        )
     if result.reason == "timeout":
-        return TrainingFailed(f"training exceeded its time limit after {result.seconds:.0f}s",
-                              transient=True, reason="timeout")
+        return TrainingFailed(
+            f"training exceeded its time limit after {result.seconds:.0f}s", transient=True, reason="timeout"
+        )
     if result.reason == "startup":
         return TrainingFailed(
             f"training did not start: no report from rank 0 within launch.startup_timeout_seconds "
             f"({result.seconds:.0f}s: rendezvous, loading the shards and the checkpoint, the first "
             "evaluation); the gang was killed. Retrying from the newest valid checkpoint.\n"
-            + "\n".join(result.tail[-15:]), transient=True, reason="startup")
+            + "\n".join(result.tail[-15:]),
+            transient=True,
+            reason="startup",
+        )
     if result.reason == "hang":
         seen = "none yet" if result.last_step is None else f"step {result.last_step}"
         return TrainingFailed(
             f"training hung: no step finished for {result.hang_timeout:.0f}s (last step seen: "
             f"{seen}); the gang was killed (a stuck collective or a frozen rank). Retrying from "
             "the newest valid checkpoint.\n" + "\n".join(result.tail[-15:]),
-            transient=True, reason="hang")
+            transient=True,
+            reason="hang",
+        )
     agents_transient = any(classify_reported(k, m) != PERMANENT for k, m in result.launcher_errors)
     signalled = any(rc is not None and rc < 0 for rc in result.returncodes)
     if result.failures or result.lost_ranks or signalled or agents_transient:
@@ -115,8 +124,14 @@ def classify(result: GangResult) -> TrainingFailed:
             what = "the launch failed: " + "; ".join(f"{k}: {m}" for k, m in result.launcher_errors)
         else:
             what = "a rank or node was lost (signal, network or storage)"
-        return TrainingFailed(f"{what}; retrying from the newest valid checkpoint.\n"
-                              + "\n".join(result.tail[-15:]), transient=True, reason="lost-rank")
+        return TrainingFailed(
+            f"{what}; retrying from the newest valid checkpoint.\n" + "\n".join(result.tail[-15:]),
+            transient=True,
+            reason="lost-rank",
+        )
     errors = "; ".join(f"{k}: {m}" for k, m in result.launcher_errors)
-    return TrainingFailed(f"training exited with an error (not retried){': ' + errors if errors else ''}:\n"
-                          + tail, transient=False, reason="error")
+    return TrainingFailed(
+        f"training exited with an error (not retried){': ' + errors if errors else ''}:\n" + tail,
+        transient=False,
+        reason="error",
+    )

@@ -56,14 +56,18 @@ def device_problems(cfg: RunConfig, gpus: int | None = None, torch_version: str 
     ranks_here = nodes_here * lc.nproc_per_node
     problems = cfg.engine.torch_problems(installed_torch() if torch_version is None else torch_version)
     if lc.backend == "nccl" and gpus == 0:
-        problems.append("launch.backend: 'nccl' needs NVIDIA GPUs and this machine has none (no "
-                        "driver or CUDA_VISIBLE_DEVICES hides them); run a CPU recipe such as "
-                        "tiny-cpu, or set launch.backend=gloo with a model small enough for CPUs.")
+        problems.append(
+            "launch.backend: 'nccl' needs NVIDIA GPUs and this machine has none (no "
+            "driver or CUDA_VISIBLE_DEVICES hides them); run a CPU recipe such as "
+            "tiny-cpu, or set launch.backend=gloo with a model small enough for CPUs."
+        )
     if gpus == 0 or lc.backend == "gloo":  # the ranks here run on CPUs
         problems += cfg.engine.cpu_problems()
     elif ranks_here > gpus:
-        problems.append(f"launch.nproc_per_node: {ranks_here} rank(s) on this host need a GPU each "
-                        f"and it has {gpus}; set launch.nproc_per_node to at most "
-                        f"{max(1, gpus // nodes_here)} (and train.global_batch_size to a multiple "
-                        "of the new world size), or launch.backend=gloo to train on CPUs.")
+        problems.append(
+            f"launch.nproc_per_node: {ranks_here} rank(s) on this host need a GPU each "
+            f"and it has {gpus}; set launch.nproc_per_node to at most "
+            f"{max(1, gpus // nodes_here)} (and train.global_batch_size to a multiple "
+            "of the new world size), or launch.backend=gloo to train on CPUs."
+        )
     return problems

@@ -86,8 +86,7 @@ def gang_pids(gang_id: str | None) -> list[int]:
     return pids
 
 
-def kill_gang(procs: list[subprocess.Popen], grace: float = GRACE_SECONDS,
-              gang_id: str | None = None) -> None:
+def kill_gang(procs: list[subprocess.Popen], grace: float = GRACE_SECONDS, gang_id: str | None = None) -> None:
     """SIGTERM every agent's process group and every process carrying `gang_id`, then
     SIGKILL what is left after `grace`. The ranks get the SIGTERM directly (not only through
     their agent), so they can stop at a step boundary and checkpoint."""
@@ -150,14 +149,21 @@ def _prefixed(node: int, line: str, nproc_per_node: int, ranks: dict[tuple[int, 
 class ProcessGang(Launcher):
     """One local process per node (`cmds[i]` with `envs[i]`); see the module docstring."""
 
-    def __init__(self, cmds: list[list[str]], envs: list[dict[str, str]], nproc_per_node: int,
-                 timeout: float, hang_timeout: float = 0.0, grace: float = GRACE_SECONDS,
-                 startup_timeout: float = 0.0, heartbeat: str | None = None):
+    def __init__(
+        self,
+        cmds: list[list[str]],
+        envs: list[dict[str, str]],
+        nproc_per_node: int,
+        timeout: float,
+        hang_timeout: float = 0.0,
+        grace: float = GRACE_SECONDS,
+        startup_timeout: float = 0.0,
+        heartbeat: str | None = None,
+    ):
         self.gang_id = uuid.uuid4().hex
         self.cmds, self.nproc_per_node, self.grace = cmds, nproc_per_node, grace
         beat = {lifeline.HEARTBEAT_ENV: heartbeat} if heartbeat else {}
-        self.envs = [{**env, GANG_ENV: self.gang_id, lifeline.LAUNCHER_ENV: lifeline.token(), **beat}
-                     for env in envs]
+        self.envs = [{**env, GANG_ENV: self.gang_id, lifeline.LAUNCHER_ENV: lifeline.token(), **beat} for env in envs]
         self.heartbeat = lifeline.Heartbeat(heartbeat) if heartbeat else None
         self.watchdog = Watchdog(timeout, hang_timeout, startup_timeout)
         self.procs: list[subprocess.Popen] = []
@@ -171,10 +177,16 @@ class ProcessGang(Launcher):
             self.heartbeat.start()
         me = os.getpid()
         for node, (cmd, env) in enumerate(zip(self.cmds, self.envs)):
-            p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                 start_new_session=True,
-                                 preexec_fn=lambda: lifeline.set_parent_death_signal(parent=me))
+            p = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+                start_new_session=True,
+                preexec_fn=lambda: lifeline.set_parent_death_signal(parent=me),
+            )
             self.procs.append(p)
             threading.Thread(target=_pump, args=(node, p.stdout, self.lines), daemon=True).start()
 
@@ -218,14 +230,20 @@ class ProcessGang(Launcher):
                 p.wait(timeout=max(1.0, self.watchdog.seconds_left()))
             if any(p.returncode != 0 for p in self.procs):
                 self.reason = "failed"
-        return GangResult([p.returncode for p in self.procs], self.reason,
-                          time.monotonic() - self.watchdog.t0, seen, self.tail,
-                          last_step=self.watchdog.last_step, hang_timeout=self.watchdog.hang_timeout,
-                          gang_id=self.gang_id, pids=[p.pid for p in self.procs])
+        return GangResult(
+            [p.returncode for p in self.procs],
+            self.reason,
+            time.monotonic() - self.watchdog.t0,
+            seen,
+            self.tail,
+            last_step=self.watchdog.last_step,
+            hang_timeout=self.watchdog.hang_timeout,
+            gang_id=self.gang_id,
+            pids=[p.pid for p in self.procs],
+        )
 
     def stop(self) -> None:
-        kill_gang(self.procs, HANG_GRACE_SECONDS if self.reason in ("hang", "startup") else self.grace,
-                  self.gang_id)
+        kill_gang(self.procs, HANG_GRACE_SECONDS if self.reason in ("hang", "startup") else self.grace, self.gang_id)
         if self.heartbeat is not None:
             self.heartbeat.stop()
         while True:  # keep what the pumps read before the kill, for the failure message
@@ -260,9 +278,18 @@ class GangLauncher(Launcher):
         self.gang.stop()
 
 
-def run_gang(cmds: list[list[str]], env: dict[str, str], nproc_per_node: int, on_line: OnLine,
-             on_event: OnEvent, timeout: float, hang_timeout: float = 0.0,
-             grace: float = GRACE_SECONDS, startup_timeout: float = 0.0) -> GangResult:
+def run_gang(
+    cmds: list[list[str]],
+    env: dict[str, str],
+    nproc_per_node: int,
+    on_line: OnLine,
+    on_event: OnEvent,
+    timeout: float,
+    hang_timeout: float = 0.0,
+    grace: float = GRACE_SECONDS,
+    startup_timeout: float = 0.0,
+) -> GangResult:
     """Run the agents to the end with one environment; always kill the gang."""
-    return ProcessGang(cmds, [env] * len(cmds), nproc_per_node, timeout, hang_timeout, grace,
-                       startup_timeout).run(on_line, on_event)
+    return ProcessGang(cmds, [env] * len(cmds), nproc_per_node, timeout, hang_timeout, grace, startup_timeout).run(
+        on_line, on_event
+    )

@@ -10,8 +10,7 @@ from typing import Callable
 from stoker.core import events
 from stoker.core.results import EvalResult, TrainingResult
 
-THROUGHPUT_FIELDS = ("step", "step_seconds", "tokens_per_second", "mfu", "peak_memory_gb",
-                     "data_wait_share")
+THROUGHPUT_FIELDS = ("step", "step_seconds", "tokens_per_second", "mfu", "peak_memory_gb", "data_wait_share")
 
 
 def throughput_text(e: events.Train) -> str:
@@ -40,9 +39,15 @@ def eta_text(steps_left: int, step_seconds: list[float]) -> str:
 class TrainingMonitor:
     """Consumes the launcher's events, one at a time."""
 
-    def __init__(self, result: TrainingResult, max_steps: int, logger,
-                 on_progress: Callable[[float], None], on_commit: Callable[[str, int], object] | None,
-                 sink: Callable[[events.Event], None] | None = None):
+    def __init__(
+        self,
+        result: TrainingResult,
+        max_steps: int,
+        logger,
+        on_progress: Callable[[float], None],
+        on_commit: Callable[[str, int], object] | None,
+        sink: Callable[[events.Event], None] | None = None,
+    ):
         """`sink` also gets every record, and each checkpoint evaluation as an Evaluated record
         (launch.sinks: TensorBoard, MLflow)."""
         self.result, self.max_steps, self.logger = result, max_steps, logger
@@ -51,12 +56,18 @@ class TrainingMonitor:
         self.step_seconds: list[float] = []
         self.evaluations: list[tuple[int, object]] = []  # (step, future)
         self.handlers: dict[type, Callable] = {
-            events.Train: self._on_train, events.Eval: self._on_eval,
-            events.CheckpointCommitted: self._on_checkpoint, events.CheckpointStaged: self._on_staged,
-            events.UploadRetry: self._on_upload_retry, events.CheckpointFailed: self._on_checkpoint_failed,
+            events.Train: self._on_train,
+            events.Eval: self._on_eval,
+            events.CheckpointCommitted: self._on_checkpoint,
+            events.CheckpointStaged: self._on_staged,
+            events.UploadRetry: self._on_upload_retry,
+            events.CheckpointFailed: self._on_checkpoint_failed,
             events.CheckpointDropped: self._on_checkpoint_dropped,
-            events.Failure: self._on_failure, events.Resumed: self._on_resumed,
-            events.Stopped: self._on_stopped, events.NonFinite: self._on_nonfinite}
+            events.Failure: self._on_failure,
+            events.Resumed: self._on_resumed,
+            events.Stopped: self._on_stopped,
+            events.NonFinite: self._on_nonfinite,
+        }
 
     def __call__(self, event: events.Event) -> None:
         handler = self.handlers.get(type(event))
@@ -68,9 +79,16 @@ class TrainingMonitor:
     def _on_train(self, e: events.Train) -> None:
         self.result.train_losses.append((e.step, e.loss))
         self.step_seconds.append(e.step_seconds)
-        self.logger.info("step %d/%d  loss %.4f  lr %.2e  %.0f ms/step%s%s", e.step, self.max_steps,
-                         e.loss, e.lr, 1000 * e.step_seconds, throughput_text(e),
-                         eta_text(self.max_steps - e.step, self.step_seconds))
+        self.logger.info(
+            "step %d/%d  loss %.4f  lr %.2e  %.0f ms/step%s%s",
+            e.step,
+            self.max_steps,
+            e.loss,
+            e.lr,
+            1000 * e.step_seconds,
+            throughput_text(e),
+            eta_text(self.max_steps - e.step, self.step_seconds),
+        )
         if e.tokens_per_second is not None:
             self.result.throughput.append({k: getattr(e, k) for k in THROUGHPUT_FIELDS})
         pct = int(100 * e.step / self.max_steps)
@@ -86,10 +104,22 @@ class TrainingMonitor:
         key = e.key
         r = self.result
         r.final_step, r.final_checkpoint_key, r.final_checkpoint_uri = e.step, key, e.uri
-        r.checkpoints.append({"step": e.step, "uri": e.uri, "bytes": e.bytes,
-                              "stage_seconds": e.stage_seconds, "upload_seconds": e.upload_seconds})
-        self.logger.info("checkpoint committed: %s (%.1f MB, staged in %.2fs, uploaded in %.2fs)",
-                         e.uri, e.bytes / 1e6, e.stage_seconds, e.upload_seconds)
+        r.checkpoints.append(
+            {
+                "step": e.step,
+                "uri": e.uri,
+                "bytes": e.bytes,
+                "stage_seconds": e.stage_seconds,
+                "upload_seconds": e.upload_seconds,
+            }
+        )
+        self.logger.info(
+            "checkpoint committed: %s (%.1f MB, staged in %.2fs, uploaded in %.2fs)",
+            e.uri,
+            e.bytes / 1e6,
+            e.stage_seconds,
+            e.upload_seconds,
+        )
         if self.on_commit is not None and e.step < self.max_steps:  # the flow evaluates the last one
             self.evaluations.append((e.step, self.on_commit(key, e.step)))
 
@@ -97,18 +127,22 @@ class TrainingMonitor:
         self.logger.info("checkpoint of step %d staged in %.2fs; uploading in the background", e.step, e.seconds)
 
     def _on_upload_retry(self, e: events.UploadRetry) -> None:
-        self.logger.warning("rank %s: upload of checkpoint %d failed (attempt %s), retrying: %s",
-                            e.rank, e.step, e.attempt, e.error)
+        self.logger.warning(
+            "rank %s: upload of checkpoint %d failed (attempt %s), retrying: %s", e.rank, e.step, e.attempt, e.error
+        )
 
     def _on_checkpoint_failed(self, e: events.CheckpointFailed) -> None:
         self._failed(e.step)
-        self.logger.error("rank %s: checkpoint of step %d was given up and not committed: %s",
-                          e.rank, e.step, e.error)
+        self.logger.error("rank %s: checkpoint of step %d was given up and not committed: %s", e.rank, e.step, e.error)
 
     def _on_checkpoint_dropped(self, e: events.CheckpointDropped) -> None:
         self._failed(e.step)
-        self.logger.warning("rank %s: checkpoint of step %d was dropped before its upload and not "
-                            "committed: %s", e.rank, e.step, e.reason)
+        self.logger.warning(
+            "rank %s: checkpoint of step %d was dropped before its upload and not committed: %s",
+            e.rank,
+            e.step,
+            e.reason,
+        )
 
     def _failed(self, step: int) -> None:
         """A checkpoint never committed; every rank that gave it up says so, listed once."""
@@ -123,20 +157,30 @@ class TrainingMonitor:
             self.logger.warning("checkpoint %s failed the ranks' full check and is marked invalid", url)
         if self.result.train_losses:  # training had begun in this launch: torchrun restarted the ranks
             self.result.restarts += 1
-            self.logger.warning("a rank failed; the ranks were restarted in place and resumed at step "
-                                "%d from %s", e.step, e.checkpoint)
+            self.logger.warning(
+                "a rank failed; the ranks were restarted in place and resumed at step %d from %s", e.step, e.checkpoint
+            )
         else:
             self.logger.info("ranks resumed at step %d from %s", e.step, e.checkpoint)
 
     def _on_nonfinite(self, e: events.NonFinite) -> None:
         if e.action == "skipped":
             self.result.skipped_steps.append(e.step)
-            self.logger.warning("step %d: non-finite %s; its update was skipped (%d skipped so far, "
-                                "train.nonfinite=skip)", e.step, e.what, e.num_skipped)
+            self.logger.warning(
+                "step %d: non-finite %s; its update was skipped (%d skipped so far, train.nonfinite=skip)",
+                e.step,
+                e.what,
+                e.num_skipped,
+            )
         else:
-            self.logger.error("non-finite %s at step %d (found at step %d): the run stops, and no "
-                              "checkpoint after step %d is committed", e.what, e.first_step, e.step,
-                              e.first_step - 1)
+            self.logger.error(
+                "non-finite %s at step %d (found at step %d): the run stops, and no "
+                "checkpoint after step %d is committed",
+                e.what,
+                e.first_step,
+                e.step,
+                e.first_step - 1,
+            )
 
     def _on_stopped(self, e: events.Stopped) -> None:
         self.logger.warning("ranks stopped at step %d (checkpoint written: %s)", e.step, e.saved)
@@ -151,8 +195,15 @@ class TrainingMonitor:
                 ev: EvalResult = future.result(timeout=timeout)
                 self.result.evaluations.append(ev)
                 if self.sink is not None:
-                    self.sink(events.Evaluated(checkpoint=ev.checkpoint_uri, step=ev.step,
-                                               val_loss=ev.val_loss, val_ppl=ev.val_ppl, windows=ev.windows))
+                    self.sink(
+                        events.Evaluated(
+                            checkpoint=ev.checkpoint_uri,
+                            step=ev.step,
+                            val_loss=ev.val_loss,
+                            val_ppl=ev.val_ppl,
+                            windows=ev.windows,
+                        )
+                    )
             except Exception as err:  # an evaluation failing must not fail the training task
                 self.logger.warning("evaluation of step %d failed: %s", step, err)
         self.evaluations = []

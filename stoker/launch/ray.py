@@ -27,10 +27,18 @@ from stoker.launch.torchrun import child_env
 RESULT_FILE = "ray-result.json"
 
 
-def driver_command(config_url: str, shard_key: str, resume_key: str | None,
-                   result_path: str) -> list[str]:
-    cmd = [sys.executable, "-m", "stoker.training.ray_main", "--config", config_url, "--shards", shard_key,
-           "--result", result_path]
+def driver_command(config_url: str, shard_key: str, resume_key: str | None, result_path: str) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "stoker.training.ray_main",
+        "--config",
+        config_url,
+        "--shards",
+        shard_key,
+        "--result",
+        result_path,
+    ]
     if resume_key:
         cmd += ["--resume-from", resume_key]
     return cmd
@@ -39,8 +47,9 @@ def driver_command(config_url: str, shard_key: str, resume_key: str | None,
 class RayLauncher(GangLauncher):
     """One launch attempt on Ray: `launch.world_size` workers (num_nodes x nproc_per_node)."""
 
-    def __init__(self, cfg: RunConfig, config_url: str, shard_key: str, resume_key: str | None,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self, cfg: RunConfig, config_url: str, shard_key: str, resume_key: str | None, env: dict[str, str] | None = None
+    ):
         self.launch: LaunchConfig = cfg.launch
         self.address = cfg.ray.address
         self.work_dir = make_work_dir("stoker-ray-launch-")
@@ -49,12 +58,21 @@ class RayLauncher(GangLauncher):
         base = dict(env if env is not None else child_env(cfg))
         # Ray's own forwarding of worker output is off (the driver relays it); these keep what
         # Ray itself prints plain
-        base.update(RAY_DEDUP_LOGS="0", RAY_COLOR_PREFIX="0", RAY_USAGE_STATS_ENABLED="0",
-                    RAY_TRAIN_V2_ENABLED=base.get("RAY_TRAIN_V2_ENABLED", "1"))
-        self.gang = ProcessGang([self.cmd], [base], cfg.launch.world_size,
-                                cfg.launch.timeout_seconds, cfg.launch.hang_timeout_seconds,
-                                startup_timeout=cfg.launch.startup_timeout_seconds,
-                                heartbeat=os.path.join(self.work_dir, "heartbeat"))
+        base.update(
+            RAY_DEDUP_LOGS="0",
+            RAY_COLOR_PREFIX="0",
+            RAY_USAGE_STATS_ENABLED="0",
+            RAY_TRAIN_V2_ENABLED=base.get("RAY_TRAIN_V2_ENABLED", "1"),
+        )
+        self.gang = ProcessGang(
+            [self.cmd],
+            [base],
+            cfg.launch.world_size,
+            cfg.launch.timeout_seconds,
+            cfg.launch.hang_timeout_seconds,
+            startup_timeout=cfg.launch.startup_timeout_seconds,
+            heartbeat=os.path.join(self.work_dir, "heartbeat"),
+        )
 
     @property
     def description(self) -> str:
@@ -65,11 +83,11 @@ class RayLauncher(GangLauncher):
         result = self.gang.collect(result)
         outcome = _read_result(self.result_path)
         if outcome is None:
-            result.launcher_errors = [("RayDriverError", "the Ray driver ended without a result "
-                                       f"(exit status {result.returncodes[0]})")]
+            result.launcher_errors = [
+                ("RayDriverError", f"the Ray driver ended without a result (exit status {result.returncodes[0]})")
+            ]
         else:
-            result.failures = [f for f in (from_dict(d) for d in outcome["failures"])
-                               if isinstance(f, Failure)]
+            result.failures = [f for f in (from_dict(d) for d in outcome["failures"]) if isinstance(f, Failure)]
             result.lost_ranks = [] if result.reason == "completed" else list(outcome["running"])
             result.launcher_errors = [tuple(e) for e in outcome["launcher_errors"]]
         return result

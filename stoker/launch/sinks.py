@@ -42,16 +42,24 @@ _MLFLOW_PARAMS_PER_CALL = 100  # MLflow's log_batch limit
 def scalars(event: events.Event) -> dict[str, float]:
     """The numbers a record carries, by the name both sinks give them (empty: none)."""
     if isinstance(event, events.Train):
-        values = {"train/loss": event.loss, "train/lr": event.lr,
-                  "train/step_seconds": event.step_seconds, "train/tokens_seen": event.tokens_seen,
-                  "train/tokens_per_second": event.tokens_per_second, "train/mfu": event.mfu,
-                  "train/peak_memory_gb": event.peak_memory_gb,
-                  "train/data_wait_share": event.data_wait_share}
+        values = {
+            "train/loss": event.loss,
+            "train/lr": event.lr,
+            "train/step_seconds": event.step_seconds,
+            "train/tokens_seen": event.tokens_seen,
+            "train/tokens_per_second": event.tokens_per_second,
+            "train/mfu": event.mfu,
+            "train/peak_memory_gb": event.peak_memory_gb,
+            "train/data_wait_share": event.data_wait_share,
+        }
     elif isinstance(event, events.Eval):
         values = {"val/loss": event.val_loss, "val/perplexity": event.val_ppl}
     elif isinstance(event, events.CheckpointCommitted):
-        values = {"checkpoint/bytes": event.bytes, "checkpoint/stage_seconds": event.stage_seconds,
-                  "checkpoint/upload_seconds": event.upload_seconds}
+        values = {
+            "checkpoint/bytes": event.bytes,
+            "checkpoint/stage_seconds": event.stage_seconds,
+            "checkpoint/upload_seconds": event.upload_seconds,
+        }
     elif isinstance(event, events.Evaluated):  # a committed checkpoint, evaluated in its own process
         values = {"checkpoint/val_loss": event.val_loss, "checkpoint/val_perplexity": event.val_ppl}
     else:
@@ -78,8 +86,7 @@ class TensorBoardSink:
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self.store, self.key = store, run_file_key(run_name, TENSORBOARD_DIR)
-        self.logdir = store.local_path(self.key) if store.is_local else \
-            tempfile.mkdtemp(prefix="stoker-tensorboard-")
+        self.logdir = store.local_path(self.key) if store.is_local else tempfile.mkdtemp(prefix="stoker-tensorboard-")
         os.makedirs(self.logdir, exist_ok=True)
         self.writer = EventFileWriter(self.logdir, flush_secs=5)
 
@@ -108,14 +115,14 @@ class MlflowSink:
         m, run = cfg.metrics, cfg.resolved_run_name()
         self.client = mlflow_client(m.mlflow_tracking_uri)
         experiment_id = mlflow_experiment_id(self.client, m.mlflow_experiment)
-        found = self.client.search_runs([experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{run}'",
-                                        max_results=1)
+        found = self.client.search_runs([experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{run}'", max_results=1)
         if found:
             self.run_id = found[0].info.run_id
             self.client.update_run(self.run_id, status="RUNNING")
             return
-        self.run_id = self.client.create_run(experiment_id, run_name=run, tags={
-            RUN_TAG: run, "stoker.run_uri": store.url(run_key(run))}).info.run_id
+        self.run_id = self.client.create_run(
+            experiment_id, run_name=run, tags={RUN_TAG: run, "stoker.run_uri": store.url(run_key(run))}
+        ).info.run_id
         self._log_params(cfg)
 
     def _log_params(self, cfg: RunConfig) -> None:
@@ -123,7 +130,7 @@ class MlflowSink:
 
         params = [Param(k, str(v)[:6000]) for k, v in sorted(_flat(cfg.model_dump(mode="json")).items())]
         for i in range(0, len(params), _MLFLOW_PARAMS_PER_CALL):
-            self.client.log_batch(self.run_id, params=params[i:i + _MLFLOW_PARAMS_PER_CALL])
+            self.client.log_batch(self.run_id, params=params[i : i + _MLFLOW_PARAMS_PER_CALL])
 
     def write(self, step: int, wall_time: float, values: dict[str, float]) -> None:
         from mlflow.entities import Metric
@@ -182,8 +189,9 @@ class MetricSinks:
                     sink.write(*item)
                 except Exception as err:  # metrics never stop training
                     self.sinks.remove(sink)
-                    self.logger.warning("metric sink %s failed and is off for the rest of this launch: %s",
-                                        sink.name, describe(err))
+                    self.logger.warning(
+                        "metric sink %s failed and is off for the rest of this launch: %s", sink.name, describe(err)
+                    )
             self.queue.task_done()  # queue.join() returns once all that was queued is written
 
     def close(self, status: str = "FINISHED", timeout: float = CLOSE_TIMEOUT_SECONDS) -> None:
@@ -192,8 +200,7 @@ class MetricSinks:
         self.queue.put(None)
         self.thread.join(timeout)
         if self.thread.is_alive():
-            self.logger.warning("metric sinks still writing after %.0fs; the last records may be "
-                                "missing", timeout)
+            self.logger.warning("metric sinks still writing after %.0fs; the last records may be missing", timeout)
             return
         for sink in self.sinks:
             try:
@@ -207,8 +214,11 @@ def open_sinks(cfg: RunConfig, logger) -> MetricSinks | None:
     the field when one cannot be opened (a transient error is raised as it is, to be retried)."""
     store = Store(cfg.storage.root, cfg.storage.storage_options)
     opened: list[Sink] = []
-    wanted = [("tensorboard_enabled", lambda: TensorBoardSink(store, cfg.resolved_run_name()))] \
-        if cfg.metrics.tensorboard_enabled else []
+    wanted = (
+        [("tensorboard_enabled", lambda: TensorBoardSink(store, cfg.resolved_run_name()))]
+        if cfg.metrics.tensorboard_enabled
+        else []
+    )
     if cfg.metrics.mlflow_tracking_uri:
         wanted.append(("mlflow_tracking_uri", lambda: MlflowSink(cfg, store)))
     for field, make in wanted:

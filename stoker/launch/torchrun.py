@@ -47,9 +47,11 @@ def _local_port(host: str) -> int:
     try:
         return free_port(host)
     except OSError as err:
-        raise ValueError(f"launch.rdzv_host {host!r} is not an address of this host ({err}), so "
-                         "no free port can be picked for it here; give the port its node listens "
-                         "on in launch.rdzv_port") from err
+        raise ValueError(
+            f"launch.rdzv_host {host!r} is not an address of this host ({err}), so "
+            "no free port can be picked for it here; give the port its node listens "
+            "on in launch.rdzv_port"
+        ) from err
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,15 @@ def node_specs(lc: LaunchConfig, nodes: list[NodeSpec] | None = None) -> list[No
     return list(nodes)
 
 
-def torchrun_commands(cfg: RunConfig, config_url: str, shard_key: str, resume_key: str | None,
-                      port: int, log_dir: str | None = None,
-                      nodes: list[NodeSpec] | None = None) -> list[list[str]]:
+def torchrun_commands(
+    cfg: RunConfig,
+    config_url: str,
+    shard_key: str,
+    resume_key: str | None,
+    port: int,
+    log_dir: str | None = None,
+    nodes: list[NodeSpec] | None = None,
+) -> list[list[str]]:
     """The torchrun command of each node (no prefix), all meeting at one c10d endpoint."""
     lc = cfg.launch
     specs = node_specs(lc, nodes)
@@ -89,11 +97,17 @@ def torchrun_commands(cfg: RunConfig, config_url: str, shard_key: str, resume_ke
     cmds = []
     for node, spec in enumerate(specs):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            f"--nnodes={lc.num_nodes}", f"--nproc-per-node={lc.nproc_per_node}",
-            f"--node-rank={node}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={lc.rdzv_host}:{port}", f"--rdzv-id={cfg.resolved_run_name()}",
-            f"--max-restarts={lc.max_restarts}", "--tee=3",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={lc.num_nodes}",
+            f"--nproc-per-node={lc.nproc_per_node}",
+            f"--node-rank={node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={lc.rdzv_host}:{port}",
+            f"--rdzv-id={cfg.resolved_run_name()}",
+            f"--max-restarts={lc.max_restarts}",
+            "--tee=3",
         ]
         if spec.address:
             cmd.append(f"--local-addr={spec.address}")
@@ -152,8 +166,9 @@ def read_error_files(log_dir: str, nproc_per_node: int) -> tuple[list[Failure], 
                 failure = from_dict(info) if isinstance(info, dict) else None
                 if not isinstance(failure, Failure):  # raised before stoker's handler was set up
                     kind, _, msg = str(record.get("message", "")).partition(": ")
-                    failure = Failure(rank=rank, type=kind, message=msg,
-                                      transient=classify_reported(kind, msg) != PERMANENT)
+                    failure = Failure(
+                        rank=rank, type=kind, message=msg, transient=classify_reported(kind, msg) != PERMANENT
+                    )
                 failures.append(failure)
         agent = _error_record(os.path.join(node_dir, "agent-error.json"))
         if agent is not None:
@@ -201,43 +216,63 @@ class TorchrunLauncher(GangLauncher):
     rendezvous host listens on (else launch.rdzv_port, else one free on this host, which then
     hosts it)."""
 
-    def __init__(self, cfg: RunConfig, config_url: str, shard_key: str, resume_key: str | None,
-                 env: dict[str, str] | None = None, nodes: list[NodeSpec] | None = None,
-                 rdzv_port: int | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        config_url: str,
+        shard_key: str,
+        resume_key: str | None,
+        env: dict[str, str] | None = None,
+        nodes: list[NodeSpec] | None = None,
+        rdzv_port: int | None = None,
+    ):
         self.launch: LaunchConfig = cfg.launch
         nodes = node_specs(cfg.launch, nodes)
         port = rdzv_port or cfg.launch.rdzv_port or _local_port(cfg.launch.rdzv_host)
         self.work_dir = make_work_dir("stoker-launch-")
-        self.torchrun_cmds = torchrun_commands(cfg, config_url, shard_key, resume_key, port,
-                                               log_dir=self.work_dir, nodes=nodes)
+        self.torchrun_cmds = torchrun_commands(
+            cfg, config_url, shard_key, resume_key, port, log_dir=self.work_dir, nodes=nodes
+        )
         self.cmds = [list(spec.prefix) + cmd for spec, cmd in zip(nodes, self.torchrun_cmds)]
         base = env if env is not None else child_env(cfg)
-        envs = [{**base, **spec.env,
-                 "TORCHELASTIC_ERROR_FILE": os.path.join(self.work_dir, f"node-{i}", "agent-error.json"),
-                 PERMANENT_MARKER_ENV: os.path.join(self.work_dir, "permanent-failure.json")}
-                for i, spec in enumerate(nodes)]
+        envs = [
+            {
+                **base,
+                **spec.env,
+                "TORCHELASTIC_ERROR_FILE": os.path.join(self.work_dir, f"node-{i}", "agent-error.json"),
+                PERMANENT_MARKER_ENV: os.path.join(self.work_dir, "permanent-failure.json"),
+            }
+            for i, spec in enumerate(nodes)
+        ]
         for spec, node_env in zip(nodes, envs):
             if not spec.prefix:
                 node_env.update(_cpu_threads(nodes, self.launch.nproc_per_node, node_env))
         for i in range(len(self.cmds)):
             os.makedirs(os.path.join(self.work_dir, f"node-{i}"), exist_ok=True)
-        self.gang = ProcessGang(self.cmds, envs, self.launch.nproc_per_node,
-                                self.launch.timeout_seconds, self.launch.hang_timeout_seconds,
-                                startup_timeout=self.launch.startup_timeout_seconds,
-                                heartbeat=os.path.join(self.work_dir, "heartbeat"))
+        self.gang = ProcessGang(
+            self.cmds,
+            envs,
+            self.launch.nproc_per_node,
+            self.launch.timeout_seconds,
+            self.launch.hang_timeout_seconds,
+            startup_timeout=self.launch.startup_timeout_seconds,
+            heartbeat=os.path.join(self.work_dir, "heartbeat"),
+        )
 
     @property
     def description(self) -> str:
-        return f"{self.launch.num_nodes} node(s) x {self.launch.nproc_per_node} rank(s): " + " ".join(self.torchrun_cmds[0][2:])
+        return f"{self.launch.num_nodes} node(s) x {self.launch.nproc_per_node} rank(s): " + " ".join(
+            self.torchrun_cmds[0][2:]
+        )
 
     def collect(self, result: GangResult) -> GangResult:
         result = self.gang.collect(result)
         result.failures, result.lost_ranks, result.launcher_errors = read_error_files(
-            self.work_dir, self.launch.nproc_per_node)
+            self.work_dir, self.launch.nproc_per_node
+        )
         if result.reason == "completed":
             result.lost_ranks = []  # ranks that exited cleanly leave no error file either
         return result
 
     def close(self) -> None:
         shutil.rmtree(self.work_dir, ignore_errors=True)
-

@@ -119,8 +119,14 @@ def checked_in_place(folder: str, manifest: dict, stamp_file: str, damaged: Call
     write_stamp(folder, manifest, stamp_file)
 
 
-def verified_copy(local: str, manifest: dict, manifest_name: str, what: str,
-                  fetch: Callable[[str, str], None], damaged: Callable[[str], None]) -> str:
+def verified_copy(
+    local: str,
+    manifest: dict,
+    manifest_name: str,
+    what: str,
+    fetch: Callable[[str, str], None],
+    damaged: Callable[[str], None],
+) -> str:
     """This host's copy of a store folder at ``local``, fully checked; the caller holds
     host_lock(local). A copy whose manifest file equals the store's manifest and whose stamp
     holds is used as it is; one whose stamp broke is hashed again and, when damaged, dropped
@@ -136,8 +142,9 @@ def verified_copy(local: str, manifest: dict, manifest_name: str, what: str,
         if not problem:
             write_stamp(local, manifest, stamp_file)
             return local
-        log.warning("this host's cached copy of %s at %s is damaged (%s): dropped, fetching it "
-                    "again", what, local, problem)
+        log.warning(
+            "this host's cached copy of %s at %s is damaged (%s): dropped, fetching it again", what, local, problem
+        )
     drop_stamp(stamp_file)
     shutil.rmtree(local, ignore_errors=True)  # stale, partial or damaged
     tmp = f"{local}.tmp-{uuid.uuid4().hex[:8]}"

@@ -184,13 +184,14 @@ def numerics_problem(manifest: dict, step: int, nonfinite_since: int | None) -> 
         got = manifest["numerics"]
         return "" if got == NUMERICS_FINITE else f"its manifest says numerics={got!r}"
     if nonfinite_since is not None and nonfinite_since <= step:
-        return (f"written after a non-finite training loss at step {nonfinite_since} (metrics.jsonl) "
-                "by a stoker that did not check numerics: its weights are taken as NaN")
+        return (
+            f"written after a non-finite training loss at step {nonfinite_since} (metrics.jsonl) "
+            "by a stoker that did not check numerics: its weights are taken as NaN"
+        )
     return ""
 
 
-def find_latest_valid(store: Store, run_name: str,
-                      expected: dict[str, str] | None = None) -> ResumeChoice:
+def find_latest_valid(store: Store, run_name: str, expected: dict[str, str] | None = None) -> ResumeChoice:
     """Walk checkpoints newest first; the first whose manifest parses, whose files are all
     listed with their sizes, that no host marked invalid, that is not known to hold NaN/inf
     (numerics_problem), and (given `expected`) whose manifest carries those identity fields,
@@ -203,8 +204,7 @@ def find_latest_valid(store: Store, run_name: str,
         if verdict and not mismatch and "numerics" not in verdict.manifest and not nonfinite_since:
             nonfinite_since.append(first_nonfinite_step(store, run_name))
         if verdict and not mismatch:
-            mismatch = numerics_problem(verdict.manifest, ref.step,
-                                        nonfinite_since[0] if nonfinite_since else None)
+            mismatch = numerics_problem(verdict.manifest, ref.step, nonfinite_since[0] if nonfinite_since else None)
         if mismatch:
             skipped.append((ref, mismatch))
             continue
@@ -231,8 +231,9 @@ def is_pinned(store: Store, key: str, pin_seconds: float = DEFAULT_PIN_SECONDS) 
     return isinstance(at, (int, float)) and time.time() - at < pin_seconds
 
 
-def finish_evaluation(store: Store, run_name: str, key: str, keep_latest_k: int,
-                      pin_seconds: float = DEFAULT_PIN_SECONDS) -> list[str]:
+def finish_evaluation(
+    store: Store, run_name: str, key: str, keep_latest_k: int, pin_seconds: float = DEFAULT_PIN_SECONDS
+) -> list[str]:
     """After the evaluation of a checkpoint (done, or failed for good): remove its pin and,
     when it had one, apply the retention it held off. Returns the deleted keys."""
     if not store.exists(join(key, EVAL_PIN), refresh=True):
@@ -241,8 +242,9 @@ def finish_evaluation(store: Store, run_name: str, key: str, keep_latest_k: int,
     return prune_checkpoints(store, run_name, keep_latest_k, pin_seconds)
 
 
-def prune_checkpoints(store: Store, run_name: str, keep_latest_k: int,
-                      pin_seconds: float = DEFAULT_PIN_SECONDS) -> list[str]:
+def prune_checkpoints(
+    store: Store, run_name: str, keep_latest_k: int, pin_seconds: float = DEFAULT_PIN_SECONDS
+) -> list[str]:
     """Delete committed checkpoints beyond the newest K, and every uncommitted or invalid
     folder older than the newest committed one (abandoned: receipts without a commit, a
     crashed attempt's partial files, an empty folder), sparing folders marked to keep and
@@ -285,8 +287,7 @@ def _stamp_path(cache_dir: str, store: Store, key: str) -> str:
     return local_checkpoint_dir(cache_dir, store, key) + ".verified.json"
 
 
-def rehydrate(store: Store, key: str, cache_dir: str,
-              expected: dict[str, str] | None = None) -> str:
+def rehydrate(store: Store, key: str, cache_dir: str, expected: dict[str, str] | None = None) -> str:
     """A fully checked local copy of a committed checkpoint; returns its folder.
 
     Under a host-wide lock (storage.cache.host_lock), so one rank per host reads the bytes
@@ -309,8 +310,12 @@ def rehydrate(store: Store, key: str, cache_dir: str,
         manifest = verdict.manifest
         mismatch = identity_problem(manifest, expected) if expected else ""
         if mismatch:
-            raise ConfigError([f"resume checkpoint {store.url(key)} {mismatch}; resume from a "
-                               "checkpoint of this run and model, or start a new run"])
+            raise ConfigError(
+                [
+                    f"resume checkpoint {store.url(key)} {mismatch}; resume from a "
+                    "checkpoint of this run and model, or start a new run"
+                ]
+            )
         damaged = functools.partial(_invalid, store, key)
         if store.is_local:
             checked_in_place(store.local_path(key), manifest, _stamp_path(cache_dir, store, key), damaged)
@@ -329,13 +334,17 @@ def unavailable_message(store: Store, key: str, reason: str) -> str:
     """One line on a checkpoint that cannot be read, telling a deleted one from the rest."""
     url = store.url(key)
     if not store.walk_files(key):
-        return (f"checkpoint {url} does not exist (deleted, e.g. by retention "
-                "(checkpoint.keep_latest_k), or never written); name one that `stoker "
-                "checkpoints RUN` lists")
+        return (
+            f"checkpoint {url} does not exist (deleted, e.g. by retention "
+            "(checkpoint.keep_latest_k), or never written); name one that `stoker "
+            "checkpoints RUN` lists"
+        )
     return f"checkpoint {url} is not valid: {reason}"
 
 
 def _invalid(store: Store, key: str, problem: str):
     mark_invalid(store, key, problem)
-    raise CheckpointInvalid(f"checkpoint {store.url(key)} is not valid: {problem}; it is marked "
-                            "invalid, so the next attempt resumes from an older one")
+    raise CheckpointInvalid(
+        f"checkpoint {store.url(key)} is not valid: {problem}; it is marked "
+        "invalid, so the next attempt resumes from an older one"
+    )

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import threading
 
-_ENV_NAMES = {"access_key_id": "AWS_ACCESS_KEY_ID", "secret_access_key": "AWS_SECRET_ACCESS_KEY",
-              "session_token": "AWS_SESSION_TOKEN"}
+_ENV_NAMES = {
+    "access_key_id": "AWS_ACCESS_KEY_ID",
+    "secret_access_key": "AWS_SECRET_ACCESS_KEY",
+    "session_token": "AWS_SESSION_TOKEN",
+}
 S3_PROTOCOLS = ("s3://", "s3a://")
 
 
@@ -22,10 +25,12 @@ class StoreCredentials:
 
     __slots__ = ("_values", "source")
 
-    def __init__(self, access_key_id: str, secret_access_key: str, session_token: str | None = None,
-                 source: str = ""):
-        self._values = {"access_key_id": access_key_id, "secret_access_key": secret_access_key,
-                        "session_token": session_token or None}
+    def __init__(self, access_key_id: str, secret_access_key: str, session_token: str | None = None, source: str = ""):
+        self._values = {
+            "access_key_id": access_key_id,
+            "secret_access_key": secret_access_key,
+            "session_token": session_token or None,
+        }
         self.source = source  # where they came from, e.g. "Prefect block 'secret/s3-writer'"
 
     def __repr__(self) -> str:

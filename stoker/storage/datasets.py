@@ -49,8 +49,9 @@ def dataset_of_source(store: Store, source_fingerprint: str) -> tuple[str, dict]
 
 def link_source(store: Store, source_fingerprint: str, fingerprint: str) -> None:
     """Record that this source gave the dataset `fingerprint` (written after its info)."""
-    store.write_json(_source_key(source_fingerprint),
-                     {"source_fingerprint": source_fingerprint, "fingerprint": fingerprint})
+    store.write_json(
+        _source_key(source_fingerprint), {"source_fingerprint": source_fingerprint, "fingerprint": fingerprint}
+    )
 
 
 def committed_dataset(store: Store, fingerprint: str) -> dict | None:
@@ -68,8 +69,14 @@ def publish_dataset(store: Store, fingerprint: str, corpus_path: str, info: dict
     staging = join("datasets", f".tmp-{fingerprint}-{uuid.uuid4().hex[:8]}")
     try:
         store.put_file(corpus_path, join(staging, CORPUS_FILE))
-        publish_folder(store, staging, dataset_key(fingerprint), INFO_FILE, info,
-                       is_intact=lambda: committed_dataset(store, fingerprint) is not None)
+        publish_folder(
+            store,
+            staging,
+            dataset_key(fingerprint),
+            INFO_FILE,
+            info,
+            is_intact=lambda: committed_dataset(store, fingerprint) is not None,
+        )
     except BaseException:
         store.rm(staging)
         raise

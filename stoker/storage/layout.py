@@ -53,8 +53,12 @@ def parse_checkpoint_url(url: str) -> CheckpointLocation:
     """``{root}/runs/{run}/checkpoints/{name}`` -> its parts; ValueError naming the form."""
     m = _CHECKPOINT_URL.match(url.strip())
     if not m:
-        raise ConfigError([f"checkpoint_uri: {url!r} is not of the form "
-                           "{root}/runs/{run}/checkpoints/step-NNNNNNNN; copy it from the run "
-                           "report or the flow log"])
+        raise ConfigError(
+            [
+                f"checkpoint_uri: {url!r} is not of the form "
+                "{root}/runs/{run}/checkpoints/step-NNNNNNNN; copy it from the run "
+                "report or the flow log"
+            ]
+        )
     run, name = m.group("run"), m.group("name")
     return CheckpointLocation(m.group("root"), run, join(checkpoints_key(run), name))

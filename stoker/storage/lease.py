@@ -59,8 +59,10 @@ class LeaseRecord:
         since = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(self.acquired_at))
         left = self.expires_at - now
         expiry = f"expires in {left:.0f}s" if left > 0 else f"expired {-left:.0f}s ago"
-        return (f"host {self.host}, pid {self.pid}, flow run {self.flow_run_id or '-'}, since {since}; "
-                f"heartbeat {now - self.heartbeat_at:.0f}s ago, {expiry}")
+        return (
+            f"host {self.host}, pid {self.pid}, flow run {self.flow_run_id or '-'}, since {since}; "
+            f"heartbeat {now - self.heartbeat_at:.0f}s ago, {expiry}"
+        )
 
 
 def lease_key(run_name: str) -> str:
@@ -107,10 +109,12 @@ def why_takeable(record: LeaseRecord, owner: str, takeover: bool, now: float) ->
 
 
 def held_message(record: LeaseRecord, run_name: str) -> str:
-    return (f"run {run_name!r} is already being trained by another launch ({record.describe()}); "
-            "wait for it to end, use another run_name, or take the run over with --takeover "
-            "(CLI) / launch.takeover=true (config), which stops the other launch at its next "
-            "heartbeat (an expired lease is taken without it)")
+    return (
+        f"run {run_name!r} is already being trained by another launch ({record.describe()}); "
+        "wait for it to end, use another run_name, or take the run over with --takeover "
+        "(CLI) / launch.takeover=true (config), which stops the other launch at its next "
+        "heartbeat (an expired lease is taken without it)"
+    )
 
 
 class RunLease:
@@ -140,8 +144,9 @@ class RunLease:
         current, _ = read_lease(self.store, self.record.run_name)
         if current is not None and current.token == self.record.token:  # ours, version moved on
             return False
-        self.lost = ("the run's lease was taken by another launch ("
-                     + (current.describe() if current else "removed") + ")")
+        self.lost = (
+            "the run's lease was taken by another launch (" + (current.describe() if current else "removed") + ")"
+        )
         return False
 
     def check(self) -> None:
@@ -149,8 +154,9 @@ class RunLease:
         if self.lost:
             raise LeaseLost(f"run {self.record.run_name!r}: {self.lost}; this launch stopped")
 
-    def start_heartbeat(self, on_lost: Callable[[str], None] | None = None,
-                        log: Callable[[str], None] | None = None) -> None:
+    def start_heartbeat(
+        self, on_lost: Callable[[str], None] | None = None, log: Callable[[str], None] | None = None
+    ) -> None:
         """Renew every ttl/3 seconds in a daemon thread; call on_lost(reason) once if lost.
         A store error is logged and retried at the next beat: the lease lasts ttl seconds."""
         interval = max(0.5, self.ttl / 3)
@@ -193,9 +199,16 @@ def _token(data: bytes) -> str:
         return ""
 
 
-def acquire_lease(store: Store, run_name: str, *, owner: str = "", flow_run_id: str = "",
-                  ttl: float = 90.0, takeover: bool = False,
-                  settle_seconds: float = SETTLE_SECONDS) -> RunLease:
+def acquire_lease(
+    store: Store,
+    run_name: str,
+    *,
+    owner: str = "",
+    flow_run_id: str = "",
+    ttl: float = 90.0,
+    takeover: bool = False,
+    settle_seconds: float = SETTLE_SECONDS,
+) -> RunLease:
     """Take the run's lease, or raise LeaseHeld naming its holder. `owner`: who may re-take it
     (the flow run id; a fresh uuid when empty). Among racing launches exactly one wins: the
     conditional write refuses the others, who then find the winner's lease and refuse."""
@@ -203,8 +216,9 @@ def acquire_lease(store: Store, run_name: str, *, owner: str = "", flow_run_id: 
     key = lease_key(run_name)
     for _ in range(5):
         now = time.time()
-        record = LeaseRecord(run_name, owner, uuid.uuid4().hex, socket.gethostname(), os.getpid(),
-                             flow_run_id, now, now, now + ttl)
+        record = LeaseRecord(
+            run_name, owner, uuid.uuid4().hex, socket.gethostname(), os.getpid(), flow_run_id, now, now, now + ttl
+        )
         current, version = read_lease(store, run_name)
         if current is None:
             written = store.write_bytes_if_absent(key, _encode(record))

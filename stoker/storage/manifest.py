@@ -33,8 +33,7 @@ def describe_files(store: Store, folder: str, names: list[str] | None = None) ->
     if names is None:
         names = sorted(store.walk_files(folder))
     return {
-        name: {"size": store.size(join(folder, name)), "sha256": store.sha256(join(folder, name))}
-        for name in names
+        name: {"size": store.size(join(folder, name)), "sha256": store.sha256(join(folder, name))} for name in names
     }
 
 
@@ -42,8 +41,11 @@ def verify_files(store: Store, folder: str, files: dict[str, dict], deep: bool) 
     """Return '' when every listed file matches, else the first problem found."""
     present = store.walk_files(folder)
     for name, entry in sorted(files.items()):
-        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) \
-                or not isinstance(entry.get("sha256"), str):
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("size"), int)
+            or not isinstance(entry.get("sha256"), str)
+        ):
             return f"the manifest's entry for {name} has no size and sha256 (damaged or not ours)"
         if name not in present:
             if any(other.startswith(name.rstrip("/") + "/") for other in present):
@@ -94,8 +96,9 @@ def read_manifest(store: Store, key: str) -> tuple[dict | None, str]:
     return manifest, ""
 
 
-def publish_folder(store: Store, staging: str, final: str, manifest_name: str, manifest: dict,
-                   is_intact: Callable[[], bool]) -> bool:
+def publish_folder(
+    store: Store, staging: str, final: str, manifest_name: str, manifest: dict, is_intact: Callable[[], bool]
+) -> bool:
     """Publish a folder built at ``staging`` as ``final``, its manifest last.
 
     Local stores: the manifest is written into staging, then the folder is renamed into

@@ -34,8 +34,10 @@ def store_problem(store: Store) -> str:
     except Exception as err:
         if is_transient(err):
             raise
-        return (f"storage.root: {store.root} cannot be written ({describe(err)}); create the "
-                "bucket or folder, fix its name, or give credentials that may write there.")
+        return (
+            f"storage.root: {store.root} cannot be written ({describe(err)}); create the "
+            "bucket or folder, fix its name, or give credentials that may write there."
+        )
     return ""
 
 
@@ -48,16 +50,24 @@ def pin_run_folder(store: Store, config: RunConfig, shards: ShardInfo) -> str:
     if store.exists(key):
         old = RunConfig.model_validate_json(store.read_bytes(key))
         if old.model_hash() != config.model_hash():
-            raise ConfigError([f"run_name: run {run!r} already holds a different model "
-                               "(model or tokenizer.vocab_size changed); choose a new run_name."])
+            raise ConfigError(
+                [
+                    f"run_name: run {run!r} already holds a different model "
+                    "(model or tokenizer.vocab_size changed); choose a new run_name."
+                ]
+            )
         pinned = run_file_key(run, SHARDS_FILE)
         if store.exists(pinned):
             before = store.read_json(pinned).get("cache_key")
             if before and before != shards.cache_key:
-                raise ConfigError([f"run_name: run {run!r} was trained on shard set {before}, and this "
-                                   f"config makes {shards.cache_key} (the data, tokenizer or "
-                                   "sharding changed); resuming would change the data under the "
-                                   "run: choose a new run_name."])
+                raise ConfigError(
+                    [
+                        f"run_name: run {run!r} was trained on shard set {before}, and this "
+                        f"config makes {shards.cache_key} (the data, tokenizer or "
+                        "sharding changed); resuming would change the data under the "
+                        "run: choose a new run_name."
+                    ]
+                )
     store.write_bytes(key, config.to_json().encode())
     store.copy(join(shards.key, TOKENIZER_FILE), run_file_key(run, TOKENIZER_FILE))
     store.write_json(run_file_key(run, SHARDS_FILE), shards.as_dict())
@@ -71,8 +81,13 @@ def checkpoint_inputs(checkpoint_url: str, storage_options: dict) -> tuple[RunCo
     store = Store(where.root, storage_options)
     config_key = run_file_key(where.run_name, CONFIG_FILE)
     config = RunConfig.model_validate_json(store.read_bytes(config_key))
-    config = config.model_copy(update={"storage": config.storage.model_copy(
-        update={"root": where.root, "storage_options": storage_options or config.storage.storage_options})})
+    config = config.model_copy(
+        update={
+            "storage": config.storage.model_copy(
+                update={"root": where.root, "storage_options": storage_options or config.storage.storage_options}
+            )
+        }
+    )
     shard_key = store.read_json(run_file_key(where.run_name, SHARDS_FILE))["key"]
     from stoker.storage.checkpoints import COMMIT_FILE, unavailable_message
 
@@ -109,20 +124,31 @@ def named_checkpoint(checkpoint_url: str, storage_options: dict | None = None) -
         config = RunConfig.model_validate_json(store.read_bytes(run_file_key(run, CONFIG_FILE)))
         shards = store.read_json(run_file_key(run, SHARDS_FILE))
     except FileNotFoundError:
-        raise ConfigError([f"checkpoint_uri: {url} is in no run folder ({store.url(run_key(run))} "
-                           f"holds no {CONFIG_FILE} and {SHARDS_FILE}); check the store root and "
-                           "the run name"]) from None
+        raise ConfigError(
+            [
+                f"checkpoint_uri: {url} is in no run folder ({store.url(run_key(run))} "
+                f"holds no {CONFIG_FILE} and {SHARDS_FILE}); check the store root and "
+                "the run name"
+            ]
+        ) from None
     except (ValidationError, ValueError) as err:
-        raise ConfigError([f"checkpoint_uri: the run folder of {url} holds a {CONFIG_FILE} or "
-                           f"{SHARDS_FILE} stoker cannot read ({str(err).splitlines()[0]})"]) from None
+        raise ConfigError(
+            [
+                f"checkpoint_uri: the run folder of {url} holds a {CONFIG_FILE} or "
+                f"{SHARDS_FILE} stoker cannot read ({str(err).splitlines()[0]})"
+            ]
+        ) from None
     verdict = validate_checkpoint(store, where.key)
     if not verdict:
-        raise ConfigError([f"checkpoint_uri: {url} is not a committed, intact checkpoint "
-                           f"({verdict.reason}); name one whose commit.json exists"])
+        raise ConfigError(
+            [
+                f"checkpoint_uri: {url} is not a committed, intact checkpoint "
+                f"({verdict.reason}); name one whose commit.json exists"
+            ]
+        )
     mismatch = identity_problem(verdict.manifest, {"run_name": run, "model_hash": config.model_hash()})
     if mismatch:
-        raise ConfigError([f"checkpoint_uri: {url} {mismatch}: its run folder's {CONFIG_FILE} "
-                           "does not describe it"])
+        raise ConfigError([f"checkpoint_uri: {url} {mismatch}: its run folder's {CONFIG_FILE} does not describe it"])
     return NamedCheckpoint(store, where, config, shards, verdict.manifest)
 
 

@@ -91,8 +91,14 @@ def publish_shard_set(store: Store, staging: str, cache_key: str, manifest: dict
     when another writer published an intact copy of the same key first. An invalid marker
     left by a host that found the old bytes damaged is removed once the new ones are in."""
     folder = shard_set_key(cache_key)
-    published = publish_folder(store, staging, folder, MANIFEST, manifest,
-                               is_intact=lambda: bool(validate_shard_set(store, cache_key, deep=True)))
+    published = publish_folder(
+        store,
+        staging,
+        folder,
+        MANIFEST,
+        manifest,
+        is_intact=lambda: bool(validate_shard_set(store, cache_key, deep=True)),
+    )
     if published and not store.is_local:  # a local publish renamed the marked folder aside
         store.rm(join(folder, INVALID_MARKER))
     return published
@@ -115,22 +121,32 @@ def materialize(store: Store, cache_key: str, cache_dir: str) -> str:
     with host_lock(local):
         manifest, reason = read_manifest(store, join(folder, MANIFEST))
         if manifest is None:
-            raise DataError(f"shard set {store.url(folder)} is not usable: {reason}; run the data "
-                            "stage again to rebuild it")
+            raise DataError(
+                f"shard set {store.url(folder)} is not usable: {reason}; run the data stage again to rebuild it"
+            )
         why = invalid_reason(store, folder)
         if why is not None:
-            raise DataError(f"shard set {store.url(folder)} is marked invalid by a host that read "
-                            f"it ({why}); run the data stage again to rebuild it")
+            raise DataError(
+                f"shard set {store.url(folder)} is marked invalid by a host that read "
+                f"it ({why}); run the data stage again to rebuild it"
+            )
         damaged = functools.partial(_damaged, store, folder)
         if store.is_local:
             checked_in_place(store.local_path(folder), manifest, local + ".verified.json", damaged)
             return store.local_path(folder)
-        return verified_copy(local, manifest, MANIFEST, f"shard set {store.url(folder)}",
-                             fetch=lambda name, path: store.get_file(join(folder, name), path),
-                             damaged=damaged)
+        return verified_copy(
+            local,
+            manifest,
+            MANIFEST,
+            f"shard set {store.url(folder)}",
+            fetch=lambda name, path: store.get_file(join(folder, name), path),
+            damaged=damaged,
+        )
 
 
 def _damaged(store: Store, folder: str, problem: str):
     mark_invalid(store, folder, problem)
-    raise DataError(f"shard set {store.url(folder)} is damaged: {problem}; it is marked invalid "
-                    f"({INVALID_MARKER}), so running the data stage again rebuilds it")
+    raise DataError(
+        f"shard set {store.url(folder)} is damaged: {problem}; it is marked invalid "
+        f"({INVALID_MARKER}), so running the data stage again rebuilds it"
+    )

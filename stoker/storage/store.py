@@ -60,10 +60,12 @@ class Store:
         if "://" in key:
             if not key.startswith(self.root):
                 raise ValueError(f"{key!r} is outside the store root {self.root!r}")
-            key = key[len(self.root):]
+            key = key[len(self.root) :]
         if any(part in ("..", ".") for part in key.split("/")) or "\\" in key or "\x00" in key:
-            raise ValueError(f"{key!r} is not a key under the store root {self.root!r} "
-                             "(no '..', '.', backslash or URL scheme inside a key)")
+            raise ValueError(
+                f"{key!r} is not a key under the store root {self.root!r} "
+                "(no '..', '.', backslash or URL scheme inside a key)"
+            )
         return join(self._root_path, key) if key.strip("/") else self._root_path
 
     def local_path(self, key: str = "") -> str:
@@ -257,7 +259,7 @@ class Store:
             return {}
         out = {}
         for path, info in found.items():
-            rel = path[len(base):].lstrip("/") if path.startswith(base) else path
+            rel = path[len(base) :].lstrip("/") if path.startswith(base) else path
             if rel:
                 out[rel] = int(info.get("size") or 0)
         return out
@@ -325,7 +327,6 @@ def sha256_file(path: str) -> str:
             h.update(block)
 
 
-
 # ---- sources outside the store root, and a local build lock (appended) -------------------
 def _has_magic(url: str) -> bool:
     path = url.split("://", 1)[-1]
@@ -348,8 +349,9 @@ def expand_url(url: str, **storage_options: Any) -> list[tuple[str, dict]]:
         if info.get("type") != "directory":
             return [(url, dict(info))]
         found = fs.find(path, detail=True, withdirs=False)
-    return [(fs.unstrip_protocol(p), dict(info)) for p, info in sorted(found.items())
-            if info.get("type") != "directory"]
+    return [
+        (fs.unstrip_protocol(p), dict(info)) for p, info in sorted(found.items()) if info.get("type") != "directory"
+    ]
 
 
 def fetch_url(url: str, local_path: str, **storage_options: Any) -> None:

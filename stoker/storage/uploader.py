@@ -62,8 +62,14 @@ from stoker.storage.store import Store, join, sha256_file
 
 RECEIPT_POLL_SECONDS = 0.2
 # S3 error codes that say the store itself is gone or refused (a missing key is not one)
-_STORE_GONE = {"NoSuchBucket", "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId",
-               "SignatureDoesNotMatch", "ExpiredToken"}
+_STORE_GONE = {
+    "NoSuchBucket",
+    "AccessDenied",
+    "AllAccessDisabled",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+}
 
 
 def _pin_upload_thread() -> None:
@@ -110,14 +116,26 @@ class _Written:
 class CheckpointUploader:
     """One per rank; see the module docstring."""
 
-    def __init__(self, store: Store, run_name: str, *, rank: int, world_size: int,
-                 staging_root: str, keep_latest_k: int, upload_timeout: float,
-                 commit_timeout: float, async_enabled: bool, max_pending_uploads: int = 2,
-                 on_event: Callable[[Event], None] | None = None,
-                 after_commit: Callable[[], None] | None = None,
-                 agree: Callable[[dict], list[dict]] | None = None,
-                 cache_dir: str | None = None, pin_evaluations: bool = False,
-                 pin_seconds: float = DEFAULT_PIN_SECONDS):
+    def __init__(
+        self,
+        store: Store,
+        run_name: str,
+        *,
+        rank: int,
+        world_size: int,
+        staging_root: str,
+        keep_latest_k: int,
+        upload_timeout: float,
+        commit_timeout: float,
+        async_enabled: bool,
+        max_pending_uploads: int = 2,
+        on_event: Callable[[Event], None] | None = None,
+        after_commit: Callable[[], None] | None = None,
+        agree: Callable[[dict], list[dict]] | None = None,
+        cache_dir: str | None = None,
+        pin_evaluations: bool = False,
+        pin_seconds: float = DEFAULT_PIN_SECONDS,
+    ):
         assert max_pending_uploads >= 1
         self.store, self.run_name, self.rank, self.world_size = store, run_name, rank, world_size
         self.staging_root, self.keep_latest_k = staging_root, keep_latest_k
@@ -257,8 +275,10 @@ class CheckpointUploader:
         try:
             mine = {"key": None, "drop": [], "why": "", "broken": self.broken, "staging": self._staging_id()}
             if self.rank == 0:
-                why = (f"step {step} was written while {self.max_pending_uploads} older checkpoint(s) "
-                       "waited for upload (checkpoint.max_pending_uploads); the oldest is dropped")
+                why = (
+                    f"step {step} was written while {self.max_pending_uploads} older checkpoint(s) "
+                    "waited for upload (checkpoint.max_pending_uploads); the oldest is dropped"
+                )
                 mine.update(key=self.new_key(step), drop=self._choose_drops(why), why=why)
             everyone = self.agree(mine)
             key, drops, why = everyone[0]["key"], everyone[0]["drop"], everyone[0]["why"]
@@ -279,16 +299,20 @@ class CheckpointUploader:
         staged_seconds = time.perf_counter() - t0
         if self.rank == 0:
             self.on_event(CheckpointStaged(step=step, key=key, seconds=round(staged_seconds, 3)))
-        return _Written(step, meta, key, folder, names, staged_seconds,
-                        shared_with_rank0=everyone[0]["staging"] == mine["staging"])
+        return _Written(
+            step, meta, key, folder, names, staged_seconds, shared_with_rank0=everyone[0]["staging"] == mine["staging"]
+        )
 
     def _choose_drops(self, why: str) -> list[str]:
         """Rank 0: the oldest waiting checkpoints beyond max_pending_uploads - 1 (the new one
         makes it max_pending_uploads), marked dropped now so none of them starts its commit."""
         with self.cond:
-            waiting = [w for w in ([self.uploading] if self.uploading else []) + list(self.to_upload)
-                       if not w.settled and not w.dropped]
-            chosen = waiting[:max(0, len(waiting) - (self.max_pending_uploads - 1))]
+            waiting = [
+                w
+                for w in ([self.uploading] if self.uploading else []) + list(self.to_upload)
+                if not w.settled and not w.dropped
+            ]
+            chosen = waiting[: max(0, len(waiting) - (self.max_pending_uploads - 1))]
             for w in chosen:
                 w.dropped = why
             return [w.key for w in chosen]
@@ -337,9 +361,10 @@ class CheckpointUploader:
             return
         final = local_checkpoint_dir(self.cache_dir, self.store, w.key)
         with host_lock(final):  # the same lock as rehydrate and _release_kept
-            complete = all(os.path.isfile(os.path.join(w.folder, n)) and
-                           os.path.getsize(os.path.join(w.folder, n)) == e["size"]
-                           for n, e in manifest["files"].items())
+            complete = all(
+                os.path.isfile(os.path.join(w.folder, n)) and os.path.getsize(os.path.join(w.folder, n)) == e["size"]
+                for n, e in manifest["files"].items()
+            )
             if not complete:
                 shutil.rmtree(w.folder, ignore_errors=True)
                 return
@@ -399,13 +424,21 @@ class CheckpointUploader:
                 self._check(w)
                 files[name] = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
                 if not self.store.is_local:
-                    self._call(w, lambda path=path, name=name: self.store.put_file(path, join(w.key, name)),
-                               f"upload of {name} to {self.store.url(w.key)}", deadline)
+                    self._call(
+                        w,
+                        lambda path=path, name=name: self.store.put_file(path, join(w.key, name)),
+                        f"upload of {name} to {self.store.url(w.key)}",
+                        deadline,
+                    )
             receipt = {"rank": self.rank, "files": files, "upload_seconds": time.perf_counter() - t0}
             if self.rank != 0:
                 self._settle(w)
-            self._call(w, lambda: self.store.write_json(rank_receipt_key(w.key, self.rank), receipt),
-                       "upload of the receipt", deadline)
+            self._call(
+                w,
+                lambda: self.store.write_json(rank_receipt_key(w.key, self.rank), receipt),
+                "upload of the receipt",
+                deadline,
+            )
             if not self.store.is_local and self.rank != 0:  # rank 0 clears the folder after commit
                 if self.cache_dir:  # kept for rank 0 to adopt; cleared at this rank's next write
                     with self.cond:
@@ -448,6 +481,7 @@ class CheckpointUploader:
     def _call(self, w: _Written, fn, what: str, deadline: float):
         """fn() with retries of transient errors until the deadline; a permanent storage error
         (an S3 error code or an HTTP 4xx) breaks the stream."""
+
         def attempt():
             if not w.settled:
                 self._check(w)
@@ -457,8 +491,7 @@ class CheckpointUploader:
             self.on_event(UploadRetry(step=w.step, rank=self.rank, attempt=attempt, error=repr(err)[:200]))
 
         try:
-            return retry(attempt, what=what, budget_seconds=max(0.0, deadline - time.monotonic()),
-                         on_retry=on_retry)
+            return retry(attempt, what=what, budget_seconds=max(0.0, deadline - time.monotonic()), on_retry=on_retry)
         except (_Stop, RetriesExhausted):
             raise
         except Exception as err:  # retry() raises only permanent errors as they are
@@ -499,21 +532,36 @@ class CheckpointUploader:
         deadline = time.monotonic() + self.commit_timeout
         if self.pin_evaluations:  # before the commit: no pruning ever sees it committed and unpinned
             self._call(w, lambda: pin_for_evaluation(self.store, w.key), "evaluation pin", deadline)
-        manifest = self._call(w, lambda: commit_checkpoint(self.store, w.key, {
-            "step": w.step, "world_size": self.world_size, **w.meta, "upload_seconds": upload_seconds},
-            files=files), "commit manifest", deadline)
+        manifest = self._call(
+            w,
+            lambda: commit_checkpoint(
+                self.store,
+                w.key,
+                {"step": w.step, "world_size": self.world_size, **w.meta, "upload_seconds": upload_seconds},
+                files=files,
+            ),
+            "commit manifest",
+            deadline,
+        )
         try:  # the checkpoint is committed whatever happens here; the next commit prunes again
-            retry(lambda: prune_checkpoints(self.store, self.run_name, self.keep_latest_k,
-                                                    self.pin_seconds),
-                  what="retention", budget_seconds=max(0.0, deadline - time.monotonic()))
+            retry(
+                lambda: prune_checkpoints(self.store, self.run_name, self.keep_latest_k, self.pin_seconds),
+                what="retention",
+                budget_seconds=max(0.0, deadline - time.monotonic()),
+            )
         except Exception as err:
-            print(f"retention after {w.key} failed, left to the next commit: {err!r}",
-                  file=sys.stderr, flush=True)
+            print(f"retention after {w.key} failed, left to the next commit: {err!r}", file=sys.stderr, flush=True)
         if not self.store.is_local:
             self._adopt(w, manifest)
-        self.on_event(CheckpointCommitted(
-            step=w.step, key=w.key, uri=self.store.url(w.key),
-            bytes=sum(e["size"] for e in manifest["files"].values()),
-            stage_seconds=round(w.staged_seconds, 3), upload_seconds=round(upload_seconds, 3),
-            commit_seconds=round(time.perf_counter() - t0, 3)))
+        self.on_event(
+            CheckpointCommitted(
+                step=w.step,
+                key=w.key,
+                uri=self.store.url(w.key),
+                bytes=sum(e["size"] for e in manifest["files"].values()),
+                stage_seconds=round(w.staged_seconds, 3),
+                upload_seconds=round(upload_seconds, 3),
+                commit_seconds=round(time.perf_counter() - t0, 3),
+            )
+        )
         self.after_commit()

@@ -30,15 +30,21 @@ def load_block_credentials(name: str) -> StoreCredentials:
     except ValueError as err:  # no such document, or a block type this install lacks
         text = str(err)
         if "aws-credentials" in slug and "aws-credentials" in text and "find" not in text.lower():
-            raise _problem(f"{slug!r} needs the prefect-aws package", "pip install prefect-aws, "
-                           "or use a Secret block") from None
-        raise _problem(f"no Prefect block {slug!r} on this Prefect server",
-                       "create it, e.g. prefect.blocks.system.Secret(value=" + SECRET_SHAPE
-                       + f").save({name.rsplit('/', 1)[-1]!r}), or fix the name") from None
+            raise _problem(
+                f"{slug!r} needs the prefect-aws package", "pip install prefect-aws, or use a Secret block"
+            ) from None
+        raise _problem(
+            f"no Prefect block {slug!r} on this Prefect server",
+            "create it, e.g. prefect.blocks.system.Secret(value="
+            + SECRET_SHAPE
+            + f").save({name.rsplit('/', 1)[-1]!r}), or fix the name",
+        ) from None
     values = _aws_values(block)
     if values is None:
-        raise _problem(f"block {slug!r} does not hold AWS credentials",
-                       "store " + SECRET_SHAPE + " in a Secret block, or use an AwsCredentials block")
+        raise _problem(
+            f"block {slug!r} does not hold AWS credentials",
+            "store " + SECRET_SHAPE + " in a Secret block, or use an AwsCredentials block",
+        )
     return StoreCredentials(*values, source=f"Prefect block {slug!r}")
 
 
@@ -51,9 +57,11 @@ def _plain(value) -> str | None:
 
 def _aws_values(block) -> tuple[str, str, str | None] | None:
     if hasattr(block, "aws_access_key_id") and hasattr(block, "aws_secret_access_key"):
-        payload = {"aws_access_key_id": block.aws_access_key_id,
-                   "aws_secret_access_key": block.aws_secret_access_key,
-                   "aws_session_token": getattr(block, "aws_session_token", None)}
+        payload = {
+            "aws_access_key_id": block.aws_access_key_id,
+            "aws_secret_access_key": block.aws_secret_access_key,
+            "aws_session_token": getattr(block, "aws_session_token", None),
+        }
     elif hasattr(block, "get"):  # a Secret block: a JSON object, or a JSON string of one
         payload = block.get()
         if isinstance(payload, str):

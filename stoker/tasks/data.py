@@ -18,18 +18,28 @@ from stoker.tasks.policy import BACKOFF, JITTER, retry_if_transient
 
 def vocabulary_note(got: int, asked: int) -> str:
     """Said when the tokenizer has fewer ids than tokenizer.vocab_size (the run report too)."""
-    return (f"the tokenizer has {got} ids, fewer than tokenizer.vocab_size={asked}: the corpus "
-            f"gave BPE no more merges (or the given tokenizer is smaller); the model's embedding "
-            f"keeps {asked} rows, {asked - got} of them never used. Use more data or set "
-            f"tokenizer.vocab_size={got}.")
+    return (
+        f"the tokenizer has {got} ids, fewer than tokenizer.vocab_size={asked}: the corpus "
+        f"gave BPE no more merges (or the given tokenizer is smaller); the model's embedding "
+        f"keeps {asked} rows, {asked - got} of them never used. Use more data or set "
+        f"tokenizer.vocab_size={got}."
+    )
 
 
 def _store(storage: StorageConfig) -> Store:
     return Store(storage.root, storage.storage_options)
 
 
-@task(name="download_dataset", timeout_seconds=3600, retries=3, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
-      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
+@task(
+    name="download_dataset",
+    timeout_seconds=3600,
+    retries=3,
+    retry_delay_seconds=BACKOFF,
+    retry_jitter_factor=JITTER,
+    retry_condition_fn=retry_if_transient,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
 def download_dataset(data: DataConfig, storage: StorageConfig) -> DatasetInfo:
     """Copy the raw source into {root}/datasets/{fingerprint}/ (no copy when present).
 
@@ -38,32 +48,61 @@ def download_dataset(data: DataConfig, storage: StorageConfig) -> DatasetInfo:
     info = prepare.download_dataset(data, _store(storage))
     logger = get_run_logger()
     logger.info(
-        "dataset %s: %d documents, %.1f MB (%s)", info.fingerprint, info.num_docs,
-        info.num_bytes / 1e6, "already in the store, nothing stored" if info.cache_hit else "downloaded and stored")
+        "dataset %s: %d documents, %.1f MB (%s)",
+        info.fingerprint,
+        info.num_docs,
+        info.num_bytes / 1e6,
+        "already in the store, nothing stored" if info.cache_hit else "downloaded and stored",
+    )
     if info.num_skipped_files:
-        logger.warning("%d source file(s) skipped as not UTF-8 text (data.on_decode_error='skip')",
-                       info.num_skipped_files)
+        logger.warning(
+            "%d source file(s) skipped as not UTF-8 text (data.on_decode_error='skip')", info.num_skipped_files
+        )
     return info
 
 
-@task(name="train_tokenizer", timeout_seconds=3600, retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
-      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
-def train_tokenizer(dataset: DatasetInfo, tokenizer: TokenizerConfig,
-                    storage: StorageConfig) -> TokenizerInfo:
+@task(
+    name="train_tokenizer",
+    timeout_seconds=3600,
+    retries=2,
+    retry_delay_seconds=BACKOFF,
+    retry_jitter_factor=JITTER,
+    retry_condition_fn=retry_if_transient,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+def train_tokenizer(dataset: DatasetInfo, tokenizer: TokenizerConfig, storage: StorageConfig) -> TokenizerInfo:
     """Train a byte-level BPE on the corpus, or load the given tokenizer.json."""
     info = prepare.train_tokenizer(dataset, tokenizer, _store(storage))
     logger = get_run_logger()
-    logger.info("tokenizer %s: vocab %d (%s)", info.sha256[:12], info.vocab_size,
-                "cached" if info.cache_hit else "trained/loaded")
+    logger.info(
+        "tokenizer %s: vocab %d (%s)",
+        info.sha256[:12],
+        info.vocab_size,
+        "cached" if info.cache_hit else "trained/loaded",
+    )
     if info.vocab_size < tokenizer.vocab_size:
         logger.warning(vocabulary_note(info.vocab_size, tokenizer.vocab_size))
     return info
 
 
-@task(name="tokenize_and_shard", timeout_seconds=14400, retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
-      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
-def tokenize_and_shard(dataset: DatasetInfo, tokenizer: TokenizerInfo,
-                       data: DataConfig, storage: StorageConfig, ray: RayConfig | None = None) -> ShardInfo:
+@task(
+    name="tokenize_and_shard",
+    timeout_seconds=14400,
+    retries=2,
+    retry_delay_seconds=BACKOFF,
+    retry_jitter_factor=JITTER,
+    retry_condition_fn=retry_if_transient,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+def tokenize_and_shard(
+    dataset: DatasetInfo,
+    tokenizer: TokenizerInfo,
+    data: DataConfig,
+    storage: StorageConfig,
+    ray: RayConfig | None = None,
+) -> ShardInfo:
     """Tokenize once into shards keyed by content; a valid shard set is reused as is.
     data.num_workers worker processes share the work, or with data.engine 'ray' Ray tasks on
     the cluster of `ray`; the bytes depend on neither."""
@@ -73,6 +112,11 @@ def tokenize_and_shard(dataset: DatasetInfo, tokenizer: TokenizerInfo,
     else:
         where = f"up to {data.resolved_workers()} worker process(es)"
     get_run_logger().info(
-        "shards %s: %d train / %d val tokens, %s (%s)", info.cache_key, info.num_train_tokens,
-        info.num_val_tokens, info.dtype, "cache hit, no tokenization" if info.cache_hit else f"tokenized, {where}")
+        "shards %s: %d train / %d val tokens, %s (%s)",
+        info.cache_key,
+        info.num_train_tokens,
+        info.num_val_tokens,
+        info.dtype,
+        "cache hit, no tokenization" if info.cache_hit else f"tokenized, {where}",
+    )
     return info

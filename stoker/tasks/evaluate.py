@@ -61,14 +61,25 @@ def _interrupted_at_start(returncode: int | None, err: str) -> str | None:
     return None
 
 
-def run_evaluation(config: RunConfig, config_url: str, checkpoint_key: str, shard_key: str,
-                   timeout: float = EVAL_TIMEOUT_SECONDS) -> EvalResult:
+def run_evaluation(
+    config: RunConfig, config_url: str, checkpoint_key: str, shard_key: str, timeout: float = EVAL_TIMEOUT_SECONDS
+) -> EvalResult:
     """Run `python -m stoker.training.evaluate` in its own process group; parse its JSON line."""
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "stoker.training.evaluate", "--config", config_url,
-           "--checkpoint", checkpoint_key, "--shards", shard_key]
-    proc = subprocess.Popen(cmd, env=child_env(config), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "stoker.training.evaluate",
+        "--config",
+        config_url,
+        "--checkpoint",
+        checkpoint_key,
+        "--shards",
+        shard_key,
+    ]
+    proc = subprocess.Popen(
+        cmd, env=child_env(config), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     _LIVE.add(proc)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -77,8 +88,11 @@ def run_evaluation(config: RunConfig, config_url: str, checkpoint_key: str, shar
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    stopped = ("the end of its training (Ctrl-C, a cancel, a failed launch)" if proc.pid in _STOPPED
-               else _STOP_SIGNALS.get(proc.returncode) or _interrupted_at_start(proc.returncode, err))
+    stopped = (
+        "the end of its training (Ctrl-C, a cancel, a failed launch)"
+        if proc.pid in _STOPPED
+        else _STOP_SIGNALS.get(proc.returncode) or _interrupted_at_start(proc.returncode, err)
+    )
     _STOPPED.discard(proc.pid)
     if stopped and proc.returncode != 0:  # (one that finished just before the kill counts)
         raise EvaluationStopped(f"evaluation of {checkpoint_key} was stopped by {stopped}; not retried")
@@ -89,17 +103,32 @@ def run_evaluation(config: RunConfig, config_url: str, checkpoint_key: str, shar
         why = f"{failure.type}: {failure.message}" if failure else err.strip()[-3000:]
         # a killed process (negative exit code) or a transient error (storage) may heal on retry
         transient = failure.transient if failure else (proc.returncode or 0) < 0
-        raise TrainingFailed(f"evaluation of {checkpoint_key} failed (exit {proc.returncode}): {why}",
-                             transient=transient, reason="evaluation")
+        raise TrainingFailed(
+            f"evaluation of {checkpoint_key} failed (exit {proc.returncode}): {why}",
+            transient=transient,
+            reason="evaluation",
+        )
     e = done[-1]
-    return EvalResult(checkpoint_uri=e.checkpoint, step=e.step, val_loss=e.val_loss, val_ppl=e.val_ppl,
-                      windows=e.windows, seconds=time.monotonic() - t0)
+    return EvalResult(
+        checkpoint_uri=e.checkpoint,
+        step=e.step,
+        val_loss=e.val_loss,
+        val_ppl=e.val_ppl,
+        windows=e.windows,
+        seconds=time.monotonic() - t0,
+    )
 
 
-@task(name="evaluate_checkpoint", retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
-      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
-def evaluate_checkpoint(config: RunConfig, config_url: str, checkpoint_key: str,
-                        shard_key: str) -> EvalResult:
+@task(
+    name="evaluate_checkpoint",
+    retries=2,
+    retry_delay_seconds=BACKOFF,
+    retry_jitter_factor=JITTER,
+    retry_condition_fn=retry_if_transient,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+def evaluate_checkpoint(config: RunConfig, config_url: str, checkpoint_key: str, shard_key: str) -> EvalResult:
     """Validation loss and perplexity of one committed checkpoint, from a fresh process.
     Its time limit is run_evaluation's (EVAL_TIMEOUT_SECONDS, the process is killed): a
     Prefect task timeout could not stop a task submitted to a worker thread, and says so in a
@@ -111,9 +140,14 @@ def evaluate_checkpoint(config: RunConfig, config_url: str, checkpoint_key: str,
             _finish_evaluation(config, checkpoint_key)
         raise
     _finish_evaluation(config, checkpoint_key)
-    get_run_logger().info("evaluated %s: validation loss %.4f, perplexity %.1f (%d windows, %.1fs)",
-                          result.checkpoint_uri, result.val_loss, result.val_ppl, result.windows,
-                          result.seconds)
+    get_run_logger().info(
+        "evaluated %s: validation loss %.4f, perplexity %.1f (%d windows, %.1fs)",
+        result.checkpoint_uri,
+        result.val_loss,
+        result.val_ppl,
+        result.windows,
+        result.seconds,
+    )
     return result
 
 
@@ -124,23 +158,37 @@ def _finish_evaluation(config: RunConfig, checkpoint_key: str) -> None:
     from stoker.storage.store import Store
 
     try:
-        deleted = finish_evaluation(Store(config.storage.root, config.storage.storage_options),
-                                    config.resolved_run_name(), checkpoint_key,
-                                    config.checkpoint.keep_latest_k,
-                                    config.checkpoint.evaluation_pin_seconds)
+        deleted = finish_evaluation(
+            Store(config.storage.root, config.storage.storage_options),
+            config.resolved_run_name(),
+            checkpoint_key,
+            config.checkpoint.keep_latest_k,
+            config.checkpoint.evaluation_pin_seconds,
+        )
     except Exception as err:  # the evaluation's own outcome matters more than the cleanup
-        get_run_logger().warning("could not remove the evaluation pin of %s (%s); it expires "
-                                 "after checkpoint.evaluation_pin_seconds", checkpoint_key, err)
+        get_run_logger().warning(
+            "could not remove the evaluation pin of %s (%s); it expires after checkpoint.evaluation_pin_seconds",
+            checkpoint_key,
+            err,
+        )
         return
     if deleted:
         get_run_logger().info("retention, held off during the evaluation, deleted %s", ", ".join(deleted))
 
 
-@task(name="checkpoint_inputs", retries=2, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
-      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False,
-      timeout_seconds=300)
-def checkpoint_inputs(checkpoint_uri: str, storage_options: dict,
-                      credentials_block: str | None = None) -> tuple[RunConfig, str, str, str]:
+@task(
+    name="checkpoint_inputs",
+    retries=2,
+    retry_delay_seconds=BACKOFF,
+    retry_jitter_factor=JITTER,
+    retry_condition_fn=retry_if_transient,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+    timeout_seconds=300,
+)
+def checkpoint_inputs(
+    checkpoint_uri: str, storage_options: dict, credentials_block: str | None = None
+) -> tuple[RunConfig, str, str, str]:
     """From a checkpoint URI, the run's config, config URL, checkpoint key and shard key.
     The store is opened with the credentials of `credentials_block` when one is named."""
     from stoker.tasks.credentials import use_credentials_block

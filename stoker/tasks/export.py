@@ -18,8 +18,9 @@ from stoker.storage.runs import export_source
 EXPORT_TIMEOUT_SECONDS = 1800
 
 
-def export_checkpoint(checkpoint_uri: str, folder: str, storage_options: dict | None = None,
-                      timeout: float = EXPORT_TIMEOUT_SECONDS) -> events.Exported:
+def export_checkpoint(
+    checkpoint_uri: str, folder: str, storage_options: dict | None = None, timeout: float = EXPORT_TIMEOUT_SECONDS
+) -> events.Exported:
     """Write the checkpoint at `checkpoint_uri` into `folder` (new or empty) as
     ``model.safetensors`` + ``config.json`` (transformers' GPT-2) and the run's tokenizer.
 
@@ -33,8 +34,9 @@ def export_checkpoint(checkpoint_uri: str, folder: str, storage_options: dict | 
     env = child_env(named.config)
     env["STOKER_STORAGE_OPTIONS"] = json.dumps(storage_options or {})
     cmd = [sys.executable, "-m", "stoker.training.export", checkpoint_uri, folder]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

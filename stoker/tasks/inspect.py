@@ -20,8 +20,12 @@ _SHARD_URL = re.compile(r"^(?P<root>.+)/shards/(?P<key>[^/]+)/?$")
 def _store(root: str, options: dict | None = None) -> Store:
     store = Store(root, options or {})
     if not store.exists(""):
-        raise ConfigError([f"storage.root: {store.root} does not exist; give the root the runs "
-                           "were written to (--root or $STOKER_ROOT)"])
+        raise ConfigError(
+            [
+                f"storage.root: {store.root} does not exist; give the root the runs "
+                "were written to (--root or $STOKER_ROOT)"
+            ]
+        )
     return store
 
 
@@ -69,15 +73,22 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
     for run in sorted(names):
         verdicts = _verdicts(store, run)
         newest = next((ref for ref, verdict in verdicts if verdict), None)
-        row = {"run": run, "newest_valid_step": newest.step if newest else None,
-               "checkpoints": len(verdicts), "max_steps": None, "model": None,
-               "metrics": store.exists(run_file_key(run, METRICS_FILE)),
-               "ended": run_ending(store, run)}
+        row = {
+            "run": run,
+            "newest_valid_step": newest.step if newest else None,
+            "checkpoints": len(verdicts),
+            "max_steps": None,
+            "model": None,
+            "metrics": store.exists(run_file_key(run, METRICS_FILE)),
+            "ended": run_ending(store, run),
+        }
         try:
             cfg = RunConfig.model_validate_json(store.read_bytes(run_file_key(run, CONFIG_FILE)))
             m = cfg.model
-            row.update(max_steps=cfg.train.max_steps,
-                       model=f"{m.n_layer} layers x {m.n_embd}, {m.n_head} heads, block {m.block_size}")
+            row.update(
+                max_steps=cfg.train.max_steps,
+                model=f"{m.n_layer} layers x {m.n_embd}, {m.n_head} heads, block {m.block_size}",
+            )
         except Exception:  # a run folder without a readable config is listed all the same
             pass
         rows.append(row)
@@ -92,9 +103,16 @@ def checkpoint_rows(root: str, run: str, options: dict | None = None) -> list[di
     rows = []
     for ref, verdict in _verdicts(store, run):
         files = verdict.manifest.get("files", {}) if verdict.manifest else {}
-        rows.append({"step": ref.step, "name": ref.name, "uri": store.url(ref.key),
-                     "valid": bool(verdict), "reason": verdict.reason,
-                     "size_mb": round(sum(e.get("size", 0) for e in files.values()) / 1e6, 1)})
+        rows.append(
+            {
+                "step": ref.step,
+                "name": ref.name,
+                "uri": store.url(ref.key),
+                "valid": bool(verdict),
+                "reason": verdict.reason,
+                "size_mb": round(sum(e.get("size", 0) for e in files.values()) / 1e6, 1),
+            }
+        )
     return rows
 
 
@@ -108,8 +126,12 @@ def verify(uri: str, options: dict | None = None) -> tuple[str, Verdict]:
     try:
         where = parse_checkpoint_url(uri)
     except ConfigError:
-        raise ConfigError([f"uri: {uri!r} is neither a checkpoint ({{root}}/runs/{{run}}/checkpoints/"
-                           "step-NNNNNNNN) nor a shard set ({root}/shards/{key}); copy one from "
-                           "`stoker checkpoints RUN` or the run report"]) from None
+        raise ConfigError(
+            [
+                f"uri: {uri!r} is neither a checkpoint ({{root}}/runs/{{run}}/checkpoints/"
+                "step-NNNNNNNN) nor a shard set ({root}/shards/{key}); copy one from "
+                "`stoker checkpoints RUN` or the run report"
+            ]
+        ) from None
     store = Store(where.root, options or {})
     return "checkpoint", validate_checkpoint(store, where.key, deep=True)

@@ -32,8 +32,9 @@ def take_lease(config: RunConfig, logger) -> RunLease:
     holds it."""
     run = config.resolved_run_name()
     flow_run_id = str(flow_run.id or "")
-    lease = acquire_lease(_store(config), run, flow_run_id=flow_run_id,
-                          ttl=config.launch.lease_seconds, takeover=config.launch.takeover)
+    lease = acquire_lease(
+        _store(config), run, flow_run_id=flow_run_id, ttl=config.launch.lease_seconds, takeover=config.launch.takeover
+    )
     with _LOCK:
         old = _HELD.pop(run, None)
         _HELD[run] = lease
@@ -83,13 +84,21 @@ def release_lease(config: RunConfig) -> None:
         try:
             lease.release()
         except Exception as err:  # the store may be what failed; the lease expires anyway
-            get_run_logger().warning("run %s: the lease could not be released (%s); it expires "
-                                     "in %ss", run, err, config.launch.lease_seconds)
+            get_run_logger().warning(
+                "run %s: the lease could not be released (%s); it expires in %ss", run, err, config.launch.lease_seconds
+            )
 
 
-@task(name="take_run_lease", retries=3, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
-      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False,
-      timeout_seconds=300)
+@task(
+    name="take_run_lease",
+    retries=3,
+    retry_delay_seconds=BACKOFF,
+    retry_jitter_factor=JITTER,
+    retry_condition_fn=retry_if_transient,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+    timeout_seconds=300,
+)
 def take_run_lease(config: RunConfig) -> str:
     """One writer per run: take the run's lease before any work, or fail (never retried)
     naming the launch that holds it and how to take over. Returns the lease's description."""

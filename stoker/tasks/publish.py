@@ -81,13 +81,18 @@ class BestEffortPublisher:
             self.failures += 1
             if self._outage_since is None:
                 self._outage_since = time.monotonic()
-                self.logger.warning("Prefect API call for %s failed (%s); training goes on, and the "
-                                    "UI is brought up to date when the server answers again",
-                                    key, describe(err))
+                self.logger.warning(
+                    "Prefect API call for %s failed (%s); training goes on, and the "
+                    "UI is brought up to date when the server answers again",
+                    key,
+                    describe(err),
+                )
             return False
         if self._outage_since is not None:
-            self.logger.info("Prefect API answers again after %.0fs; the UI is brought up to date",
-                             time.monotonic() - self._outage_since)
+            self.logger.info(
+                "Prefect API answers again after %.0fs; the UI is brought up to date",
+                time.monotonic() - self._outage_since,
+            )
             self._outage_since = None
         return True
 

@@ -46,8 +46,9 @@ def run_history(store: Store, run: str) -> tuple[list[tuple[int, float]], list[t
     return sorted(train.items()), sorted(val.items())
 
 
-def loss_curve_png(train: list[tuple[int, float]], val: list[tuple[int, float]],
-                   final: EvalResult | None, title: str) -> bytes:
+def loss_curve_png(
+    train: list[tuple[int, float]], val: list[tuple[int, float]], final: EvalResult | None, title: str
+) -> bytes:
     """The loss curve (train, validation during training, the final checkpoint's evaluation)
     as a PNG, drawn with matplotlib's Agg backend (no display)."""
     import matplotlib
@@ -62,8 +63,13 @@ def loss_curve_png(train: list[tuple[int, float]], val: list[tuple[int, float]],
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss during training (eval.num_batches batches)")
     if final is not None:
-        ax.plot([final.step], [final.val_loss], "*", markersize=14,
-                label=f"final checkpoint, whole validation split ({final.windows} windows)")
+        ax.plot(
+            [final.step],
+            [final.val_loss],
+            "*",
+            markersize=14,
+            label=f"final checkpoint, whole validation split ({final.windows} windows)",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per token)")
     ax.set_title(title)
@@ -76,8 +82,9 @@ def loss_curve_png(train: list[tuple[int, float]], val: list[tuple[int, float]],
 
 
 @task(name="report", cache_policy=NO_CACHE, persist_result=False)
-def report(config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: TrainingResult,
-           evaluation: EvalResult | None) -> PipelineResult:
+def report(
+    config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: TrainingResult, evaluation: EvalResult | None
+) -> PipelineResult:
     """Summarize the run for the UI (artifacts) and for the caller (PipelineResult)."""
     store = Store(config.storage.root, config.storage.storage_options)
     run = config.resolved_run_name()
@@ -106,21 +113,39 @@ def report(config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: 
         **throughput_summary(training.throughput),
     )
     if rows:
-        create_table_artifact(rounded(rows), key=artifact_key(run, "checkpoints"),
-                              description=f"checkpoints of {run} committed by this flow run, "
-                              "evaluated one by one; 'retained' is no once retention deleted it")
+        create_table_artifact(
+            rounded(rows),
+            key=artifact_key(run, "checkpoints"),
+            description=f"checkpoints of {run} committed by this flow run, "
+            "evaluated one by one; 'retained' is no once retention deleted it",
+        )
     train_curve, val_curve = run_history(store, run)
     curve = ""
     if train_curve or val_curve:
         png = loss_curve_png(train_curve, val_curve, evaluation, f"{run}: loss")
         store.write_bytes(run_file_key(run, LOSS_CURVE_FILE), png)
-        curve = (f"![loss curve of {run}](data:image/png;base64,{base64.b64encode(png).decode()})\n\n"
-                 f"(also `{store.url(run_file_key(run, LOSS_CURVE_FILE))}`)\n")
+        curve = (
+            f"![loss curve of {run}](data:image/png;base64,{base64.b64encode(png).decode()})\n\n"
+            f"(also `{store.url(run_file_key(run, LOSS_CURVE_FILE))}`)\n"
+        )
     nothing_trained = training.final_step == resume.step
-    create_markdown_artifact(key=artifact_key(run, "report"), description=f"summary of {run}",
-                             markdown=_report_markdown(run, store, shards, resume, training, evaluation,
-                                                       result, curve, val_curve, nothing_trained,
-                                                       config.tokenizer.vocab_size))
+    create_markdown_artifact(
+        key=artifact_key(run, "report"),
+        description=f"summary of {run}",
+        markdown=_report_markdown(
+            run,
+            store,
+            shards,
+            resume,
+            training,
+            evaluation,
+            result,
+            curve,
+            val_curve,
+            nothing_trained,
+            config.tokenizer.vocab_size,
+        ),
+    )
     return result
 
 
@@ -130,23 +155,30 @@ def _vocabulary_line(got: int, asked: int) -> str:
     return f"{got} ids" if got >= asked else vocabulary_note(got, asked)
 
 
-def _report_markdown(run, store, shards, resume, training, evaluation, result, curve, val_curve,
-                     nothing_trained, config_vocab) -> str:
-    final = (f"**{evaluation.val_loss:.4f}** (perplexity {evaluation.val_ppl:.1f}) at step "
-             f"{evaluation.step}, over the whole validation split ({evaluation.windows} windows)"
-             if evaluation else "n/a")
+def _report_markdown(
+    run, store, shards, resume, training, evaluation, result, curve, val_curve, nothing_trained, config_vocab
+) -> str:
+    final = (
+        f"**{evaluation.val_loss:.4f}** (perplexity {evaluation.val_ppl:.1f}) at step "
+        f"{evaluation.step}, over the whole validation split ({evaluation.windows} windows)"
+        if evaluation
+        else "n/a"
+    )
     evals = "\n".join(f"| {s} | {v:.4f} |" for s, v in val_curve) or "| - | - |"
-    what = ("nothing to train: the run had already reached train.max_steps"
-            if nothing_trained else f"steps {resume.step} -> {training.final_step}")
+    what = (
+        "nothing to train: the run had already reached train.max_steps"
+        if nothing_trained
+        else f"steps {resume.step} -> {training.final_step}"
+    )
     return f"""# {run}
 - {what}
 - throughput: {_throughput_line(result)}
-- checkpoints given up or dropped (never committed): {training.failed_checkpoints or 'none'}; in-place restarts: {training.restarts}
-- steps skipped for a NaN/inf loss or gradient norm (train.nonfinite=skip): {training.skipped_steps or 'none'}
+- checkpoints given up or dropped (never committed): {training.failed_checkpoints or "none"}; in-place restarts: {training.restarts}
+- steps skipped for a NaN/inf loss or gradient norm (train.nonfinite=skip): {training.skipped_steps or "none"}
 - attempts: {result.num_attempts}, steps lost to failures: {result.steps_lost}, goodput: {_round(result.goodput, 2)}
 {_attempt_lines(training.attempt_log)}
 - final checkpoint: `{training.final_checkpoint_uri}`
-- shards: `{shards.url}` ({'cache hit' if shards.cache_hit else 'tokenized'}; {shards.num_train_tokens:,} train tokens)
+- shards: `{shards.url}` ({"cache hit" if shards.cache_hit else "tokenized"}; {shards.num_train_tokens:,} train tokens)
 - tokenizer: {_vocabulary_line(shards.vocab_size, config_vocab)}
 - checkpoints: `{store.url(checkpoints_key(run))}`
 - metrics: `{result.metrics_uri}`
@@ -172,12 +204,17 @@ def _round(value, digits: int):
 def throughput_summary(rows: list[dict]) -> dict:
     """Medians over the log steps after the first (which holds start-up and compilation)."""
     steady = rows[1:] or rows
+
     def median(key):
         values = [r[key] for r in steady if r.get(key) is not None]
         return statistics.median(values) if values else None
+
     peaks = [r["peak_memory_gb"] for r in rows if r.get("peak_memory_gb") is not None]
-    return {"tokens_per_second": median("tokens_per_second"), "mfu": median("mfu"),
-            "peak_memory_gb": max(peaks) if peaks else None}
+    return {
+        "tokens_per_second": median("tokens_per_second"),
+        "mfu": median("mfu"),
+        "peak_memory_gb": max(peaks) if peaks else None,
+    }
 
 
 def _throughput_line(result) -> str:
@@ -191,18 +228,23 @@ def _throughput_line(result) -> str:
     return line
 
 
-def checkpoint_rows(training: TrainingResult, final: EvalResult | None,
-                    retained: set[str] | None = None) -> list[dict]:
+def checkpoint_rows(training: TrainingResult, final: EvalResult | None, retained: set[str] | None = None) -> list[dict]:
     """One row per committed checkpoint: step, URI, whether retention kept it, size, upload
     seconds, validation loss (rounded for reading)."""
     losses = {e.checkpoint_uri: e.val_loss for e in training.evaluations}
     if final is not None:
         losses[final.checkpoint_uri] = final.val_loss
-    return [{"step": c["step"], "uri": c["uri"],
-             "retained": "yes" if retained is None or c["uri"] in retained else "no (deleted by retention)",
-             "size_mb": (c.get("bytes") or 0) / 1e6,
-             "upload_seconds": c.get("upload_seconds"), "val_loss": losses.get(c["uri"])}
-            for c in training.checkpoints]
+    return [
+        {
+            "step": c["step"],
+            "uri": c["uri"],
+            "retained": "yes" if retained is None or c["uri"] in retained else "no (deleted by retention)",
+            "size_mb": (c.get("bytes") or 0) / 1e6,
+            "upload_seconds": c.get("upload_seconds"),
+            "val_loss": losses.get(c["uri"]),
+        }
+        for c in training.checkpoints
+    ]
 
 
 def rounded(rows: list[dict]) -> list[dict]:
@@ -215,7 +257,9 @@ def rounded(rows: list[dict]) -> list[dict]:
 def _attempt_lines(attempts: list[dict]) -> str:
     return "\n".join(
         f"  - attempt {a['attempt']}: steps {a['resumed_from_step']} -> {a['reached_step']}, "
-        f"{a['outcome']}, {a.get('steps_lost', 0)} step(s) lost" for a in attempts)
+        f"{a['outcome']}, {a.get('steps_lost', 0)} step(s) lost"
+        for a in attempts
+    )
 
 
 LOSS_CURVE_FILE = "loss-curve.png"

@@ -55,8 +55,9 @@ def accelerator_slot(limit_name: str, logger):
     if not limit.active:
         yield
         return
-    logger.info("taking a slot of concurrency limit %r (%d slot(s); waits while other runs hold them)",
-                limit_name, limit.limit)
+    logger.info(
+        "taking a slot of concurrency limit %r (%d slot(s); waits while other runs hold them)", limit_name, limit.limit
+    )
     # a lease renewal that fails while the server is away must not end a healthy run
     with concurrency(limit_name, occupy=1, strict=True, raise_on_lease_renewal_failure=False):
         yield
@@ -89,17 +90,31 @@ def validate_config(config: RunConfig) -> RunConfig:
     return config
 
 
-@task(name="write_run_config", retries=3, retry_delay_seconds=BACKOFF, retry_jitter_factor=JITTER,
-      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False,
-      timeout_seconds=600)
+@task(
+    name="write_run_config",
+    retries=3,
+    retry_delay_seconds=BACKOFF,
+    retry_jitter_factor=JITTER,
+    retry_condition_fn=retry_if_transient,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+    timeout_seconds=600,
+)
 def write_run_config(config: RunConfig, shards: ShardInfo) -> str:
     """Pin config.json, the tokenizer and the shard set in the run folder; return the config URL."""
     return pin_run_folder(_store(config.storage), config, shards)
 
 
-@task(name="find_resume_checkpoint", retries=3, retry_delay_seconds=BACKOFF,
-      retry_jitter_factor=JITTER, retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE,
-      persist_result=False, timeout_seconds=3600)
+@task(
+    name="find_resume_checkpoint",
+    retries=3,
+    retry_delay_seconds=BACKOFF,
+    retry_jitter_factor=JITTER,
+    retry_condition_fn=retry_if_transient,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+    timeout_seconds=3600,
+)
 def find_resume_checkpoint(config: RunConfig) -> ResumePoint:
     """Newest checkpoint of this run and model whose manifest and listing check out (no
     tensor is downloaded here: the full check is the ranks' load); every newer one skipped
@@ -110,8 +125,9 @@ def find_resume_checkpoint(config: RunConfig) -> ResumePoint:
 def _resume_point(config: RunConfig) -> ResumePoint:
     logger = get_run_logger()
     run = config.resolved_run_name()
-    choice = find_latest_valid(_store(config.storage), run,
-                               expected={"run_name": run, "model_hash": config.model_hash()})
+    choice = find_latest_valid(
+        _store(config.storage), run, expected={"run_name": run, "model_hash": config.model_hash()}
+    )
     skipped = [f"{ref.url}: {reason}" for ref, reason in choice.skipped]
     for line in skipped:
         logger.warning("skipping invalid checkpoint %s", line)
@@ -123,10 +139,15 @@ def _resume_point(config: RunConfig) -> ResumePoint:
     return ResumePoint(checkpoint_key=ref.key, checkpoint_uri=ref.url, step=ref.step, skipped=skipped)
 
 
-@task(name="launch_training", retry_delay_seconds=5, retry_jitter_factor=JITTER,
-      retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
-def launch_training(config: RunConfig, config_url: str, shards: ShardInfo,
-                    resume: ResumePoint) -> TrainingResult:
+@task(
+    name="launch_training",
+    retry_delay_seconds=5,
+    retry_jitter_factor=JITTER,
+    retry_condition_fn=retry_if_transient,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+def launch_training(config: RunConfig, config_url: str, shards: ShardInfo, resume: ResumePoint) -> TrainingResult:
     """Launch the gang (launch.launcher), stream every rank's log, stop it on any exit path.
     Retries (launch.max_attempts, set by the flow from the config) first look again for the
     newest valid checkpoint; the time limit is launch.timeout_seconds, kept by the launcher."""
@@ -134,9 +155,14 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo,
     attempt = task_run.run_count or 1
     if attempt > 1:
         resume = _resume_point(config)
-    result = TrainingResult(final_step=resume.step, final_checkpoint_key=resume.checkpoint_key,
-                            final_checkpoint_uri=resume.checkpoint_uri,
-                            resumed_from_step=resume.step, attempts=attempt, seconds=0.0)
+    result = TrainingResult(
+        final_step=resume.step,
+        final_checkpoint_key=resume.checkpoint_key,
+        final_checkpoint_uri=resume.checkpoint_uri,
+        resumed_from_step=resume.step,
+        attempts=attempt,
+        seconds=0.0,
+    )
     max_steps = config.train.max_steps
     if resume.step >= max_steps:
         logger.info("run already complete at step %d; nothing to train", resume.step)
@@ -151,16 +177,29 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo,
     launcher = make_launcher(config, config_url, shards.key, resume.checkpoint_key)
     sinks = open_sinks(config, logger)  # TensorBoard, MLflow (metrics.*), or None
     monitor = TrainingMonitor(
-        result, max_steps, logger, on_progress=ui.progress,
+        result,
+        max_steps,
+        logger,
+        on_progress=ui.progress,
         on_commit=evaluate_while_training if config.eval.per_checkpoint_enabled else None,
-        sink=ui.feeding(sinks))
+        sink=ui.feeding(sinks),
+    )
     try:
         # another launch took the run over (launch.takeover): stop the gang at once
-        with accelerator_slot(config.launch.concurrency_limit, logger), \
-                on_lease_lost(config, lambda why: launcher.stop()):
+        with (
+            accelerator_slot(config.launch.concurrency_limit, logger),
+            on_lease_lost(config, lambda why: launcher.stop()),
+        ):
             logger.info("launching %s", getattr(launcher, "description", config.launch.launcher))
-            result = launch_attempt(launcher, monitor, _store(config.storage), config.resolved_run_name(),
-                                    str(flow_run.id), attempt, resume.step)
+            result = launch_attempt(
+                launcher,
+                monitor,
+                _store(config.storage),
+                config.resolved_run_name(),
+                str(flow_run.id),
+                attempt,
+                resume.step,
+            )
     except BaseException as exc:  # failed, cancelled (Prefect's TerminationSignal) or crashed: no evaluation left
         kill_running_evaluations()
         if sinks is not None:
@@ -194,28 +233,45 @@ class TrainingUI:
 
     def _send_progress(self, pct: float) -> None:
         if self.progress_id is None:
-            self.progress_id = create_progress_artifact(progress=pct, key=self.progress_key,
-                                                        description=f"steps of {self.run}")
+            self.progress_id = create_progress_artifact(
+                progress=pct, key=self.progress_key, description=f"steps of {self.run}"
+            )
         else:
             update_progress_artifact(self.progress_id, progress=pct)
 
     def checkpoints(self, checkpoints: list[dict]) -> None:
         """The checkpoints committed so far (the report's final table adds their losses)."""
-        rows = rounded([{"step": c["step"], "uri": c["uri"], "size_mb": (c.get("bytes") or 0) / 1e6,
-                         "upload_seconds": c.get("upload_seconds")} for c in checkpoints])
+        rows = rounded(
+            [
+                {
+                    "step": c["step"],
+                    "uri": c["uri"],
+                    "size_mb": (c.get("bytes") or 0) / 1e6,
+                    "upload_seconds": c.get("upload_seconds"),
+                }
+                for c in checkpoints
+            ]
+        )
         if rows:
-            self.publisher.latest("checkpoint table", lambda: create_table_artifact(
-                rows, key=self.table_key, description=f"checkpoints of {self.run} committed so far"))
+            self.publisher.latest(
+                "checkpoint table",
+                lambda: create_table_artifact(
+                    rows, key=self.table_key, description=f"checkpoints of {self.run} committed so far"
+                ),
+            )
 
     def feeding(self, sinks):
         """The monitor's sink: the metric sinks (if any), and this table at each commit."""
+
         def sink(event: events.Event) -> None:
             if isinstance(event, events.CheckpointCommitted):
-                self.rows.append({"step": event.step, "uri": event.uri, "bytes": event.bytes,
-                                  "upload_seconds": event.upload_seconds})
+                self.rows.append(
+                    {"step": event.step, "uri": event.uri, "bytes": event.bytes, "upload_seconds": event.upload_seconds}
+                )
                 self.checkpoints(self.rows)
             if sinks is not None:
                 sinks(event)
+
         return sink
 
     def close(self, timeout: float = FLUSH_SECONDS) -> None:

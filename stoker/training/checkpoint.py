@@ -69,13 +69,13 @@ def rng_state_tensors(rank: int, device: torch.device | None = None) -> dict[str
     return out
 
 
-def restore_rng_state(state: dict[str, torch.Tensor], rank: int,
-                      device: torch.device | None = None) -> None:
+def restore_rng_state(state: dict[str, torch.Tensor], rank: int, device: torch.device | None = None) -> None:
     p = f"rng.rank{rank}."
     torch.set_rng_state(state[p + "torch"])
     pos, has_gauss = (int(v) for v in state[p + "numpy_meta"])
-    np.random.set_state(("MT19937", state[p + "numpy_key"].numpy().astype(np.uint32), pos,
-                         has_gauss, float(state[p + "numpy_gauss"])))
+    np.random.set_state(
+        ("MT19937", state[p + "numpy_key"].numpy().astype(np.uint32), pos, has_gauss, float(state[p + "numpy_gauss"]))
+    )
     gauss = float(state[p + "python_gauss"])
     random.setstate((3, tuple(int(v) for v in state[p + "python"]), None if math.isnan(gauss) else gauss))
     if device is not None and device.type == "cuda" and p + "cuda" in state:
@@ -107,8 +107,9 @@ def _aliases(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-               ) -> tuple[dict[str, torch.Tensor], list[dict]]:
+def flat_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """``model.*`` and ``optim.*`` tensors (live ones, or DTensor shards under FSDP2) through
     get_state_dict, and the optimizer's param groups. A fresh optimizer gets its state
     allocated first, so the dict can be loaded into."""
@@ -127,15 +128,24 @@ def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None =
     return out, groups
 
 
-def scalar_state(param_groups: list[dict], scheduler, step: int, tokens_seen: int,
-                 seed: int, global_batch_size: int) -> dict:
+def scalar_state(
+    param_groups: list[dict], scheduler, step: int, tokens_seen: int, seed: int, global_batch_size: int
+) -> dict:
     """What train_state.json holds: step, tokens seen, scheduler and param-group scalars."""
     sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
     groups = [{k: v for k, v in g.items() if k not in _IMPLEMENTATION_KEYS} for g in param_groups]
-    return {"step": step, "tokens_seen": tokens_seen, "scheduler": sched,
-            "param_groups": json.loads(json.dumps(groups)),
-            "sampler": {"kind": "pure(seed, step, position in global batch)", "seed": seed,
-                        "next_step": step, "global_batch_size": global_batch_size}}
+    return {
+        "step": step,
+        "tokens_seen": tokens_seen,
+        "scheduler": sched,
+        "param_groups": json.loads(json.dumps(groups)),
+        "sampler": {
+            "kind": "pure(seed, step, position in global batch)",
+            "seed": seed,
+            "next_step": step,
+            "global_batch_size": global_batch_size,
+        },
+    }
 
 
 @dataclass
@@ -150,10 +160,20 @@ class TrainState:
 class Checkpointer:
     """Saves one rank's share of the training state; see the module docstring."""
 
-    def __init__(self, uploader: CheckpointUploader, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, scheduler, *, rank: int, world_size: int,
-                 device: torch.device, seed: int, global_batch_size: int,
-                 group: "dist.ProcessGroup | None" = None):
+    def __init__(
+        self,
+        uploader: CheckpointUploader,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        seed: int,
+        global_batch_size: int,
+        group: "dist.ProcessGroup | None" = None,
+    ):
         self.uploader, self.model, self.optimizer, self.scheduler = uploader, model, optimizer, scheduler
         self.rank, self.world_size, self.device = rank, world_size, device
         self.seed, self.global_batch_size, self.group = seed, global_batch_size, group
@@ -175,8 +195,7 @@ class Checkpointer:
         copied = torch.cuda.Event() if cuda else None
         if copied is not None:
             copied.record()
-        scalars = scalar_state(groups, self.scheduler, step, tokens_seen, self.seed,
-                               self.global_batch_size)
+        scalars = scalar_state(groups, self.scheduler, step, tokens_seen, self.seed, self.global_batch_size)
         host, group, rank = self.buffers, self.group, self.rank
 
         def write(key: str, folder: str) -> list[str]:
@@ -206,18 +225,28 @@ def agree_on_checkpoint(group: "dist.ProcessGroup | None"):
     """The uploader's agreement before each checkpoint: every rank's proposal (rank 0's
     folder and drops, any rank's permanent storage error), in rank order, on every rank (an
     all-gather over the checkpoint group, on the uploader's write thread)."""
+
     def agree(mine: dict) -> list[dict]:
         if not _is_dist():
             return [mine]
         everyone: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)  # group: checkpoint (gloo), in order
         return everyone
+
     return agree
 
 
-def load_checkpoint(folder: str, *, model, optimizer=None, scheduler=None, rank: int = 0,
-                    world_size: int = 1, device: torch.device | None = None,
-                    seed: int = 0) -> TrainState | None:
+def load_checkpoint(
+    folder: str,
+    *,
+    model,
+    optimizer=None,
+    scheduler=None,
+    rank: int = 0,
+    world_size: int = 1,
+    device: torch.device | None = None,
+    seed: int = 0,
+) -> TrainState | None:
     """Load a checkpoint from a local folder (see storage.checkpoints.rehydrate) in place.
 
     Only tensors are read; any non-tensor entry among the requested keys is refused rather
@@ -233,15 +262,16 @@ def load_checkpoint(folder: str, *, model, optimizer=None, scheduler=None, rank:
         state.update({k: v for k, v in rng.items() if k in saved})
     missing = sorted(k for k in state if k not in saved)
     if missing:
-        raise ValueError(f"checkpoint {folder} lacks {len(missing)} entries, e.g. {missing[:3]}; "
-                         "it was written for another model")
+        raise ValueError(
+            f"checkpoint {folder} lacks {len(missing)} entries, e.g. {missing[:3]}; it was written for another model"
+        )
     unsafe = sorted(k for k in state if not isinstance(saved[k], TensorStorageMetadata))
     if unsafe:
         raise ValueError(f"checkpoint {folder} holds non-tensor entries {unsafe[:3]}; refusing to unpickle")
     with torch.no_grad():
         dcp.load(state, storage_reader=SafeReader(folder), no_dist=not _is_dist())
     aliases = _aliases(model)
-    msd = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    msd = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
     msd.update({alias: msd[target] for alias, target in aliases.items()})
     if optimizer is None:
         set_model_state_dict(model, msd)
@@ -251,13 +281,13 @@ def load_checkpoint(folder: str, *, model, optimizer=None, scheduler=None, rank:
     ostate: dict[str, dict] = {}
     for k, v in state.items():
         if k.startswith("optim."):
-            fqn, _, entry = k[len("optim."):].rpartition(".")
+            fqn, _, entry = k[len("optim.") :].rpartition(".")
             ostate.setdefault(fqn, {})[entry] = v
     for group, saved_group in zip(groups, scalars["param_groups"]):
-        group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved_group.items()
-                      if k not in _IMPLEMENTATION_KEYS})
-    set_state_dict(model, optimizer, model_state_dict=msd,
-                   optim_state_dict={"state": ostate, "param_groups": groups})
+        group.update(
+            {k: tuple(v) if isinstance(v, list) else v for k, v in saved_group.items() if k not in _IMPLEMENTATION_KEYS}
+        )
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict={"state": ostate, "param_groups": groups})
     if scheduler is not None:
         scheduler.load_state_dict({**scalars["scheduler"], "lr_lambdas": [None] * len(optimizer.param_groups)})
     if same_world:

@@ -28,8 +28,7 @@ class TokenStream:
         self.eot_id = int(manifest["eot_id"])
         dtype = np.dtype(manifest["dtype"])
         self.parts = [
-            np.memmap(os.path.join(folder, name), dtype=dtype, mode="r")
-            for name in manifest["splits"][split]
+            np.memmap(os.path.join(folder, name), dtype=dtype, mode="r") for name in manifest["splits"][split]
         ]
         self.parts = [p for p in self.parts if len(p) > 0]
         self.starts = np.cumsum([0] + [len(p) for p in self.parts])
@@ -51,17 +50,24 @@ def step_offsets(seed: int, step: int, global_batch: int, high: int) -> np.ndarr
     return rng.integers(0, high, size=global_batch)
 
 
-def get_batch(
-    stream: TokenStream, block_size: int, offsets: np.ndarray
-) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(stream: TokenStream, block_size: int, offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) of shape (B, T), y shifted by one token."""
     rows = np.stack([stream.window(int(o), block_size + 1) for o in offsets])  # (B, T+1)
     t = torch.from_numpy(rows)
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
-def train_batch(stream: TokenStream, block_size: int, micro_batch: int, seed: int, step: int,
-                rank: int, micro: int, accum: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def train_batch(
+    stream: TokenStream,
+    block_size: int,
+    micro_batch: int,
+    seed: int,
+    step: int,
+    rank: int,
+    micro: int,
+    accum: int,
+    world_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The micro-batch at (rank, micro) of step's global batch (world_size x accum x micro_batch
     sequences, rank-major)."""
     high = stream.num_tokens - block_size - 1
@@ -83,11 +89,23 @@ class Batches:
     the time a step waited for data: reads that were not prefetched, and on a CPU device
     every read (nothing runs while it reads)."""
 
-    def __init__(self, stream: TokenStream, *, block_size: int, micro_batch: int, seed: int,
-                 rank: int, accum: int, world_size: int, device: torch.device, prefetch: bool):
+    def __init__(
+        self,
+        stream: TokenStream,
+        *,
+        block_size: int,
+        micro_batch: int,
+        seed: int,
+        rank: int,
+        accum: int,
+        world_size: int,
+        device: torch.device,
+        prefetch: bool,
+    ):
         self.stream, self.device, self.accum, self.enabled = stream, device, accum, prefetch
-        self.args = dict(block_size=block_size, micro_batch=micro_batch, seed=seed, rank=rank,
-                         accum=accum, world_size=world_size)
+        self.args = dict(
+            block_size=block_size, micro_batch=micro_batch, seed=seed, rank=rank, accum=accum, world_size=world_size
+        )
         self.pin = device.type == "cuda"
         self.ahead: tuple | None = None  # ((step, micro), (x, y) on the device)
         self.wait_seconds = 0.0

@@ -72,32 +72,41 @@ class Engine:
         a run's settings for GPUs do not stop its checkpoints being evaluated on a CPU."""
         e, cuda = cfg.engine, device.type == "cuda"
         if e.precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
-            raise ConfigError([f"engine.precision: bf16 is not supported by "
-                               f"{torch.cuda.get_device_name(device)}; use 'fp32' or 'auto'."])
-        problems = (e.torch_problems(torch.__version__) + (e.cpu_problems() if not cuda else [])
-                    if training else [])
+            raise ConfigError(
+                [
+                    f"engine.precision: bf16 is not supported by "
+                    f"{torch.cuda.get_device_name(device)}; use 'fp32' or 'auto'."
+                ]
+            )
+        problems = e.torch_problems(torch.__version__) + (e.cpu_problems() if not cuda else []) if training else []
         if problems:
             raise ConfigError(problems)
         bf16 = e.precision == "bf16" or (e.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
-        return cls(device=device, bf16=bf16,
-                   compile=e.compile == "on" or (e.compile == "auto" and cuda),
-                   fused=e.fused_optimizer == "on" or (e.fused_optimizer == "auto" and cuda),
-                   fsdp=e.parallelism == "fsdp",
-                   activation_checkpointing=e.activation_checkpointing,
-                   prefetch=e.prefetch,
-                   loss_chunk=e.cross_entropy_chunk if e.cross_entropy == "chunked" else 0,
-                   compile_tuning=e.compile_tuning,
-                   deterministic=deterministic_enabled(cfg, device))
+        return cls(
+            device=device,
+            bf16=bf16,
+            compile=e.compile == "on" or (e.compile == "auto" and cuda),
+            fused=e.fused_optimizer == "on" or (e.fused_optimizer == "auto" and cuda),
+            fsdp=e.parallelism == "fsdp",
+            activation_checkpointing=e.activation_checkpointing,
+            prefetch=e.prefetch,
+            loss_chunk=e.cross_entropy_chunk if e.cross_entropy == "chunked" else 0,
+            compile_tuning=e.compile_tuning,
+            deterministic=deterministic_enabled(cfg, device),
+        )
 
     def describe(self) -> dict:
-        return {"device": str(self.device), "precision": "bf16" if self.bf16 else "fp32",
-                "compile": self.compile, "compile_tuning": self.compile_tuning,
-                "fused_optimizer": self.fused,
-                "parallelism": "fsdp" if self.fsdp else "ddp",
-                "activation_checkpointing": self.activation_checkpointing,
-                "deterministic": self.deterministic,
-                "cross_entropy": (f"chunked, {self.loss_chunk} tokens a chunk" if self.loss_chunk
-                                  else "standard")}
+        return {
+            "device": str(self.device),
+            "precision": "bf16" if self.bf16 else "fp32",
+            "compile": self.compile,
+            "compile_tuning": self.compile_tuning,
+            "fused_optimizer": self.fused,
+            "parallelism": "fsdp" if self.fsdp else "ddp",
+            "activation_checkpointing": self.activation_checkpointing,
+            "deterministic": self.deterministic,
+            "cross_entropy": (f"chunked, {self.loss_chunk} tokens a chunk" if self.loss_chunk else "standard"),
+        }
 
     def autocast(self):
         if not self.bf16:
@@ -145,8 +154,11 @@ def _build_fsdp(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
         raw = GPT(cfg.model, vocab_size, seed=None)
     raw.activation_checkpointing, raw.loss_chunk = engine.activation_checkpointing, engine.loss_chunk
     mesh = init_device_mesh(engine.device.type, (world_size,))
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if engine.bf16 else MixedPrecisionPolicy())
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if engine.bf16
+        else MixedPrecisionPolicy()
+    )
     options = compile_options(engine.compile_tuning) if engine.compile else {}
     for block in raw.blocks:
         if engine.compile:  # per block, as torchtitan does under FSDP2
@@ -182,16 +194,14 @@ def build_model(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
         # train.deterministic and more than 2 ranks, a resumed run stays bitwise equal (at the
         # cost of one graph traversal per step).
         fixed_buckets = engine.deterministic and world_size > 2
-        model = DDP(model, device_ids=ids, gradient_as_bucket_view=True,
-                    find_unused_parameters=fixed_buckets)
+        model = DDP(model, device_ids=ids, gradient_as_bucket_view=True, find_unused_parameters=fixed_buckets)
     return raw, model
 
 
 def build_optimizer(cfg: RunConfig, raw_model: torch.nn.Module, engine: Engine) -> torch.optim.AdamW:
     t = cfg.train
     impl = {"fused": True} if engine.fused else {"foreach": cfg.engine.fused_optimizer != "off"}
-    return torch.optim.AdamW(param_groups(raw_model, t.weight_decay), lr=t.lr,
-                             betas=(t.beta1, t.beta2), **impl)
+    return torch.optim.AdamW(param_groups(raw_model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), **impl)
 
 
 @contextmanager

@@ -29,11 +29,22 @@ from stoker.training.train import RankErrorHandler, read_config
 
 
 @torch.no_grad()
-def evaluate_checkpoint(cfg, store: Store, checkpoint_key: str, shard_dir: str, cache_dir: str,
-                        max_windows: int = 256, batch_size: int = 16,
-                        device: torch.device | None = None) -> events.Evaluated:
-    folder = rehydrate(store, checkpoint_key, cache_dir,  # fully checked against its manifest
-                       expected={"model_hash": cfg.model_hash()})
+def evaluate_checkpoint(
+    cfg,
+    store: Store,
+    checkpoint_key: str,
+    shard_dir: str,
+    cache_dir: str,
+    max_windows: int = 256,
+    batch_size: int = 16,
+    device: torch.device | None = None,
+) -> events.Evaluated:
+    folder = rehydrate(
+        store,
+        checkpoint_key,
+        cache_dir,  # fully checked against its manifest
+        expected={"model_hash": cfg.model_hash()},
+    )
     with open(os.path.join(folder, COMMIT_FILE)) as f:
         manifest = json.load(f)
     val = TokenStream(shard_dir, "val")
@@ -52,8 +63,13 @@ def evaluate_checkpoint(cfg, store: Store, checkpoint_key: str, shard_dir: str, 
         total += loss.double() * len(x)
         count += len(x)
     loss = float(total) / count
-    return events.Evaluated(checkpoint=store.url(checkpoint_key), step=manifest["step"],
-                            val_loss=loss, val_ppl=math.exp(min(loss, 50)), windows=count)
+    return events.Evaluated(
+        checkpoint=store.url(checkpoint_key),
+        step=manifest["step"],
+        val_loss=loss,
+        val_ppl=math.exp(min(loss, 50)),
+        windows=count,
+    )
 
 
 def default_device() -> torch.device:
@@ -73,8 +89,15 @@ def main(argv: list[str] | None = None) -> None:
     cfg = read_config(args.config)
     store = Store(cfg.storage.root, cfg.storage.storage_options)
     shard_dir = materialize(store, args.shards.rsplit("/", 1)[-1], args.cache_dir)
-    result = evaluate_checkpoint(cfg, store, args.checkpoint, shard_dir, args.cache_dir, args.max_windows,
-                                 device=torch.device(args.device) if args.device else None)
+    result = evaluate_checkpoint(
+        cfg,
+        store,
+        args.checkpoint,
+        shard_dir,
+        args.cache_dir,
+        args.max_windows,
+        device=torch.device(args.device) if args.device else None,
+    )
     print(result.encode(), flush=True)
 
 

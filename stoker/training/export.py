@@ -51,12 +51,18 @@ WEIGHTS_FILE = "model.safetensors"
 _GPT2_FIELDS = {"n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "vocab_pad_multiple"}
 # (our name, GPT-2's name, transpose: a Linear weight becomes a Conv1D weight)
 _BLOCK_PARAMS = [
-    ("ln_1.weight", "ln_1.weight", False), ("ln_1.bias", "ln_1.bias", False),
-    ("attn.c_attn.weight", "attn.c_attn.weight", True), ("attn.c_attn.bias", "attn.c_attn.bias", False),
-    ("attn.c_proj.weight", "attn.c_proj.weight", True), ("attn.c_proj.bias", "attn.c_proj.bias", False),
-    ("ln_2.weight", "ln_2.weight", False), ("ln_2.bias", "ln_2.bias", False),
-    ("mlp.c_fc.weight", "mlp.c_fc.weight", True), ("mlp.c_fc.bias", "mlp.c_fc.bias", False),
-    ("mlp.c_proj.weight", "mlp.c_proj.weight", True), ("mlp.c_proj.bias", "mlp.c_proj.bias", False),
+    ("ln_1.weight", "ln_1.weight", False),
+    ("ln_1.bias", "ln_1.bias", False),
+    ("attn.c_attn.weight", "attn.c_attn.weight", True),
+    ("attn.c_attn.bias", "attn.c_attn.bias", False),
+    ("attn.c_proj.weight", "attn.c_proj.weight", True),
+    ("attn.c_proj.bias", "attn.c_proj.bias", False),
+    ("ln_2.weight", "ln_2.weight", False),
+    ("ln_2.bias", "ln_2.bias", False),
+    ("mlp.c_fc.weight", "mlp.c_fc.weight", True),
+    ("mlp.c_fc.bias", "mlp.c_fc.bias", False),
+    ("mlp.c_proj.weight", "mlp.c_proj.weight", True),
+    ("mlp.c_proj.bias", "mlp.c_proj.bias", False),
 ]
 
 
@@ -64,9 +70,11 @@ def check_exportable(cfg: ModelConfig) -> None:
     """ExportError when the model has a feature GPT-2's config cannot express."""
     other = sorted(set(type(cfg).model_fields) - _GPT2_FIELDS)
     if other:
-        raise ExportError(f"model.{', model.'.join(other)}: not part of GPT-2's architecture, so "
-                          "the model cannot be exported as GPT-2 (the export knows "
-                          f"{', '.join(sorted(_GPT2_FIELDS))})")
+        raise ExportError(
+            f"model.{', model.'.join(other)}: not part of GPT-2's architecture, so "
+            "the model cannot be exported as GPT-2 (the export knows "
+            f"{', '.join(sorted(_GPT2_FIELDS))})"
+        )
 
 
 def gpt2_config(model: GPT, eot_id: int | None) -> dict:
@@ -115,8 +123,10 @@ def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
         return torch.zeros(width)  # model.bias: false: a zero bias is the same function
 
     C = model.cfg.n_embd
-    out = {"transformer.wte.weight": take("wte.weight")[: model.vocab_size],  # (V, C), unpadded
-           "transformer.wpe.weight": take("wpe.weight")}
+    out = {
+        "transformer.wte.weight": take("wte.weight")[: model.vocab_size],  # (V, C), unpadded
+        "transformer.wpe.weight": take("wpe.weight"),
+    }
     for i, block in enumerate(model.blocks):
         for mine, theirs, transpose in _BLOCK_PARAMS:
             module = block.get_submodule(mine.rsplit(".", 1)[0])
@@ -130,27 +140,36 @@ def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def tokenizer_files(data: bytes, vocab_size: int, eot_token: str,
-                    block_size: int) -> tuple[dict[str, bytes], int | None]:
+def tokenizer_files(
+    data: bytes, vocab_size: int, eot_token: str, block_size: int
+) -> tuple[dict[str, bytes], int | None]:
     """tokenizer.json as the run stored it, plus the configs transformers' AutoTokenizer reads;
     and the end-of-text id."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(data.decode())
     if tok.get_vocab_size() != vocab_size:
-        raise ExportError(f"the run's {TOKENIZER_FILE} has {tok.get_vocab_size()} ids and the "
-                          f"model {vocab_size}: they are not a pair")
+        raise ExportError(
+            f"the run's {TOKENIZER_FILE} has {tok.get_vocab_size()} ids and the model {vocab_size}: they are not a pair"
+        )
     special = {"bos_token": eot_token, "eos_token": eot_token}  # byte-level BPE: no unknown token
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size,
-              "clean_up_tokenization_spaces": False, **special}
-    files = {TOKENIZER_FILE: data,
-             "tokenizer_config.json": json.dumps(config, indent=2).encode(),
-             "special_tokens_map.json": json.dumps(special, indent=2).encode()}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": block_size,
+        "clean_up_tokenization_spaces": False,
+        **special,
+    }
+    files = {
+        TOKENIZER_FILE: data,
+        "tokenizer_config.json": json.dumps(config, indent=2).encode(),
+        "special_tokens_map.json": json.dumps(special, indent=2).encode(),
+    }
     return files, tok.token_to_id(eot_token)
 
 
-def export_checkpoint(checkpoint_url: str, folder: str, cache_dir: str,
-                      storage_options: dict | None = None) -> events.Exported:
+def export_checkpoint(
+    checkpoint_url: str, folder: str, cache_dir: str, storage_options: dict | None = None
+) -> events.Exported:
     """Write the checkpoint at checkpoint_url as a GPT-2 folder at `folder` (new or empty).
     Everything is written into a sibling temporary folder first, then renamed into place."""
     from safetensors.torch import save_file
@@ -160,8 +179,12 @@ def export_checkpoint(checkpoint_url: str, folder: str, cache_dir: str,
     store, where, cfg = named.store, named.where, named.config
     check_exportable(cfg.model)
     vocab_size = int(named.shards["vocab_size"])
-    local = rehydrate(store, where.key, cache_dir,  # the full sha256 check of every file
-                      expected={"run_name": where.run_name, "model_hash": cfg.model_hash()})
+    local = rehydrate(
+        store,
+        where.key,
+        cache_dir,  # the full sha256 check of every file
+        expected={"run_name": where.run_name, "model_hash": cfg.model_hash()},
+    )
     model = GPT(cfg.model, vocab_size, seed=None)  # every weight is loaded
     load_checkpoint(local, model=model)  # tensors only, through SafeReader
     model.eval()
@@ -169,12 +192,17 @@ def export_checkpoint(checkpoint_url: str, folder: str, cache_dir: str,
     files: dict[str, bytes] = {}
     eot_id = None
     if store.exists(tokenizer_key):  # every run folder pinned by the flow has one
-        files, eot_id = tokenizer_files(store.read_bytes(tokenizer_key), vocab_size,
-                                        cfg.tokenizer.eot_token, cfg.model.block_size)
+        files, eot_id = tokenizer_files(
+            store.read_bytes(tokenizer_key), vocab_size, cfg.tokenizer.eot_token, cfg.model.block_size
+        )
     hf_config = gpt2_config(model, eot_id)
-    hf_config["stoker"] = {"checkpoint": store.url(where.key), "step": named.manifest.get("step"),
-                           "run_name": where.run_name, "model_hash": cfg.model_hash(),
-                           "padded_vocab_size": padded_vocab(vocab_size, cfg.model.vocab_pad_multiple)}
+    hf_config["stoker"] = {
+        "checkpoint": store.url(where.key),
+        "step": named.manifest.get("step"),
+        "run_name": where.run_name,
+        "model_hash": cfg.model_hash(),
+        "padded_vocab_size": padded_vocab(vocab_size, cfg.model.vocab_pad_multiple),
+    }
     files["config.json"] = json.dumps(hf_config, indent=2).encode()
     tensors = gpt2_state_dict(model)
     parent = os.path.dirname(folder)
@@ -194,9 +222,14 @@ def export_checkpoint(checkpoint_url: str, folder: str, cache_dir: str,
         os.rename(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return events.Exported(checkpoint=store.url(where.key), step=int(named.manifest.get("step", -1)),
-                           folder=folder, files=sorted([WEIGHTS_FILE, *files]),
-                           vocab_size=vocab_size, num_params=sum(t.numel() for t in tensors.values()))
+    return events.Exported(
+        checkpoint=store.url(where.key),
+        step=int(named.manifest.get("step", -1)),
+        folder=folder,
+        files=sorted([WEIGHTS_FILE, *files]),
+        vocab_size=vocab_size,
+        num_params=sum(t.numel() for t in tensors.values()),
+    )
 
 
 def _one_line(exc: BaseException) -> str:
@@ -219,8 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # DCP's CheckpointException included
         if not isinstance(exc, StokerError):
             traceback.print_exc()  # a bug: its traceback goes to stderr
-        print(events.Failure(rank=0, type=type(exc).__name__, message=_one_line(exc),
-                             transient=is_transient(exc)).encode(), flush=True)
+        print(
+            events.Failure(
+                rank=0, type=type(exc).__name__, message=_one_line(exc), transient=is_transient(exc)
+            ).encode(),
+            flush=True,
+        )
         return 1
     print(result.encode(), flush=True)
     return 0

@@ -56,6 +56,7 @@ def emit(event: events.Event) -> None:
         sys.stdout.write(event.encode() + "\n")
         sys.stdout.flush()
 
+
 def stop_grace_seconds() -> float:
     """The ranks' stop budget (read when asked: a Ray worker sets its environment after import)."""
     return float(os.environ.get("STOKER_STOP_GRACE_SECONDS", "15"))
@@ -115,8 +116,7 @@ class StopRequest:
             work.wait()
             stop = bool(vote.item())
         vote = torch.tensor([1 if self.flag else 0])
-        self.pending = (dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group,
-                                        async_op=True), vote)
+        self.pending = (dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group, async_op=True), vote)
         if stop and self.since is None:
             self.since = time.monotonic()
         return stop
@@ -158,8 +158,13 @@ def _restart_store() -> "dist.Store | None":
         return None
     from datetime import timedelta
 
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timedelta(minutes=10))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timedelta(minutes=10),
+    )
     return dist.PrefixStore(f"stoker/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
@@ -175,8 +180,13 @@ def setup_distributed(cfg: RunConfig) -> RankInfo:
         backend = "nccl" if use_cuda else "gloo"
         from datetime import timedelta
 
-        dist.init_process_group(backend=backend, store=_restart_store(), rank=rank, world_size=world,
-                                timeout=timedelta(seconds=cfg.launch.collective_timeout_seconds))
+        dist.init_process_group(
+            backend=backend,
+            store=_restart_store(),
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=cfg.launch.collective_timeout_seconds),
+        )
     if device.type == "cpu":  # the CPUs the launcher gave this rank (Ray: its reservation)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         threads = int(os.environ.get("STOKER_CPU_THREADS", "0")) or (os.cpu_count() or 1) // local_world
@@ -233,8 +243,15 @@ class MetricsLog:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, ranks: RankInfo, shard_dir: str, store: Store,
-                 shard_key: str = "", cache_dir: str = "/tmp/stoker-cache"):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        ranks: RankInfo,
+        shard_dir: str,
+        store: Store,
+        shard_key: str = "",
+        cache_dir: str = "/tmp/stoker-cache",
+    ):
         self.cfg, self.ranks, self.store, self.shard_key = cfg, ranks, store, shard_key
         self.cache_dir = cache_dir
         self.run_name = cfg.resolved_run_name()
@@ -242,11 +259,9 @@ class Trainer:
         self.engine = Engine.resolve(cfg, ranks.device)
         self.train_data = TokenStream(shard_dir, "train")
         self.val_data = TokenStream(shard_dir, "val")
-        self.raw_model, self.model = build_model(cfg, self.train_data.vocab_size, self.engine,
-                                                 ranks.world_size)
+        self.raw_model, self.model = build_model(cfg, self.train_data.vocab_size, self.engine, ranks.world_size)
         self.optimizer = build_optimizer(cfg, self.raw_model, self.engine)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_multiplier(s, cfg))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_multiplier(s, cfg))
         # per-rank streams (dropout, anything drawing from numpy or random): every RNG is
         # a function of (seed, rank) and is saved and restored with each checkpoint
         seed_rank_rngs(cfg.train.seed, ranks.rank, 0, ranks.device)
@@ -261,21 +276,46 @@ class Trainer:
         ckpt_group = side_group()
         c = cfg.checkpoint
         self.uploader = CheckpointUploader(
-            store, self.run_name, rank=ranks.rank, world_size=ranks.world_size,
-            staging_root=os.path.join(cache_dir, "staging"), keep_latest_k=c.keep_latest_k,
-            upload_timeout=c.upload_timeout_seconds, commit_timeout=c.commit_timeout_seconds,
-            async_enabled=c.async_enabled, max_pending_uploads=c.max_pending_uploads,
-            on_event=self.metrics.event, after_commit=self.metrics.flush,
-            agree=agree_on_checkpoint(ckpt_group), cache_dir=cache_dir,
-            pin_evaluations=cfg.eval.per_checkpoint_enabled, pin_seconds=c.evaluation_pin_seconds)
+            store,
+            self.run_name,
+            rank=ranks.rank,
+            world_size=ranks.world_size,
+            staging_root=os.path.join(cache_dir, "staging"),
+            keep_latest_k=c.keep_latest_k,
+            upload_timeout=c.upload_timeout_seconds,
+            commit_timeout=c.commit_timeout_seconds,
+            async_enabled=c.async_enabled,
+            max_pending_uploads=c.max_pending_uploads,
+            on_event=self.metrics.event,
+            after_commit=self.metrics.flush,
+            agree=agree_on_checkpoint(ckpt_group),
+            cache_dir=cache_dir,
+            pin_evaluations=cfg.eval.per_checkpoint_enabled,
+            pin_seconds=c.evaluation_pin_seconds,
+        )
         self.checkpointer = Checkpointer(
-            self.uploader, self.raw_model, self.optimizer, self.scheduler, rank=ranks.rank,
-            world_size=ranks.world_size, device=ranks.device, seed=cfg.train.seed,
-            global_batch_size=cfg.train.global_batch_size, group=ckpt_group)
+            self.uploader,
+            self.raw_model,
+            self.optimizer,
+            self.scheduler,
+            rank=ranks.rank,
+            world_size=ranks.world_size,
+            device=ranks.device,
+            seed=cfg.train.seed,
+            global_batch_size=cfg.train.global_batch_size,
+            group=ckpt_group,
+        )
         self.batches = Batches(
-            self.train_data, block_size=cfg.model.block_size, micro_batch=cfg.train.micro_batch_size,
-            seed=cfg.train.seed, rank=ranks.rank, accum=cfg.grad_accum_steps,
-            world_size=ranks.world_size, device=ranks.device, prefetch=self.engine.prefetch)
+            self.train_data,
+            block_size=cfg.model.block_size,
+            micro_batch=cfg.train.micro_batch_size,
+            seed=cfg.train.seed,
+            rank=ranks.rank,
+            accum=cfg.grad_accum_steps,
+            world_size=ranks.world_size,
+            device=ranks.device,
+            prefetch=self.engine.prefetch,
+        )
         self.flops_per_token = self.raw_model.flops_per_token()
         self.peak_flops = peak_flops(ranks.device)
 
@@ -304,19 +344,32 @@ class Trainer:
             passed_over.append(self.store.url(key))
             choice = find_latest_valid(self.store, self.run_name, expected)  # skips the marked one
             if choice.checkpoint is None or choice.checkpoint.key == key:
-                raise CheckpointInvalid(problem or f"checkpoint {self.store.url(key)} failed the "
-                                        "full check on another host, and no valid one is left")
+                raise CheckpointInvalid(
+                    problem
+                    or f"checkpoint {self.store.url(key)} failed the "
+                    "full check on another host, and no valid one is left"
+                )
             key = choice.checkpoint.key
         self.step, self.tokens_seen = state.step, state.tokens_seen
         self.last_saved_step = self.step
-        self.metrics.log(events.Resumed(step=self.step, checkpoint=self.store.url(key),
-                                        rng_restored=state.rng_restored, passed_over=passed_over))
+        self.metrics.log(
+            events.Resumed(
+                step=self.step, checkpoint=self.store.url(key), rng_restored=state.rng_restored, passed_over=passed_over
+            )
+        )
 
     def _load(self, folder: str):
         r = self.ranks
-        return load_checkpoint(folder, model=self.raw_model, optimizer=self.optimizer,
-                               scheduler=self.scheduler, rank=r.rank, world_size=r.world_size,
-                               device=r.device, seed=self.cfg.train.seed)
+        return load_checkpoint(
+            folder,
+            model=self.raw_model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            rank=r.rank,
+            world_size=r.world_size,
+            device=r.device,
+            seed=self.cfg.train.seed,
+        )
 
     def _state_nonfinite(self) -> bool:
         tensors = state_tensors(self.raw_model, self.optimizer)
@@ -340,10 +393,15 @@ class Trainer:
         (or a run that went non-finite since the last check) is never saved: NonFiniteError."""
         self.numerics.raise_if_bad(self.step)
         self.numerics.check_state(self.step, self.raw_model, self.optimizer)
-        meta = {"numerics": FINITE,  # checked just above: storage trusts only this field
-                "config_hash": self.cfg.identity_hash(), "model_hash": self.cfg.model_hash(),
-                "shard_key": self.shard_key, "run_name": self.run_name,
-                "tokens_seen": self.tokens_seen, "engine": self.engine.describe()}
+        meta = {
+            "numerics": FINITE,  # checked just above: storage trusts only this field
+            "config_hash": self.cfg.identity_hash(),
+            "model_hash": self.cfg.model_hash(),
+            "shard_key": self.shard_key,
+            "run_name": self.run_name,
+            "tokens_seen": self.tokens_seen,
+            "engine": self.engine.describe(),
+        }
         self.checkpointer.save(self.step, self.tokens_seen, meta)
         self.last_saved_step = self.step
 
@@ -444,8 +502,11 @@ class Trainer:
             return {"step_seconds": 0.0}
         cfg, r = self.cfg, self.ranks
         tps = steps * cfg.train.global_batch_size * cfg.model.block_size / seconds
-        out = {"step_seconds": round(seconds / steps, 4), "tokens_per_second": round(tps, 1),
-               "data_wait_share": round(min(1.0, (self.batches.wait_seconds - mark[2]) / seconds), 4)}
+        out = {
+            "step_seconds": round(seconds / steps, 4),
+            "tokens_per_second": round(tps, 1),
+            "data_wait_share": round(min(1.0, (self.batches.wait_seconds - mark[2]) / seconds), 4),
+        }
         if self.peak_flops:
             out["mfu"] = round(self.flops_per_token * tps / (self.peak_flops * r.world_size), 4)
         if r.device.type == "cuda":
@@ -473,20 +534,32 @@ class Trainer:
             if log_step and not self.skipped_last:  # a skipped step's NaN is told by its NonFinite
                 mean = self._mean_over_ranks(loss)  # the one host sync of a log step
                 self.numerics.raise_if_bad(s)  # before a NaN loss is logged as if all were well
-                self.metrics.log(events.Train(step=s, loss=mean, lr=self.scheduler.get_last_lr()[0],
-                                              tokens_seen=self.tokens_seen, **self._throughput(mark)))
+                self.metrics.log(
+                    events.Train(
+                        step=s,
+                        loss=mean,
+                        lr=self.scheduler.get_last_lr()[0],
+                        tokens_seen=self.tokens_seen,
+                        **self._throughput(mark),
+                    )
+                )
                 mark = (s, time.perf_counter(), self.batches.wait_seconds)
             if s % cfg.eval.interval_steps == 0 or s == cfg.train.max_steps:
                 self.numerics.raise_if_bad(s)  # evaluation syncs anyway: no NaN val loss reported
                 t_eval = time.perf_counter()
                 last_val = self.evaluate()
-                self.metrics.log(events.Eval(step=s, val_loss=last_val,
-                                             val_ppl=math.exp(min(last_val, 50))))
+                self.metrics.log(events.Eval(step=s, val_loss=last_val, val_ppl=math.exp(min(last_val, 50))))
                 # throughput is of training: the evaluation's time is left out of the interval
                 mark = (mark[0], mark[1] + time.perf_counter() - t_eval, mark[2])
             if s % cfg.checkpoint.interval_steps == 0 or s == cfg.train.max_steps:
                 self.save()
         self.uploader.wait()
-        self.metrics.log(events.Done(step=self.step, seconds=round(time.time() - t_start, 3),
-                                     val_loss=last_val, failed_checkpoints=self.uploader.failures))
+        self.metrics.log(
+            events.Done(
+                step=self.step,
+                seconds=round(time.time() - t_start, 3),
+                val_loss=last_val,
+                failed_checkpoints=self.uploader.failures,
+            )
+        )
         return {"step": self.step, "val_loss": last_val}

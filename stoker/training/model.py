@@ -36,9 +36,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
         # (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -82,9 +80,17 @@ def _kept_ops() -> frozenset:
     """What selective activation checkpointing keeps: the outputs of the matmuls and of the
     attention kernels (every backend's), the block's expensive ops. The rest (LayerNorm,
     GELU, dropout, residual adds, reshapes) is recomputed in the backward pass."""
-    names = ("mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math")
+    names = (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_mm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_attention_math",
+    )
     return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
 
 
@@ -100,9 +106,12 @@ def checkpointed(block, x: torch.Tensor, mode: str) -> torch.Tensor:
     the whole block in the backward pass; 'selective' also keeps the outputs of its matmuls
     and attention and recomputes only the cheap ops between them."""
     if mode == "selective":
-        return checkpoint(block, x, use_reentrant=False,
-                          context_fn=partial(create_selective_checkpoint_contexts,
-                                             _keep_matmuls_and_attention))
+        return checkpoint(
+            block,
+            x,
+            use_reentrant=False,
+            context_fn=partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention),
+        )
     return checkpoint(block, x, use_reentrant=False)
 
 
@@ -146,13 +155,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 def _chunked_loss_only(h, weight, targets, chunk: int) -> torch.Tensor:
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     for start in range(0, h.shape[0], chunk):
-        loss += F.cross_entropy((h[start : start + chunk] @ weight.t()).float(),
-                                targets[start : start + chunk], reduction="sum")
+        loss += F.cross_entropy(
+            (h[start : start + chunk] @ weight.t()).float(), targets[start : start + chunk], reduction="sum"
+        )
     return loss / h.shape[0]
 
 
-def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          chunk: int) -> torch.Tensor:
+def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
     """The mean cross-entropy of the logits ``h @ weight.T`` (h: (N, C), weight: (V, C),
     targets: (N,)), computed ``chunk`` tokens at a time: equal to the full-logits loss up to
     rounding, and its gradients too, while holding one chunk of logits instead of N."""
@@ -224,8 +233,9 @@ class GPT(nn.Module):
             x = block(x)
         if targets is not None and self.loss_chunk:  # the full logits never exist
             h = self.ln_f(x)
-            return None, chunked_cross_entropy(h.view(B * T, -1), self.lm_head.weight,
-                                               targets.reshape(-1), self.loss_chunk)
+            return None, chunked_cross_entropy(
+                h.view(B * T, -1), self.lm_head.weight, targets.reshape(-1), self.loss_chunk
+            )
         if targets is None:
             return self.lm_head(self.ln_f(x))[..., : self.vocab_size], None  # (B, T, V)
         return self.output_loss(self.ln_f(x), self.lm_head.weight, targets)
@@ -235,8 +245,9 @@ def _init_value(name: str, shape: torch.Size, n_layer: int, seed: int) -> torch.
     """The initial value of one parameter, from a generator of (seed, name) alone."""
     if name.endswith(".bias") or ".ln_" in name or name.startswith("ln_"):
         return torch.ones(shape) if name.endswith(".weight") else torch.zeros(shape)
-    gen = torch.Generator().manual_seed(int.from_bytes(
-        hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1)
+    gen = torch.Generator().manual_seed(
+        int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+    )
     # scaled init of residual projections (GPT-2)
     std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 0.02
     return torch.empty(shape).normal_(0.0, std, generator=gen)
@@ -250,8 +261,8 @@ def init_weights(model: GPT, seed: int) -> None:
         full = _init_value(name, p.shape, model.cfg.n_layer, seed)
         if hasattr(p, "device_mesh"):  # a DTensor: take this rank's shard of the full value
             from torch.distributed.tensor import distribute_tensor
-            local = distribute_tensor(full.to(p.device), p.device_mesh, p.placements,
-                                      src_data_rank=None).to_local()
+
+            local = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()
             p.to_local().copy_(local)
         else:
             p.copy_(full)

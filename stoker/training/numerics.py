@@ -34,8 +34,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def state_tensors(model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer | None) -> Iterable[torch.Tensor]:
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterable[torch.Tensor]:
     """The floating-point tensors a checkpoint of this rank holds: parameters, buffers and
     optimizer state (RNG states are left out: an unset slot is NaN by design)."""
     yield from model.parameters()
@@ -47,8 +46,9 @@ def state_tensors(model: torch.nn.Module,
 
 def count_nonfinite_tensors(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """How many of these tensors hold a NaN/inf, as a device tensor (no host sync)."""
-    flags = [(~torch.isfinite(_local(t))).any().to(device) for t in tensors
-             if t.is_floating_point() and _local(t).numel()]
+    flags = [
+        (~torch.isfinite(_local(t))).any().to(device) for t in tensors if t.is_floating_point() and _local(t).numel()
+    ]
     if not flags:
         return torch.zeros((), dtype=torch.int64, device=device)
     return torch.stack(flags).sum()
@@ -57,8 +57,7 @@ def count_nonfinite_tensors(tensors: Iterable[torch.Tensor], device: torch.devic
 class NumericsGuard:
     """Per-step checks of one rank; see the module docstring. `emit` logs a NonFinite event."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device, is_dist: bool,
-                 emit: Callable[[events.Event], None]):
+    def __init__(self, cfg: TrainConfig, device: torch.device, is_dist: bool, emit: Callable[[events.Event], None]):
         self.skip_enabled, self.skip_limit = cfg.nonfinite == "skip", cfg.nonfinite_skip_limit
         self.device, self.is_dist, self.emit = device, is_dist, emit
         # the first step whose loss / gradient norm was non-finite, on the device: (2,)
@@ -68,9 +67,14 @@ class NumericsGuard:
     def check_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> bool:
         """Called between backward and the optimizer step of `step` (1-based). Returns whether
         the update must be dropped: only ever True under skip (the one per-step host read)."""
-        bad = torch.stack([~torch.isfinite(loss.detach().float()),
-                           ~torch.isfinite(grad_norm.detach().float()) if grad_norm is not None
-                           else torch.zeros((), dtype=torch.bool, device=loss.device)])
+        bad = torch.stack(
+            [
+                ~torch.isfinite(loss.detach().float()),
+                ~torch.isfinite(grad_norm.detach().float())
+                if grad_norm is not None
+                else torch.zeros((), dtype=torch.bool, device=loss.device),
+            ]
+        )
         if not self.skip_enabled:
             # kept on the device: masked_fill_ takes the step as a scalar argument, no copy
             self.first_bad.masked_fill_(bad & (self.first_bad > step), step)
@@ -83,11 +87,17 @@ class NumericsGuard:
             return False
         what = _WHAT[0] if loss_bad else _WHAT[1]
         if self.num_skipped >= self.skip_limit:
-            self._fail(step, step, what, f"after skipping {self.num_skipped} non-finite step(s), "
-                       f"the limit (train.nonfinite_skip_limit={self.skip_limit})")
+            self._fail(
+                step,
+                step,
+                what,
+                f"after skipping {self.num_skipped} non-finite step(s), "
+                f"the limit (train.nonfinite_skip_limit={self.skip_limit})",
+            )
         self.num_skipped += 1
-        self.emit(events.NonFinite(step=step, first_step=step, what=what, action="skipped",
-                                   num_skipped=self.num_skipped))
+        self.emit(
+            events.NonFinite(step=step, first_step=step, what=what, action="skipped", num_skipped=self.num_skipped)
+        )
         return True
 
     def raise_if_bad(self, step: int) -> None:
@@ -111,10 +121,12 @@ class NumericsGuard:
             self._fail(step, step, "weights or optimizer state", "the checkpoint is not saved")
 
     def _fail(self, step: int, first_step: int, what: str, why: str) -> None:
-        self.emit(events.NonFinite(step=step, first_step=first_step, what=what, action="failed",
-                                   num_skipped=self.num_skipped))
+        self.emit(
+            events.NonFinite(step=step, first_step=first_step, what=what, action="failed", num_skipped=self.num_skipped)
+        )
         raise NonFiniteError(
             f"non-finite {what} at step {first_step} ({why}); no checkpoint after step "
             f"{first_step - 1} is committed. Lower train.lr (or raise warmup_steps, set "
             "train.grad_clip) and resume from the last committed checkpoint, or set "
-            "train.nonfinite=skip to drop such steps")
+            "train.nonfinite=skip to drop such steps"
+        )

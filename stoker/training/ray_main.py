@@ -90,8 +90,12 @@ class Relay:
         self.running.discard(rank)
 
     def summary(self) -> dict:
-        return {"failures": self.failures, "running": sorted(self.running),
-                "starts": list(self.starts), "stop": self.stop}
+        return {
+            "failures": self.failures,
+            "running": sorted(self.running),
+            "starts": list(self.starts),
+            "stop": self.stop,
+        }
 
 
 # ---- in each worker ------------------------------------------------------------------------
@@ -175,10 +179,14 @@ def train_worker(loop_config: dict) -> None:
             return  # the run was stopped while Ray restarted the group
         if begun["failed"] is not None:
             failure = events.from_dict(begun["failed"])
-            raise FailedBefore(f"not restarted: rank {failure.rank} failed with {failure.type}: "
-                               f"{failure.message}")
-        run_rank(loop_config["config_url"], loop_config["shards"], loop_config["resume_from"],
-                 loop_config["cache_dir"] or _cache_dir(), begun["restart"])
+            raise FailedBefore(f"not restarted: rank {failure.rank} failed with {failure.type}: {failure.message}")
+        run_rank(
+            loop_config["config_url"],
+            loop_config["shards"],
+            loop_config["resume_from"],
+            loop_config["cache_dir"] or _cache_dir(),
+            begun["restart"],
+        )
         ray.get(relay.done.remote(rank))
     except Preempted:
         if not ray.get(relay.stop_requested.remote()):
@@ -219,8 +227,9 @@ def _use_gpu(cfg, ray) -> bool:
         return False
     gpus = ray.cluster_resources().get("GPU", 0)
     if cfg.launch.backend == "nccl" and gpus < cfg.launch.world_size:
-        raise RuntimeError(f"launch.backend: 'nccl' needs {cfg.launch.world_size} GPUs and the Ray "
-                           f"cluster has {gpus:g}")
+        raise RuntimeError(
+            f"launch.backend: 'nccl' needs {cfg.launch.world_size} GPUs and the Ray cluster has {gpus:g}"
+        )
     return gpus >= cfg.launch.world_size
 
 
@@ -244,20 +253,28 @@ def drive(args: argparse.Namespace) -> int:
         resources = {"CPU": cfg.ray.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
         trainer = TorchTrainer(
             train_worker,
-            train_loop_config={"relay": relay, "env": rank_env(dict(os.environ)),
-                               "config_url": args.config, "shards": args.shards,
-                               "resume_from": args.resume_from, "cache_dir": args.cache_dir,
-                               "cpus": cfg.ray.cpus_per_worker},
-            scaling_config=ScalingConfig(num_workers=world, use_gpu=use_gpu,
-                                         resources_per_worker=resources),
-            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo",
-                                     timeout_s=lc.collective_timeout_seconds),
+            train_loop_config={
+                "relay": relay,
+                "env": rank_env(dict(os.environ)),
+                "config_url": args.config,
+                "shards": args.shards,
+                "resume_from": args.resume_from,
+                "cache_dir": args.cache_dir,
+                "cpus": cfg.ray.cpus_per_worker,
+            },
+            scaling_config=ScalingConfig(num_workers=world, use_gpu=use_gpu, resources_per_worker=resources),
+            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=lc.collective_timeout_seconds),
             run_config=RunConfig(
                 name=f"stoker-{cfg.resolved_run_name()}-{uuid.uuid4().hex[:8]}",
                 storage_path=os.path.join(tempfile.gettempdir(), "stoker-ray-train"),
-                failure_config=FailureConfig(max_failures=lc.max_restarts)))
-        print(f"Ray: {world} worker(s) on {ray.cluster_resources().get('CPU', 0):g} CPU(s), "
-              f"{len([n for n in ray.nodes() if n.get('Alive')])} node(s), gpu={use_gpu}", flush=True)
+                failure_config=FailureConfig(max_failures=lc.max_restarts),
+            ),
+        )
+        print(
+            f"Ray: {world} worker(s) on {ray.cluster_resources().get('CPU', 0):g} CPU(s), "
+            f"{len([n for n in ray.nodes() if n.get('Alive')])} node(s), gpu={use_gpu}",
+            flush=True,
+        )
         outcome: dict = {}
         fit = threading.Thread(target=_fit, args=(trainer, outcome), daemon=True)
         fit.start()
@@ -276,8 +293,10 @@ def drive(args: argparse.Namespace) -> int:
             result["running"] = summary["running"]
             if not summary["failures"] and not summary["running"]:
                 result["launcher_errors"].append((type(error).__name__, str(error)[:2000]))
-            print(f"Ray Train ended with {type(error).__name__}: {str(error).splitlines()[0][:500] if str(error) else ''}",
-                  flush=True)
+            print(
+                f"Ray Train ended with {type(error).__name__}: {str(error).splitlines()[0][:500] if str(error) else ''}",
+                flush=True,
+            )
         result["completed"] = error is None and not summary["stop"]
         result["stopped"] = summary["stop"]
     except Exception as exc:  # no cluster, a bad address: the launcher classifies the message
@@ -318,8 +337,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="URL or path of the run's config.json")
     p.add_argument("--shards", required=True, help="shard-set key under the store root")
     p.add_argument("--resume-from", default=None, help="checkpoint key under the store root")
-    p.add_argument("--cache-dir", default=None,
-                   help="the workers' host cache (default: each node's own, STOKER_CACHE)")
+    p.add_argument("--cache-dir", default=None, help="the workers' host cache (default: each node's own, STOKER_CACHE)")
     p.add_argument("--result", required=True, help="where the driver writes how the launch ended")
     return p.parse_args(argv)
 

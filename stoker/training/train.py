@@ -39,8 +39,12 @@ GANG_ENV = "STOKER_GANG_ID"  # launch.gang.GANG_ENV (training never imports laun
 def failure_of(e: BaseException) -> events.Failure:
     """This rank's Failure record of an exception: its type, message and whether a retry helps."""
     cause = e.__cause__ if isinstance(e, RankAborted) and e.__cause__ is not None else e
-    return events.Failure(rank=int(os.environ.get("RANK", "0")), type=type(cause).__name__,
-                          message=str(cause)[:800], transient=is_transient(e))
+    return events.Failure(
+        rank=int(os.environ.get("RANK", "0")),
+        type=type(cause).__name__,
+        message=str(cause)[:800],
+        transient=is_transient(e),
+    )
 
 
 class RankErrorHandler(ErrorHandler):
@@ -52,9 +56,16 @@ class RankErrorHandler(ErrorHandler):
         path = self._get_error_file_path()
         if not path:
             return
-        data = {"message": {"message": f"{failure.type}: {failure.message}", "extraInfo": {
-            "py_callstack": traceback.format_exc(), "timestamp": str(int(time.time())),
-            events.ERROR_INFO_KEY: failure.to_dict()}}}
+        data = {
+            "message": {
+                "message": f"{failure.type}: {failure.message}",
+                "extraInfo": {
+                    "py_callstack": traceback.format_exc(),
+                    "timestamp": str(int(time.time())),
+                    events.ERROR_INFO_KEY: failure.to_dict(),
+                },
+            }
+        }
         with open(path, "w") as f:
             json.dump(data, f)
         marker = os.environ.get(events.PERMANENT_MARKER_ENV)
@@ -79,8 +90,7 @@ def _end_if_failed_for_good() -> None:
     if marker and os.path.exists(marker):
         with open(marker) as f:
             failure = events.from_dict(json.load(f))
-        raise FailedBefore(f"not restarted: rank {failure.rank} failed with {failure.type}: "
-                           f"{failure.message}")
+        raise FailedBefore(f"not restarted: rank {failure.rank} failed with {failure.type}: {failure.message}")
 
 
 def newest_checkpoint(store: Store, cfg: RunConfig) -> str | None:
@@ -108,8 +118,7 @@ def any_rank_restarted(mine: bool) -> bool:
     return any(flags)
 
 
-def run_rank(config_url: str, shards: str, resume_from: str | None, cache_dir: str,
-             restarted: bool) -> dict:
+def run_rank(config_url: str, shards: str, resume_from: str | None, cache_dir: str, restarted: bool) -> dict:
     """One rank's whole run, under any launcher: join the process group (torchrun's or Ray's),
     load the shards once per host, resume (a restart round from the newest valid checkpoint,
     else from `resume_from`), train."""
@@ -118,8 +127,7 @@ def run_rank(config_url: str, shards: str, resume_from: str | None, cache_dir: s
     ranks = setup_distributed(cfg)
     restarted = any_rank_restarted(restarted)
     store = Store(cfg.storage.root, cfg.storage.storage_options)
-    trainer = Trainer(cfg, ranks, materialize(store, shard_key, cache_dir), store, shard_key,
-                      cache_dir=cache_dir)
+    trainer = Trainer(cfg, ranks, materialize(store, shard_key, cache_dir), store, shard_key, cache_dir=cache_dir)
     resume = newest_checkpoint(store, cfg) if restarted else resume_from
     if resume:
         trainer.resume(resume)
@@ -134,8 +142,11 @@ def file_rank_numbers() -> None:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not error_file or "RANK" not in os.environ:  # not a torchrun rank
         return
-    numbers = {name.lower(): int(os.environ[name]) for name in ("RANK", "GROUP_RANK", "LOCAL_RANK")
-               if os.environ.get(name, "").isdigit()}
+    numbers = {
+        name.lower(): int(os.environ[name])
+        for name in ("RANK", "GROUP_RANK", "LOCAL_RANK")
+        if os.environ.get(name, "").isdigit()
+    }
     if len(numbers) == 3:
         print(events.Joined(**numbers).encode(), flush=True)
     try:

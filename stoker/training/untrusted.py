@@ -20,7 +20,9 @@ _NAMES = {
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # maps a layout's name to the layout
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "Path"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
     ("collections", "OrderedDict"),
 }
 
@@ -35,16 +37,21 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise UnsafeCheckpoint(f"checkpoint metadata refers to {module}.{name}, which is not "
-                               "checkpoint data; refusing to load it (nothing was run)")
+        raise UnsafeCheckpoint(
+            f"checkpoint metadata refers to {module}.{name}, which is not "
+            "checkpoint data; refusing to load it (nothing was run)"
+        )
 
 
 class SafeReader(dcp.FileSystemReader):
     """A FileSystemReader whose metadata unpickling runs no code; see the module docstring."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank")) if hasattr(self, "_get_metadata_path") \
+        path = (
+            self._get_metadata_path(kwargs.get("rank"))
+            if hasattr(self, "_get_metadata_path")
             else self.path / ".metadata"
+        )
         with self.fs.create_stream(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):

@@ -19,11 +19,13 @@ def test_recipes_exist():
 
 def test_bad_config_lists_every_problem_at_once(tmp_path):
     with pytest.raises(ConfigError) as err:
-        load_config({
-            "storage": {"root": "file://" + str(tmp_path)},
-            "train": {"lr": -0.1, "global_batch_size": 10, "micro_batch_size": 4},
-            "data": {"source": str(tmp_path / "no-such-corpus" / "*.txt")},
-        })
+        load_config(
+            {
+                "storage": {"root": "file://" + str(tmp_path)},
+                "train": {"lr": -0.1, "global_batch_size": 10, "micro_batch_size": 4},
+                "data": {"source": str(tmp_path / "no-such-corpus" / "*.txt")},
+            }
+        )
     problems = err.value.problems
     assert len(problems) == 3, problems
     text = str(err.value)
@@ -95,7 +97,8 @@ def test_bounds_and_fixes_are_in_the_json_schema():
     [number] = [b for b in workers["anyOf"] if b.get("type") == "integer"]
     assert (number["minimum"], number["maximum"]) == (1, 256)
     assert {"const": "auto", "type": "string"} in workers["anyOf"] or any(
-        b.get("enum") == ["auto"] or b.get("const") == "auto" for b in workers["anyOf"])
+        b.get("enum") == ["auto"] or b.get("const") == "auto" for b in workers["anyOf"]
+    )
     assert _field_schema(schema, "data", "val_fraction")["exclusiveMaximum"] == 0.5
     assert _field_schema(schema, "data", "text_field")["minLength"] == 1
     assert "3e-4" in _field_schema(schema, "train", "lr")["fix"]
@@ -104,13 +107,15 @@ def test_bounds_and_fixes_are_in_the_json_schema():
 
 def test_bounds_section_rules_and_cross_section_rules_are_reported_together(tmp_path):
     with pytest.raises(ConfigError) as err:
-        load_config({
-            "storage": {"root": "file://" + str(tmp_path)},
-            "train": {"lr": -0.1, "global_batch_size": 10, "micro_batch_size": 4},
-            "model": {"n_head": 4, "n_embd": 130},
-            "checkpoint": {"keep_latest_k": 1},
-            "launch": {"hang_timeout_seconds": 3},
-        })
+        load_config(
+            {
+                "storage": {"root": "file://" + str(tmp_path)},
+                "train": {"lr": -0.1, "global_batch_size": 10, "micro_batch_size": 4},
+                "model": {"n_head": 4, "n_embd": 130},
+                "checkpoint": {"keep_latest_k": 1},
+                "launch": {"hang_timeout_seconds": 3},
+            }
+        )
     problems = err.value.problems
     assert len(problems) == 5, problems
     expected = {
@@ -152,19 +157,25 @@ def test_an_empty_folder_is_no_data(tmp_path):
     assert problem.startswith("data.source: no file matches")
     (tmp_path / "empty" / "sub" / "a.txt").write_text("text")
     assert local_resource_problems(cfg) == []
-    assert "tokenizer.path" in local_resource_problems(cfg.model_copy(update={
-        "tokenizer": cfg.tokenizer.model_copy(update={"path": str(tmp_path / "tok.json")})}))[0]
+    assert (
+        "tokenizer.path"
+        in local_resource_problems(
+            cfg.model_copy(update={"tokenizer": cfg.tokenizer.model_copy(update={"path": str(tmp_path / "tok.json")})})
+        )[0]
+    )
 
 
-@pytest.mark.parametrize("over,field,says", [
-    ({"storage.root": "s3://"}, "storage.root", "names no bucket"),
-    ({"storage.root": "s3:///prefix"}, "storage.root", "names no bucket"),
-    ({"storage.root": "file://relative/dir"}, "storage.root", "three slashes"),
-    ({"data.source": "s3://"}, "data.source", "names no bucket"),
-    ({"data.source": "https:///corpus.jsonl"}, "data.source", "names no host"),
-    ({"tokenizer.vocab_size": 70000, "data.token_dtype": "uint16"}, "data.token_dtype",
-     "use 'uint32' or 'auto'"),
-])
+@pytest.mark.parametrize(
+    "over,field,says",
+    [
+        ({"storage.root": "s3://"}, "storage.root", "names no bucket"),
+        ({"storage.root": "s3:///prefix"}, "storage.root", "names no bucket"),
+        ({"storage.root": "file://relative/dir"}, "storage.root", "three slashes"),
+        ({"data.source": "s3://"}, "data.source", "names no bucket"),
+        ({"data.source": "https:///corpus.jsonl"}, "data.source", "names no host"),
+        ({"tokenizer.vocab_size": 70000, "data.token_dtype": "uint16"}, "data.token_dtype", "use 'uint32' or 'auto'"),
+    ],
+)
 def test_urls_and_id_widths_that_cannot_work_are_config_errors(over, field, says):
     """Found from the config alone, before any task runs: one line naming the field and the fix."""
     with pytest.raises(ConfigError) as err:
@@ -184,34 +195,72 @@ def test_max_pending_uploads_below_one_is_refused_with_the_fix(tmp_path):
     assert "give at least 1" in str(err.value)
 
 
-_TWO_HOSTS = [{"prefix": ["ssh", "host0"], "address": "10.0.0.10"},
-              {"prefix": ["ssh", "host1"], "address": "10.0.0.11"}]
+_TWO_HOSTS = [
+    {"prefix": ["ssh", "host0"], "address": "10.0.0.10"},
+    {"prefix": ["ssh", "host1"], "address": "10.0.0.11"},
+]
 
 
-@pytest.mark.parametrize("launch,field,says", [
-    ({"nodes": _TWO_HOSTS[:1], "rdzv_host": "10.0.0.10", "rdzv_port": 29500}, "launch.nodes",
-     "gives 1 node(s) for num_nodes=2 (got [{'prefix': ['ssh', 'host0']"),
-    ({"nodes": _TWO_HOSTS, "rdzv_port": 29500}, "launch.rdzv_host",
-     "is no node's address: the rendezvous is hosted by the node whose address it is (got "
-     "'127.0.0.1'); give one of ['10.0.0.10', '10.0.0.11']"),
-    ({"nodes": [{"address": "10.0.0.10"}, {"address": "10.0.0.10"}], "rdzv_host": "10.0.0.10"},
-     "launch.rdzv_host", "is the address of nodes [0, 1]"),
-    ({"nodes": _TWO_HOSTS, "rdzv_host": "10.0.0.11"}, "launch.rdzv_port",
-     "is needed: the rendezvous host 10.0.0.11 is node 1, started on another machine (ssh)"),
-    ({"nodes": [{"prefix": ["ssh host0"], "address": "10.0.0.10"}, _TWO_HOSTS[1]],
-      "rdzv_host": "10.0.0.10"}, "launch.nodes.0.prefix",
-     "is one shell string (got ['ssh host0']); give one word per item: ['ssh', 'host0']"),
-    ({"nodes": [{"prefix": "ssh host0", "address": "10.0.0.10"}, _TWO_HOSTS[1]],
-      "rdzv_host": "10.0.0.10"}, "launch.nodes.0.prefix", "give the command as a list of words"),
-    ({"nodes": [_TWO_HOSTS[0], {**_TWO_HOSTS[1], "adress": "10.0.0.11"}], "rdzv_host": "10.0.0.10",
-      "rdzv_port": 29500}, "launch.nodes.1.adress", "did you mean launch.nodes.1.address?"),
-    ({"nodes": [{"address": "10.0.0.10"}, {"address": "host 1"}], "rdzv_host": "10.0.0.10"},
-     "launch.nodes.1.address", "is not an address (got 'host 1'); give an IP address or host name"),
-    ({"nodes": [{"address": "10.0.0.10", "env": {"GLOO-IFNAME": "eth1"}}, {}], "rdzv_host": "10.0.0.10"},
-     "launch.nodes.0.env", "['GLOO-IFNAME'] cannot be an environment variable's name"),
-    ({"launcher": "ray", "nodes": _TWO_HOSTS, "rdzv_host": "10.0.0.10", "rdzv_port": 29500},
-     "launch.nodes", "remove launch.nodes (Ray places its workers)"),
-])
+@pytest.mark.parametrize(
+    "launch,field,says",
+    [
+        (
+            {"nodes": _TWO_HOSTS[:1], "rdzv_host": "10.0.0.10", "rdzv_port": 29500},
+            "launch.nodes",
+            "gives 1 node(s) for num_nodes=2 (got [{'prefix': ['ssh', 'host0']",
+        ),
+        (
+            {"nodes": _TWO_HOSTS, "rdzv_port": 29500},
+            "launch.rdzv_host",
+            "is no node's address: the rendezvous is hosted by the node whose address it is (got "
+            "'127.0.0.1'); give one of ['10.0.0.10', '10.0.0.11']",
+        ),
+        (
+            {"nodes": [{"address": "10.0.0.10"}, {"address": "10.0.0.10"}], "rdzv_host": "10.0.0.10"},
+            "launch.rdzv_host",
+            "is the address of nodes [0, 1]",
+        ),
+        (
+            {"nodes": _TWO_HOSTS, "rdzv_host": "10.0.0.11"},
+            "launch.rdzv_port",
+            "is needed: the rendezvous host 10.0.0.11 is node 1, started on another machine (ssh)",
+        ),
+        (
+            {"nodes": [{"prefix": ["ssh host0"], "address": "10.0.0.10"}, _TWO_HOSTS[1]], "rdzv_host": "10.0.0.10"},
+            "launch.nodes.0.prefix",
+            "is one shell string (got ['ssh host0']); give one word per item: ['ssh', 'host0']",
+        ),
+        (
+            {"nodes": [{"prefix": "ssh host0", "address": "10.0.0.10"}, _TWO_HOSTS[1]], "rdzv_host": "10.0.0.10"},
+            "launch.nodes.0.prefix",
+            "give the command as a list of words",
+        ),
+        (
+            {
+                "nodes": [_TWO_HOSTS[0], {**_TWO_HOSTS[1], "adress": "10.0.0.11"}],
+                "rdzv_host": "10.0.0.10",
+                "rdzv_port": 29500,
+            },
+            "launch.nodes.1.adress",
+            "did you mean launch.nodes.1.address?",
+        ),
+        (
+            {"nodes": [{"address": "10.0.0.10"}, {"address": "host 1"}], "rdzv_host": "10.0.0.10"},
+            "launch.nodes.1.address",
+            "is not an address (got 'host 1'); give an IP address or host name",
+        ),
+        (
+            {"nodes": [{"address": "10.0.0.10", "env": {"GLOO-IFNAME": "eth1"}}, {}], "rdzv_host": "10.0.0.10"},
+            "launch.nodes.0.env",
+            "['GLOO-IFNAME'] cannot be an environment variable's name",
+        ),
+        (
+            {"launcher": "ray", "nodes": _TWO_HOSTS, "rdzv_host": "10.0.0.10", "rdzv_port": 29500},
+            "launch.nodes",
+            "remove launch.nodes (Ray places its workers)",
+        ),
+    ],
+)
 def test_launch_nodes_rules_name_the_field_and_the_fix(launch, field, says, tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(tiny_dict("file://" + str(tmp_path), launch={"num_nodes": 2, "nproc_per_node": 1, **launch}))
@@ -223,8 +272,12 @@ def test_launch_nodes_rules_name_the_field_and_the_fix(launch, field, says, tmp_
 def test_credentials_in_a_nodes_env_are_refused_and_never_shown(tmp_path):
     nodes = [{"address": "10.0.0.10", "env": {"AWS_SECRET_ACCESS_KEY": "hunter2", "STOKER_CACHE": "/c"}}, {}]
     with pytest.raises(ConfigError) as err:
-        load_config(tiny_dict("file://" + str(tmp_path), launch={
-            "num_nodes": 2, "nproc_per_node": 1, "rdzv_host": "10.0.0.10", "nodes": nodes}))
+        load_config(
+            tiny_dict(
+                "file://" + str(tmp_path),
+                launch={"num_nodes": 2, "nproc_per_node": 1, "rdzv_host": "10.0.0.10", "nodes": nodes},
+            )
+        )
     [line] = err.value.problems
     assert line.startswith("launch.nodes.0.env: holds credentials (AWS_SECRET_ACCESS_KEY)")
     assert "hunter2" not in str(err.value) and "AWS_PROFILE" in line
@@ -233,9 +286,11 @@ def test_credentials_in_a_nodes_env_are_refused_and_never_shown(tmp_path):
 def test_launch_nodes_that_follow_the_rules_load(tmp_path):
     """Remote rendezvous with its port; a rendezvous node on this host (no prefix) without one,
     its port picked at launch; an empty list is no list (the UI form's)."""
+
     def launch(**values):
-        return load_config(tiny_dict("file://" + str(tmp_path), launch={
-            "num_nodes": 2, "nproc_per_node": 1, **values})).launch
+        return load_config(
+            tiny_dict("file://" + str(tmp_path), launch={"num_nodes": 2, "nproc_per_node": 1, **values})
+        ).launch
 
     remote = launch(nodes=_TWO_HOSTS, rdzv_host="10.0.0.11", rdzv_port=29500)
     assert [n.prefix for n in remote.nodes] == [["ssh", "host0"], ["ssh", "host1"]]
@@ -243,6 +298,18 @@ def test_launch_nodes_that_follow_the_rules_load(tmp_path):
     assert here.rdzv_port is None and here.nodes[0].prefix == []
     assert launch(nodes=[]).nodes is None
     cfg = load_config(tiny_dict("file://" + str(tmp_path)))
-    assert cfg.identity_hash() == load_config(tiny_dict("file://" + str(tmp_path), launch={
-        "num_nodes": 2, "nproc_per_node": 1, "nodes": _TWO_HOSTS, "rdzv_host": "10.0.0.10",
-        "rdzv_port": 29500})).identity_hash()  # where it runs is no part of what it is
+    assert (
+        cfg.identity_hash()
+        == load_config(
+            tiny_dict(
+                "file://" + str(tmp_path),
+                launch={
+                    "num_nodes": 2,
+                    "nproc_per_node": 1,
+                    "nodes": _TWO_HOSTS,
+                    "rdzv_host": "10.0.0.10",
+                    "rdzv_port": 29500,
+                },
+            )
+        ).identity_hash()
+    )  # where it runs is no part of what it is

@@ -48,8 +48,13 @@ time.sleep(60)
 
 
 def test_the_parent_death_signal_reaches_a_child_in_a_session_of_its_own():
-    middle = subprocess.Popen([sys.executable, "-c", MIDDLE], cwd=ROOT, stdout=subprocess.PIPE,
-                              text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    middle = subprocess.Popen(
+        [sys.executable, "-c", MIDDLE],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     grandchild = int(middle.stdout.readline())
     try:
         assert read_proc(grandchild) is not None
@@ -83,9 +88,22 @@ def test_a_heartbeat_counts_once_seen_and_goes_stale_when_it_stops(tmp_path, mon
 
 def test_a_module_run_under_a_lifeline_ends_with_the_process_it_names():
     starter = subprocess.Popen(["sleep", "60"])
-    served = subprocess.Popen([sys.executable, "-m", "stoker.core.lifeline", lifeline.token(starter.pid),
-                               "http.server", "0", "--bind", "127.0.0.1"], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    served = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stoker.core.lifeline",
+            lifeline.token(starter.pid),
+            "http.server",
+            "0",
+            "--bind",
+            "127.0.0.1",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(2)
         assert served.poll() is None  # runs while its starter lives

@@ -17,23 +17,32 @@ def test_a_sink_whose_package_is_missing_is_a_config_error_with_the_others(monke
     for module in ("tensorboard", "mlflow"):  # as if the 'metrics' extra were not installed
         monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(ConfigError) as err:
-        load_config(None, **{"metrics.tensorboard_enabled": True,
-                             "metrics.mlflow_tracking_uri": "http://127.0.0.1:5000",
-                             "train.lr": -1})
+        load_config(
+            None,
+            **{
+                "metrics.tensorboard_enabled": True,
+                "metrics.mlflow_tracking_uri": "http://127.0.0.1:5000",
+                "train.lr": -1,
+            },
+        )
     assert err.value.problems == [
         "train.lr: must be > 0 (got -1); a typical value is 3e-4.",
         "metrics.tensorboard_enabled: needs the 'tensorboard' package, which is not installed "
         "here; pip install 'stoker[metrics]', or turn the sink off.",
         "metrics.mlflow_tracking_uri: needs the 'mlflow' package, which is not installed here; "
-        "pip install 'stoker[metrics]', or turn the sink off."]
+        "pip install 'stoker[metrics]', or turn the sink off.",
+    ]
     load_config(None, **{"metrics.tensorboard_enabled": False})  # off: nothing is needed
 
 
-@pytest.mark.parametrize("uri,says", [
-    ("http://user:hunter2@mlflow.example:5000", "holds credentials"),
-    ("file://mlruns", "is a relative file:// URL"),
-    ("mlruns", "is relative"),
-])
+@pytest.mark.parametrize(
+    "uri,says",
+    [
+        ("http://user:hunter2@mlflow.example:5000", "holds credentials"),
+        ("file://mlruns", "is a relative file:// URL"),
+        ("mlruns", "is relative"),
+    ],
+)
 def test_a_tracking_uri_that_cannot_work_is_refused(uri, says):
     with pytest.raises(ConfigError) as err:
         load_config(None, **{"metrics.mlflow_tracking_uri": uri})
@@ -43,7 +52,8 @@ def test_a_tracking_uri_that_cannot_work_is_refused(uri, says):
 
 def test_the_sinks_leave_the_run_identity_alone(tmp_path):
     plain = load_config()
-    with_sinks = load_config(None, **{"metrics.tensorboard_enabled": True,
-                                      "metrics.mlflow_tracking_uri": f"sqlite:///{tmp_path}/m.db"})
+    with_sinks = load_config(
+        None, **{"metrics.tensorboard_enabled": True, "metrics.mlflow_tracking_uri": f"sqlite:///{tmp_path}/m.db"}
+    )
     assert with_sinks.resolved_run_name() == plain.resolved_run_name()
     assert with_sinks.model_hash() == plain.model_hash()

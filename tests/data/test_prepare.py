@@ -72,8 +72,10 @@ def test_a_shard_set_damaged_in_the_store_is_marked_where_read_and_rebuilt_by_th
     open(path, "wb").write(bytes(data))  # same size: only a full check sees it
     _, _, hit = _prepare(store)
     assert hit.cache_hit  # choosing reads no shard byte
-    with pytest.raises(DataError, match="damaged: train-00000.bin fails its sha256 checksum; it is "
-                                        "marked invalid.*data stage again rebuilds it"):
+    with pytest.raises(
+        DataError,
+        match="damaged: train-00000.bin fails its sha256 checksum; it is marked invalid.*data stage again rebuilds it",
+    ):
         materialize(store, first.cache_key, str(tmp_path / "host"))
     assert not validate_shard_set(store, first.cache_key)  # the marker: no rank loops on it
     with pytest.raises(DataError, match="marked invalid by a host that read it"):
@@ -141,8 +143,9 @@ def small_disk(tmp_path):
 
     mount = tmp_path / "small-disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if done.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     yield mount
@@ -161,12 +164,19 @@ def test_shards_that_would_not_fit_on_the_disk_are_refused_before_tokenizing(sma
     store = Store(f"file://{small_disk}/store")
     ds = data_prep.download_dataset(data, store)
     tk = data_prep.train_tokenizer(ds, TokenizerConfig(vocab_size=300), store)
-    with pytest.raises(DataError, match=r"storage.root: tokenizing [\d.]+ MB of text needs about [\d.]+ MB on "
-                       r".*and [\d.]+ MB are free; free space there or point storage.root at a bigger disk"):
+    with pytest.raises(
+        DataError,
+        match=r"storage.root: tokenizing [\d.]+ MB of text needs about [\d.]+ MB on "
+        r".*and [\d.]+ MB are free; free space there or point storage.root at a bigger disk",
+    ):
         data_prep.tokenize_and_shard(ds, tk, data, store)
     assert not store.exists("shards") or not store.walk_files("shards")  # no shards, no staging
     big = Store(f"file://{tmp_path}/big")
     _, _, shards = _prepare(big, data, TokenizerConfig(vocab_size=300))
-    built = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(big.local_path(shards.key))
-                for f in fs if f.endswith(".bin"))
+    built = sum(
+        os.path.getsize(os.path.join(d, f))
+        for d, _, fs in os.walk(big.local_path(shards.key))
+        for f in fs
+        if f.endswith(".bin")
+    )
     assert built > 1.5e6  # what the estimate was about: it would not have fit

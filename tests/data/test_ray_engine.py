@@ -25,8 +25,9 @@ from stoker.storage.datasets import CORPUS_FILE
 from stoker.storage.shards import validate_shard_set
 from stoker.storage.store import Store, join
 
-needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                               reason="ray is not installed (pip install 'stoker[ray]')")
+needs_ray = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'stoker[ray]')"
+)
 
 PARTITION_BYTES = 50_000  # 6 partitions of the ~300 KB corpus
 DATA = dict(max_bytes=300_000, val_fraction=0.1, shard_tokens=16_384)
@@ -48,8 +49,9 @@ def _shard_set(store: Store, shards) -> tuple[dict, dict[str, bytes]]:
 def _build(store, ds, tk, cfg, engine: str, ray: RayConfig | None = None):
     """A fresh shard set of `engine` (any earlier one removed first)."""
     store.rm("shards")
-    return data_prep.tokenize_and_shard(ds, tk, cfg.model_copy(update={"engine": engine}), store,
-                                        partition_bytes=PARTITION_BYTES, ray=ray)
+    return data_prep.tokenize_and_shard(
+        ds, tk, cfg.model_copy(update={"engine": engine}), store, partition_bytes=PARTITION_BYTES, ray=ray
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -125,8 +127,7 @@ def cluster_bucket(ray_cluster):
 
 @pytest.mark.e2e  # a Ray instance or the two-node cluster: not in the quick subset
 @needs_ray
-def test_ray_engine_shards_match_the_local_engine_byte_for_byte_and_use_both_nodes(ray_cluster, cluster_bucket,
-                                                                                  caplog):
+def test_ray_engine_shards_match_the_local_engine_byte_for_byte_and_use_both_nodes(ray_cluster, cluster_bucket, caplog):
     root, options, store, cfg, ds, tk = cluster_bucket
     local = _build(store, ds, tk, cfg, "local")
     local_manifest, local_files = _shard_set(store, local)
@@ -137,8 +138,9 @@ def test_ray_engine_shards_match_the_local_engine_byte_for_byte_and_use_both_nod
     assert not remote.cache_hit and remote.cache_key == local.cache_key  # the engine is not in the key
     manifest, files = _shard_set(Store(root, options), remote)
     assert manifest["files"] == local_manifest["files"]
-    assert {k: v for k, v in manifest.items() if k != "files"} == \
-        {k: v for k, v in local_manifest.items() if k != "files"}
+    assert {k: v for k, v in manifest.items() if k != "files"} == {
+        k: v for k, v in local_manifest.items() if k != "files"
+    }
     assert files.keys() == local_files.keys() and all(files[n] == local_files[n] for n in files)
     assert validate_shard_set(store, remote.cache_key, deep=True)
     assert len(_ray_nodes(caplog)) == 2  # tasks ran on the head and on the worker node
@@ -147,8 +149,9 @@ def test_ray_engine_shards_match_the_local_engine_byte_for_byte_and_use_both_nod
 
 @pytest.mark.e2e  # a Ray instance or the two-node cluster: not in the quick subset
 @needs_ray
-def test_a_damaged_corpus_fails_both_engines_with_the_same_data_error_and_leaves_nothing(ray_cluster, cluster_bucket,
-                                                                                        monkeypatch):
+def test_a_damaged_corpus_fails_both_engines_with_the_same_data_error_and_leaves_nothing(
+    ray_cluster, cluster_bucket, monkeypatch
+):
     monkeypatch.setattr(data_prep, "SAMPLE_BYTES", 20_000)  # the disk estimate's sample stops before it
     root, options, store, cfg, ds, tk = cluster_bucket
     key = join(ds.key, CORPUS_FILE)
@@ -171,8 +174,9 @@ def test_a_damaged_corpus_fails_both_engines_with_the_same_data_error_and_leaves
 
 @pytest.mark.e2e  # a Ray instance or the two-node cluster: not in the quick subset
 @needs_ray
-def test_an_interrupted_build_cancels_its_tasks_disconnects_and_leaves_nothing(ray_cluster, cluster_bucket,
-                                                                               monkeypatch):
+def test_an_interrupted_build_cancels_its_tasks_disconnects_and_leaves_nothing(
+    ray_cluster, cluster_bucket, monkeypatch
+):
     root, options, store, cfg, ds, tk = cluster_bucket
     results = []
     real = ray_engine._result
@@ -221,8 +225,9 @@ print("SHARDS", _build(store, ds, tk, cfg, "ray", RayConfig(address=address)).ca
 @pytest.mark.e2e  # a Ray instance or the two-node cluster: not in the quick subset
 @needs_ray
 @pytest.mark.parametrize("how", ["HOST:PORT", "auto"])
-def test_a_driver_on_a_node_joins_by_gcs_address_or_auto_with_the_same_bytes(ray_cluster, cluster_bucket,
-                                                                            tmp_path, how):
+def test_a_driver_on_a_node_joins_by_gcs_address_or_auto_with_the_same_bytes(
+    ray_cluster, cluster_bucket, tmp_path, how
+):
     """A flow run on a cluster node (no Ray Client): ray.address is the head's GCS HOST:PORT, or
     'auto', which finds the cluster this node runs. The shards equal the local engine's."""
     cluster = ray_cluster.cluster
@@ -233,9 +238,14 @@ def test_a_driver_on_a_node_joins_by_gcs_address_or_auto_with_the_same_bytes(ray
     script = tmp_path / "driver.py"
     script.write_text(DRIVER_ON_A_NODE)
     address = cluster.gcs_address if how == "HOST:PORT" else "auto"
-    out = subprocess.run([*cluster.exec_prefix(0), sys.executable, str(script), root, json.dumps(options),
-                          address], env=cluster.node_env(0), cwd=str(tmp_path), capture_output=True,
-                         text=True, timeout=240)
+    out = subprocess.run(
+        [*cluster.exec_prefix(0), sys.executable, str(script), root, json.dumps(options), address],
+        env=cluster.node_env(0),
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"SHARDS {local.cache_key}" in out.stdout
     assert "NODES 2" in out.stdout.splitlines(), out.stdout[-2000:]  # the cluster's two nodes

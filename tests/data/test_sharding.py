@@ -43,8 +43,9 @@ def test_shards_are_byte_identical_whatever_the_worker_count(prepared):
     reference = _files(store, one)
     store.rm(one.key)
     # three worker processes, each owning every third of many small partitions
-    three = data_prep.tokenize_and_shard(ds, tk, DATA.model_copy(update={"num_workers": 3}), store,
-                                         partition_bytes=48_000)
+    three = data_prep.tokenize_and_shard(
+        ds, tk, DATA.model_copy(update={"num_workers": 3}), store, partition_bytes=48_000
+    )
     assert not three.cache_hit and three.cache_key == one.cache_key
     assert _files(store, three) == reference
     manifest = json.loads(reference["manifest.json"])
@@ -57,8 +58,9 @@ def test_shards_decode_back_to_every_document_in_order(prepared):
     from tokenizers import Tokenizer
 
     store, ds, tk = prepared
-    shards = data_prep.tokenize_and_shard(ds, tk, DATA.model_copy(update={"num_workers": 2}), store,
-                                          partition_bytes=64_000)
+    shards = data_prep.tokenize_and_shard(
+        ds, tk, DATA.model_copy(update={"num_workers": 2}), store, partition_bytes=64_000
+    )
     folder = store.local_path(shards.key)
     manifest = json.loads(open(os.path.join(folder, "manifest.json")).read())
     tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
@@ -72,7 +74,7 @@ def test_shards_decode_back_to_every_document_in_order(prepared):
             assert entry["size"] == os.path.getsize(os.path.join(folder, name))
             assert (tokens[ends - 1] == tk.eot_id).all()
             starts = np.concatenate([np.zeros(1, ends.dtype), ends[:-1]])
-            decoded[split] += [tok.decode(tokens[s:e - 1].tolist()) for s, e in zip(starts.tolist(), ends.tolist())]
+            decoded[split] += [tok.decode(tokens[s : e - 1].tolist()) for s, e in zip(starts.tolist(), ends.tolist())]
     docs = list(data_prep.iter_corpus(store, ds))
     expected_val = [d for d in docs if sharding.is_val(d, DATA.val_fraction)]
     assert decoded["val"] == expected_val and decoded["train"] == [d for d in docs if d not in expected_val]
@@ -196,8 +198,9 @@ def test_shards_on_an_object_store_match_the_local_ones(prepared, s3_root):
     store = Store(root, options)
     for key in (f"{ds.key}/corpus.jsonl", f"{ds.key}/info.json", tk.key):
         store.write_bytes(key, src_store.read_bytes(key))
-    remote = data_prep.tokenize_and_shard(ds, tk, DATA.model_copy(update={"num_workers": 2}), store,
-                                          partition_bytes=100_000)
+    remote = data_prep.tokenize_and_shard(
+        ds, tk, DATA.model_copy(update={"num_workers": 2}), store, partition_bytes=100_000
+    )
     local = data_prep.tokenize_and_shard(ds, tk, DATA, src_store)
     assert remote.cache_key == local.cache_key
     manifest = store.read_json(f"{remote.key}/manifest.json")
@@ -212,8 +215,12 @@ def test_a_failing_worker_stops_the_build_with_a_transient_error(tmp_path, prepa
     store, _, tk = prepared
     store.get_file(tk.key, str(tmp_path / "tokenizer.json"))
     missing = str(tmp_path / "no-such-corpus.jsonl")  # the workers' open() fails: an OSError
-    jobs = [sharding.PartitionJob(k, missing, k * 10, k * 10 + 10, str(tmp_path / "tokenizer.json"), 0, "<u2",
-                                  0.1, str(tmp_path / f"p-{k}")) for k in range(2)]
+    jobs = [
+        sharding.PartitionJob(
+            k, missing, k * 10, k * 10 + 10, str(tmp_path / "tokenizer.json"), 0, "<u2", 0.1, str(tmp_path / f"p-{k}")
+        )
+        for k in range(2)
+    ]
     with pytest.raises(ChildProcessError, match=r"tokenizer worker 0, partition 0: FileNotFoundError") as err:
         sharding.build_shards(jobs, str(tmp_path), 1024, num_workers=2, work_dir=str(tmp_path))
     assert is_transient(err.value)

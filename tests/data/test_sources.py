@@ -102,12 +102,24 @@ def test_new_data_fields_are_checked_with_their_fix(tmp_path):
     from stoker.core.config import ConfigError, RunConfig, load_config, local_resource_problems
 
     with pytest.raises(ConfigError) as err:
-        load_config({"data": {"source": str(tmp_path), "storage_options": {"anon": True},
-                              "hf_revision": "main", "num_workers": 0, "text_field": " "}})
+        load_config(
+            {
+                "data": {
+                    "source": str(tmp_path),
+                    "storage_options": {"anon": True},
+                    "hf_revision": "main",
+                    "num_workers": 0,
+                    "text_field": " ",
+                }
+            }
+        )
     problems = "\n".join(err.value.problems)
-    for expected in ("data.storage_options: only used with a URL source",
-                     "data.hf_revision: only applies to 'hf:' sources",
-                     "data.num_workers: must be 'auto' or a whole number between 1 and 256", "data.text_field: is empty"):
+    for expected in (
+        "data.storage_options: only used with a URL source",
+        "data.hf_revision: only applies to 'hf:' sources",
+        "data.num_workers: must be 'auto' or a whole number between 1 and 256",
+        "data.text_field: is empty",
+    ):
         assert expected in problems
     # a missing local folder is this host's problem, not the model's
     [problem] = local_resource_problems(RunConfig(data=DataConfig(source="hf:/no/such/folder")))
@@ -216,7 +228,8 @@ def test_hf_dataset_through_load_dataset_on_a_local_folder(store, tmp_path, hf_o
     train = datasets.Dataset.from_dict({"content": [f"train doc {i}" for i in range(40)], "id": list(range(40))})
     train.to_parquet(str(folder / "data" / "train-00000-of-00001.parquet"))
     datasets.Dataset.from_dict({"content": ["val doc"], "id": [0]}).to_parquet(
-        str(folder / "data" / "validation-00000-of-00001.parquet"))
+        str(folder / "data" / "validation-00000-of-00001.parquet")
+    )
     cfg = DataConfig(source=f"hf:{folder}", text_field="content")
     ds = data_prep.download_dataset(cfg, store)
     assert ds.num_docs == 40 and _corpus_docs(store, ds)[:2] == ["train doc 0", "train doc 1"]

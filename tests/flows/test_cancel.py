@@ -24,9 +24,11 @@ pytestmark = pytest.mark.e2e
 # as `python -m prefect.engine`, which imports stoker/flows/pipeline.py. (`train_pipeline.serve()`
 # would instead cloudpickle the flow by value, and the nested prepare_data flow then cannot
 # resolve its string annotations: "`Prepare_DataModel` is not fully defined".)
-SERVE = ("import prefect; from stoker.flows.pipeline import train_pipeline; "
-         "prefect.serve(train_pipeline.to_deployment(name='cancel-test'), "
-         "print_starting_message=False, limit=1)")
+SERVE = (
+    "import prefect; from stoker.flows.pipeline import train_pipeline; "
+    "prefect.serve(train_pipeline.to_deployment(name='cancel-test'), "
+    "print_starting_message=False, limit=1)"
+)
 
 
 def _wait(what, check, deadline_s, proc=None, log=None):
@@ -37,8 +39,7 @@ def _wait(what, check, deadline_s, proc=None, log=None):
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            pytest.fail(f"the serving process exited ({proc.returncode}) while waiting for {what}:\n"
-                        + _tail(log))
+            pytest.fail(f"the serving process exited ({proc.returncode}) while waiting for {what}:\n" + _tail(log))
         if time.monotonic() > deadline:
             pytest.fail(f"gave up waiting for {what}:\n" + _tail(log))
         time.sleep(0.5)
@@ -52,11 +53,21 @@ def _serve(log):
     """The deployment served by a runner in a subprocess against the session's server."""
     from prefect.settings import PREFECT_API_URL
 
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
-           "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PYTHONPATH": ROOT}
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": PREFECT_API_URL.value(),
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+        "PYTHONPATH": ROOT,
+    }
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-c", SERVE], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-c", SERVE],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def _deployment(client, server, log):
@@ -72,12 +83,14 @@ def _deployment(client, server, log):
 def _still_running(client, run_id, watch, log, ready):
     """A check for _wait: records the run's processes, fails if the flow run already ended
     (before the cancel), else says whether `ready()`."""
+
     def check():
         watch.record()
         state = client.read_flow_run(run_id).state
         if state is not None and state.is_final():
             pytest.fail(f"the flow run ended before the cancel: {state!r}\n" + _tail(log))
         return ready()
+
     return check
 
 
@@ -87,9 +100,16 @@ def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_ser
     from prefect.states import Cancelling
 
     root = "file://" + str(tmp_path / "store")
-    cfg = load_config(tiny_dict(
-        root, run_name="cancel", train={"max_steps": 100_000}, checkpoint={"interval_steps": 200},
-        eval={"interval_steps": 100_000}, launch={"timeout_seconds": 600}))
+    cfg = load_config(
+        tiny_dict(
+            root,
+            run_name="cancel",
+            train={"max_steps": 100_000},
+            checkpoint={"interval_steps": 200},
+            eval={"interval_steps": 100_000},
+            launch={"timeout_seconds": 600},
+        )
+    )
     config_marker = f"{tmp_path}/store/runs/cancel/config.json"  # on every rank's command line
     store = Store(root)
     log = tmp_path / "serve.log"
@@ -98,17 +118,24 @@ def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_ser
     try:
         with get_client(sync_client=True) as client:
             dep = _deployment(client, server, log)
-            run = client.create_flow_run_from_deployment(
-                dep.id, parameters={"config": cfg.model_dump(mode="json")})
+            run = client.create_flow_run_from_deployment(dep.id, parameters={"config": cfg.model_dump(mode="json")})
 
             # wait until the gang trains and has committed a checkpoint: mid-training
             def training():
-                ranks = [p for p in watch.seen.values() if "torch.distributed.run" not in p.cmdline
-                         and "training.train" in p.cmdline and read_proc(p.pid)]
+                ranks = [
+                    p
+                    for p in watch.seen.values()
+                    if "torch.distributed.run" not in p.cmdline and "training.train" in p.cmdline and read_proc(p.pid)
+                ]
                 return len(ranks) == 2 and find_latest_valid(store, "cancel").checkpoint
 
-            _wait("training with a committed checkpoint", _still_running(client, run.id, watch, log, training),
-                  300, server, log)
+            _wait(
+                "training with a committed checkpoint",
+                _still_running(client, run.id, watch, log, training),
+                300,
+                server,
+                log,
+            )
             agents = [p for p in watch.seen.values() if "torch.distributed.run" in p.cmdline]
             assert len(agents) == 1
             flow_run_proc = read_proc(agents[0].ppid)  # the runner's flow-run process
@@ -131,8 +158,9 @@ def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_ser
         # children, anything naming the run's config
         assert len([p for p in watch.seen.values() if "training.train" in p.cmdline]) >= 3
         assert watch.gone_within() == []
-        under_runner = [p for p in descendants(server.pid).values()
-                        if p.pid == flow_run_proc.pid or config_marker in p.cmdline]
+        under_runner = [
+            p for p in descendants(server.pid).values() if p.pid == flow_run_proc.pid or config_marker in p.cmdline
+        ]
         assert under_runner == []
 
         # the ranks stopped at a step boundary; the newest checkpoint is valid, and it is the
@@ -154,8 +182,7 @@ def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_ser
                 pass
 
 
-def test_cancelling_a_flow_run_on_ray_stops_the_ray_job_and_leaves_no_worker(prefect_server, ray_cluster,
-                                                                               tmp_path):
+def test_cancelling_a_flow_run_on_ray_stops_the_ray_job_and_leaves_no_worker(prefect_server, ray_cluster, tmp_path):
     """launch.launcher: ray, through the same served deployment: the cancel reaches the Ray
     driver (SIGTERM from the launcher's stop), the workers write a stop checkpoint, and no Ray
     Train worker or controller is left on either node of the cluster."""
@@ -164,12 +191,18 @@ def test_cancelling_a_flow_run_on_ray_stops_the_ray_job_and_leaves_no_worker(pre
     from prefect.states import Cancelling
 
     root, options = ray_cluster.bucket()
-    cfg = load_config(tiny_dict(
-        root, run_name="cancel-ray", train={"max_steps": 100_000}, checkpoint={"interval_steps": 20},
-        eval={"interval_steps": 100_000, "per_checkpoint_enabled": False},
-        storage={"root": root, "storage_options": options},
-        ray={"address": ray_cluster.cluster.client_address},
-        launch={"launcher": "ray", "num_nodes": 2, "nproc_per_node": 1, "timeout_seconds": 600}))
+    cfg = load_config(
+        tiny_dict(
+            root,
+            run_name="cancel-ray",
+            train={"max_steps": 100_000},
+            checkpoint={"interval_steps": 20},
+            eval={"interval_steps": 100_000, "per_checkpoint_enabled": False},
+            storage={"root": root, "storage_options": options},
+            ray={"address": ray_cluster.cluster.client_address},
+            launch={"launcher": "ray", "num_nodes": 2, "nproc_per_node": 1, "timeout_seconds": 600},
+        )
+    )
     store = Store(root, options)
     log = tmp_path / "serve.log"
     server = _serve(log)
@@ -177,15 +210,19 @@ def test_cancelling_a_flow_run_on_ray_stops_the_ray_job_and_leaves_no_worker(pre
     try:
         with get_client(sync_client=True) as client:
             dep = _deployment(client, server, log)
-            run = client.create_flow_run_from_deployment(
-                dep.id, parameters={"config": cfg.model_dump(mode="json")})
+            run = client.create_flow_run_from_deployment(dep.id, parameters={"config": cfg.model_dump(mode="json")})
 
             def training():
                 workers = ray_cluster.cluster.worker_pids("RayTrainWorker")
                 return len(workers) == 2 and find_latest_valid(store, "cancel-ray").checkpoint
 
-            _wait("Ray workers on both nodes and a committed checkpoint",
-                  _still_running(client, run.id, watch, log, training), 300, server, log)
+            _wait(
+                "Ray workers on both nodes and a committed checkpoint",
+                _still_running(client, run.id, watch, log, training),
+                300,
+                server,
+                log,
+            )
             client.set_flow_run_state(run.id, Cancelling(message="cancel test"))
 
             def ended():

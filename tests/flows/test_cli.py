@@ -11,16 +11,20 @@ from tests.conftest import ROOT
 
 
 def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "stoker.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "stoker.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
-@pytest.mark.parametrize("args,says", [
-    (["evaluate", "s3://bucket/not-a-checkpoint"], "checkpoint_uri: "),
-    (["run", "--set", "train.lr"], "--set 'train.lr': expected KEY=VALUE"),
-    (["run", "--set", "storage.root=s3://"], "storage.root: names no bucket"),
-    (["run", "--recipe", "no-such-recipe"], "is neither a file nor a recipe"),
-])
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["evaluate", "s3://bucket/not-a-checkpoint"], "checkpoint_uri: "),
+        (["run", "--set", "train.lr"], "--set 'train.lr': expected KEY=VALUE"),
+        (["run", "--set", "storage.root=s3://"], "storage.root: names no bucket"),
+        (["run", "--recipe", "no-such-recipe"], "is neither a file nor a recipe"),
+    ],
+)
 def test_a_mistake_found_before_prefect_starts_is_one_line_and_exit_2(args, says):
     out = _cli(*args, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
@@ -32,8 +36,17 @@ def test_a_mistake_found_before_prefect_starts_is_one_line_and_exit_2(args, says
 def test_a_data_error_found_inside_the_flow_is_one_line_and_exit_2(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(json.dumps({"text": "fine"}) + "\n{broken json\n")
-    out = _cli("run", "--set", f"data.source={corpus}", "--set", f"storage.root=file://{tmp_path}/store",
-               "--set", "train.max_steps=2", "--set", "train.warmup_steps=1")
+    out = _cli(
+        "run",
+        "--set",
+        f"data.source={corpus}",
+        "--set",
+        f"storage.root=file://{tmp_path}/store",
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "train.warmup_steps=1",
+    )
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     ours = [line for line in out.stderr.splitlines() if line.startswith("stoker: ")]
     assert len(ours) == 1 and "corpus.jsonl line 2 is not JSON" in ours[0], out.stderr[-2000:]
@@ -85,13 +98,21 @@ def test_a_project_error_fails_the_flow_run_with_the_same_line_and_no_traceback(
 def test_a_missing_bucket_is_one_line_and_exit_2_with_nothing_written(s3_server, tmp_path):
     import boto3
 
-    out = _cli("run", "--set", "storage.root=s3://no-such-bucket-stoker/root", "--set",
-               "storage.storage_options=" + json.dumps({"endpoint_url": s3_server.url}),
-               "--set", "train.max_steps=2", "--set", "train.warmup_steps=1")
+    out = _cli(
+        "run",
+        "--set",
+        "storage.root=s3://no-such-bucket-stoker/root",
+        "--set",
+        "storage.storage_options=" + json.dumps({"endpoint_url": s3_server.url}),
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "train.warmup_steps=1",
+    )
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     ours = [line for line in out.stderr.splitlines() if line.startswith("stoker: ")]
     assert len(ours) == 1, out.stderr[-2000:]
-    problem = out.stderr[out.stderr.index("stoker: "):]
+    problem = out.stderr[out.stderr.index("stoker: ") :]
     assert "storage.root: s3://no-such-bucket-stoker/root cannot be written" in problem
     client = boto3.client("s3", endpoint_url=s3_server.url)
     assert "no-such-bucket-stoker" not in [b["Name"] for b in client.list_buckets()["Buckets"]]
@@ -111,12 +132,16 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_running(tmp_path):
     from tests.conftest import live_processes, wait_until_training
 
     home = tmp_path / "prefect-home"
-    env = {**os.environ, "STOKER_ROOT": str(tmp_path / "store"), "GLOO_SOCKET_IFNAME": "lo",
-           "PREFECT_HOME": str(home)}
+    env = {**os.environ, "STOKER_ROOT": str(tmp_path / "store"), "GLOO_SOCKET_IFNAME": "lo", "PREFECT_HOME": str(home)}
     env.pop("PREFECT_API_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "stoker.cli", "run", "--set", "train.max_steps=100000",
-                             "--set", "run_name=ctrlc"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stoker.cli", "run", "--set", "train.max_steps=100000", "--set", "run_name=ctrlc"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen = wait_until_training(proc.pid, tmp_path / "store" / "runs" / "ctrlc" / "metrics.jsonl")
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)  # what a terminal sends on Ctrl-C
@@ -128,8 +153,9 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_running(tmp_path):
     assert "Traceback" not in err
     time.sleep(1)
     assert [pid for pid in seen if pid in live_processes()] == []
-    attempts = [json.loads(line) for line in
-                (tmp_path / "store" / "runs" / "ctrlc" / "attempts.jsonl").read_text().splitlines()]
+    attempts = [
+        json.loads(line) for line in (tmp_path / "store" / "runs" / "ctrlc" / "attempts.jsonl").read_text().splitlines()
+    ]
     assert len(attempts) == 1 and attempts[0]["outcome"].startswith("interrupted"), attempts
     with sqlite3.connect(home / "prefect.db") as db:
         states = db.execute("select name, state_type from flow_run").fetchall()
@@ -212,5 +238,6 @@ def test_evaluate_of_a_deleted_checkpoint_is_one_line_and_exit_2(tmp_path):
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip().splitlines() == [
         f"stoker: checkpoint {store.url(key)} does not exist (deleted, e.g. by retention "
-        "(checkpoint.keep_latest_k), or never written); name one that `stoker checkpoints RUN` lists"]
+        "(checkpoint.keep_latest_k), or never written); name one that `stoker checkpoints RUN` lists"
+    ]
     assert "Starting temporary server" not in out.stdout + out.stderr

@@ -42,23 +42,35 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
 
     env = {**prefect_api, "STOKER_ROOT": str(tmp_path / "store"), "STOKER_CACHE": str(tmp_path / "cache")}
     for round_ in (1, 2):  # idempotent: the second round finds the pool and the limit
-        out = subprocess.run([sys.executable, "-m", "stoker.cli", "deploy"], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-m", "stoker.cli", "deploy"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert ("already there" in out.stdout) == (round_ == 2), out.stdout
     assert "deployment train-pipeline/train-adhoc: created or updated" in out.stdout
 
     worker_log = tmp_path / "worker.log"
     with open(worker_log, "w") as log:
-        worker = start_process([sys.executable, "-m", "prefect", "worker", "start", "--pool",
-                                "stoker-process", "--prefetch-seconds", "5"],
-                               {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"}, log)
+        worker = start_process(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "stoker-process", "--prefetch-seconds", "5"],
+            {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"},
+            log,
+        )
     try:
         with temporary_settings({PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}):
             with get_client(sync_client=True) as client:
                 deployments = {d.name: d for d in client.read_deployments()}
-                assert set(deployments) == {"train-adhoc", "continued-pretraining", "prepare-data",
-                                            "evaluate-checkpoint"}
+                assert set(deployments) == {
+                    "train-adhoc",
+                    "continued-pretraining",
+                    "prepare-data",
+                    "evaluate-checkpoint",
+                }
                 assert client.read_global_concurrency_limit_by_name("stoker-accelerators").limit == 1
                 # the UI's form: every field with its description, choices, bounds
                 schema = deployments["train-adhoc"].parameter_openapi_schema
@@ -71,12 +83,14 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
             # an ad-hoc run with changed parameters, as "Custom run" in the UI does
             run_name = "adhoc-" + uuid.uuid4().hex[:6]
             params = tiny_dict("file://" + str(tmp_path / "store"), run_name=run_name)
-            flow_run = run_deployment("train-pipeline/train-adhoc", parameters={"config": params},
-                                      timeout=0)
+            flow_run = run_deployment("train-pipeline/train-adhoc", parameters={"config": params}, timeout=0)
             with get_client(sync_client=True) as client:
-                done = wait_for("the ad-hoc run to finish", lambda: (
-                    lambda r: r if r.state.is_final() else None)(client.read_flow_run(flow_run.id)),
-                    420, [worker_log])
+                done = wait_for(
+                    "the ad-hoc run to finish",
+                    lambda: (lambda r: r if r.state.is_final() else None)(client.read_flow_run(flow_run.id)),
+                    420,
+                    [worker_log],
+                )
                 assert done.state.type == StateType.COMPLETED, done.state.message
                 assert done.name == run_name and f"run:{run_name}" in done.tags
                 artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id={"any_": [flow_run.id]}))
@@ -90,14 +104,27 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
                 nightly = deployments["continued-pretraining"]
                 client.delete_deployment_schedule(nightly.id, nightly.schedules[0].id)
                 soon = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=5)
-                client.create_deployment_schedules(nightly.id, [(IntervalSchedule(
-                    interval=datetime.timedelta(hours=1), anchor_date=soon), True)],
-                    parameters={"config": tiny_dict("file://" + str(tmp_path / "store"),
-                                                    run_name="nightly", train={"max_steps": 4})})
-                fired = wait_for("the scheduled run to finish", lambda: [
-                    r for r in client.read_flow_runs(deployment_filter=DeploymentFilter(
-                        id=DeploymentFilterId(any_=[nightly.id])))
-                    if r.state and r.state.is_final()], 420, [worker_log])
+                client.create_deployment_schedules(
+                    nightly.id,
+                    [(IntervalSchedule(interval=datetime.timedelta(hours=1), anchor_date=soon), True)],
+                    parameters={
+                        "config": tiny_dict(
+                            "file://" + str(tmp_path / "store"), run_name="nightly", train={"max_steps": 4}
+                        )
+                    },
+                )
+                fired = wait_for(
+                    "the scheduled run to finish",
+                    lambda: [
+                        r
+                        for r in client.read_flow_runs(
+                            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[nightly.id]))
+                        )
+                        if r.state and r.state.is_final()
+                    ],
+                    420,
+                    [worker_log],
+                )
                 assert fired[0].state.type == StateType.COMPLETED, fired[0].state.message
                 assert fired[0].auto_scheduled
     finally:
@@ -120,19 +147,30 @@ def test_serve_runs_the_deployments_from_one_process_without_a_worker(prefect_ap
     try:
         with temporary_settings({PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}):
             with get_client(sync_client=True) as client:
-                deployments = wait_for("the served deployments", lambda: (
-                    lambda ds: ds if len(ds) == 4 else None)(client.read_deployments()), 180, [log])
-                assert {d.name for d in deployments} == {"train-adhoc", "continued-pretraining",
-                                                         "prepare-data", "evaluate-checkpoint"}
+                deployments = wait_for(
+                    "the served deployments",
+                    lambda: (lambda ds: ds if len(ds) == 4 else None)(client.read_deployments()),
+                    180,
+                    [log],
+                )
+                assert {d.name for d in deployments} == {
+                    "train-adhoc",
+                    "continued-pretraining",
+                    "prepare-data",
+                    "evaluate-checkpoint",
+                }
                 assert all(d.work_pool_name is None for d in deployments)  # served, not pooled
                 nightly = next(d for d in deployments if d.name == "continued-pretraining")
                 assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
             params = tiny_dict("file://" + str(tmp_path / "store"), run_name="served")
             flow_run = run_deployment("train-pipeline/train-adhoc", parameters={"config": params}, timeout=0)
             with get_client(sync_client=True) as client:
-                done = wait_for("the served run to finish", lambda: (
-                    lambda r: r if r.state.is_final() else None)(client.read_flow_run(flow_run.id)),
-                    420, [log])
+                done = wait_for(
+                    "the served run to finish",
+                    lambda: (lambda r: r if r.state.is_final() else None)(client.read_flow_run(flow_run.id)),
+                    420,
+                    [log],
+                )
             assert done.state.type == StateType.COMPLETED, done.state.message
             assert done.name == "served"
     finally:

@@ -25,9 +25,15 @@ def _final_tensors(store, run):
 
 
 def _cfg(root, name, **train):
-    return load_config(tiny_dict(root, run_name=name, train={"max_steps": 8, **train},
-                                 launch={"max_attempts": 3, "max_restarts": 0},  # the relaunch path
-                                 eval={"per_checkpoint_enabled": False}))
+    return load_config(
+        tiny_dict(
+            root,
+            run_name=name,
+            train={"max_steps": 8, **train},
+            launch={"max_attempts": 3, "max_restarts": 0},  # the relaunch path
+            eval={"per_checkpoint_enabled": False},
+        )
+    )
 
 
 def test_killed_rank_is_retried_and_ends_bitwise_like_an_unbroken_run(prefect_server, tmp_path, monkeypatch):

@@ -34,12 +34,24 @@ except KeyboardInterrupt:
 
 def test_an_interrupted_flow_call_crashes_the_flow_run_records_the_attempt_and_leaves_nothing(tmp_path):
     home = tmp_path / "prefect-home"
-    env = {**os.environ, "STOKER_ROOT": str(tmp_path / "store"), "GLOO_SOCKET_IFNAME": "lo",
-           "PREFECT_HOME": str(home), "PYTHONPATH": ROOT}
+    env = {
+        **os.environ,
+        "STOKER_ROOT": str(tmp_path / "store"),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PREFECT_HOME": str(home),
+        "PYTHONPATH": ROOT,
+    }
     env.pop("PREFECT_API_URL", None)
     log = open(tmp_path / "kernel.log", "w")  # a file: the server it starts keeps its output open
-    kernel = subprocess.Popen([sys.executable, "-c", KERNEL], cwd=ROOT, env=env, stdout=log,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", KERNEL],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     seen = {}
     try:
         seen = wait_until_training(kernel.pid, tmp_path / "store" / "runs" / "kernel" / "metrics.jsonl")
@@ -52,8 +64,10 @@ def test_an_interrupted_flow_call_crashes_the_flow_run_records_the_attempt_and_l
         time.sleep(1)
         run = {pid for pid, p in seen.items() if "training." in p.cmdline or "torch.distributed" in p.cmdline}
         assert run and [pid for pid in run if pid in live_processes()] == []  # agents, ranks, evaluations
-        attempts = [json.loads(line) for line in
-                    (tmp_path / "store" / "runs" / "kernel" / "attempts.jsonl").read_text().splitlines()]
+        attempts = [
+            json.loads(line)
+            for line in (tmp_path / "store" / "runs" / "kernel" / "attempts.jsonl").read_text().splitlines()
+        ]
         assert len(attempts) == 1 and attempts[0]["outcome"] == "interrupted (KeyboardInterrupt)", attempts
         with sqlite3.connect(home / "prefect.db") as db:
             states = db.execute("select name, state_type from flow_run").fetchall()

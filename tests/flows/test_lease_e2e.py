@@ -28,8 +28,12 @@ time.sleep(1)
 
 def _hold(root: str, options: dict, run: str) -> subprocess.Popen:
     """Another launch of the run: a process holding its lease, heartbeat running."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER.format(opts=repr(options)), root, run],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER.format(opts=repr(options)), root, run],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "READY"
     return proc
 
@@ -41,16 +45,14 @@ def _stop(proc: subprocess.Popen) -> str:
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_second_launch_refuses_before_any_work_and_writes_nothing(prefect_server, tmp_path, where,
-                                                                  request):
+def test_second_launch_refuses_before_any_work_and_writes_nothing(prefect_server, tmp_path, where, request):
     from stoker.core.config import load_config
     from stoker.flows.pipeline import train_pipeline
     from stoker.storage.checkpoints import list_checkpoints
     from stoker.storage.lease import LeaseHeld
     from stoker.storage.store import Store
 
-    root, options = (f"file://{tmp_path}/store", {}) if where == "local" \
-        else request.getfixturevalue("s3_root")
+    root, options = (f"file://{tmp_path}/store", {}) if where == "local" else request.getfixturevalue("s3_root")
     cfg = load_config(tiny_dict(root, run_name="leased", storage={"root": root, "storage_options": options}))
     holder = _hold(root, options, "leased")
     try:
@@ -67,8 +69,9 @@ def test_second_launch_refuses_before_any_work_and_writes_nothing(prefect_server
 
 
 def _cli(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "stoker.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "stoker.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.e2e
@@ -81,8 +84,9 @@ def test_cli_refuses_in_one_line_and_takeover_trains(tmp_path):
         out = _cli("run", "--recipe", str(recipe))
         assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
         ours = [line for line in out.stderr.splitlines() if line.startswith("stoker: ")]
-        assert len(ours) == 1 and "already being trained" in ours[0] and f"pid {holder.pid}" in ours[0], \
-            out.stderr[-2000:]
+        assert len(ours) == 1 and "already being trained" in ours[0] and f"pid {holder.pid}" in ours[0], out.stderr[
+            -2000:
+        ]
         assert "Traceback" not in out.stderr
         out = _cli("run", "--recipe", str(recipe), "--takeover")
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -21,18 +21,24 @@ def test_a_run_writes_its_records_to_tensorboard_and_mlflow(prefect_server, tmp_
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps file stores opt-in
     root, mlruns = "file://" + str(tmp_path / "store"), "file://" + str(tmp_path / "mlruns")
-    cfg = load_config(tiny_dict(root, run_name="sinks-e2e", metrics={
-        "tensorboard_enabled": True, "mlflow_tracking_uri": mlruns, "mlflow_experiment": "e2e"}))
+    cfg = load_config(
+        tiny_dict(
+            root,
+            run_name="sinks-e2e",
+            metrics={"tensorboard_enabled": True, "mlflow_tracking_uri": mlruns, "mlflow_experiment": "e2e"},
+        )
+    )
     result = train_pipeline(cfg)
     assert result.final_step == 8
 
     store = Store(root)
     records = [json.loads(line) for line in store.read_bytes("runs/sinks-e2e/metrics.jsonl").splitlines()]
-    want = {"train/loss": [(r["step"], r["loss"]) for r in records if r["event"] == "train"],
-            "train/tokens_per_second": [(r["step"], r["tokens_per_second"]) for r in records
-                                        if r["event"] == "train"],
-            "val/loss": [(r["step"], r["val_loss"]) for r in records if r["event"] == "eval"],
-            "checkpoint/bytes": [(r["step"], r["bytes"]) for r in records if r["event"] == "checkpoint"]}
+    want = {
+        "train/loss": [(r["step"], r["loss"]) for r in records if r["event"] == "train"],
+        "train/tokens_per_second": [(r["step"], r["tokens_per_second"]) for r in records if r["event"] == "train"],
+        "val/loss": [(r["step"], r["val_loss"]) for r in records if r["event"] == "eval"],
+        "checkpoint/bytes": [(r["step"], r["bytes"]) for r in records if r["event"] == "checkpoint"],
+    }
     # checkpoints evaluated while training went on (the flow evaluates the last one after); the
     # report's table rounds their losses to 4 decimals
     evaluated = [(c["step"], c["val_loss"]) for c in result.checkpoints if c["step"] < result.final_step]
@@ -42,8 +48,9 @@ def test_a_run_writes_its_records_to_tensorboard_and_mlflow(prefect_server, tmp_
     acc = EventAccumulator(store.local_path("runs/sinks-e2e/tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
     for name, points in want.items():
-        assert [(s.step, s.value) for s in acc.Scalars(name)] == \
-            [(step, float(np.float32(v))) for step, v in points], name
+        assert [(s.step, s.value) for s in acc.Scalars(name)] == [(step, float(np.float32(v))) for step, v in points], (
+            name
+        )
     assert [(s.step, pytest.approx(s.value, abs=6e-5)) for s in acc.Scalars("checkpoint/val_loss")] == evaluated
 
     client = MlflowClient(tracking_uri=mlruns)
@@ -62,7 +69,10 @@ def test_a_tracking_uri_that_cannot_be_used_stops_the_run_before_any_work(prefec
 
     root = "file://" + str(tmp_path / "store")
     cfg = load_config(tiny_dict(root, metrics={"mlflow_tracking_uri": "nosuch://tracking/server"}))
-    with pytest.raises(ConfigError, match=r"metrics.mlflow_tracking_uri: nosuch://tracking/server "
-                                          r"cannot be used \(\w+: .*unsupported URI 'nosuch://"):
+    with pytest.raises(
+        ConfigError,
+        match=r"metrics.mlflow_tracking_uri: nosuch://tracking/server "
+        r"cannot be used \(\w+: .*unsupported URI 'nosuch://",
+    ):
         train_pipeline(cfg)
     assert not Store(root).exists("datasets") and not Store(root).exists("runs")

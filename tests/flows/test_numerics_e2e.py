@@ -19,11 +19,16 @@ def test_a_diverging_run_fails_once_naming_the_step_and_is_not_retried(prefect_s
     from stoker.flows.pipeline import train_pipeline
 
     root = "file://" + str(tmp_path / "store")
-    cfg = load_config(tiny_dict(root, run_name="diverging",
-                                train={"max_steps": 8, "lr": 1e6, "min_lr": 0, "warmup_steps": 0},
-                                checkpoint={"interval_steps": 1},
-                                launch={"max_attempts": 3, "max_restarts": 0},
-                                eval={"per_checkpoint_enabled": False}))
+    cfg = load_config(
+        tiny_dict(
+            root,
+            run_name="diverging",
+            train={"max_steps": 8, "lr": 1e6, "min_lr": 0, "warmup_steps": 0},
+            checkpoint={"interval_steps": 1},
+            launch={"max_attempts": 3, "max_restarts": 0},
+            eval={"per_checkpoint_enabled": False},
+        )
+    )
     with pytest.raises(TrainingFailed, match="NonFiniteError: non-finite loss at step 2") as err:
         train_pipeline(cfg)
     assert not err.value.transient

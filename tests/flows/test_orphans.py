@@ -20,17 +20,34 @@ from tests.conftest import ROOT, gang_members, live_processes, read_proc
 pytestmark = pytest.mark.e2e
 
 GONE_WITHIN_SECONDS = 90  # generous: the ranks stop within ~30 s even on a loaded host
-TINY = ["data.max_bytes=300000", "data.val_fraction=0.1", "tokenizer.vocab_size=384",
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
-        "train.global_batch_size=8", "train.micro_batch_size=2", "train.warmup_steps=2",
-        "train.log_interval=1", "checkpoint.interval_steps=10", "eval.per_checkpoint_enabled=false",
-        "eval.num_batches=2", "launch.max_attempts=1"]
+TINY = [
+    "data.max_bytes=300000",
+    "data.val_fraction=0.1",
+    "tokenizer.vocab_size=384",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.warmup_steps=2",
+    "train.log_interval=1",
+    "checkpoint.interval_steps=10",
+    "eval.per_checkpoint_enabled=false",
+    "eval.num_batches=2",
+    "launch.max_attempts=1",
+]
 
 
 def _env(tmp_path) -> dict:
-    env = {**os.environ, "STOKER_ROOT": str(tmp_path / "store"), "GLOO_SOCKET_IFNAME": "lo",
-           "PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": ROOT,
-           "TMPDIR": str(tmp_path / "tmp")}
+    env = {
+        **os.environ,
+        "STOKER_ROOT": str(tmp_path / "store"),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PYTHONPATH": ROOT,
+        "TMPDIR": str(tmp_path / "tmp"),
+    }
     env.pop("PREFECT_API_URL", None)
     os.makedirs(env["TMPDIR"], exist_ok=True)
     return env
@@ -91,14 +108,19 @@ def test_sigkilled_cli_and_flow_process_leave_no_rank_agent_or_server_and_a_reru
     env, log = _env(tmp_path), tmp_path / "cli.log"
     store = Store("file://" + str(tmp_path / "store"))
     with open(log, "w") as out:
-        cli = subprocess.Popen(_cli("orphans", 100_000), cwd=ROOT, env=env, stdout=out,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+        cli = subprocess.Popen(
+            _cli("orphans", 100_000), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     seen: dict = {}
     try:
+
         def training_with_a_checkpoint():
             seen.update(_tree(cli.pid))
-            ranks = [p for p in seen.values() if "training.train" in p.cmdline
-                     and "torch.distributed.run" not in p.cmdline and read_proc(p.pid)]
+            ranks = [
+                p
+                for p in seen.values()
+                if "training.train" in p.cmdline and "torch.distributed.run" not in p.cmdline and read_proc(p.pid)
+            ]
             return len(ranks) == 2 and find_latest_valid(store, "orphans").checkpoint
 
         _wait("training with a committed checkpoint", training_with_a_checkpoint, 400, log)
@@ -117,14 +139,14 @@ def test_sigkilled_cli_and_flow_process_leave_no_rank_agent_or_server_and_a_reru
         _wait("the gang to end", lambda: not gang_members(gang), GONE_WITHIN_SECONDS, log)
         print(f"gang gone {time.monotonic() - t0:.1f} s after the SIGKILL")
         _wait("the embedded server to end", lambda: read_proc(servers[0].pid) is None, 30, log)
-        assert [p for p in seen.values() if read_proc(p.pid) is not None
-                and read_proc(p.pid).start == p.start] == []
+        assert [p for p in seen.values() if read_proc(p.pid) is not None and read_proc(p.pid).start == p.start] == []
 
         # a rerun resumes from the newest valid checkpoint, and finishes two steps later
         newest = find_latest_valid(store, "orphans").checkpoint
         assert newest is not None and newest.step > 0
-        rerun = subprocess.run(_cli("orphans", newest.step + 2), cwd=ROOT, env=env,
-                               capture_output=True, text=True, timeout=400)
+        rerun = subprocess.run(
+            _cli("orphans", newest.step + 2), cwd=ROOT, env=env, capture_output=True, text=True, timeout=400
+        )
         assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
         assert f"run orphans: step {newest.step} -> {newest.step + 2}" in rerun.stdout, rerun.stdout[-3000:]
         # the killed launch's folder went with the rerun (its launcher's token is dead)
@@ -151,14 +173,23 @@ def test_sigtermed_script_leaves_no_server_no_gang_and_no_launch_folder(tmp_path
     env, log = _env(tmp_path), tmp_path / "script.log"
     sets = [*TINY, "run_name=script", "train.max_steps=100000"]
     with open(log, "w") as out:
-        script = subprocess.Popen([sys.executable, "-c", SCRIPT, *sets], cwd=ROOT, env=env,
-                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        script = subprocess.Popen(
+            [sys.executable, "-c", SCRIPT, *sets],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     seen: dict = {}
     try:
+
         def training():
             seen.update(_tree(script.pid))
-            return (any("training.train" in p.cmdline for p in seen.values())
-                    and (tmp_path / "store" / "runs" / "script" / "metrics.jsonl").exists())
+            return (
+                any("training.train" in p.cmdline for p in seen.values())
+                and (tmp_path / "store" / "runs" / "script" / "metrics.jsonl").exists()
+            )
 
         _wait("training", training, 400, log)
         servers = [p for p in seen.values() if "uvicorn" in p.cmdline]
@@ -166,12 +197,17 @@ def test_sigtermed_script_leaves_no_server_no_gang_and_no_launch_folder(tmp_path
         script.send_signal(signal.SIGTERM)
         script.wait(timeout=120)
         _wait("the embedded server to end", lambda: read_proc(servers[0].pid) is None, 15, log)
-        _wait("every process of the run to end",
-              lambda: all(read_proc(p.pid) is None or read_proc(p.pid).start != p.start
-                          for p in seen.values()), 30, log)
+        _wait(
+            "every process of the run to end",
+            lambda: all(read_proc(p.pid) is None or read_proc(p.pid).start != p.start for p in seen.values()),
+            30,
+            log,
+        )
         assert list((tmp_path / "tmp").glob("stoker-launch-*")) == []
-        records = [json.loads(line) for line in
-                   (tmp_path / "store" / "runs" / "script" / "metrics.jsonl").read_text().splitlines()]
+        records = [
+            json.loads(line)
+            for line in (tmp_path / "store" / "runs" / "script" / "metrics.jsonl").read_text().splitlines()
+        ]
         assert [r for r in records if r["event"] == "stopped"], records[-5:]  # the cancel's stop path
     finally:
         try:

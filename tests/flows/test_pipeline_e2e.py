@@ -56,7 +56,7 @@ def test_pipeline_trains_resumes_and_hits_the_data_cache(prefect_server, tmp_pat
     records = [json.loads(line) for line in store.read_bytes("runs/e2e/metrics.jsonl").splitlines()]
     resumed_at = [i for i, r in enumerate(records) if r["event"] == "resumed"]
     assert len(resumed_at) == 1 and records[resumed_at[0]]["step"] == 8
-    assert [r["step"] for r in records[resumed_at[0]:] if r["event"] == "train"] == [9, 10, 11, 12]
+    assert [r["step"] for r in records[resumed_at[0] :] if r["event"] == "train"] == [9, 10, 11, 12]
     # flow runs are named after the stoker run (and which flow run of it) and tagged
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags

@@ -25,9 +25,14 @@ class PrefectServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
         self.log = os.path.join(home, "server.log")
-        self.env = {**os.environ, "PREFECT_HOME": os.path.join(home, "prefect-home"),
-                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
-                    "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2", "PREFECT_API_URL": self.url}
+        self.env = {
+            **os.environ,
+            "PREFECT_HOME": os.path.join(home, "prefect-home"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "1",
+            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+            "PREFECT_API_URL": self.url,
+        }
         self.proc = None
 
     def healthy(self) -> bool:
@@ -38,8 +43,11 @@ class PrefectServer:
 
     def start(self) -> None:
         with open(self.log, "a") as out:
-            self.proc = start_process([sys.executable, "-m", "prefect", "server", "start", "--host",
-                                       "127.0.0.1", "--port", str(self.port)], self.env, out)
+            self.proc = start_process(
+                [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                self.env,
+                out,
+            )
         wait_for("the Prefect server", self.healthy, 180, [self.log])
 
     def stop(self) -> None:
@@ -87,10 +95,14 @@ def train_steps_logged(store, run_name) -> int:
 def slow_run_config(tmp_path, run_name, max_steps):
     """A tiny run made long by sleeping before each step (training.faults 'slow')."""
     store = str(tmp_path / "store")
-    cfg = tiny_dict("file://" + store, run_name=run_name,
-                    train={"max_steps": max_steps, "log_interval": 2},
-                    checkpoint={"interval_steps": 20}, eval={"interval_steps": 1000, "per_checkpoint_enabled": False},
-                    launch={"hang_timeout_seconds": 60, "timeout_seconds": 900})
+    cfg = tiny_dict(
+        "file://" + store,
+        run_name=run_name,
+        train={"max_steps": max_steps, "log_interval": 2},
+        checkpoint={"interval_steps": 20},
+        eval={"interval_steps": 1000, "per_checkpoint_enabled": False},
+        launch={"hang_timeout_seconds": 60, "timeout_seconds": 900},
+    )
     path = tmp_path / f"{run_name}.json"
     path.write_text(json.dumps(cfg))
     return store, str(path)
@@ -106,8 +118,13 @@ def test_training_outlives_a_prefect_server_outage_and_the_ui_catches_up(server,
     run_name = "outage-" + uuid.uuid4().hex[:6]
     store, cfg = slow_run_config(tmp_path, run_name, max_steps=160)
     log = tmp_path / "run.log"
-    env = {**server.env, "PREFECT_CLIENT_MAX_RETRIES": "2", "STOKER_FAULT": "slow:seconds=0.25",
-           "STOKER_ROOT": store, "STOKER_CACHE": str(tmp_path / "cache")}
+    env = {
+        **server.env,
+        "PREFECT_CLIENT_MAX_RETRIES": "2",
+        "STOKER_FAULT": "slow:seconds=0.25",
+        "STOKER_ROOT": store,
+        "STOKER_CACHE": str(tmp_path / "cache"),
+    }
     with open(log, "w") as out:
         run = start_process([sys.executable, "-m", "stoker.cli", "run", "--recipe", cfg], env, out)
     try:
@@ -159,26 +176,30 @@ def test_an_unreachable_prefect_api_url_is_one_line_before_any_compute(monkeypat
 @pytest.mark.e2e
 def test_serve_after_deploy_on_the_same_server_runs_a_flow_run_to_completed(server, tmp_path):
     env = {**server.env, "STOKER_ROOT": str(tmp_path / "store"), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
-    out = subprocess.run([sys.executable, "-m", "stoker.cli", "deploy"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "deploy"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     log = tmp_path / "serve.log"
     with open(log, "w") as f:
         served = start_process([sys.executable, "-m", "stoker.cli", "serve"], env, f)
     try:
+
         def served_deployment():
             d = api(server.url, "GET", "/deployments/name/train-pipeline/train-adhoc")
             return d if d["work_pool_name"] is None else None
+
         deployment = wait_for("the served deployments", served_deployment, 180, [log])
-        params = tiny_dict("file://" + str(tmp_path / "store"), run_name="served-after-deploy",
-                           train={"max_steps": 4})
-        flow_run = api(server.url, "POST", f"/deployments/{deployment['id']}/create_flow_run",
-                       {"parameters": {"config": params}})
+        params = tiny_dict("file://" + str(tmp_path / "store"), run_name="served-after-deploy", train={"max_steps": 4})
+        flow_run = api(
+            server.url, "POST", f"/deployments/{deployment['id']}/create_flow_run", {"parameters": {"config": params}}
+        )
         final = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
         def finished():
             run = api(server.url, "GET", f"/flow_runs/{flow_run['id']}")
             return run if state_of(run)[0] in final else None
+
         done = wait_for("the served run to finish", finished, 420, [log])
         assert state_of(done)[0] == "COMPLETED", state_of(done)[1] + log.read_text()[-3000:]
         assert "served from this process now" in log.read_text()
@@ -207,15 +228,22 @@ def test_the_flow_run_of_a_killed_python_process_ends_crashed(server, tmp_path):
     run_name = "kernel-" + uuid.uuid4().hex[:6]
     store, cfg = slow_run_config(tmp_path, run_name, max_steps=400)
     log = tmp_path / "kernel.log"
-    env = {**server.env, "STOKER_FAULT": "slow:seconds=0.25", "STOKER_ROOT": store,
-           "STOKER_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
+    env = {
+        **server.env,
+        "STOKER_FAULT": "slow:seconds=0.25",
+        "STOKER_ROOT": store,
+        "STOKER_CACHE": str(tmp_path / "cache"),
+        "PYTHONPATH": ROOT,
+    }
     with open(log, "w") as out:
         kernel = start_process([sys.executable, "-c", NOTEBOOK, cfg], env, out)
     seen = {}
     try:
+
         def training():
             seen.update(descendants(kernel.pid))
             return train_steps_logged(store, run_name) >= 2
+
         wait_for("training to start", training, 300, [log])
         seen.update(descendants(kernel.pid))
         os.kill(kernel.pid, signal.SIGKILL)  # the kernel dies: nothing of it reports anything
@@ -231,9 +259,14 @@ def test_the_flow_run_of_a_killed_python_process_ends_crashed(server, tmp_path):
     assert state_of(killed)[0] == "RUNNING"  # what Prefect alone leaves
     # the next stoker flow on this host, here one that fails at once, finds it (in a process of
     # its own, like the next notebook: this one's Prefect workers stay off the module's server)
-    nxt = subprocess.run([sys.executable, "-c", NEXT_FLOW, f"file://{tmp_path}/none/runs/x/checkpoints/step-00000001"],
-                         cwd=ROOT, env={**server.env, "PYTHONPATH": ROOT}, capture_output=True, text=True,
-                         timeout=300)
+    nxt = subprocess.run(
+        [sys.executable, "-c", NEXT_FLOW, f"file://{tmp_path}/none/runs/x/checkpoints/step-00000001"],
+        cwd=ROOT,
+        env={**server.env, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert nxt.returncode == 0 and "failed: True" in nxt.stdout, nxt.stdout[-3000:] + nxt.stderr[-3000:]
     after = api(server.url, "GET", f"/flow_runs/{killed['id']}")
     assert state_of(after)[0] == "CRASHED", state_of(after)

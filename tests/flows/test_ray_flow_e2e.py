@@ -22,16 +22,14 @@ def _flow_run_logs(run_name: str) -> list[str]:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags, LogFilter, LogFilterFlowRunId
 
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            tags=FlowRunFilterTags(all_=[f"run:{run_name}"])))
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"run:{run_name}"])))
         assert len(runs) == 1
         assert "launcher:ray" in runs[0].tags
         logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[runs[0].id])))
     return [log.message for log in logs]
 
 
-def test_the_pipeline_on_ray_prepares_trains_and_evaluates_with_a_credentials_blocks_keys(
-        prefect_server, ray_cluster):
+def test_the_pipeline_on_ray_prepares_trains_and_evaluates_with_a_credentials_blocks_keys(prefect_server, ray_cluster):
     import s3fs
     from prefect.blocks.system import Secret
 
@@ -44,11 +42,16 @@ def test_the_pipeline_on_ray_prepares_trains_and_evaluates_with_a_credentials_bl
         s3fs.S3FileSystem(**options).ls(bucket)
     block = "stoker-ray-s3-" + uuid.uuid4().hex[:8]
     Secret(value={"aws_access_key_id": key_id, "aws_secret_access_key": secret}).save(block)
-    cfg = load_config(tiny_dict(
-        root, run_name="ray-flow", storage={"root": root, "storage_options": options,
-                                            "credentials_block": block},
-        data={"engine": "ray"}, ray={"address": ray_cluster.cluster.client_address},
-        launch={"launcher": "ray", "num_nodes": 2, "nproc_per_node": 1}))
+    cfg = load_config(
+        tiny_dict(
+            root,
+            run_name="ray-flow",
+            storage={"root": root, "storage_options": options, "credentials_block": block},
+            data={"engine": "ray"},
+            ray={"address": ray_cluster.cluster.client_address},
+            launch={"launcher": "ray", "num_nodes": 2, "nproc_per_node": 1},
+        )
+    )
     try:
         result = train_pipeline(cfg)
     finally:

@@ -40,10 +40,16 @@ def _run_and_scan(s3_root, key_id: str, secret: str, **storage) -> None:
     from stoker.flows.pipeline import train_pipeline
 
     root, options = s3_root
-    cfg = load_config(tiny_dict(root, run_name="secrets", train={"max_steps": 4},
-                                checkpoint={"interval_steps": 2}, eval={"interval_steps": 2}))
-    cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(
-        update={"storage_options": options, **storage})})
+    cfg = load_config(
+        tiny_dict(
+            root,
+            run_name="secrets",
+            train={"max_steps": 4},
+            checkpoint={"interval_steps": 2},
+            eval={"interval_steps": 2},
+        )
+    )
+    cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"storage_options": options, **storage})})
     result = train_pipeline(cfg)
     assert result.final_step == 4 and result.checkpoints and result.last_val_loss is not None
 
@@ -83,7 +89,8 @@ def _no_credentials_in_the_environment(monkeypatch):
 
 
 def test_credentials_from_a_prefect_secret_block_reach_every_process_and_are_written_nowhere(
-        prefect_server, s3_root, monkeypatch):
+    prefect_server, s3_root, monkeypatch
+):
     """No credentials in the environment: the flow loads the Secret block named in the config,
     its tasks open the store with them and the ranks and evaluations get them as AWS_*
     variables (each of them writes to the bucket, so each had them)."""
@@ -111,9 +118,14 @@ def test_a_missing_or_wrong_credentials_block_is_one_config_error(prefect_server
     from stoker.flows.pipeline import train_pipeline
 
     cfg = load_config(tiny_dict(f"file://{tmp_path}/store"))
-    missing = cfg.model_copy(update={"storage": cfg.storage.model_copy(
-        update={"credentials_block": "no-such-block-" + uuid.uuid4().hex[:6]})})
-    with pytest.raises(ConfigError, match=r"storage.credentials_block: no Prefect block 'secret/no-such-block-.*create it"):
+    missing = cfg.model_copy(
+        update={
+            "storage": cfg.storage.model_copy(update={"credentials_block": "no-such-block-" + uuid.uuid4().hex[:6]})
+        }
+    )
+    with pytest.raises(
+        ConfigError, match=r"storage.credentials_block: no Prefect block 'secret/no-such-block-.*create it"
+    ):
         train_pipeline(missing)
     secret = "stoker-fake-" + uuid.uuid4().hex
     name = "not-aws-" + uuid.uuid4().hex[:6]
@@ -128,9 +140,19 @@ def test_a_missing_or_wrong_credentials_block_is_one_config_error(prefect_server
 def test_a_config_holding_credentials_is_refused_without_repeating_them():
     secret = "stoker-fake-" + uuid.uuid4().hex
     with pytest.raises(ConfigError) as err:
-        load_config(tiny_dict("s3://bucket/root", storage={"root": "s3://bucket/root", "storage_options": {
-            "endpoint_url": "http://127.0.0.1:9", "client_kwargs": {"aws_secret_access_key": secret}}},
-            data={"source": "s3://bucket/corpus.jsonl", "storage_options": {"token": secret}}))
+        load_config(
+            tiny_dict(
+                "s3://bucket/root",
+                storage={
+                    "root": "s3://bucket/root",
+                    "storage_options": {
+                        "endpoint_url": "http://127.0.0.1:9",
+                        "client_kwargs": {"aws_secret_access_key": secret},
+                    },
+                },
+                data={"source": "s3://bucket/corpus.jsonl", "storage_options": {"token": secret}},
+            )
+        )
     text = str(err.value)
     assert secret not in text
     assert "storage.storage_options: holds credentials (client_kwargs.aws_secret_access_key)" in text
@@ -149,8 +171,7 @@ def test_an_aws_credentials_block_gives_the_store_and_the_ranks_its_keys_and_sho
 
     key_id, secret = _fake_credentials()
     name = "stoker-aws-" + uuid.uuid4().hex[:6]
-    AwsCredentials(aws_access_key_id=key_id, aws_secret_access_key=secret,
-                   aws_session_token="tok-" + secret).save(name)
+    AwsCredentials(aws_access_key_id=key_id, aws_secret_access_key=secret, aws_session_token="tok-" + secret).save(name)
     creds = load_block_credentials(f"aws-credentials/{name}")
     assert creds.fsspec_options() == {"key": key_id, "secret": secret, "token": "tok-" + secret}
     assert secret not in repr(creds) and key_id not in str(creds)
@@ -159,8 +180,12 @@ def test_an_aws_credentials_block_gives_the_store_and_the_ranks_its_keys_and_sho
     credentials.use(creds)
     try:
         env = credentials.child_env({"AWS_PROFILE": "other", "PATH": "/bin"})
-        assert env == {"PATH": "/bin", "AWS_ACCESS_KEY_ID": key_id, "AWS_SECRET_ACCESS_KEY": secret,
-                       "AWS_SESSION_TOKEN": "tok-" + secret}
+        assert env == {
+            "PATH": "/bin",
+            "AWS_ACCESS_KEY_ID": key_id,
+            "AWS_SECRET_ACCESS_KEY": secret,
+            "AWS_SESSION_TOKEN": "tok-" + secret,
+        }
         assert credentials.options_for("s3://b/x", {"endpoint_url": "http://127.0.0.1:9"})["secret"] == secret
         assert "secret" not in credentials.options_for("file:///tmp/x", {})  # only S3 URLs get them
     finally:

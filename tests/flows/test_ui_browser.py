@@ -21,12 +21,18 @@ from tests.conftest import ROOT, start_process, stop_process
 CHROMIUM = os.environ.get("STOKER_TEST_CHROMIUM", "/usr/bin/chromium")
 if not os.path.exists(CHROMIUM):
     pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api", reason="Python playwright is not installed "
-                               "(the [test] extra)")
+sync_api = pytest.importorskip("playwright.sync_api", reason="Python playwright is not installed (the [test] extra)")
 
 # headless on a small CI machine; nothing reaches out of 127.0.0.1
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 MAX_STEPS = 40  # the one field the form changes (the recipe says 500); warmup_steps is 20
 FINAL_STATES = ("Completed", "Failed", "Crashed", "Cancelled")
 
@@ -57,7 +63,8 @@ def _form_input(page, label: str):
     return page.locator(
         f"xpath=//span[contains(@class,'schema-form-property__label')][normalize-space()='{label}']"
         "/ancestor::div[contains(concat(' ', normalize-space(@class), ' '), ' schema-form-property ')][1]"
-        "//input")
+        "//input"
+    )
 
 
 def _png_size(data: bytes) -> tuple[int, int]:
@@ -66,8 +73,7 @@ def _png_size(data: bytes) -> tuple[int, int]:
 
 
 @pytest.mark.e2e
-def test_custom_run_from_the_ui_form_completes_and_its_page_shows_report_and_loss_curve(
-        prefect_api, tmp_path):
+def test_custom_run_from_the_ui_form_completes_and_its_page_shows_report_and_loss_curve(prefect_api, tmp_path):
     store = tmp_path / "store"
     env = {**prefect_api, "STOKER_ROOT": str(store), "STOKER_CACHE": str(tmp_path / "cache")}
     base = prefect_api["PREFECT_API_URL"].removesuffix("/api")
@@ -77,14 +83,17 @@ def test_custom_run_from_the_ui_form_completes_and_its_page_shows_report_and_los
     expected = load_config("tiny-cpu", train__max_steps=MAX_STEPS)
     run = expected.resolved_run_name()
 
-    out = subprocess.run([sys.executable, "-m", "stoker.cli", "deploy"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "deploy"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     worker_log = tmp_path / "worker.log"
     with open(worker_log, "w") as log:
-        worker = start_process([sys.executable, "-m", "prefect", "worker", "start", "--pool",
-                                "stoker-process", "--prefetch-seconds", "5"],
-                               {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"}, log)
+        worker = start_process(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "stoker-process", "--prefetch-seconds", "5"],
+            {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"},
+            log,
+        )
     taken: list[str] = []
 
     def shot(page, name, **kw):
@@ -120,8 +129,9 @@ def test_custom_run_from_the_ui_form_completes_and_its_page_shows_report_and_los
                 # server's "try again" (its SQLite was busy: seen once under load, the cause in
                 # server.log); the form stays, and a user presses Submit again, as the test does
                 for attempt in range(3):
-                    with page.expect_response(lambda r: r.url.endswith("/create_flow_run")
-                                              and r.request.method == "POST") as created:
+                    with page.expect_response(
+                        lambda r: r.url.endswith("/create_flow_run") and r.request.method == "POST"
+                    ) as created:
                         page.get_by_role("button", name="Submit").click()
                     if created.value.status != 503:
                         break
@@ -150,7 +160,10 @@ def test_custom_run_from_the_ui_form_completes_and_its_page_shows_report_and_los
                     "states => { const b = document.querySelector("
                     "'header.page-heading-flow-run .state-badge');"
                     " return b && states.includes(b.innerText.trim()); }",
-                    arg=list(FINAL_STATES), timeout=360_000, polling=1000)
+                    arg=list(FINAL_STATES),
+                    timeout=360_000,
+                    polling=1000,
+                )
                 state = badge.inner_text().strip()
                 shot(page, "run-finished")
                 assert state == "Completed", (state, open(worker_log).read()[-4000:])
@@ -170,16 +183,14 @@ def test_custom_run_from_the_ui_form_completes_and_its_page_shows_report_and_los
                 # the report, rendered: its text and the loss curve as a decoded image
                 titles.filter(has_text=report_key).click()
                 page.wait_for_url(re.compile("/artifacts/artifact/"))
-                report = page.locator("article.markdown-renderer").filter(
-                    has=page.get_by_role("heading", name="Loss"))
+                report = page.locator("article.markdown-renderer").filter(has=page.get_by_role("heading", name="Loss"))
                 sync_api.expect(report.get_by_role("heading", name=run, exact=True)).to_be_visible()
                 sync_api.expect(report.get_by_text(f"steps 0 -> {MAX_STEPS}", exact=True)).to_be_visible()
                 sync_api.expect(report.get_by_text("the final checkpoint's evaluation")).to_be_visible()
                 sync_api.expect(report.locator("table")).to_contain_text("validation loss during training")
                 curve = report.locator(f"img[alt='loss curve of {run}']")
                 curve.wait_for()
-                page.wait_for_function("img => img.complete && img.naturalWidth > 0",
-                                       arg=curve.element_handle())
+                page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=curve.element_handle())
                 src, width, height = curve.evaluate("img => [img.src, img.naturalWidth, img.naturalHeight]")
                 png = (store / "runs" / run / "loss-curve.png").read_bytes()
                 assert src == "data:image/png;base64," + base64.b64encode(png).decode()

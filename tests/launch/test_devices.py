@@ -14,8 +14,10 @@ def driver(tmp_path):
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("visible,expected", [
-    (None, 4), ("0,1", 2), ("", 0), ("-1", 0), ("0,1,-1,3", 2), ("GPU-8f3e,GPU-11aa", 2), ("0,1,2,3,4,5", 4)])
+@pytest.mark.parametrize(
+    "visible,expected",
+    [(None, 4), ("0,1", 2), ("", 0), ("-1", 0), ("0,1,-1,3", 2), ("GPU-8f3e,GPU-11aa", 2), ("0,1,2,3,4,5", 4)],
+)
 def test_visible_gpus_are_the_drivers_narrowed_by_cuda_visible_devices(driver, visible, expected):
     env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
     assert visible_gpu_count(env, proc=driver) == expected
@@ -35,18 +37,28 @@ def test_device_rules_name_the_field_and_the_fix():
     assert device_problems(gpu8, gpus=8) == []
     cpu = load_config("tiny-cpu")  # gloo or auto on CPUs: nothing needed
     assert device_problems(cpu, gpus=0) == []
-    two_nodes = load_config("tiny-cpu", **{"launch.num_nodes": 2, "launch.nproc_per_node": 2,
-                                           "launch.backend": "auto", "train.global_batch_size": 16})
+    two_nodes = load_config(
+        "tiny-cpu",
+        **{"launch.num_nodes": 2, "launch.nproc_per_node": 2, "launch.backend": "auto", "train.global_batch_size": 16},
+    )
     [shared] = device_problems(two_nodes, gpus=2)  # simulated nodes share this host's GPUs
     assert "4 rank(s) on this host" in shared and "at most 1" in shared
 
 
 def test_nodes_on_other_machines_bring_their_own_gpus():
     """launch.nodes: only the nodes without a prefix run on this host, whose GPUs are checked."""
+
     def two_nodes(first: dict):
-        return load_config("gpt2-124m", **{
-            "launch.num_nodes": 2, "train.global_batch_size": 384, "launch.rdzv_host": "10.0.0.10",
-            "launch.rdzv_port": 29500, "launch.nodes": [first, {"prefix": ["ssh", "host1"], "address": "10.0.0.11"}]})
+        return load_config(
+            "gpt2-124m",
+            **{
+                "launch.num_nodes": 2,
+                "train.global_batch_size": 384,
+                "launch.rdzv_host": "10.0.0.10",
+                "launch.rdzv_port": 29500,
+                "launch.nodes": [first, {"prefix": ["ssh", "host1"], "address": "10.0.0.11"}],
+            },
+        )
 
     assert device_problems(two_nodes({"prefix": ["ssh", "host0"], "address": "10.0.0.10"}), gpus=0) == []
     [few] = device_problems(two_nodes({"address": "10.0.0.10"}), gpus=4)  # node 0 runs here
@@ -62,8 +74,7 @@ def test_engine_settings_that_cpu_ranks_cannot_honour_are_found_before_the_launc
     from stoker.core.failures import ConfigError
     from stoker.training.engine import Engine
 
-    fused = load_config("tiny-cpu", **{"engine.fused_optimizer": "on",
-                                       "engine.compile_tuning": "coordinate-descent"})
+    fused = load_config("tiny-cpu", **{"engine.fused_optimizer": "on", "engine.compile_tuning": "coordinate-descent"})
     problems = device_problems(fused, gpus=0)
     assert [p.split(":")[0] for p in problems] == ["engine.fused_optimizer", "engine.compile_tuning"]
     assert "use 'auto' or 'off'" in problems[0] and "set engine.compile to 'on'" in problems[1]
@@ -77,8 +88,7 @@ def test_engine_settings_that_cpu_ranks_cannot_honour_are_found_before_the_launc
     auto_on_gpus = load_config("tiny-cpu", **{"engine.fused_optimizer": "on", "launch.backend": "auto"})
     assert device_problems(auto_on_gpus, gpus=8) == []
     nccl = load_config("gpt2-124m", **{"engine.fused_optimizer": "on"})  # both, in one report
-    assert [p.split(":")[0] for p in device_problems(nccl, gpus=0)] == ["launch.backend",
-                                                                       "engine.fused_optimizer"]
+    assert [p.split(":")[0] for p in device_problems(nccl, gpus=0)] == ["launch.backend", "engine.fused_optimizer"]
 
 
 def test_fsdp_with_a_torch_older_than_fsdp2_is_found_before_the_launch_and_by_the_ranks(monkeypatch):
@@ -95,9 +105,11 @@ def test_fsdp_with_a_torch_older_than_fsdp2_is_found_before_the_launch_and_by_th
 
     fsdp = load_config("tiny-cpu", **{"engine.parallelism": "fsdp"})
     problems = device_problems(fsdp, gpus=0, torch_version="2.6.0+cu124")
-    assert problems == ["engine.parallelism: 'fsdp' needs torch 2.7 or newer (FSDP2's fully_shard and "
-                        "its sharded init) and the ranks have torch 2.6.0+cu124; upgrade torch, or "
-                        "use 'ddp'."]
+    assert problems == [
+        "engine.parallelism: 'fsdp' needs torch 2.7 or newer (FSDP2's fully_shard and "
+        "its sharded init) and the ranks have torch 2.6.0+cu124; upgrade torch, or "
+        "use 'ddp'."
+    ]
     assert device_problems(fsdp, gpus=0, torch_version="2.7.0") == []
     assert device_problems(fsdp, gpus=0, torch_version="2.10.1") == []  # 10 > 7, not "1" < "7"
     assert device_problems(load_config("tiny-cpu"), gpus=0, torch_version="2.4.0") == []  # ddp

@@ -30,34 +30,56 @@ launcher.run(lambda line: print(line, flush=True), lambda event: None)
 
 def _environ(pid: int) -> dict:
     with open(f"/proc/{pid}/environ", "rb") as f:
-        return dict(item.decode(errors="replace").split("=", 1)
-                    for item in f.read().split(b"\0") if b"=" in item)
+        return dict(item.decode(errors="replace").split("=", 1) for item in f.read().split(b"\0") if b"=" in item)
 
 
 @pytest.mark.e2e
 def test_ranks_stop_as_on_a_cancel_when_their_launcher_and_agent_are_sigkilled(tmp_path):
     root = "file://" + str(tmp_path / "store")
-    cfg = load_config(tiny_dict(root, run_name="lifeline", train={"max_steps": 100_000},
-                                checkpoint={"interval_steps": 10},
-                                eval={"per_checkpoint_enabled": False, "interval_steps": 100_000}))
+    cfg = load_config(
+        tiny_dict(
+            root,
+            run_name="lifeline",
+            train={"max_steps": 100_000},
+            checkpoint={"interval_steps": 10},
+            eval={"per_checkpoint_enabled": False, "interval_steps": 100_000},
+        )
+    )
     store, shards = prepare_shards(cfg)
     store.write_bytes("runs/lifeline/config.json", cfg.to_json().encode())
     (tmp_path / "config.json").write_text(cfg.to_json())
     log = open(tmp_path / "launcher.log", "w")
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "config.json"),
-                                 store.url("runs/lifeline/config.json"), shards.key], cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": "lo"},
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            LAUNCHER,
+            str(tmp_path / "config.json"),
+            store.url("runs/lifeline/config.json"),
+            shards.key,
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": "lo"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 300
         while not (find_latest_valid(store, "lifeline").checkpoint and len(ranks) == 2):
-            assert time.monotonic() < deadline and launcher.poll() is None, \
-                (tmp_path / "launcher.log").read_text()[-3000:]
-            ranks = [p.pid for p in live_processes().values()
-                     if "training.train" in p.cmdline and "torch.distributed.run" not in p.cmdline
-                     and p.cmdline.endswith(shards.key) and read_proc(p.ppid)
-                     and "torch.distributed.run" in read_proc(p.ppid).cmdline]
+            assert time.monotonic() < deadline and launcher.poll() is None, (tmp_path / "launcher.log").read_text()[
+                -3000:
+            ]
+            ranks = [
+                p.pid
+                for p in live_processes().values()
+                if "training.train" in p.cmdline
+                and "torch.distributed.run" not in p.cmdline
+                and p.cmdline.endswith(shards.key)
+                and read_proc(p.ppid)
+                and "torch.distributed.run" in read_proc(p.ppid).cmdline
+            ]
             time.sleep(0.5)
         agent = read_proc(ranks[0]).ppid
         gang_id = _environ(ranks[0])["STOKER_GANG_ID"]
@@ -101,16 +123,19 @@ def test_a_new_launch_removes_the_folders_of_launchers_that_died_without_removin
     monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR
     dead = subprocess.Popen(["true"])
     dead.wait()
-    for name, owner in (("stoker-launch-dead", lifeline.token(dead.pid)),
-                        ("stoker-launch-live", lifeline.token()),
-                        ("stoker-launch-elsewhere", "another-boot/pid:[1]/1/5")):
+    for name, owner in (
+        ("stoker-launch-dead", lifeline.token(dead.pid)),
+        ("stoker-launch-live", lifeline.token()),
+        ("stoker-launch-elsewhere", "another-boot/pid:[1]/1/5"),
+    ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "launcher").write_text(owner.replace("/None", "/1"))
     (tmp_path / "stoker-launch-untokened").mkdir()
     made = make_work_dir("stoker-launch-")
     left = sorted(p.name for p in tmp_path.glob("stoker-launch-*"))
-    assert left == sorted(["stoker-launch-live", "stoker-launch-elsewhere", "stoker-launch-untokened",
-                           os.path.basename(made)])
+    assert left == sorted(
+        ["stoker-launch-live", "stoker-launch-elsewhere", "stoker-launch-untokened", os.path.basename(made)]
+    )
 
 
 @pytest.mark.e2e
@@ -122,15 +147,21 @@ def test_agents_in_network_namespaces_and_their_ranks_end_with_a_sigkilled_launc
     cfg, url = cluster.config("mn-orphans", nproc=1, max_steps=100_000, nodes_in_config=True)
     (tmp_path / "config.json").write_text(cfg.to_json())
     log = open(tmp_path / "launcher.log", "w")
-    helper = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "config.json"), url,
-                               cluster.shard_key], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    helper = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(tmp_path / "config.json"), url, cluster.shard_key],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     gang_id = None
     try:
         deadline = time.monotonic() + 300
         while find_latest_valid(cluster.store, "mn-orphans").checkpoint is None:
-            assert time.monotonic() < deadline and helper.poll() is None, \
-                (tmp_path / "launcher.log").read_text()[-3000:]
+            assert time.monotonic() < deadline and helper.poll() is None, (tmp_path / "launcher.log").read_text()[
+                -3000:
+            ]
             time.sleep(0.5)
         agents = [p for p in live_processes().values() if p.ppid == helper.pid]
         gang_id = _environ(agents[0].pid)["STOKER_GANG_ID"]
@@ -141,8 +172,7 @@ def test_agents_in_network_namespaces_and_their_ranks_end_with_a_sigkilled_launc
         while gang_members(gang_id) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert gang_members(gang_id) == [], (tmp_path / "launcher.log").read_text()[-3000:]
-        records = [json.loads(line) for line in
-                   cluster.store.read_bytes("runs/mn-orphans/metrics.jsonl").splitlines()]
+        records = [json.loads(line) for line in cluster.store.read_bytes("runs/mn-orphans/metrics.jsonl").splitlines()]
         assert [r for r in records if r["event"] == "stopped"], records[-5:]
     finally:
         for pid in [helper.pid, *(gang_members(gang_id) if gang_id else [])]:

@@ -72,37 +72,66 @@ class Cluster:
         return Store(self.root, self.options)
 
     def specs(self) -> list[NodeSpec]:
-        return [NodeSpec(prefix=self.nodes.exec_prefix(i), address=self.nodes.addresses[i],
-                         env={"GLOO_SOCKET_IFNAME": self.nodes.ifnames[i], "STOKER_CACHE": self.caches[i]})
-                for i in range(NUM_NODES)]
+        return [
+            NodeSpec(
+                prefix=self.nodes.exec_prefix(i),
+                address=self.nodes.addresses[i],
+                env={"GLOO_SOCKET_IFNAME": self.nodes.ifnames[i], "STOKER_CACHE": self.caches[i]},
+            )
+            for i in range(NUM_NODES)
+        ]
 
-    def config(self, run: str, nproc: int, max_steps: int = MAX_STEPS, max_restarts: int = 0,
-               nodes_in_config: bool = False):
+    def config(
+        self, run: str, nproc: int, max_steps: int = MAX_STEPS, max_restarts: int = 0, nodes_in_config: bool = False
+    ):
         """The run's config, pinned in the store: (config, its URL). `nodes_in_config`: the
         nodes and the rendezvous port are in launch.nodes / launch.rdzv_port."""
-        placed = {"nodes": [{"prefix": list(s.prefix), "address": s.address, "env": s.env} for s in self.specs()],
-                  "rdzv_port": next(self.ports)} if nodes_in_config else {}
-        cfg = load_config(tiny_dict(
-            self.root, run_name=run, train={"max_steps": max_steps},
-            checkpoint={"interval_steps": INTERVAL}, eval={"per_checkpoint_enabled": False},
-            storage={"root": self.root, "storage_options": self.options},
-            launch={"num_nodes": NUM_NODES, "nproc_per_node": nproc, "timeout_seconds": 240,
-                    "rdzv_host": self.nodes.addresses[0], "max_restarts": max_restarts, **placed}))
+        placed = (
+            {
+                "nodes": [{"prefix": list(s.prefix), "address": s.address, "env": s.env} for s in self.specs()],
+                "rdzv_port": next(self.ports),
+            }
+            if nodes_in_config
+            else {}
+        )
+        cfg = load_config(
+            tiny_dict(
+                self.root,
+                run_name=run,
+                train={"max_steps": max_steps},
+                checkpoint={"interval_steps": INTERVAL},
+                eval={"per_checkpoint_enabled": False},
+                storage={"root": self.root, "storage_options": self.options},
+                launch={
+                    "num_nodes": NUM_NODES,
+                    "nproc_per_node": nproc,
+                    "timeout_seconds": 240,
+                    "rdzv_host": self.nodes.addresses[0],
+                    "max_restarts": max_restarts,
+                    **placed,
+                },
+            )
+        )
         name = f"runs/{run}/config-{max_steps}.json"
         self.store.write_bytes(name, cfg.to_json().encode())
         return cfg, self.store.url(name)
 
-    def launch(self, cfg, config_url: str, resume_key: str | None = None, env: dict | None = None,
-               on_event=None):
+    def launch(self, cfg, config_url: str, resume_key: str | None = None, env: dict | None = None, on_event=None):
         """One launch attempt across the nodes: (launcher, GangResult, events, output lines)."""
         if cfg.launch.nodes:  # as the flow launches: everything from the config
             launcher = make_launcher(cfg, config_url, self.shard_key, resume_key)
             for node_env in launcher.gang.envs:
                 node_env.update(env or {})
         else:
-            launcher = TorchrunLauncher(cfg, config_url, self.shard_key, resume_key,
-                                        env={**child_env(cfg), **(env or {})}, nodes=self.specs(),
-                                        rdzv_port=next(self.ports))
+            launcher = TorchrunLauncher(
+                cfg,
+                config_url,
+                self.shard_key,
+                resume_key,
+                env={**child_env(cfg), **(env or {})},
+                nodes=self.specs(),
+                rdzv_port=next(self.ports),
+            )
         return (launcher, *run_collecting(launcher, on_event))
 
     def completed(self, cfg, config_url: str, resume_key: str | None = None, env: dict | None = None):
@@ -141,8 +170,11 @@ def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multinode")
     moto = MotoServer(host=nodes.bridge_address, log_path=str(tmp / "moto.log"))
     try:
-        for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                     "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        for k, v in {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
             os.environ.setdefault(k, v)
         moto.start()
         import s3fs
@@ -152,8 +184,16 @@ def cluster(tmp_path_factory):
         s3fs.S3FileSystem(**options).mkdir(bucket)
         root = f"s3://{bucket}/root"
         _, shards = prepare_shards(load_config(tiny_dict(root, storage={"root": root, "storage_options": options})))
-        yield Cluster(nodes, moto, root, options, [str(tmp / f"cache-node-{i}") for i in range(NUM_NODES)],
-                      shards.key, itertools.count(29500), str(tmp / "cache-test"))
+        yield Cluster(
+            nodes,
+            moto,
+            root,
+            options,
+            [str(tmp / f"cache-node-{i}") for i in range(NUM_NODES)],
+            shards.key,
+            itertools.count(29500),
+            str(tmp / "cache-test"),
+        )
     finally:
         moto.stop()
         nodes.down()

@@ -48,19 +48,31 @@ class Runs:
         """(config, its URL in the store): world size 2 either way (Ray: one worker per node).
         `address`: ray.address (default: the cluster's Ray Client address)."""
         shape = {"num_nodes": 2, "nproc_per_node": 1} if launcher == "ray" else {"num_nodes": 1, "nproc_per_node": 2}
-        cfg = load_config(tiny_dict(
-            self.root, run_name=run, train={"max_steps": MAX_STEPS},
-            checkpoint={"interval_steps": INTERVAL}, eval={"per_checkpoint_enabled": False},
-            storage={"root": self.root, "storage_options": self.options},
-            ray={"address": address or self.cluster.client_address},
-            launch={"launcher": launcher, "timeout_seconds": 300, "max_restarts": max_restarts,
-                    **shape, **launch}))
+        cfg = load_config(
+            tiny_dict(
+                self.root,
+                run_name=run,
+                train={"max_steps": MAX_STEPS},
+                checkpoint={"interval_steps": INTERVAL},
+                eval={"per_checkpoint_enabled": False},
+                storage={"root": self.root, "storage_options": self.options},
+                ray={"address": address or self.cluster.client_address},
+                launch={"launcher": launcher, "timeout_seconds": 300, "max_restarts": max_restarts, **shape, **launch},
+            )
+        )
         key = f"runs/{run}/config.json"
         self.store.write_bytes(key, cfg.to_json().encode())
         return cfg, self.store.url(key)
 
-    def launch(self, cfg, url: str, resume_key: str | None = None, env: dict | None = None,
-               on_event=None, on_node: int | None = None):
+    def launch(
+        self,
+        cfg,
+        url: str,
+        resume_key: str | None = None,
+        env: dict | None = None,
+        on_event=None,
+        on_node: int | None = None,
+    ):
         """(launcher, GangResult, events, lines) of one launch attempt. `on_node`: the driver
         runs on that node of the cluster (in its namespace, with its environment), as a flow run
         on a cluster machine would, instead of in this namespace."""
@@ -234,9 +246,14 @@ print("REASON", result.reason)
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
         subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
-        out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, str(script)], cwd=ROOT,
-                             capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+        out = subprocess.run(
+            ["ip", "netns", "exec", ns, sys.executable, str(script)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+        )
     finally:
         subprocess.run(["ip", "netns", "pids", ns], capture_output=True)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -251,16 +268,13 @@ def test_the_ray_launcher_without_ray_is_one_config_error(monkeypatch, tmp_path)
     from stoker.core.failures import ConfigError
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "ray" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     with pytest.raises(ConfigError) as err:
-        load_config(tiny_dict("file://" + str(tmp_path), launch={"launcher": "ray"},
-                              data={"engine": "ray"}))
+        load_config(tiny_dict("file://" + str(tmp_path), launch={"launcher": "ray"}, data={"engine": "ray"}))
     assert err.value.problems == [
-        "launch.launcher: 'ray' needs Ray, which is not installed here; pip install 'stoker[ray]', "
-        "or use 'local'.",
-        "data.engine: 'ray' needs Ray, which is not installed here; pip install 'stoker[ray]', or "
-        "use 'local'."]
+        "launch.launcher: 'ray' needs Ray, which is not installed here; pip install 'stoker[ray]', or use 'local'.",
+        "data.engine: 'ray' needs Ray, which is not installed here; pip install 'stoker[ray]', or use 'local'.",
+    ]
 
 
 def test_the_launcher_is_chosen_by_the_config(tiny_config):
@@ -286,7 +300,10 @@ def test_an_unreachable_cluster_is_said_as_such(tiny_config, tmp_path):
     launcher = make_launcher(cfg, f"file://{config}", "shards/k", None)
     result, _, lines = run_collecting(launcher)
     error = launcher.classify(result)
-    assert error is not None and str(error).startswith("the launch failed: ConnectionError: ray.address: "), (error, lines[-10:])
+    assert error is not None and str(error).startswith("the launch failed: ConnectionError: ray.address: "), (
+        error,
+        lines[-10:],
+    )
 
 
 LAUNCHER = """
@@ -313,9 +330,14 @@ def test_a_sigkilled_launcher_stops_the_ray_job_with_a_checkpoint_and_leaves_no_
     (tmp_path / "config.json").write_text(cfg.to_json())
     log = tmp_path / "launcher.log"
     with open(log, "w") as out:
-        helper = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "config.json"), url,
-                                   runs.shard_key], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        helper = subprocess.Popen(
+            [sys.executable, "-c", LAUNCHER, str(tmp_path / "config.json"), url, runs.shard_key],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": ROOT},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 240
         while find_latest_valid(runs.store, "ray-orphan").checkpoint is None:  # mid-training

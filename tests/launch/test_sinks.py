@@ -25,19 +25,43 @@ def _run_records(first_step: int, last_step: int, seed: int) -> list[events.Even
     for step in range(first_step, last_step + 1):
         t += rng.uniform(0.1, 1.0)
         out.append(events.Step(step=step, time=t))  # a heartbeat: no number worth a sink
-        out.append(events.Train(step=step, loss=rng.uniform(2, 8), lr=rng.uniform(1e-4, 1e-2),
-                                step_seconds=rng.uniform(0.01, 1), tokens_seen=step * 512,
-                                tokens_per_second=rng.uniform(1e3, 1e5), data_wait_share=rng.random(),
-                                time=t))
+        out.append(
+            events.Train(
+                step=step,
+                loss=rng.uniform(2, 8),
+                lr=rng.uniform(1e-4, 1e-2),
+                step_seconds=rng.uniform(0.01, 1),
+                tokens_seen=step * 512,
+                tokens_per_second=rng.uniform(1e3, 1e5),
+                data_wait_share=rng.random(),
+                time=t,
+            )
+        )
         if step % 3 == 0:
             val = rng.uniform(2, 8)
             out.append(events.Eval(step=step, val_loss=val, val_ppl=float(np.exp(val)), time=t))
-            out.append(events.CheckpointCommitted(step=step, key=f"k{step}", uri=f"u{step}",
-                                                  bytes=rng.randrange(10**6, 10**7),
-                                                  stage_seconds=rng.random(), upload_seconds=rng.random(),
-                                                  commit_seconds=rng.random(), time=t))
-            out.append(events.Evaluated(checkpoint=f"u{step}", step=step, val_loss=val + 0.01,
-                                        val_ppl=float(np.exp(val + 0.01)), windows=8, time=t))
+            out.append(
+                events.CheckpointCommitted(
+                    step=step,
+                    key=f"k{step}",
+                    uri=f"u{step}",
+                    bytes=rng.randrange(10**6, 10**7),
+                    stage_seconds=rng.random(),
+                    upload_seconds=rng.random(),
+                    commit_seconds=rng.random(),
+                    time=t,
+                )
+            )
+            out.append(
+                events.Evaluated(
+                    checkpoint=f"u{step}",
+                    step=step,
+                    val_loss=val + 0.01,
+                    val_ppl=float(np.exp(val + 0.01)),
+                    windows=8,
+                    time=t,
+                )
+            )
     out.append(events.Done(step=last_step, seconds=1.0, val_loss=None, time=t))
     return out
 
@@ -76,11 +100,11 @@ def tracking_uri(request, tmp_path, monkeypatch):
     return "sqlite:///" + str(tmp_path / "mlflow.db")
 
 
-def test_every_record_reaches_tensorboard_and_mlflow_and_a_resumed_run_continues_both(
-        tmp_path, tracking_uri):
+def test_every_record_reaches_tensorboard_and_mlflow_and_a_resumed_run_continues_both(tmp_path, tracking_uri):
     root = "file://" + str(tmp_path / "store")
-    cfg = load_config(tiny_dict(root, run_name="sinks", metrics={
-        "tensorboard_enabled": True, "mlflow_tracking_uri": tracking_uri}))
+    cfg = load_config(
+        tiny_dict(root, run_name="sinks", metrics={"tensorboard_enabled": True, "mlflow_tracking_uri": tracking_uri})
+    )
     first, second = _run_records(1, 6, seed=1), _run_records(7, 9, seed=2)
     for records in (first, second):  # the first launch, then a resumed one
         sinks = open_sinks(cfg, log)
@@ -107,8 +131,7 @@ def test_every_record_reaches_tensorboard_and_mlflow_and_a_resumed_run_continues
     assert run.data.params["train.max_steps"] == str(cfg.train.max_steps)
     for name, points in want.items():
         history = sorted(client.get_metric_history(run.info.run_id, name), key=lambda m: (m.step, m.timestamp))
-        assert [(m.step, m.value, m.timestamp) for m in history] == \
-            [(s, v, int(t * 1000)) for s, v, t in points], name
+        assert [(m.step, m.value, m.timestamp) for m in history] == [(s, v, int(t * 1000)) for s, v, t in points], name
 
 
 def test_a_sink_that_fails_is_left_off_and_the_others_get_every_record(tmp_path, monkeypatch, caplog):
@@ -118,8 +141,13 @@ def test_a_sink_that_fails_is_left_off_and_the_others_get_every_record(tmp_path,
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     root, mlruns = "file://" + str(tmp_path / "store"), tmp_path / "mlruns"
-    cfg = load_config(tiny_dict(root, run_name="fails", metrics={
-        "tensorboard_enabled": True, "mlflow_tracking_uri": "file://" + str(mlruns)}))
+    cfg = load_config(
+        tiny_dict(
+            root,
+            run_name="fails",
+            metrics={"tensorboard_enabled": True, "mlflow_tracking_uri": "file://" + str(mlruns)},
+        )
+    )
     records = _run_records(1, 6, seed=3)
     sinks = open_sinks(cfg, log)
     with caplog.at_level(logging.WARNING, logger=log.name):
@@ -132,8 +160,9 @@ def test_a_sink_that_fails_is_left_off_and_the_others_get_every_record(tmp_path,
     warnings = [r.getMessage() for r in caplog.records if "metric sink" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].startswith("metric sink mlflow failed"), warnings
     board = _tensorboard(Store(root).local_path("runs/fails/tensorboard"))
-    assert {k: [p[0] for p in v] for k, v in board.items()} == \
-        {k: [p[0] for p in v] for k, v in _expected(records).items()}
+    assert {k: [p[0] for p in v] for k, v in board.items()} == {
+        k: [p[0] for p in v] for k, v in _expected(records).items()
+    }
 
 
 def test_a_slow_sink_never_holds_up_the_stream_of_records():
@@ -192,8 +221,14 @@ assert not bad, bad[:5]
 
 def test_tensorboard_files_of_a_run_on_an_object_store_are_uploaded_when_the_launch_ends(s3_root, tmp_path):
     root, options = s3_root
-    cfg = load_config(tiny_dict(root, run_name="s3-sinks", storage={"root": root, "storage_options": options},
-                                metrics={"tensorboard_enabled": True}))
+    cfg = load_config(
+        tiny_dict(
+            root,
+            run_name="s3-sinks",
+            storage={"root": root, "storage_options": options},
+            metrics={"tensorboard_enabled": True},
+        )
+    )
     records = _run_records(1, 4, seed=5)
     sinks = open_sinks(cfg, log)
     for e in records:
@@ -204,5 +239,6 @@ def test_tensorboard_files_of_a_run_on_an_object_store_are_uploaded_when_the_lau
     [name] = store.listdir("runs/s3-sinks/tensorboard")
     store.get_file(f"runs/s3-sinks/tensorboard/{name}", str(tmp_path / "tb" / name))
     board = _tensorboard(str(tmp_path / "tb"))
-    assert board == {k: [(s, float(np.float32(v)), t) for s, v, t in points]
-                     for k, points in _expected(records).items()}
+    assert board == {
+        k: [(s, float(np.float32(v)), t) for s, v, t in points] for k, points in _expected(records).items()
+    }

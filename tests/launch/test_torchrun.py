@@ -32,8 +32,10 @@ def _alive(pid):
 
 def test_kill_gang_takes_the_agent_and_its_children(tmp_path):
     pidfile = tmp_path / "child.pid"
-    code = (f"import subprocess,time; p=subprocess.Popen(['sleep','300']); "
-            f"open({str(pidfile)!r},'w').write(str(p.pid)); time.sleep(300)")
+    code = (
+        f"import subprocess,time; p=subprocess.Popen(['sleep','300']); "
+        f"open({str(pidfile)!r},'w').write(str(p.pid)); time.sleep(300)"
+    )
     agent = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     deadline = time.monotonic() + 20
     while not pidfile.exists() or not pidfile.read_text():
@@ -45,11 +47,9 @@ def test_kill_gang_takes_the_agent_and_its_children(tmp_path):
 
 
 def test_run_gang_streams_rank_prefixed_lines_and_metrics():
-    script = (f"print('[default0]:hello'); print({'[default1]:' + TRAIN.encode()!r});"
-              "print('plain agent line')")
+    script = f"print('[default0]:hello'); print({'[default1]:' + TRAIN.encode()!r});print('plain agent line')"
     lines, metrics = [], []
-    res = run_gang([[sys.executable, "-c", script]] * 2, dict(os.environ), 2, lines.append,
-                   metrics.append, timeout=30)
+    res = run_gang([[sys.executable, "-c", script]] * 2, dict(os.environ), 2, lines.append, metrics.append, timeout=30)
     assert res.reason == "completed" and res.returncodes == [0, 0]
     assert "[rank 0] hello" in lines and "[rank 2] hello" in lines and "[node 1] plain agent line" in lines
     assert metrics == [TRAIN] * 2
@@ -64,9 +64,15 @@ def test_one_dead_agent_stops_the_gang():
 
 
 def test_classification_rank_error_is_permanent_signal_is_transient():
-    bug = GangResult([1], "failed", 1.0, failures=[
-        events.Failure(rank=1, type="DistBackendError", message="peer gone", transient=True),
-        events.Failure(rank=0, type="ZeroDivisionError", message="boom", transient=False)])
+    bug = GangResult(
+        [1],
+        "failed",
+        1.0,
+        failures=[
+            events.Failure(rank=1, type="DistBackendError", message="peer gone", transient=True),
+            events.Failure(rank=0, type="ZeroDivisionError", message="boom", transient=False),
+        ],
+    )
     err = classify(bug)
     assert not err.transient and "ZeroDivisionError" in str(err)
     killed = GangResult([1], "failed", 1.0, lost_ranks=[1])  # its folder holds no error file
@@ -78,12 +84,22 @@ def test_classification_rank_error_is_permanent_signal_is_transient():
 
 def test_node_specs_place_each_agent_and_say_which_node_hosts_the_rendezvous(tiny_config):
     cfg = tiny_config(launch={"num_nodes": 2, "nproc_per_node": 1, "rdzv_host": "198.51.100.10"})
-    specs = [NodeSpec(prefix=("ip", "netns", "exec", f"n{i}"), address=f"198.51.100.1{i}",
-                      env={"GLOO_SOCKET_IFNAME": f"veth{i}", "STOKER_CACHE": f"/cache/{i}"}) for i in range(2)]
+    specs = [
+        NodeSpec(
+            prefix=("ip", "netns", "exec", f"n{i}"),
+            address=f"198.51.100.1{i}",
+            env={"GLOO_SOCKET_IFNAME": f"veth{i}", "STOKER_CACHE": f"/cache/{i}"},
+        )
+        for i in range(2)
+    ]
     launcher = TorchrunLauncher(cfg, "file:///s/runs/r/config.json", "shards/k", None, nodes=specs, rdzv_port=29500)
     try:
         first, second = launcher.cmds
-        assert first[:4] == ["ip", "netns", "exec", "n0"] and first[4:7] == [sys.executable, "-m", "torch.distributed.run"]
+        assert first[:4] == ["ip", "netns", "exec", "n0"] and first[4:7] == [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+        ]
         for cmd, addr, host in ((first, "198.51.100.10", "true"), (second, "198.51.100.11", "false")):
             assert "--rdzv-endpoint=198.51.100.10:29500" in cmd
             assert f"--local-addr={addr}" in cmd and f"--rdzv-conf=is_host={host}" in cmd
@@ -103,11 +119,17 @@ def test_node_specs_place_each_agent_and_say_which_node_hosts_the_rendezvous(tin
 def test_launch_nodes_in_the_config_place_each_agent_through_make_launcher(tiny_config):
     """launch.nodes and launch.rdzv_port, as the flow gives them: make_launcher builds the same
     commands the NodeSpecs above do; the prefix is a list, exec'd as is."""
-    nodes = [{"prefix": ["srun", "--nodes=1", "--ntasks=1", f"--nodelist=host{i}"],
-              "address": f"198.51.100.1{i}", "env": {"NCCL_SOCKET_IFNAME": "eth1",
-                                                     "STOKER_CACHE": f"/cache/{i}"}} for i in range(2)]
-    cfg = tiny_config(launch={"num_nodes": 2, "nproc_per_node": 1, "rdzv_host": "198.51.100.11",
-                              "rdzv_port": 29400, "nodes": nodes})
+    nodes = [
+        {
+            "prefix": ["srun", "--nodes=1", "--ntasks=1", f"--nodelist=host{i}"],
+            "address": f"198.51.100.1{i}",
+            "env": {"NCCL_SOCKET_IFNAME": "eth1", "STOKER_CACHE": f"/cache/{i}"},
+        }
+        for i in range(2)
+    ]
+    cfg = tiny_config(
+        launch={"num_nodes": 2, "nproc_per_node": 1, "rdzv_host": "198.51.100.11", "rdzv_port": 29400, "nodes": nodes}
+    )
     launcher = make_launcher(cfg, "file:///s/runs/r/config.json", "shards/k", None)
     try:
         assert isinstance(launcher, TorchrunLauncher)
@@ -133,8 +155,9 @@ def test_agents_sharing_this_host_share_its_cores(tiny_config, monkeypatch):
         assert [e["STOKER_CPU_THREADS"] for e in launcher.gang.envs] == ["4", "4"]
     finally:
         shutil.rmtree(launcher.work_dir, ignore_errors=True)
-    alone = TorchrunLauncher(tiny_config(launch={"num_nodes": 1, "nproc_per_node": 2}),
-                             "file:///s/runs/r/config.json", "shards/k", None)
+    alone = TorchrunLauncher(
+        tiny_config(launch={"num_nodes": 1, "nproc_per_node": 2}), "file:///s/runs/r/config.json", "shards/k", None
+    )
     try:  # one agent: the ranks divide the cores among themselves (training.loop)
         assert all("STOKER_CPU_THREADS" not in e for e in alone.gang.envs)
     finally:
@@ -145,12 +168,21 @@ def _rank_folder(log_dir, node: int, local_rank: int, rank: int | None, raised: 
     folder = log_dir / f"node-{node}" / "run_abc" / "attempt_0" / str(local_rank)
     folder.mkdir(parents=True)
     if rank is not None:
-        (folder / events.RANK_FILE).write_text(json.dumps({"rank": rank, "group_rank": rank // 2,
-                                                           "local_rank": local_rank}))
+        (folder / events.RANK_FILE).write_text(
+            json.dumps({"rank": rank, "group_rank": rank // 2, "local_rank": local_rank})
+        )
     if raised:
         failure = events.Failure(rank=rank, type="DistBackendError", message="peer gone", transient=True)
-        (folder / "error.json").write_text(json.dumps({"message": {
-            "message": "DistBackendError: peer gone", "extraInfo": {events.ERROR_INFO_KEY: failure.to_dict()}}}))
+        (folder / "error.json").write_text(
+            json.dumps(
+                {
+                    "message": {
+                        "message": "DistBackendError: peer gone",
+                        "extraInfo": {events.ERROR_INFO_KEY: failure.to_dict()},
+                    }
+                }
+            )
+        )
 
 
 def test_lost_ranks_are_the_ranks_own_numbers_not_the_launch_order(tmp_path):
@@ -172,12 +204,21 @@ def test_a_killed_rank_is_reported_as_its_own_rank_when_c10d_orders_the_nodes_ot
     global rank 1. That rank SIGKILLs itself; the launcher must name rank 1 as lost, where
     node x nproc + local rank says 0."""
     root = "file://" + str(tmp_path / "store")
-    cfg = load_config(tiny_dict(root, run_name="order", train={"max_steps": 4},
-                                eval={"per_checkpoint_enabled": False, "interval_steps": 100},
-                                launch={"num_nodes": 2, "nproc_per_node": 1, "max_restarts": 0,
-                                        "rdzv_host": "127.0.0.9",
-                                        "nodes": [{"address": f"127.0.0.{a}", "env": {"GLOO_SOCKET_IFNAME": "lo"}}
-                                                  for a in (9, 10)]}))
+    cfg = load_config(
+        tiny_dict(
+            root,
+            run_name="order",
+            train={"max_steps": 4},
+            eval={"per_checkpoint_enabled": False, "interval_steps": 100},
+            launch={
+                "num_nodes": 2,
+                "nproc_per_node": 1,
+                "max_restarts": 0,
+                "rdzv_host": "127.0.0.9",
+                "nodes": [{"address": f"127.0.0.{a}", "env": {"GLOO_SOCKET_IFNAME": "lo"}} for a in (9, 10)],
+            },
+        )
+    )
     store, shards = prepare_shards(cfg)
     store.write_bytes("runs/order/config.json", cfg.to_json().encode())
     env = {"STOKER_FAULT": "kill:rank=1:step=2", "STOKER_FAULT_ONCE": str(tmp_path / "fired")}

@@ -18,19 +18,29 @@ def _launch(cfg, config_url, shard_key, resume_key, env, watch) -> GangResult:
     """run_gang as launch_training calls it; every line and metric also records the
     processes of the run."""
     cmds = torchrun_commands(cfg, config_url, shard_key, resume_key, free_port())
-    return run_gang(cmds, env, cfg.launch.nproc_per_node, on_line=watch.record,
-                    on_event=watch.record, timeout=240,
-                    hang_timeout=cfg.launch.hang_timeout_seconds)
+    return run_gang(
+        cmds,
+        env,
+        cfg.launch.nproc_per_node,
+        on_line=watch.record,
+        on_event=watch.record,
+        timeout=240,
+        hang_timeout=cfg.launch.hang_timeout_seconds,
+    )
 
 
 def test_hung_rank_is_killed_with_its_gang_and_the_retry_resumes(tiny_config, tmp_path):
-    cfg = tiny_config(run_name="hang", train={"max_steps": 6}, checkpoint={"interval_steps": 2},
-                      eval={"interval_steps": 100}, launch={"hang_timeout_seconds": 8})
+    cfg = tiny_config(
+        run_name="hang",
+        train={"max_steps": 6},
+        checkpoint={"interval_steps": 2},
+        eval={"interval_steps": 100},
+        launch={"hang_timeout_seconds": 8},
+    )
     store, shards = prepare_shards(cfg)
     store.write_bytes("runs/hang/config.json", cfg.to_json().encode())
     config_url = store.url("runs/hang/config.json")
-    env = {**child_env(cfg), "STOKER_FAULT": "hang:rank=1:step=3",
-           "STOKER_FAULT_ONCE": str(tmp_path / "fault-fired")}
+    env = {**child_env(cfg), "STOKER_FAULT": "hang:rank=1:step=3", "STOKER_FAULT_ONCE": str(tmp_path / "fault-fired")}
 
     watch = GangWatch(config_url)
     hung = _launch(cfg, config_url, shards.key, None, env, watch)
@@ -41,8 +51,9 @@ def test_hung_rank_is_killed_with_its_gang_and_the_retry_resumes(tiny_config, tm
     assert "last step seen: step 2" in str(err)  # rank 1 froze before step 3
 
     # the whole gang is gone: agent and ranks (each rank is a session of its own)
-    ranks = [p for p in watch.seen.values() if "torch.distributed.run" not in p.cmdline
-             and "training.train" in p.cmdline]
+    ranks = [
+        p for p in watch.seen.values() if "torch.distributed.run" not in p.cmdline and "training.train" in p.cmdline
+    ]
     assert len(ranks) == 2 and all(pid in watch.seen for pid in hung.pids)
     assert watch.gone_within() == []
     assert wait_for_none(lambda: gang_pids(hung.gang_id)) == []
@@ -61,22 +72,23 @@ def test_hung_rank_is_killed_with_its_gang_and_the_retry_resumes(tiny_config, tm
 
 def test_watchdog_arms_after_start_up_fires_on_silence_and_is_off_at_zero():
     # a silent start-up longer than the hang limit, then steps: not a hang (armed late)
-    script = ("import time; from stoker.core import events as E; time.sleep(3); "
-              "print(E.Eval(step=0, val_loss=5.0, val_ppl=148.0).encode(), flush=True); "
-              "[print(E.Step(step=s).encode(), flush=True) for s in range(1,6)]")
+    script = (
+        "import time; from stoker.core import events as E; time.sleep(3); "
+        "print(E.Eval(step=0, val_loss=5.0, val_ppl=148.0).encode(), flush=True); "
+        "[print(E.Step(step=s).encode(), flush=True) for s in range(1,6)]"
+    )
     env = {**os.environ, "PYTHONPATH": ROOT}
-    res = run_gang([[sys.executable, "-c", script]], env, 1, lambda s: None, lambda m: None,
-                   timeout=60, hang_timeout=2)
+    res = run_gang([[sys.executable, "-c", script]], env, 1, lambda s: None, lambda m: None, timeout=60, hang_timeout=2)
     assert res.reason == "completed" and res.last_step == 5
     # a gang that reports once and then goes silent: a hang; with 0 the watchdog is off
-    silent = ("import time; from stoker.core import events as E; "
-              "print(E.Eval(step=0, val_loss=5.0, val_ppl=148.0).encode(), flush=True); time.sleep(4)")
-    res = run_gang([[sys.executable, "-c", silent]], env, 1, lambda s: None, lambda m: None,
-                   timeout=60, hang_timeout=1)
+    silent = (
+        "import time; from stoker.core import events as E; "
+        "print(E.Eval(step=0, val_loss=5.0, val_ppl=148.0).encode(), flush=True); time.sleep(4)"
+    )
+    res = run_gang([[sys.executable, "-c", silent]], env, 1, lambda s: None, lambda m: None, timeout=60, hang_timeout=1)
     assert res.reason == "hang" and res.last_step is None
     assert "last step seen: none yet" in str(classify(res))
-    res = run_gang([[sys.executable, "-c", silent]], env, 1, lambda s: None, lambda m: None,
-                   timeout=60, hang_timeout=0)
+    res = run_gang([[sys.executable, "-c", silent]], env, 1, lambda s: None, lambda m: None, timeout=60, hang_timeout=0)
     assert res.reason == "completed"
 
 
@@ -86,16 +98,34 @@ def test_a_start_up_that_never_reports_is_killed_and_retried():
     in time is not affected, and the hang watchdog still arms only at the first report."""
     env = {**os.environ, "PYTHONPATH": ROOT}
     stuck = "import time; time.sleep(60)"
-    res = run_gang([[sys.executable, "-c", stuck]], env, 1, lambda s: None, lambda m: None,
-                   timeout=60, hang_timeout=1, startup_timeout=2)
+    res = run_gang(
+        [[sys.executable, "-c", stuck]],
+        env,
+        1,
+        lambda s: None,
+        lambda m: None,
+        timeout=60,
+        hang_timeout=1,
+        startup_timeout=2,
+    )
     assert res.reason == "startup"  # not "timeout": the start-up limit fired
     err = classify(res)
     assert err.transient and err.reason == "startup" and "launch.startup_timeout_seconds" in str(err)
-    slow = ("import time; from stoker.core import events as E; time.sleep(2); "
-            "print(E.Eval(step=0, val_loss=5.0, val_ppl=148.0).encode(), flush=True); "
-            "[print(E.Step(step=s).encode(), flush=True) for s in range(1,4)]")
-    res = run_gang([[sys.executable, "-c", slow]], env, 1, lambda s: None, lambda m: None,
-                   timeout=60, hang_timeout=1, startup_timeout=20)
+    slow = (
+        "import time; from stoker.core import events as E; time.sleep(2); "
+        "print(E.Eval(step=0, val_loss=5.0, val_ppl=148.0).encode(), flush=True); "
+        "[print(E.Step(step=s).encode(), flush=True) for s in range(1,4)]"
+    )
+    res = run_gang(
+        [[sys.executable, "-c", slow]],
+        env,
+        1,
+        lambda s: None,
+        lambda m: None,
+        timeout=60,
+        hang_timeout=1,
+        startup_timeout=20,
+    )
     assert res.reason == "completed" and res.last_step == 3
 
 
@@ -121,8 +151,10 @@ def test_kill_gang_finds_ranks_in_their_own_sessions_after_the_agent_died(tmp_pa
     """torchrun starts each rank with start_new_session=True: the agent's process group does
     not hold it, and once the agent is gone it is reparented. The gang id finds it."""
     pidfile = tmp_path / "rank.pid"
-    code = (f"import subprocess,time; p=subprocess.Popen(['sleep','300'], start_new_session=True); "
-            f"open({str(pidfile)!r},'w').write(str(p.pid)); time.sleep(300)")
+    code = (
+        f"import subprocess,time; p=subprocess.Popen(['sleep','300'], start_new_session=True); "
+        f"open({str(pidfile)!r},'w').write(str(p.pid)); time.sleep(300)"
+    )
     env = {**os.environ, GANG_ENV: "test-gang-" + tmp_path.name}
     agent = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
     deadline = time.monotonic() + 30
@@ -135,6 +167,7 @@ def test_kill_gang_finds_ranks_in_their_own_sessions_after_the_agent_died(tmp_pa
     agent.wait()
     assert gang_pids(env[GANG_ENV]) == [rank.pid]
     kill_gang([agent], grace=2, gang_id=env[GANG_ENV])
+
     def still_the_rank():
         now = read_proc(rank.pid)  # None when gone or a zombie; another start: a reused pid
         return [now] if now is not None and now.start == rank.start else []

@@ -63,15 +63,26 @@ def _damage(store, key, how):
         store.write_bytes(shard, data[: len(data) // 3])
 
 
-DAMAGE = ["no manifest", "truncated shard", "flipped byte", "listed file missing", "manifest not json",
-          "upload stopped halfway", "a listed file is a directory", "an entry without its checksum"]
+DAMAGE = [
+    "no manifest",
+    "truncated shard",
+    "flipped byte",
+    "listed file missing",
+    "manifest not json",
+    "upload stopped halfway",
+    "a listed file is a directory",
+    "an entry without its checksum",
+]
 
 
-@pytest.mark.parametrize("how,reason", [
-    ("listed file missing", "listed file __1_0.distcp is missing"),
-    ("a listed file is a directory", "listed file __1_0.distcp is a directory, not a file"),
-    ("an entry without its checksum", "entry for __1_0.distcp has no size and sha256"),
-])
+@pytest.mark.parametrize(
+    "how,reason",
+    [
+        ("listed file missing", "listed file __1_0.distcp is missing"),
+        ("a listed file is a directory", "listed file __1_0.distcp is a directory, not a file"),
+        ("an entry without its checksum", "entry for __1_0.distcp has no size and sha256"),
+    ],
+)
 def test_each_damage_is_reported_as_what_it_is(store, how, reason):
     key = _fake_checkpoint(store, "r", 10)
     _damage(store, key, how)
@@ -124,8 +135,7 @@ def test_newest_first_and_attempt_suffix(store):
     _fake_checkpoint(store, "r", 3, commit=False)
     _fake_checkpoint(store, "r", 3)  # a retry of step 3 takes a new folder
     _fake_checkpoint(store, "r", 12)
-    assert [r.name for r in list_checkpoints(store, "r")] == [
-        "step-00000012", "step-00000003.a1", "step-00000003"]
+    assert [r.name for r in list_checkpoints(store, "r")] == ["step-00000012", "step-00000003.a1", "step-00000003"]
 
 
 def test_retention_keeps_k_committed_and_marked(store):
@@ -150,8 +160,11 @@ def test_resume_with_a_local_cache_downloads_only_a_valid_checkpoint(s3_root, tm
     assert choice.checkpoint.step == 10 and [r.step for r, _ in choice.skipped] == [20]
     local = rehydrate(store, choice.checkpoint.key, cache)
     assert sorted(os.listdir(local)) == sorted([".metadata", "__0_0.distcp", "__1_0.distcp", COMMIT_FILE])
-    leftovers = [p for p in os.listdir(os.path.dirname(local))
-                 if ".tmp-" in p or (p.startswith("step-00000020") and not p.endswith(".lock"))]
+    leftovers = [
+        p
+        for p in os.listdir(os.path.dirname(local))
+        if ".tmp-" in p or (p.startswith("step-00000020") and not p.endswith(".lock"))
+    ]
     assert leftovers == []  # nothing of the damaged one is kept
 
 
@@ -239,14 +252,28 @@ def test_a_run_refuses_other_data_or_another_model_before_launch(tmp_path):
     store.write_bytes("shards/bbb/tokenizer.json", b"{}")
 
     def shards(key):
-        return ShardInfo(cache_key=key, key=f"shards/{key}", url=store.url(f"shards/{key}"),
-                         cache_hit=True, num_train_tokens=1, num_val_tokens=1, vocab_size=384,
-                         dtype="uint16")
+        return ShardInfo(
+            cache_key=key,
+            key=f"shards/{key}",
+            url=store.url(f"shards/{key}"),
+            cache_hit=True,
+            num_train_tokens=1,
+            num_val_tokens=1,
+            vocab_size=384,
+            dtype="uint16",
+        )
 
     cfg = load_config(tiny_dict(store.root, run_name="pinned"))
     pin_run_folder(store, cfg, shards("aaa"))
-    split = load_config(tiny_dict(store.root, run_name="pinned", launch={"nproc_per_node": 1},
-                                  train={"micro_batch_size": 4}, engine={"parallelism": "fsdp"}))
+    split = load_config(
+        tiny_dict(
+            store.root,
+            run_name="pinned",
+            launch={"nproc_per_node": 1},
+            train={"micro_batch_size": 4},
+            engine={"parallelism": "fsdp"},
+        )
+    )
     pin_run_folder(store, split, shards("aaa"))  # another split of the same run: fine
     with pytest.raises(ConfigError, match="was trained on shard set aaa"):
         pin_run_folder(store, cfg, shards("bbb"))

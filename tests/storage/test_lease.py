@@ -89,8 +89,9 @@ def test_heartbeat_keeps_a_short_lease_alive(store):
 
 
 def test_lease_of_a_dead_process_on_this_host_is_taken(store):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     record = read_lease(store, "r")[0]
     assert record is None
     acquire_lease(store, "r", flow_run_id="flow-1", ttl=3600)
@@ -123,10 +124,15 @@ def test_racing_processes_exactly_one_wins(store, expired):
         time.sleep(0.1)
     opts = repr(store.storage_options)
     start = time.time() + 8  # every racer imported and waiting, on a loaded machine too
-    procs = [subprocess.Popen([sys.executable, "-c", _RACER.format(opts=opts), store.root,
-                               str(start), f"racer-{i}"], stdout=subprocess.PIPE, text=True,
-                              cwd=__import__("tests.conftest").conftest.ROOT)
-             for i in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RACER.format(opts=opts), store.root, str(start), f"racer-{i}"],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=__import__("tests.conftest").conftest.ROOT,
+        )
+        for i in range(4)
+    ]
     outs = [p.communicate(timeout=180)[0].strip() for p in procs]
     assert sorted(outs) == ["HELD", "HELD", "HELD", "WON"], outs
     winner = read_lease(store, "r")[0].flow_run_id

@@ -33,8 +33,9 @@ def test_shards_are_fully_checked_once_per_host_under_a_lock(shard_store, tmp_pa
     store, key = shard_store
     cache = str(tmp_path / "host-cache")
     folders = []
-    threads = [threading.Thread(target=lambda: folders.append(materialize(store, key, cache)))
-               for _ in range(3)]  # three ranks of one host at once
+    threads = [
+        threading.Thread(target=lambda: folders.append(materialize(store, key, cache))) for _ in range(3)
+    ]  # three ranks of one host at once
     for t in threads:
         t.start()
     for t in threads:
@@ -64,8 +65,7 @@ def _flip_in_place(path: str, offset: int = 10) -> None:
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def test_a_damaged_host_cache_copy_of_shards_is_dropped_and_fetched_again(
-        s3_root, tiny_config, tmp_path, caplog):
+def test_a_damaged_host_cache_copy_of_shards_is_dropped_and_fetched_again(s3_root, tiny_config, tmp_path, caplog):
     from tests.conftest import prepare_shards
 
     root, options = s3_root
@@ -134,8 +134,7 @@ def test_a_cache_hit_of_the_data_stage_reads_only_manifests(s3_root, tiny_config
     assert sum(n for _, n in reads) < shard_bytes / 10
 
 
-def test_a_shard_set_damaged_in_the_store_is_marked_and_rebuilt_by_the_next_data_stage(
-        s3_root, tiny_config, tmp_path):
+def test_a_shard_set_damaged_in_the_store_is_marked_and_rebuilt_by_the_next_data_stage(s3_root, tiny_config, tmp_path):
     from stoker.storage.manifest import INVALID_MARKER
     from tests.conftest import prepare_shards
 
@@ -147,8 +146,11 @@ def test_a_shard_set_damaged_in_the_store_is_marked_and_rebuilt_by_the_next_data
     good = store.read_bytes(f"{shards.key}/{name}")
     store.write_bytes(f"{shards.key}/{name}", good[:10] + bytes([good[10] ^ 1]) + good[11:])
     assert prepare_shards(cfg)[1].cache_hit  # same size: the cheap choice does not see it
-    with pytest.raises(DataError, match=f"damaged: {name} fails its sha256 checksum \\(as downloaded\\); "
-                                        "it is marked invalid.*data stage again rebuilds it"):
+    with pytest.raises(
+        DataError,
+        match=f"damaged: {name} fails its sha256 checksum \\(as downloaded\\); "
+        "it is marked invalid.*data stage again rebuilds it",
+    ):
         materialize(store, key, str(tmp_path / "host-a"))
     assert store.exists(f"{shards.key}/{INVALID_MARKER}", refresh=True)
     # a retried rank, or another host: refused at once, nothing downloaded or kept

@@ -69,8 +69,10 @@ class TestStoreProtocol:
         assert store.exists("runs/r1/config.json")
 
 
-@pytest.mark.parametrize("key", ["runs/../../etc/passwd", "../outside", "runs/./x", "runs\\..\\x",
-                                 "file:///etc/passwd", "s3://other-bucket/x"])
+@pytest.mark.parametrize(
+    "key",
+    ["runs/../../etc/passwd", "../outside", "runs/./x", "runs\\..\\x", "file:///etc/passwd", "s3://other-bucket/x"],
+)
 def test_a_key_can_never_leave_the_store_root(tmp_path, key):
     store = Store("file://" + str(tmp_path / "root"))
     with pytest.raises(ValueError, match="store root"):

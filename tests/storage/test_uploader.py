@@ -26,12 +26,21 @@ def _write(step):
             with open(os.path.join(folder, name), "wb") as f:
                 f.write(f"{name} of step {step}".encode() * 100)
         return [".metadata", "__0_0.distcp"]
+
     return write
 
 
 def _uploader(store, tmp_path, seen, **kw):
-    args = dict(rank=0, world_size=1, staging_root=str(tmp_path / "staging"), keep_latest_k=10,
-                upload_timeout=120, commit_timeout=120, async_enabled=True, on_event=seen.append)
+    args = dict(
+        rank=0,
+        world_size=1,
+        staging_root=str(tmp_path / "staging"),
+        keep_latest_k=10,
+        upload_timeout=120,
+        commit_timeout=120,
+        async_enabled=True,
+        on_event=seen.append,
+    )
     return CheckpointUploader(store, "r", **{**args, **kw})
 
 
@@ -79,8 +88,9 @@ def test_outage_keeps_the_newest_checkpoints_and_drops_the_oldest_with_a_record(
 
 
 def test_a_missing_bucket_fails_the_checkpoint_stream_once_without_retries(s3_server, tmp_path):
-    store = Store("s3://stoker-no-such-bucket/root", {"endpoint_url": s3_server.url,
-                                                      "skip_instance_cache": True, **QUICK})
+    store = Store(
+        "s3://stoker-no-such-bucket/root", {"endpoint_url": s3_server.url, "skip_instance_cache": True, **QUICK}
+    )
     seen = []
     # a retried upload would take up to upload_timeout: the waits below would time out
     uploader = _uploader(store, tmp_path, seen, upload_timeout=600, commit_timeout=600)
@@ -108,11 +118,11 @@ def test_checkpointer_save_returns_while_the_store_is_down(proxied, tmp_path):
     seen = []
     # a save that waited for the previous upload would wait for this upload to give up,
     # reported as checkpoint_failed
-    uploader = _uploader(store, tmp_path, seen, upload_timeout=30, commit_timeout=30,
-                         max_pending_uploads=3)
+    uploader = _uploader(store, tmp_path, seen, upload_timeout=30, commit_timeout=30, max_pending_uploads=3)
     model, opt, sched = _build()
-    ckpt = Checkpointer(uploader, model, opt, sched, rank=0, world_size=1,
-                        device=torch.device("cpu"), seed=0, global_batch_size=2)
+    ckpt = Checkpointer(
+        uploader, model, opt, sched, rank=0, world_size=1, device=torch.device("cpu"), seed=0, global_batch_size=2
+    )
     proxy.stop()
     for step in (1, 2, 3):
         _train(model, opt, sched, 1)
@@ -129,8 +139,9 @@ def test_checkpointer_save_returns_while_the_store_is_down(proxied, tmp_path):
 
     fresh, fopt, fsched = _build(seed=7)
     key = [e.key for e in seen if isinstance(e, events.CheckpointCommitted)][-1]
-    state = load_checkpoint(rehydrate(store, key, str(tmp_path / "cache")), model=fresh,
-                            optimizer=fopt, scheduler=fsched)
+    state = load_checkpoint(
+        rehydrate(store, key, str(tmp_path / "cache")), model=fresh, optimizer=fopt, scheduler=fsched
+    )
     assert state.step == 3
     for n, p in fresh.named_parameters():
         assert torch.equal(p, at_last_save[n]), n

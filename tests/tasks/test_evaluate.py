@@ -53,8 +53,9 @@ def _evaluation_in_a_thread(cfg):
 
     def run():
         try:
-            evaluate.run_evaluation(cfg, "file:///nonexistent/config.json", "runs/r/checkpoints/step-00000004",
-                                    "shards/none", timeout=300)
+            evaluate.run_evaluation(
+                cfg, "file:///nonexistent/config.json", "runs/r/checkpoints/step-00000004", "shards/none", timeout=300
+            )
         except BaseException as err:  # the error the task would raise
             box.append(err)
 

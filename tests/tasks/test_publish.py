@@ -23,6 +23,7 @@ class Server:
             if self.away:
                 raise ConnectionError("All connection attempts failed")
             self.got.append((key, value))
+
         return send
 
 

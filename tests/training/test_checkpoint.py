@@ -15,16 +15,47 @@ from stoker.training.checkpoint import Checkpointer, load_checkpoint
 from stoker.training.model import GPT, param_groups
 
 
-def save_checkpoint(store, run_name, *, model, optimizer, scheduler, step, tokens_seen, seed, rank,
-                    world_size, meta, keep_latest_k, async_enabled=False):
+def save_checkpoint(
+    store,
+    run_name,
+    *,
+    model,
+    optimizer,
+    scheduler,
+    step,
+    tokens_seen,
+    seed,
+    rank,
+    world_size,
+    meta,
+    keep_latest_k,
+    async_enabled=False,
+):
     """Save and commit (synchronously, as a rank does with checkpoint.async_enabled=False)."""
     committed = []
-    uploader = CheckpointUploader(store, run_name, rank=rank, world_size=world_size,
-                                  staging_root=tempfile.mkdtemp(prefix="stoker-staging-"), keep_latest_k=keep_latest_k,
-                                  upload_timeout=300, commit_timeout=300, async_enabled=async_enabled,
-                                  on_event=committed.append)
-    ckpt = Checkpointer(uploader, model, optimizer, scheduler, rank=rank, world_size=world_size,
-                        device=torch.device("cpu"), seed=seed, global_batch_size=2)
+    uploader = CheckpointUploader(
+        store,
+        run_name,
+        rank=rank,
+        world_size=world_size,
+        staging_root=tempfile.mkdtemp(prefix="stoker-staging-"),
+        keep_latest_k=keep_latest_k,
+        upload_timeout=300,
+        commit_timeout=300,
+        async_enabled=async_enabled,
+        on_event=committed.append,
+    )
+    ckpt = Checkpointer(
+        uploader,
+        model,
+        optimizer,
+        scheduler,
+        rank=rank,
+        world_size=world_size,
+        device=torch.device("cpu"),
+        seed=seed,
+        global_batch_size=2,
+    )
     stall = ckpt.save(step, tokens_seen, {"tokens_seen": tokens_seen, **meta})
     return uploader, committed, stall
 
@@ -38,8 +69,9 @@ def save_and_commit(store, run_name, **kw):
 
 def _build(seed=0):
     torch.manual_seed(seed)
-    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_pad_multiple=1),
-                vocab_size=50, seed=seed)
+    model = GPT(
+        ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_pad_multiple=1), vocab_size=50, seed=seed
+    )
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
     return model, opt, sched
@@ -66,9 +98,24 @@ def test_checkpoint_round_trip_restores_every_tensor_and_rng(tmp_path):
     store = Store("file://" + str(tmp_path))
     model, opt, sched = _build()
     _train(model, opt, sched, 3)
-    torch.manual_seed(7); np.random.seed(7); random.seed(7); random.gauss(0, 1)
-    key, _ = save_and_commit(store, "r", model=model, optimizer=opt, scheduler=sched, step=3,
-                             tokens_seen=48, seed=0, rank=0, world_size=1, meta={}, keep_latest_k=2)
+    torch.manual_seed(7)
+    np.random.seed(7)
+    random.seed(7)
+    random.gauss(0, 1)
+    key, _ = save_and_commit(
+        store,
+        "r",
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        step=3,
+        tokens_seen=48,
+        seed=0,
+        rank=0,
+        world_size=1,
+        meta={},
+        keep_latest_k=2,
+    )
     assert validate_checkpoint(store, key, deep=True)
     expected_rng = (torch.rand(3), np.random.rand(3), random.random())
     _train(model, opt, sched, 2)  # move on, so the load has something to undo
@@ -90,8 +137,18 @@ def test_new_attempt_never_reuses_a_folder(tmp_path):
     store = Store("file://" + str(tmp_path))
     model, opt, sched = _build()
     _train(model, opt, sched, 1)
-    kw = dict(model=model, optimizer=opt, scheduler=sched, step=1, tokens_seen=1, seed=0, rank=0,
-              world_size=1, meta={}, keep_latest_k=2)
+    kw = dict(
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        step=1,
+        tokens_seen=1,
+        seed=0,
+        rank=0,
+        world_size=1,
+        meta={},
+        keep_latest_k=2,
+    )
     store.write_bytes("runs/r/checkpoints/step-00000001/partial.distcp", b"junk")  # a crashed attempt
     key, _ = save_and_commit(store, "r", **kw)
     assert key.endswith("step-00000001.a1")
@@ -116,8 +173,20 @@ def test_async_save_writes_the_state_of_its_step_while_training_goes_on(tmp_path
     _train(model, opt, sched, 2)
     at_save = {n: p.detach().clone() for n, p in model.named_parameters()}
     uploader, committed, _ = save_checkpoint(
-        store, "r", model=model, optimizer=opt, scheduler=sched, step=2, tokens_seen=32, seed=0,
-        rank=0, world_size=1, meta={}, keep_latest_k=2, async_enabled=True)
+        store,
+        "r",
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        step=2,
+        tokens_seen=32,
+        seed=0,
+        rank=0,
+        world_size=1,
+        meta={},
+        keep_latest_k=2,
+        async_enabled=True,
+    )
     _train(model, opt, sched, 3)  # races the background write
     uploader.wait()
     assert not uploader.failures, uploader.failures
@@ -133,11 +202,24 @@ def test_a_checkpoint_of_another_world_size_loads_with_fresh_rng_streams(tmp_pat
     store = Store("file://" + str(tmp_path))
     model, opt, sched = _build()
     _train(model, opt, sched, 1)
-    key, _ = save_and_commit(store, "r", model=model, optimizer=opt, scheduler=sched, step=1,
-                             tokens_seen=16, seed=0, rank=0, world_size=1, meta={}, keep_latest_k=2)
+    key, _ = save_and_commit(
+        store,
+        "r",
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        step=1,
+        tokens_seen=16,
+        seed=0,
+        rank=0,
+        world_size=1,
+        meta={},
+        keep_latest_k=2,
+    )
     fresh, fopt, fsched = _build(seed=9)
-    state = load_checkpoint(store.local_path(key), model=fresh, optimizer=fopt, scheduler=fsched,
-                            rank=1, world_size=2, seed=0)
+    state = load_checkpoint(
+        store.local_path(key), model=fresh, optimizer=fopt, scheduler=fsched, rank=1, world_size=2, seed=0
+    )
     assert state.step == 1 and not state.rng_restored
     for (n, p), q in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(p, q), n

@@ -22,14 +22,28 @@ def _s3_config(root, options, **sections):
 
 def _start(cfg, store, shard_key, tmp_path):
     store.write_bytes(f"runs/{cfg.run_name}/config.json", cfg.to_json().encode())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--tee=3",
-           "-m", "stoker.training.train", "--config", store.url(f"runs/{cfg.run_name}/config.json"),
-           "--shards", shard_key, "--cache-dir", str(tmp_path / "cache")]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo",
-           "STOKER_STORAGE_OPTIONS": json.dumps(cfg.storage.storage_options)}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--tee=3",
+        "-m",
+        "stoker.training.train",
+        "--config",
+        store.url(f"runs/{cfg.run_name}/config.json"),
+        "--shards",
+        shard_key,
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "STOKER_STORAGE_OPTIONS": json.dumps(cfg.storage.storage_options)}
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def _metric(line):
@@ -40,8 +54,7 @@ def _metric(line):
 
 def test_checkpoints_land_in_s3_with_manifests_and_load_in_a_fresh_process(s3_root, tmp_path):
     root, options = s3_root
-    cfg = _s3_config(root, options, run_name="s3run", train={"max_steps": 8},
-                     checkpoint={"interval_steps": 4})
+    cfg = _s3_config(root, options, run_name="s3run", train={"max_steps": 8}, checkpoint={"interval_steps": 4})
     store, shards = prepare_shards(cfg)
     proc = _start(cfg, store, shards.key, tmp_path)
     out, _ = proc.communicate(timeout=300)
@@ -69,10 +82,25 @@ def test_checkpoints_land_in_s3_with_manifests_and_load_in_a_fresh_process(s3_ro
 
     # a fresh process (no process group) loads the checkpoint from S3 and evaluates it
     ev = subprocess.run(
-        [sys.executable, "-m", "stoker.training.evaluate", "--config", store.url("runs/s3run/config.json"),
-         "--checkpoint", refs[0].key, "--shards", shards.key, "--cache-dir", str(tmp_path / "cache2")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "STOKER_STORAGE_OPTIONS": json.dumps(options)})
+        [
+            sys.executable,
+            "-m",
+            "stoker.training.evaluate",
+            "--config",
+            store.url("runs/s3run/config.json"),
+            "--checkpoint",
+            refs[0].key,
+            "--shards",
+            shards.key,
+            "--cache-dir",
+            str(tmp_path / "cache2"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "STOKER_STORAGE_OPTIONS": json.dumps(options)},
+    )
     assert ev.returncode == 0, ev.stderr[-3000:]
     [result] = [e for e in map(events.decode, ev.stdout.splitlines()) if isinstance(e, events.Evaluated)]
     assert result.step == 8 and result.val_loss > 0
@@ -83,16 +111,24 @@ def _behind_a_proxy(s3_server, options):
     through it (one attempt, short time-outs: the upload's own retries are under test)."""
     proxy = TcpProxy(s3_server.port)
     proxy.start()
-    return proxy, {**options, "endpoint_url": proxy.url,
-                   "config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retries": {"max_attempts": 1}}}
+    return proxy, {
+        **options,
+        "endpoint_url": proxy.url,
+        "config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retries": {"max_attempts": 1}},
+    }
 
 
 def test_s3_outage_during_upload_delays_but_loses_no_checkpoint(s3_server, s3_root, tmp_path):
     root, options = s3_root
     proxy, flaky = _behind_a_proxy(s3_server, options)
     # a backlog of 3: the checkpoints written during this short outage all wait for the store
-    cfg = _s3_config(root, flaky, run_name="outage", train={"max_steps": 12, "warmup_steps": 2},
-                     checkpoint={"interval_steps": 4, "keep_latest_k": 10, "max_pending_uploads": 3})
+    cfg = _s3_config(
+        root,
+        flaky,
+        run_name="outage",
+        train={"max_steps": 12, "warmup_steps": 2},
+        checkpoint={"interval_steps": 4, "keep_latest_k": 10, "max_pending_uploads": 3},
+    )
     store, shards = prepare_shards(cfg)
     proc = _start(cfg, store, shards.key, tmp_path)
     events, steps_while_down, down_since = [], [], None
@@ -130,8 +166,7 @@ def test_s3_outage_during_upload_delays_but_loses_no_checkpoint(s3_server, s3_ro
         proxy.stop()
 
 
-def test_outage_of_many_checkpoint_intervals_keeps_training_and_commits_the_newest(s3_server, s3_root,
-                                                                                   tmp_path):
+def test_outage_of_many_checkpoint_intervals_keeps_training_and_commits_the_newest(s3_server, s3_root, tmp_path):
     """The store is down from step 2 to step 12 (five checkpoint intervals): the ranks keep
     stepping and writing checkpoints to staging, at most 2 wait for the store, the oldest
     waiting ones are dropped (the same on both ranks, reported), and once the store is back
@@ -139,10 +174,20 @@ def test_outage_of_many_checkpoint_intervals_keeps_training_and_commits_the_newe
     root, options = s3_root
     proxy, flaky = _behind_a_proxy(s3_server, options)
     # a save that waited for an upload would wait for it to give up: a checkpoint_failed record
-    cfg = _s3_config(root, flaky, run_name="longoutage", train={"max_steps": 24, "warmup_steps": 2},
-                     eval={"interval_steps": 100},
-                     checkpoint={"interval_steps": 2, "keep_latest_k": 20, "max_pending_uploads": 2,
-                                 "upload_timeout_seconds": 60, "commit_timeout_seconds": 60})
+    cfg = _s3_config(
+        root,
+        flaky,
+        run_name="longoutage",
+        train={"max_steps": 24, "warmup_steps": 2},
+        eval={"interval_steps": 100},
+        checkpoint={
+            "interval_steps": 2,
+            "keep_latest_k": 20,
+            "max_pending_uploads": 2,
+            "upload_timeout_seconds": 60,
+            "commit_timeout_seconds": 60,
+        },
+    )
     store, shards = prepare_shards(cfg)
     proc = _start(cfg, store, shards.key, tmp_path)
     records, steps_while_down, staged_while_down = [], [], []
@@ -171,8 +216,7 @@ def test_outage_of_many_checkpoint_intervals_keeps_training_and_commits_the_newe
     assert {4, 6, 8} <= set(staged_while_down)  # and so did checkpointing, to local staging
     assert not [e for e in records if e["event"] in ("checkpoint_failed", "failure")]
     committed = [e["step"] for e in records if e["event"] == "checkpoint"]
-    dropped = {r: {e["step"] for e in records if e["event"] == "checkpoint_dropped" and e["rank"] == r}
-               for r in (0, 1)}
+    dropped = {r: {e["step"] for e in records if e["event"] == "checkpoint_dropped" and e["rank"] == r} for r in (0, 1)}
     assert committed == sorted(committed) and committed[-2:] == [22, 24]  # the newest, in order
     assert dropped[0] and dropped[1] <= dropped[0]  # rank 0 decides; no rank drops another one
     assert set(committed) | dropped[0] == set(range(2, 25, 2)) and not set(committed) & dropped[0]
@@ -189,8 +233,7 @@ def test_outage_of_many_checkpoint_intervals_keeps_training_and_commits_the_newe
     assert not [f for _, _, files in os.walk(staging) for f in files]  # dropped staging deleted
 
 
-def test_a_deleted_bucket_fails_the_checkpoint_stream_once_and_training_reaches_max_steps(s3_root,
-                                                                                        tmp_path):
+def test_a_deleted_bucket_fails_the_checkpoint_stream_once_and_training_reaches_max_steps(s3_root, tmp_path):
     """The bucket is deleted under a running job (once the ranks have read their inputs from
     it): each rank says the first permanent error it meets with the store's reason, once; no
     upload is retried; the checkpoints written by then are committed, dropped for a newer one
@@ -198,10 +241,14 @@ def test_a_deleted_bucket_fails_the_checkpoint_stream_once_and_training_reaches_
     without being written; and training reaches max_steps. Which checkpoint meets the missing
     bucket first, on which rank, depends on how fast the uploads go."""
     root, options = s3_root
-    cfg = _s3_config(root, options, run_name="nobucket", train={"max_steps": 192, "warmup_steps": 2},
-                     eval={"interval_steps": 100},
-                     checkpoint={"interval_steps": 32, "upload_timeout_seconds": 120,
-                                 "commit_timeout_seconds": 120})
+    cfg = _s3_config(
+        root,
+        options,
+        run_name="nobucket",
+        train={"max_steps": 192, "warmup_steps": 2},
+        eval={"interval_steps": 100},
+        checkpoint={"interval_steps": 32, "upload_timeout_seconds": 120, "commit_timeout_seconds": 120},
+    )
     store, shards = prepare_shards(cfg)
     proc = _start(cfg, store, shards.key, tmp_path)
     records = []

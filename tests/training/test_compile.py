@@ -35,12 +35,15 @@ class CountingBackend:
             def run(*args):
                 self.calls["forward"] += 1
                 return gm(*args)
+
             return make_boxed_func(run)
 
         # inductor's partitioner: it decides what the backward recomputes
-        self.aot = aot_autograd(fw_compiler=forward_compiler,
-                                bw_compiler=lambda gm, _inputs: make_boxed_func(gm.forward),
-                                partition_fn=min_cut_rematerialization_partition)
+        self.aot = aot_autograd(
+            fw_compiler=forward_compiler,
+            bw_compiler=lambda gm, _inputs: make_boxed_func(gm.forward),
+            partition_fn=min_cut_rematerialization_partition,
+        )
 
     def __call__(self, gm, example_inputs):
         self.graphs.append(gm)
@@ -67,8 +70,13 @@ def _build(monkeypatch, backend: CountingBackend, **engine):
 
     torch._dynamo.reset()
     monkeypatch.setattr(engine_module, "compile_options", lambda tuning: {"backend": backend})
-    cfg = load_config(tiny_dict("file:///tmp/unused", engine={"compile": "on", **engine},
-                                model={"n_layer": 2, "n_head": 2, "n_embd": 128, "block_size": 32}))
+    cfg = load_config(
+        tiny_dict(
+            "file:///tmp/unused",
+            engine={"compile": "on", **engine},
+            model={"n_layer": 2, "n_head": 2, "n_embd": 128, "block_size": 32},
+        )
+    )
     e = engine_module.Engine.resolve(cfg, torch.device("cpu"))
     return engine_module.build_model(cfg, 384, e, world_size=1)
 
@@ -82,8 +90,7 @@ def _forward_calls_of_a_step(model, backend: CountingBackend) -> int:
     return backend.calls["forward"]
 
 
-def test_fsdp2_runs_each_compiled_forward_once_a_step_in_every_checkpointing_mode(
-        alone_in_a_group, monkeypatch):
+def test_fsdp2_runs_each_compiled_forward_once_a_step_in_every_checkpointing_mode(alone_in_a_group, monkeypatch):
     """Before: the checkpoint wrapped the compiled block from outside, so its recomputation ran
     the whole compiled forward again (2 blocks: 2 calls a step without checkpointing, 4 with
     'selective' or 'full'), and the selective policy never saw the matmuls it should keep."""
@@ -105,8 +112,7 @@ def test_fsdp2_compiles_the_output_layer_and_cross_entropy(alone_in_a_group, mon
     assert any("cross_entropy" in op for op in backend.compiled_ops()), backend.compiled_ops()
 
 
-def test_one_rank_in_a_process_group_trains_one_compiled_graph_without_ddp(
-        alone_in_a_group, monkeypatch):
+def test_one_rank_in_a_process_group_trains_one_compiled_graph_without_ddp(alone_in_a_group, monkeypatch):
     """torchrun --nproc-per-node=1: nothing to all-reduce, so no DDP wrapper, whose graph
     splitting at its gradient buckets cut this model's compiled forward in two (GPT-2 124M on
     the CPU: 14 graphs)."""
@@ -132,12 +138,16 @@ def test_the_process_group_gets_the_configured_collective_timeout(monkeypatch):
     from stoker.core.config import load_config
     from stoker.training.loop import setup_distributed
 
-    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-                        "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
+    for name, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+    }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    cfg = load_config(tiny_dict("file:///tmp/unused", launch={"collective_timeout_seconds": 77,
-                                                              "backend": "gloo"}))
+    cfg = load_config(tiny_dict("file:///tmp/unused", launch={"collective_timeout_seconds": 77, "backend": "gloo"}))
     setup_distributed(cfg)
     try:
         backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
@@ -180,11 +190,20 @@ def test_fsdp_needs_the_torch_whose_sharded_init_it_uses():
     assert fsdp.torch_problems("2.7.1") == [] and fsdp.torch_problems(torch.__version__) == []
 
 
-@pytest.mark.parametrize("name, tflops", [
-    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
-    ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA H800", 989),
-    ("NVIDIA H800 PCIe", 756), ("NVIDIA GH200 480GB", 989), ("NVIDIA A100-SXM4-80GB", 312),
-])
+@pytest.mark.parametrize(
+    "name, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA H200", 989),
+        ("NVIDIA H200 NVL", 835),
+        ("NVIDIA H800", 989),
+        ("NVIDIA H800 PCIe", 756),
+        ("NVIDIA GH200 480GB", 989),
+        ("NVIDIA A100-SXM4-80GB", 312),
+    ],
+)
 def test_peak_flops_of_each_hopper_board(name, tflops):
     """Before: H200 NVL and H800 PCIe got the SXM figure (989), overstating their MFU's
     denominator by 18% and 31%."""

@@ -20,8 +20,7 @@ from stoker.core.config import load_config
 from stoker.storage.store import Store
 from tests.conftest import ROOT, run_ranks, train_losses
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +41,22 @@ def gpu_shards(tmp_path_factory):
 
 def _recipe(root: str, run: str, tmp_path, **over):
     """The one-GPU recipe as written, cut to a few steps, in a store of this test's own."""
-    cfg = load_config("gpt2-124m-1gpu", **{
-        "run_name": run, "storage.root": "file://" + str(tmp_path / "store"),
-        "train.max_steps": 12, "train.warmup_steps": 2, "train.global_batch_size": 32,
-        "train.log_interval": 2, "checkpoint.interval_steps": 6, "eval.interval_steps": 6,
-        "eval.num_batches": 2, "eval.per_checkpoint_enabled": False, **over})
+    cfg = load_config(
+        "gpt2-124m-1gpu",
+        **{
+            "run_name": run,
+            "storage.root": "file://" + str(tmp_path / "store"),
+            "train.max_steps": 12,
+            "train.warmup_steps": 2,
+            "train.global_batch_size": 32,
+            "train.log_interval": 2,
+            "checkpoint.interval_steps": 6,
+            "eval.interval_steps": 6,
+            "eval.num_batches": 2,
+            "eval.per_checkpoint_enabled": False,
+            **over,
+        },
+    )
     store = Store(cfg.storage.root)
     src = Store(root)
     return cfg, store, src
@@ -88,21 +98,37 @@ def test_one_gpu_recipe_trains_evaluates_checkpoints_and_resumes_under_nccl(gpu_
         assert abs(resumed[s] - losses[s]) < 2e-2 * abs(losses[s]), (s, resumed[s], losses[s])
 
     out = subprocess.run(
-        [sys.executable, "-m", "stoker.training.evaluate", "--config", store.url(f"runs/{cfg.run_name}/config.json"),
-         "--checkpoint", commits[1]["key"], "--shards", key, "--max-windows", "32", "--device", "cuda"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "stoker.training.evaluate",
+            "--config",
+            store.url(f"runs/{cfg.run_name}/config.json"),
+            "--checkpoint",
+            commits[1]["key"],
+            "--shards",
+            key,
+            "--max-windows",
+            "32",
+            "--device",
+            "cuda",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    evaluated = [json.loads(l.split("STOKER_METRIC ", 1)[1]) for l in out.stdout.splitlines()
-                 if "STOKER_METRIC " in l]
+    evaluated = [json.loads(l.split("STOKER_METRIC ", 1)[1]) for l in out.stdout.splitlines() if "STOKER_METRIC " in l]
     assert evaluated[-1]["event"] == "evaluated" and evaluated[-1]["step"] == 12
     assert 0 < evaluated[-1]["val_loss"] < 20
 
 
 def test_fsdp2_on_cuda_follows_ddp_and_its_checkpoint_loads_under_ddp(gpu_shards, tmp_path):
     root, key = gpu_shards
-    ddp, store, src = _recipe(root, "gpu-fsdp", tmp_path, **{"train.max_steps": 6,
-                                                              "checkpoint.interval_steps": 3,
-                                                              "eval.interval_steps": 3})
+    ddp, store, src = _recipe(
+        root, "gpu-fsdp", tmp_path, **{"train.max_steps": 6, "checkpoint.interval_steps": 3, "eval.interval_steps": 3}
+    )
     _link_shards(src, store, key)
     fsdp = ddp.model_copy(update={"engine": ddp.engine.model_copy(update={"parallelism": "fsdp"})})
     a = train_losses(_launch(ddp, store, key))
@@ -136,14 +162,23 @@ def test_bf16_and_compile_are_faster_than_fp32(gpu_shards, tmp_path):
     root, key = gpu_shards
     ranks = RankInfo(0, 0, 1, torch.device("cuda", 0))
     rates = {}
-    for name, engine in [("fp32", {"precision": "fp32", "tf32": False, "compile": "off",
-                                   "fused_optimizer": "off"}),
-                         ("fast", {})]:
-        cfg, store, src = _recipe(root, f"speed-{name}", tmp_path, **{
-            "train.global_batch_size": 16, "train.micro_batch_size": 16,
-            **{f"engine.{k}": v for k, v in engine.items()}})
-        trainer = Trainer(cfg, ranks, materialize(src, key, str(tmp_path / "cache")), store, key,
-                          cache_dir=str(tmp_path / "cache"))
+    for name, engine in [
+        ("fp32", {"precision": "fp32", "tf32": False, "compile": "off", "fused_optimizer": "off"}),
+        ("fast", {}),
+    ]:
+        cfg, store, src = _recipe(
+            root,
+            f"speed-{name}",
+            tmp_path,
+            **{
+                "train.global_batch_size": 16,
+                "train.micro_batch_size": 16,
+                **{f"engine.{k}": v for k, v in engine.items()},
+            },
+        )
+        trainer = Trainer(
+            cfg, ranks, materialize(src, key, str(tmp_path / "cache")), store, key, cache_dir=str(tmp_path / "cache")
+        )
         rates[name] = _tokens_per_second(trainer, 8)
         trainer.batches.close()
         del trainer
@@ -176,8 +211,11 @@ def _bf16_steps_on_cuda(variants: dict, compiled: bool, vocab: int = 8192) -> di
                 _, loss = step(x, x)
             loss.backward()
             torch.cuda.synchronize()
-        out[name] = (loss.item(), model.lm_head.weight.grad.float().clone(),
-                     torch.cuda.max_memory_allocated(dev) - base)
+        out[name] = (
+            loss.item(),
+            model.lm_head.weight.grad.float().clone(),
+            torch.cuda.max_memory_allocated(dev) - base,
+        )
         del model, step
         torch.cuda.empty_cache()
     peaks = {m: round(v[2] / 2**20) for m, v in out.items()}
@@ -204,8 +242,7 @@ def test_chunked_cross_entropy_on_cuda_keeps_the_loss_and_holds_less(compiled):
     (1024 tokens a chunk) gives the loss and output-matrix gradient of the full logits (close:
     bf16 rounding) at a lower allocator peak (printed: how much lower, compiled or not, is
     for bench_memory to say)."""
-    out = _bf16_steps_on_cuda({"full": ("none", 0), "chunked": ("none", 1024)}, compiled,
-                              vocab=50304)
+    out = _bf16_steps_on_cuda({"full": ("none", 0), "chunked": ("none", 1024)}, compiled, vocab=50304)
     assert out["chunked"][0] == pytest.approx(out["full"][0], rel=1e-3)
     a, b = out["chunked"][1], out["full"][1]
     assert (a - b).norm() <= 2e-2 * b.norm()
@@ -228,15 +265,25 @@ def test_async_checkpoint_copy_on_cuda_writes_the_state_of_its_step(tmp_path):
     def step():
         x = torch.randint(0, 1000, (8, 64), device=dev)
         model(x, x)[1].backward()
-        opt.step(); sched.step(); opt.zero_grad()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
 
     events = []
     store = Store("file://" + str(tmp_path / "store"))
-    uploader = CheckpointUploader(store, "r", rank=0, world_size=1, staging_root=str(tmp_path / "s"),
-                                  keep_latest_k=5, upload_timeout=60, commit_timeout=60,
-                                  async_enabled=True, on_event=events.append)
-    ckpt = Checkpointer(uploader, model, opt, sched, rank=0, world_size=1, device=dev, seed=0,
-                        global_batch_size=8)
+    uploader = CheckpointUploader(
+        store,
+        "r",
+        rank=0,
+        world_size=1,
+        staging_root=str(tmp_path / "s"),
+        keep_latest_k=5,
+        upload_timeout=60,
+        commit_timeout=60,
+        async_enabled=True,
+        on_event=events.append,
+    )
+    ckpt = Checkpointer(uploader, model, opt, sched, rank=0, world_size=1, device=dev, seed=0, global_batch_size=8)
     step()
     ckpt.save(1, 0, {})
     uploader.wait()
@@ -259,9 +306,18 @@ def test_deterministic_resume_on_cuda_is_bitwise(gpu_shards, tmp_path):
     """train.deterministic on CUDA (deterministic algorithms, a fixed cuBLAS workspace) with
     the recipe's bf16 and compile: a resumed run repeats the unbroken run's losses exactly."""
     root, key = gpu_shards
-    cfg, store, src = _recipe(root, "gpu-det", tmp_path, **{
-        "train.deterministic": True, "train.max_steps": 4, "train.log_interval": 1,
-        "checkpoint.interval_steps": 2, "eval.interval_steps": 100})
+    cfg, store, src = _recipe(
+        root,
+        "gpu-det",
+        tmp_path,
+        **{
+            "train.deterministic": True,
+            "train.max_steps": 4,
+            "train.log_interval": 1,
+            "checkpoint.interval_steps": 2,
+            "eval.interval_steps": 100,
+        },
+    )
     _link_shards(src, store, key)
     unbroken = _launch(cfg, store, key)
     first = [e["key"] for e in unbroken if e["event"] == "checkpoint"][0]
@@ -288,9 +344,13 @@ def test_fsdp2_compiled_blocks_checkpoint_inside_on_cuda():
         x = torch.randint(0, 8192, (8, 512), device=dev, generator=torch.Generator(dev).manual_seed(0))
         for mode in ("none", "selective", "full"):
             torch._dynamo.reset()
-            cfg = load_config(tiny_dict("file:///tmp/unused", model={
-                "n_layer": 4, "n_head": 8, "n_embd": 512, "block_size": 512, "dropout": 0.0},
-                engine={"parallelism": "fsdp", "compile": "on", "activation_checkpointing": mode}))
+            cfg = load_config(
+                tiny_dict(
+                    "file:///tmp/unused",
+                    model={"n_layer": 4, "n_head": 8, "n_embd": 512, "block_size": 512, "dropout": 0.0},
+                    engine={"parallelism": "fsdp", "compile": "on", "activation_checkpointing": mode},
+                )
+            )
             _, model = build_model(cfg, 8192, Engine.resolve(cfg, dev), world_size=1)
             for _ in range(2):  # the first compiles
                 model.zero_grad(set_to_none=True)
@@ -307,8 +367,7 @@ def test_fsdp2_compiled_blocks_checkpoint_inside_on_cuda():
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
-    print(f"FSDP2 compiled, allocator peak above the model, MiB: "
-          f"{ {m: round(v[1] / 2**20) for m, v in out.items()} }")
+    print(f"FSDP2 compiled, allocator peak above the model, MiB: { {m: round(v[1] / 2**20) for m, v in out.items()} }")
     for mode in ("selective", "full"):
         assert out[mode][0] == pytest.approx(out["none"][0], rel=1e-3), (mode, out)
     assert out["full"][1] < out["selective"][1] < out["none"][1], out

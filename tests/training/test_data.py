@@ -20,23 +20,26 @@ def test_a_step_sees_the_same_global_batch_at_any_world_size(tiny_config):
     stream = TokenStream(store.local_path(shards.key), "train")
 
     def global_batch(world, accum, micro_batch):
-        rows = [train_batch(stream, 16, micro_batch, seed=3, step=7, rank=r, micro=m, accum=accum,
-                            world_size=world)[0] for r in range(world) for m in range(accum)]
+        rows = [
+            train_batch(stream, 16, micro_batch, seed=3, step=7, rank=r, micro=m, accum=accum, world_size=world)[0]
+            for r in range(world)
+            for m in range(accum)
+        ]
         return torch.cat(rows)
 
     one = global_batch(1, 1, 8)
     assert torch.equal(one, global_batch(2, 2, 2))
     assert torch.equal(one, global_batch(4, 1, 2))
-    assert not torch.equal(one, torch.cat([train_batch(stream, 16, 8, seed=3, step=8, rank=0, micro=0,
-                                                       accum=1, world_size=1)[0]]))
+    assert not torch.equal(
+        one, torch.cat([train_batch(stream, 16, 8, seed=3, step=8, rank=0, micro=0, accum=1, world_size=1)[0]])
+    )
 
 
 def test_prefetched_batches_equal_direct_reads_and_count_the_wait(tiny_config):
     cfg = tiny_config()
     store, shards = prepare_shards(cfg)
     stream = TokenStream(store.local_path(shards.key), "train")
-    kw = dict(block_size=16, micro_batch=2, seed=3, rank=1, accum=2, world_size=2,
-              device=torch.device("cpu"))
+    kw = dict(block_size=16, micro_batch=2, seed=3, rank=1, accum=2, world_size=2, device=torch.device("cpu"))
     ahead, plain = Batches(stream, prefetch=True, **kw), Batches(stream, prefetch=False, **kw)
     order = [(0, 0), (0, 1), (1, 0), (1, 1), (5, 0)]  # the last one is out of order: read directly
     for step, micro in order:

@@ -31,12 +31,24 @@ def test_fsdp2_on_two_gloo_ranks_trains_like_ddp_and_checkpoints_move_both_ways(
     under DDP (DCP reshards). Not bitwise: reduce-scatter sums in another order. The FSDP2 runs
     also checkpoint activations selectively (recomputing changes no value) and compute the
     loss in uneven chunks (within rounding of the full logits')."""
-    ddp = tiny_config(run_name="eng", train={"max_steps": 4},
-                      checkpoint={"interval_steps": 2, "keep_latest_k": 10},
-                      eval={"interval_steps": 2})
-    fsdp = ddp.model_copy(update={"engine": ddp.engine.model_copy(update={
-        "parallelism": "fsdp", "activation_checkpointing": "selective",
-        "cross_entropy": "chunked", "cross_entropy_chunk": 100})})
+    ddp = tiny_config(
+        run_name="eng",
+        train={"max_steps": 4},
+        checkpoint={"interval_steps": 2, "keep_latest_k": 10},
+        eval={"interval_steps": 2},
+    )
+    fsdp = ddp.model_copy(
+        update={
+            "engine": ddp.engine.model_copy(
+                update={
+                    "parallelism": "fsdp",
+                    "activation_checkpointing": "selective",
+                    "cross_entropy": "chunked",
+                    "cross_entropy_chunk": 100,
+                }
+            )
+        }
+    )
     store, shards = prepare_shards(ddp)
     ddp_url, fsdp_url = _write_config(store, ddp, "config"), _write_config(store, fsdp, "config-fsdp")
 
@@ -57,9 +69,19 @@ def test_engine_settings_resolve_for_the_device():
     cfg = RunConfig()
     cpu = Engine.resolve(cfg, torch.device("cpu"))
     assert (cpu.bf16, cpu.compile, cpu.fused, cpu.fsdp, cpu.prefetch) == (False, False, False, False, True)
-    on = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={
-        "precision": "bf16", "compile": "on", "parallelism": "fsdp", "activation_checkpointing": "full",
-        "cross_entropy": "chunked"})})
+    on = cfg.model_copy(
+        update={
+            "engine": cfg.engine.model_copy(
+                update={
+                    "precision": "bf16",
+                    "compile": "on",
+                    "parallelism": "fsdp",
+                    "activation_checkpointing": "full",
+                    "cross_entropy": "chunked",
+                }
+            )
+        }
+    )
     e = Engine.resolve(on, torch.device("cpu"))
     assert (e.bf16, e.compile, e.fsdp, e.activation_checkpointing) == (True, True, True, "full")
     assert (cpu.loss_chunk, e.loss_chunk) == (0, on.engine.cross_entropy_chunk)
@@ -72,15 +94,18 @@ def test_fused_optimizer_on_cpu_is_one_clear_error():
         Engine.resolve(cfg, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("field,value,expect", [
-    ("precision", "fp16", "engine.precision"),
-    ("compile", "yes", "engine.compile"),
-    ("parallelism", "tp", "engine.parallelism"),
-    ("activation_checkpointing", "some", "engine.activation_checkpointing"),
-    ("cross_entropy", "fused", "engine.cross_entropy"),
-    ("compile_tuning", "fast", "engine.compile_tuning"),
-    ("cross_entropy_chunk", 0, "engine.cross_entropy_chunk"),
-])
+@pytest.mark.parametrize(
+    "field,value,expect",
+    [
+        ("precision", "fp16", "engine.precision"),
+        ("compile", "yes", "engine.compile"),
+        ("parallelism", "tp", "engine.parallelism"),
+        ("activation_checkpointing", "some", "engine.activation_checkpointing"),
+        ("cross_entropy", "fused", "engine.cross_entropy"),
+        ("compile_tuning", "fast", "engine.compile_tuning"),
+        ("cross_entropy_chunk", 0, "engine.cross_entropy_chunk"),
+    ],
+)
 def test_bad_engine_settings_are_named_with_their_choices(field, value, expect):
     with pytest.raises(ConfigError) as err:
         load_config(tiny_dict("file:///tmp/x", engine={field: value}))
@@ -92,8 +117,9 @@ def test_on_and_off_mean_the_words_where_yaml_reads_booleans(tmp_path):
     false and true; for the on/off settings they are the words, not a type error."""
     import yaml
 
-    cfg = load_config("tiny-cpu", **{"engine.compile": yaml.safe_load("off"),
-                                     "engine.fused_optimizer": yaml.safe_load("on")})
+    cfg = load_config(
+        "tiny-cpu", **{"engine.compile": yaml.safe_load("off"), "engine.fused_optimizer": yaml.safe_load("on")}
+    )
     assert (cfg.engine.compile, cfg.engine.fused_optimizer) == ("off", "on")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("engine:\n  compile: on\n  fused_optimizer: off\n")
@@ -111,14 +137,14 @@ def test_compile_tuning_needs_a_compile_and_sets_inductor_before_it():
 
     from stoker.training.engine import build_model, compile_options
 
-    with pytest.raises(ConfigError, match="engine.compile_tuning: tunes torch.compile, which "
-                       "engine.compile turns off .*use 'none'"):
+    with pytest.raises(
+        ConfigError, match="engine.compile_tuning: tunes torch.compile, which engine.compile turns off .*use 'none'"
+    ):
         load_config(tiny_dict("file:///tmp/x", engine={"compile": "off", "compile_tuning": "max-autotune"}))
     auto = load_config(tiny_dict("file:///tmp/x", engine={"compile_tuning": "coordinate-descent"}))
     with pytest.raises(ConfigError, match="engine.compile_tuning: .*'auto' leaves off on CPUs"):
         Engine.resolve(auto, torch.device("cpu"))
-    on = load_config(tiny_dict("file:///tmp/x", engine={"compile": "on",
-                                                        "compile_tuning": "coordinate-descent"}))
+    on = load_config(tiny_dict("file:///tmp/x", engine={"compile": "on", "compile_tuning": "coordinate-descent"}))
     engine = Engine.resolve(on, torch.device("cpu"))
     assert engine.describe()["compile_tuning"] == "coordinate-descent"
     try:
@@ -141,17 +167,24 @@ def test_vocab_padding_is_validated_and_engine_is_not_part_of_the_run_identity()
 
 
 def _split(cfg, nproc: int, micro: int):
-    return cfg.model_copy(update={
-        "launch": cfg.launch.model_copy(update={"nproc_per_node": nproc}),
-        "train": cfg.train.model_copy(update={"micro_batch_size": micro})})
+    return cfg.model_copy(
+        update={
+            "launch": cfg.launch.model_copy(update={"nproc_per_node": nproc}),
+            "train": cfg.train.model_copy(update={"micro_batch_size": micro}),
+        }
+    )
 
 
 def test_resume_at_another_world_size_trains_on_the_same_windows(tiny_config):
     """2 ranks -> 1 and 1 -> 2 (micro-batch changed too): each step draws its whole global
     batch from (seed, step), so the resumed steps see the same windows and their losses stay
     within float-reduction noise of the unbroken run; RNG streams are re-seeded (reported)."""
-    two = tiny_config(run_name="eng", train={"max_steps": 4},
-                      checkpoint={"interval_steps": 2, "keep_latest_k": 10}, eval={"interval_steps": 2})
+    two = tiny_config(
+        run_name="eng",
+        train={"max_steps": 4},
+        checkpoint={"interval_steps": 2, "keep_latest_k": 10},
+        eval={"interval_steps": 2},
+    )
     one = _split(two, 1, 4)
     assert one.identity_hash() == two.identity_hash()  # the same run, split otherwise
     store, shards = prepare_shards(two)
@@ -256,8 +289,10 @@ def test_chunked_cross_entropy_under_bf16_autocast_stays_close_to_the_full_logit
     x, y = torch.randint(0, 500, (4, 32)), torch.randint(0, 500, (4, 32))
     chunked = GPT(cfg, 500, seed=3)
     chunked.loss_chunk = 24
-    (loss, grads), (c_loss, c_grads) = (_loss_and_grads(GPT(cfg, 500, seed=3), x, y, True),
-                                        _loss_and_grads(chunked, x, y, True))
+    (loss, grads), (c_loss, c_grads) = (
+        _loss_and_grads(GPT(cfg, 500, seed=3), x, y, True),
+        _loss_and_grads(chunked, x, y, True),
+    )
     assert c_loss.item() == pytest.approx(loss.item(), rel=1e-3)
     for g, h in zip(grads, c_grads):
         assert h.dtype == g.dtype == torch.float32

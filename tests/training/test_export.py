@@ -21,8 +21,9 @@ CHECKPOINT = "runs/export/checkpoints/step-00000004"
 
 
 def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "stoker.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "stoker.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +31,17 @@ def trained(tmp_path_factory):
     """A run folder as the flow pins it, and a checkpoint committed by one torchrun rank after 4
     steps. The tokenizer has 300 ids: the model's embedding is padded to 384 rows."""
     root = "file://" + str(tmp_path_factory.mktemp("export") / "store")
-    cfg = load_config(tiny_dict(root, run_name="export", tokenizer={"vocab_size": 300},
-                                train={"max_steps": 4}, checkpoint={"interval_steps": 4},
-                                eval={"interval_steps": 4}, launch={"nproc_per_node": 1}))
+    cfg = load_config(
+        tiny_dict(
+            root,
+            run_name="export",
+            tokenizer={"vocab_size": 300},
+            train={"max_steps": 4},
+            checkpoint={"interval_steps": 4},
+            eval={"interval_steps": 4},
+            launch={"nproc_per_node": 1},
+        )
+    )
     store, shards = prepare_shards(cfg)
     run_ranks(pin_run_folder(store, cfg, shards), shards.key, nproc=1)
     assert shards.vocab_size == 300 and padded_vocab(300, cfg.model.vocab_pad_multiple) == 384
@@ -53,9 +62,13 @@ def test_an_exported_checkpoint_loads_in_transformers_with_our_logits(trained, t
     out = _cli("export", store.url(CHECKPOINT), str(tmp_path / "hf"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "exported step 4" in out.stdout
-    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors",
-                                                   "special_tokens_map.json", "tokenizer.json",
-                                                   "tokenizer_config.json"]
+    assert sorted(os.listdir(tmp_path / "hf")) == [
+        "config.json",
+        "model.safetensors",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
 
     hf, info = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
@@ -89,8 +102,11 @@ def test_the_gpt2_mapping_is_exact_with_biases_and_a_padded_vocabulary(bias):
     50 real ids padded to 64 rows, 3 layers: transformers' GPT-2 computes the same logits."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    model = GPT(ModelConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, bias=bias,
-                            vocab_pad_multiple=64), vocab_size=50, seed=0)
+    model = GPT(
+        ModelConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, bias=bias, vocab_pad_multiple=64),
+        vocab_size=50,
+        seed=0,
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(p.numel()))
@@ -119,21 +135,26 @@ def _refused(out, says, folder):
     assert not [n for n in os.listdir(os.path.dirname(folder)) if ".tmp-" in n]
 
 
-@pytest.mark.parametrize("case,says", [
-    ("malformed", "is not of the form {root}/runs/{run}/checkpoints/step-NNNNNNNN"),
-    ("no such checkpoint", "is not a committed, intact checkpoint (no manifest"),
-    ("no such run", "is in no run folder"),
-    ("another run's checkpoint", "belongs to another run name ('export', this run has 'copied')"),
-    ("folder in use", "exists and is not an empty folder"),
-])
+@pytest.mark.parametrize(
+    "case,says",
+    [
+        ("malformed", "is not of the form {root}/runs/{run}/checkpoints/step-NNNNNNNN"),
+        ("no such checkpoint", "is not a committed, intact checkpoint (no manifest"),
+        ("no such run", "is in no run folder"),
+        ("another run's checkpoint", "belongs to another run name ('export', this run has 'copied')"),
+        ("folder in use", "exists and is not an empty folder"),
+    ],
+)
 def test_an_export_that_cannot_be_done_is_one_line_and_exit_2(trained, tmp_path, case, says):
     _, store, _ = trained
     folder = str(tmp_path / "hf")
-    uri = {"malformed": store.url("runs/export/step-4"),
-           "no such checkpoint": store.url("runs/export/checkpoints/step-00000099"),
-           "no such run": store.url("runs/nobody/checkpoints/step-00000004"),
-           "another run's checkpoint": store.url("runs/copied/checkpoints/step-00000004"),
-           "folder in use": store.url(CHECKPOINT)}[case]
+    uri = {
+        "malformed": store.url("runs/export/step-4"),
+        "no such checkpoint": store.url("runs/export/checkpoints/step-00000099"),
+        "no such run": store.url("runs/nobody/checkpoints/step-00000004"),
+        "another run's checkpoint": store.url("runs/copied/checkpoints/step-00000004"),
+        "folder in use": store.url(CHECKPOINT),
+    }[case]
     if case == "another run's checkpoint":  # a run folder copied under another name
         copy = _copy_store(store, tmp_path)
         shutil.copytree(copy.local_path("runs/export"), copy.local_path("runs/copied"))
@@ -157,6 +178,9 @@ def test_a_checkpoint_that_fails_its_full_check_is_not_exported(trained, tmp_pat
     data = copy.read_bytes(f"{CHECKPOINT}/{shard}")
     copy.write_bytes(f"{CHECKPOINT}/{shard}", data[:64] + bytes([data[64] ^ 1]) + data[65:])
     out = _cli("export", copy.url(CHECKPOINT), str(tmp_path / "hf"))
-    _refused(out, f"CheckpointInvalid: checkpoint {copy.url(CHECKPOINT)} is not valid: {shard} "
-             "fails its sha256 checksum", str(tmp_path / "hf"))
+    _refused(
+        out,
+        f"CheckpointInvalid: checkpoint {copy.url(CHECKPOINT)} is not valid: {shard} fails its sha256 checksum",
+        str(tmp_path / "hf"),
+    )
     assert json.loads(copy.read_bytes(f"{CHECKPOINT}/_invalid.json"))["reason"]

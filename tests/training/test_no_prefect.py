@@ -5,8 +5,10 @@ from tests.conftest import ROOT
 
 
 def test_training_package_runs_without_the_orchestrator():
-    code = ("import sys, training.train, training.evaluate, training.loop, training.checkpoint, "
-            "training.export; "
-            "bad = [m for m in sys.modules if m == 'prefect' or m.startswith('prefect.')]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, training.train, training.evaluate, training.loop, training.checkpoint, "
+        "training.export; "
+        "bad = [m for m in sys.modules if m == 'prefect' or m.startswith('prefect.')]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

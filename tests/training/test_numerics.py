@@ -43,10 +43,10 @@ def _launch(cfg, store, shards, run, fault):
     for env in launcher.gang.envs:
         env.update({"STOKER_FAULT": fault, "GLOO_SOCKET_IFNAME": "lo"} if fault else {})
     log = _Log()
-    result = TrainingResult(final_step=0, final_checkpoint_key=None, final_checkpoint_uri=None,
-                            resumed_from_step=0, attempts=1, seconds=0.0)
-    monitor = TrainingMonitor(result, cfg.train.max_steps, log, on_progress=lambda pct: None,
-                              on_commit=None)
+    result = TrainingResult(
+        final_step=0, final_checkpoint_key=None, final_checkpoint_uri=None, resumed_from_step=0, attempts=1, seconds=0.0
+    )
+    monitor = TrainingMonitor(result, cfg.train.max_steps, log, on_progress=lambda pct: None, on_commit=None)
     try:
         with pytest.raises(TrainingFailed) as failed:
             launch_attempt(launcher, monitor, store, run, "flow-run", 1, 0)
@@ -59,17 +59,24 @@ def _steps(store, run):
     return sorted(r.step for r in list_checkpoints(store, run) if validate_checkpoint(store, r.key))
 
 
-@pytest.mark.parametrize("fault,lr,log_interval,bad_step", [
-    ("nan:rank=0:step=3", 1e-2, 4, 3),  # an injected NaN loss, found on the next log step (4)
-    ("", 1e6, 100, 2),  # a real divergence (AdamW at lr 1e6 is NaN at step 2), found before a save
-], ids=["injected-found-on-a-log-step", "diverging-lr-found-before-a-save"])
+@pytest.mark.parametrize(
+    "fault,lr,log_interval,bad_step",
+    [
+        ("nan:rank=0:step=3", 1e-2, 4, 3),  # an injected NaN loss, found on the next log step (4)
+        ("", 1e6, 100, 2),  # a real divergence (AdamW at lr 1e6 is NaN at step 2), found before a save
+    ],
+    ids=["injected-found-on-a-log-step", "diverging-lr-found-before-a-save"],
+)
 def test_nan_loss_fails_the_run_permanently_naming_the_step_and_commits_nothing_after_it(
-        tiny_config, fault, lr, log_interval, bad_step):
+    tiny_config, fault, lr, log_interval, bad_step
+):
     run = "diverge"
-    cfg = tiny_config(run_name=run, train={"max_steps": 8, "log_interval": log_interval, "lr": lr,
-                                           "warmup_steps": 0, "min_lr": 0},
-                      checkpoint={"interval_steps": 2 if fault else 1},
-                      eval={"per_checkpoint_enabled": False, "interval_steps": 100})
+    cfg = tiny_config(
+        run_name=run,
+        train={"max_steps": 8, "log_interval": log_interval, "lr": lr, "warmup_steps": 0, "min_lr": 0},
+        checkpoint={"interval_steps": 2 if fault else 1},
+        eval={"per_checkpoint_enabled": False, "interval_steps": 100},
+    )
     store, shards = _stage(cfg, run)
     err, result, lines = _launch(cfg, store, shards, run, fault)
     what = f"non-finite loss at step {bad_step}"
@@ -88,12 +95,13 @@ def test_nan_loss_fails_the_run_permanently_naming_the_step_and_commits_nothing_
 
 def test_skip_drops_a_transient_nan_step_and_the_run_completes(tiny_config):
     run = "skipper"
-    cfg = tiny_config(run_name=run, train={"max_steps": 6, "nonfinite": "skip",
-                                           "nonfinite_skip_limit": 2},
-                      checkpoint={"interval_steps": 3})
+    cfg = tiny_config(
+        run_name=run,
+        train={"max_steps": 6, "nonfinite": "skip", "nonfinite_skip_limit": 2},
+        checkpoint={"interval_steps": 3},
+    )
     store, shards = _stage(cfg, run)
-    records = run_ranks(store.url(f"runs/{run}/config.json"), shards.key,
-                        env={"STOKER_FAULT": "nan:rank=0:step=3"})
+    records = run_ranks(store.url(f"runs/{run}/config.json"), shards.key, env={"STOKER_FAULT": "nan:rank=0:step=3"})
     skipped = [r for r in records if r["event"] == "nonfinite"]
     assert [(r["step"], r["action"], r["what"]) for r in skipped] == [(3, "skipped", "loss")]
     losses = {r["step"]: r["loss"] for r in records if r["event"] == "train"}
@@ -106,9 +114,12 @@ def test_skip_drops_a_transient_nan_step_and_the_run_completes(tiny_config):
 
 def test_skip_fails_once_past_its_limit(tiny_config):
     run = "toomany"
-    cfg = tiny_config(run_name=run, train={"max_steps": 8, "nonfinite": "skip",
-                                           "nonfinite_skip_limit": 2},
-                      checkpoint={"interval_steps": 2}, eval={"per_checkpoint_enabled": False})
+    cfg = tiny_config(
+        run_name=run,
+        train={"max_steps": 8, "nonfinite": "skip", "nonfinite_skip_limit": 2},
+        checkpoint={"interval_steps": 2},
+        eval={"per_checkpoint_enabled": False},
+    )
     store, shards = _stage(cfg, run)
     err, result, _ = _launch(cfg, store, shards, run, "nan:rank=1:step=3:count=3")
     assert not err.transient and "non-finite loss at step 5" in str(err), str(err)
@@ -123,8 +134,9 @@ def _trainer(cfg, store, shards, tmp_path):
     from stoker.training.loop import RankInfo, Trainer
 
     cache, key = str(tmp_path / "cache"), shards.key.rsplit("/", 1)[-1]
-    return Trainer(cfg, RankInfo(0, 0, 1, torch.device("cpu")), materialize(store, key, cache),
-                   store, key, cache_dir=cache)
+    return Trainer(
+        cfg, RankInfo(0, 0, 1, torch.device("cpu")), materialize(store, key, cache), store, key, cache_dir=cache
+    )
 
 
 def test_resume_passes_over_a_nan_checkpoint_committed_the_old_way(tiny_config, tmp_path):
@@ -132,8 +144,9 @@ def test_resume_passes_over_a_nan_checkpoint_committed_the_old_way(tiny_config, 
     manifest. The choice cannot see it (no metrics say so); the resume path's check of the
     loaded weights does: it is marked invalid and the ranks resume from the one before."""
     run = "oldnan"
-    cfg = tiny_config(run_name=run, train={"max_steps": 8}, checkpoint={"async_enabled": False},
-                      launch={"nproc_per_node": 1})
+    cfg = tiny_config(
+        run_name=run, train={"max_steps": 8}, checkpoint={"async_enabled": False}, launch={"nproc_per_node": 1}
+    )
     store, shards = _stage(cfg, run)
     trainer = _trainer(cfg, store, shards, tmp_path)
     try:
@@ -196,6 +209,7 @@ def _count_host_reads(monkeypatch, reads: list) -> None:
         def counted(self, *a, _original=original, _name=name, **k):
             reads.append(_name)
             return _original(self, *a, **k)
+
         monkeypatch.setattr(torch.Tensor, name, counted)
 
 
@@ -238,11 +252,13 @@ def test_the_guard_adds_no_host_sync_on_non_log_steps(tiny_config, tmp_path, mon
     assert len(skipping) > len(unguarded) / 3, (skipping, unguarded)
 
 
-@pytest.mark.parametrize("train,says", [
-    ({"nonfinite": "explode"},
-     "train.nonfinite: Input should be 'fail' or 'skip' (got 'explode'); use 'fail'"),
-    ({"nonfinite_skip_limit": -1}, "train.nonfinite_skip_limit: must be >= 0 (got -1); a small count"),
-])
+@pytest.mark.parametrize(
+    "train,says",
+    [
+        ({"nonfinite": "explode"}, "train.nonfinite: Input should be 'fail' or 'skip' (got 'explode'); use 'fail'"),
+        ({"nonfinite_skip_limit": -1}, "train.nonfinite_skip_limit: must be >= 0 (got -1); a small count"),
+    ],
+)
 def test_a_bad_numerics_policy_is_one_clear_config_error(train, says):
     from stoker.core.config import load_config
     from stoker.core.failures import ConfigError

@@ -24,8 +24,9 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(tiny_config, ranks):
     """With 4 ranks a ring all-reduce adds more than two numbers, so the order of gradients in
     DDP's buckets matters: DDP's rebuild of its buckets after its first step would differ
     between the unbroken run and the resumed one (train.deterministic keeps them fixed)."""
-    cfg = tiny_config(run_name="bitwise", train={"max_steps": 6}, checkpoint={"interval_steps": 3},
-                      launch={"nproc_per_node": ranks})
+    cfg = tiny_config(
+        run_name="bitwise", train={"max_steps": 6}, checkpoint={"interval_steps": 3}, launch={"nproc_per_node": ranks}
+    )
     store, shards = prepare_shards(cfg)
     store.write_bytes("runs/bitwise/config.json", cfg.to_json().encode())
     config_url = store.url("runs/bitwise/config.json")
@@ -108,13 +109,35 @@ def test_a_permanent_failure_is_not_restarted(tiny_config, tmp_path):
     store, shards = prepare_shards(cfg)
     store.write_bytes("runs/perm/config.json", cfg.to_json().encode())
     marker = tmp_path / "permanent.json"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "STOKER_FAULT": "raise:rank=0:step=2",
-           "STOKER_PERMANENT_FAILURE_FILE": str(marker)}
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "STOKER_FAULT": "raise:rank=0:step=2",
+        "STOKER_PERMANENT_FAILURE_FILE": str(marker),
+    }
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=3", "--tee=3", "-m", "stoker.training.train",
-         "--config", store.url("runs/perm/config.json"), "--shards", shards.key],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            "--max-restarts=3",
+            "--tee=3",
+            "-m",
+            "stoker.training.train",
+            "--config",
+            store.url("runs/perm/config.json"),
+            "--shards",
+            shards.key,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode != 0 and marker.exists()
     trains = [l for l in out.stdout.splitlines() if '"event": "train"' in l and '"step": 1,' in l]
     # the first attempt trained step 1; the restarts ended at once without training again

@@ -31,8 +31,11 @@ def _model():
 def test_a_pickle_payload_planted_as_checkpoint_metadata_is_refused_not_run(tmp_path):
     folder = tmp_path / "ckpt"
     model = _model()
-    dcp.save({f"model.{n}": p.detach() for n, p in model.named_parameters()},
-             storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    dcp.save(
+        {f"model.{n}": p.detach() for n, p in model.named_parameters()},
+        storage_writer=dcp.FileSystemWriter(str(folder)),
+        no_dist=True,
+    )
     marker = tmp_path / "pwned"
     with open(folder / ".metadata", "wb") as f:
         pickle.dump(_Payload(marker), f)
@@ -43,8 +46,11 @@ def test_a_pickle_payload_planted_as_checkpoint_metadata_is_refused_not_run(tmp_
 
 def test_real_checkpoint_metadata_passes_the_allowlist(tmp_path):
     model = _model()
-    dcp.save({f"model.{n}": p.detach() for n, p in model.named_parameters()},
-             storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    dcp.save(
+        {f"model.{n}": p.detach() for n, p in model.named_parameters()},
+        storage_writer=dcp.FileSystemWriter(str(tmp_path)),
+        no_dist=True,
+    )
     meta = SafeReader(str(tmp_path)).read_metadata()
     assert "model.wte.weight" in meta.state_dict_metadata
     fresh = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8), 50, seed=1)
