@@ -5,7 +5,7 @@ export DO_NOT_TRACK ?= 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export GLOO_SOCKET_IFNAME ?= lo
 
-.PHONY: run test bench setup setup-test
+.PHONY: run test test-quick lint bench setup setup-test
 
 setup:
 	PYTHON=$(PY) bash scripts/setup.sh
@@ -21,6 +21,15 @@ run: setup
 PYTEST_WORKERS ?= 2
 test: setup-test
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+## The quick subset: no flow run on a Prefect server, no notebook, no browser
+test-quick: setup-test
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not e2e" $(PYTEST_ARGS)
+
+## ruff: the format and the lint rules of pyproject.toml (fix: ruff format . && ruff check --fix .)
+lint: setup-test
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
 
 ## Benchmarks: each prints a ratio against a baseline measured in the same run
 bench: setup
