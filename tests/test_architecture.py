@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-ROOMS = ("core", "storage", "data", "launch", "training", "tasks", "flows", "cli")
+ROOMS = ("core", "storage", "data", "launch", "training", "observe", "tasks", "flows", "cli")
 MAY_IMPORT = {
     "cli": {"core", "tasks", "flows", "cli"},
     "core": {"core"},
@@ -17,11 +17,13 @@ MAY_IMPORT = {
     "data": {"core", "storage", "data"},
     "launch": {"core", "storage", "launch"},
     "training": {"core", "storage", "training"},
-    "tasks": {"core", "data", "launch", "storage", "tasks"},
+    "observe": {"core", "storage", "observe"},
+    "tasks": {"core", "data", "launch", "observe", "storage", "tasks"},
     "flows": {"core", "tasks", "flows"},
 }
 NEVER = {
     "cli": {"torch"},
+    "observe": {"torch", "prefect"},
     "launch": {"torch"},
     "tasks": {"torch"},
     "flows": {"torch"},

@@ -49,7 +49,7 @@ class TrainingMonitor:
         sink: Callable[[events.Event], None] | None = None,
     ):
         """`sink` also gets every record, and each checkpoint evaluation as an Evaluated record
-        (launch.sinks: TensorBoard, MLflow)."""
+        (observe.sinks: TensorBoard, MLflow)."""
         self.result, self.max_steps, self.logger = result, max_steps, logger
         self.on_progress, self.on_commit, self.sink = on_progress, on_commit, sink
         self.last_pct = -1

@@ -12,18 +12,9 @@ from prefect.cache_policies import NO_CACHE
 from stoker.core.config import DataConfig, RayConfig, StorageConfig, TokenizerConfig
 from stoker.core.results import DatasetInfo, ShardInfo, TokenizerInfo
 from stoker.data import prepare
+from stoker.observe.report import vocabulary_note
 from stoker.storage.store import Store
 from stoker.tasks.policy import BACKOFF, JITTER, retry_if_transient
-
-
-def vocabulary_note(got: int, asked: int) -> str:
-    """Said when the tokenizer has fewer ids than tokenizer.vocab_size (the run report too)."""
-    return (
-        f"the tokenizer has {got} ids, fewer than tokenizer.vocab_size={asked}: the corpus "
-        f"gave BPE no more merges (or the given tokenizer is smaller); the model's embedding "
-        f"keeps {asked} rows, {asked - got} of them never used. Use more data or set "
-        f"tokenizer.vocab_size={got}."
-    )
 
 
 def _store(storage: StorageConfig) -> Store:

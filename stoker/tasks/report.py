@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import base64
-import io
-import json
-import statistics
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -13,8 +10,18 @@ from prefect.cache_policies import NO_CACHE
 
 from stoker.core.config import RunConfig
 from stoker.core.results import EvalResult, PipelineResult, ResumePoint, ShardInfo, TrainingResult
+from stoker.observe.report import (
+    LOSS_CURVE_FILE,
+    checkpoint_rows,
+    loss_curve_png,
+    report_markdown,
+    rounded,
+    run_history,
+    slug,
+    throughput_summary,
+)
 from stoker.storage.checkpoints import list_checkpoints
-from stoker.storage.layout import METRICS_FILE, checkpoints_key, run_file_key, run_key
+from stoker.storage.layout import METRICS_FILE, run_file_key, run_key
 from stoker.storage.store import Store
 
 
@@ -23,62 +30,7 @@ def artifact_key(run: str, what: str) -> str:
     an earlier report), findable per stoker run by its prefix."""
     from prefect.runtime import flow_run
 
-    return f"{_slug(run)}-{what}-{str(flow_run.id or 'local')[:8]}"
-
-
-def run_history(store: Store, run: str) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-    """(train, validation) losses by step over every attempt of the run, from metrics.jsonl
-    (a step logged twice, before and after a resume, keeps its last value)."""
-    train: dict[int, float] = {}
-    val: dict[int, float] = {}
-    key = run_file_key(run, METRICS_FILE)
-    if not store.exists(key):
-        return [], []
-    for line in store.read_bytes(key).decode("utf-8", "replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("event") == "train":
-            train[int(record["step"])] = float(record["loss"])
-        elif record.get("event") == "eval":
-            val[int(record["step"])] = float(record["val_loss"])
-    return sorted(train.items()), sorted(val.items())
-
-
-def loss_curve_png(
-    train: list[tuple[int, float]], val: list[tuple[int, float]], final: EvalResult | None, title: str
-) -> bytes:
-    """The loss curve (train, validation during training, the final checkpoint's evaluation)
-    as a PNG, drawn with matplotlib's Agg backend (no display)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4), dpi=100)
-    ax = fig.add_subplot()
-    if train:
-        ax.plot(*zip(*train), label="train loss (ranks' average at each log step)", linewidth=1.2)
-    if val:
-        ax.plot(*zip(*val), "o-", label="validation loss during training (eval.num_batches batches)")
-    if final is not None:
-        ax.plot(
-            [final.step],
-            [final.val_loss],
-            "*",
-            markersize=14,
-            label=f"final checkpoint, whole validation split ({final.windows} windows)",
-        )
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats per token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
+    return f"{slug(run)}-{what}-{str(flow_run.id or 'local')[:8]}"
 
 
 @task(name="report", cache_policy=NO_CACHE, persist_result=False)
@@ -132,7 +84,7 @@ def report(
     create_markdown_artifact(
         key=artifact_key(run, "report"),
         description=f"summary of {run}",
-        markdown=_report_markdown(
+        markdown=report_markdown(
             run,
             store,
             shards,
@@ -147,123 +99,3 @@ def report(
         ),
     )
     return result
-
-
-def _vocabulary_line(got: int, asked: int) -> str:
-    from stoker.tasks.data import vocabulary_note
-
-    return f"{got} ids" if got >= asked else vocabulary_note(got, asked)
-
-
-def _report_markdown(
-    run, store, shards, resume, training, evaluation, result, curve, val_curve, nothing_trained, config_vocab
-) -> str:
-    final = (
-        f"**{evaluation.val_loss:.4f}** (perplexity {evaluation.val_ppl:.1f}) at step "
-        f"{evaluation.step}, over the whole validation split ({evaluation.windows} windows)"
-        if evaluation
-        else "n/a"
-    )
-    evals = "\n".join(f"| {s} | {v:.4f} |" for s, v in val_curve) or "| - | - |"
-    what = (
-        "nothing to train: the run had already reached train.max_steps"
-        if nothing_trained
-        else f"steps {resume.step} -> {training.final_step}"
-    )
-    return f"""# {run}
-- {what}
-- throughput: {_throughput_line(result)}
-- checkpoints given up or dropped (never committed): {training.failed_checkpoints or "none"}; in-place restarts: {training.restarts}
-- steps skipped for a NaN/inf loss or gradient norm (train.nonfinite=skip): {training.skipped_steps or "none"}
-- attempts: {result.num_attempts}, steps lost to failures: {result.steps_lost}, goodput: {_round(result.goodput, 2)}
-{_attempt_lines(training.attempt_log)}
-- final checkpoint: `{training.final_checkpoint_uri}`
-- shards: `{shards.url}` ({"cache hit" if shards.cache_hit else "tokenized"}; {shards.num_train_tokens:,} train tokens)
-- tokenizer: {_vocabulary_line(shards.vocab_size, config_vocab)}
-- checkpoints: `{store.url(checkpoints_key(run))}`
-- metrics: `{result.metrics_uri}`
-
-## Loss
-{curve}
-Two validation losses, measured differently:
-- **during training**, every eval.interval_steps, the ranks average the loss over
-  eval.num_batches batches of the validation split (quick, a sample);
-- **the final checkpoint's evaluation**, in a process of its own after training, reads the
-  whole validation split: {final}.
-
-| step | validation loss during training |
-|---|---|
-{evals}
-"""
-
-
-def _round(value, digits: int):
-    return None if value is None else round(value, digits)
-
-
-def throughput_summary(rows: list[dict]) -> dict:
-    """Medians over the log steps after the first (which holds start-up and compilation)."""
-    steady = rows[1:] or rows
-
-    def median(key):
-        values = [r[key] for r in steady if r.get(key) is not None]
-        return statistics.median(values) if values else None
-
-    peaks = [r["peak_memory_gb"] for r in rows if r.get("peak_memory_gb") is not None]
-    return {
-        "tokens_per_second": median("tokens_per_second"),
-        "mfu": median("mfu"),
-        "peak_memory_gb": max(peaks) if peaks else None,
-    }
-
-
-def _throughput_line(result) -> str:
-    if result.tokens_per_second is None:
-        return "n/a"
-    line = f"{result.tokens_per_second:,.0f} tokens/s (median)"
-    if result.mfu is not None:
-        line += f", MFU {100 * result.mfu:.1f}%"
-    if result.peak_memory_gb is not None:
-        line += f", peak GPU memory {result.peak_memory_gb:.1f} GB"
-    return line
-
-
-def checkpoint_rows(training: TrainingResult, final: EvalResult | None, retained: set[str] | None = None) -> list[dict]:
-    """One row per committed checkpoint: step, URI, whether retention kept it, size, upload
-    seconds, validation loss (rounded for reading)."""
-    losses = {e.checkpoint_uri: e.val_loss for e in training.evaluations}
-    if final is not None:
-        losses[final.checkpoint_uri] = final.val_loss
-    return [
-        {
-            "step": c["step"],
-            "uri": c["uri"],
-            "retained": "yes" if retained is None or c["uri"] in retained else "no (deleted by retention)",
-            "size_mb": (c.get("bytes") or 0) / 1e6,
-            "upload_seconds": c.get("upload_seconds"),
-            "val_loss": losses.get(c["uri"]),
-        }
-        for c in training.checkpoints
-    ]
-
-
-def rounded(rows: list[dict]) -> list[dict]:
-    """The rows as the UI's table shows them: numbers rounded for reading (the result keeps
-    them whole)."""
-    digits = {"size_mb": 1, "upload_seconds": 2, "val_loss": 4}
-    return [{k: _round(v, digits[k]) if k in digits else v for k, v in row.items()} for row in rows]
-
-
-def _attempt_lines(attempts: list[dict]) -> str:
-    return "\n".join(
-        f"  - attempt {a['attempt']}: steps {a['resumed_from_step']} -> {a['reached_step']}, "
-        f"{a['outcome']}, {a.get('steps_lost', 0)} step(s) lost"
-        for a in attempts
-    )
-
-
-LOSS_CURVE_FILE = "loss-curve.png"
-
-
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in name.lower())

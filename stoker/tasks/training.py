@@ -18,7 +18,8 @@ from stoker.launch import make_launcher
 from stoker.launch.attempts import launch_attempt
 from stoker.launch.devices import device_problems
 from stoker.launch.monitor import TrainingMonitor
-from stoker.launch.sinks import open_sinks, sink_problems
+from stoker.observe.report import rounded
+from stoker.observe.sinks import open_sinks, sink_problems
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.runs import pin_run_folder, store_problem
 from stoker.storage.store import Store
@@ -27,7 +28,7 @@ from stoker.tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
 from stoker.tasks.lease import held_lease, on_lease_lost
 from stoker.tasks.policy import BACKOFF, JITTER, retry_if_transient
 from stoker.tasks.publish import FLUSH_SECONDS, BestEffortPublisher
-from stoker.tasks.report import artifact_key, rounded
+from stoker.tasks.report import artifact_key
 
 
 def _store(storage: StorageConfig) -> Store:

@@ -12,7 +12,7 @@ import pytest
 
 from stoker.core import events
 from stoker.core.config import load_config
-from stoker.launch.sinks import RUN_TAG, MetricSinks, open_sinks, scalars
+from stoker.observe.sinks import RUN_TAG, MetricSinks, open_sinks, scalars
 from stoker.storage.store import Store
 from tests.conftest import tiny_dict
 
@@ -203,7 +203,7 @@ def test_the_sinks_and_the_export_command_load_no_torch_in_the_orchestrator(tmp_
 import logging, sys
 from stoker.core import events
 from stoker.core.config import load_config
-from stoker.launch.sinks import open_sinks
+from stoker.observe.sinks import open_sinks
 from tests.conftest import tiny_dict
 import stoker.cli
 import stoker.tasks.export
