@@ -282,7 +282,6 @@ class _WorkerGang:
                             stderr=log,
                             stdin=subprocess.DEVNULL,
                             env=env,
-                            cwd=work_dir,
                         )
                     )
         except BaseException:
