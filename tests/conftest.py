@@ -325,6 +325,20 @@ def tiny_dict(root: str, **sections) -> dict:
     return base
 
 
+def tiny_sets(**sections) -> list[str]:
+    """tiny_dict's fields (storage.root left to the caller) as `stoker run` arguments:
+    ["--set", "data.max_bytes=300000", ...]; `sections` as in tiny_dict."""
+    import json
+
+    out = []
+    for section, values in tiny_dict("", **sections).items():
+        if section == "storage":
+            continue
+        for key, value in values.items():
+            out += ["--set", f"{section}.{key}={json.dumps(value)}"]
+    return out
+
+
 @pytest.fixture
 def tiny_config(tmp_path):
     from stoker.core.config import load_config
