@@ -11,15 +11,19 @@ is written to ``{root}/runs/{run_name}/config.json``, and is what every torch ra
 - ``problems``: a validation error told as one line per field with its fix (and the closest
   name for an unknown key).
 - ``load``: ``load_config`` from a recipe, a YAML/JSON file, a dict or a model, with dotted
-  overrides; ``local_resource_problems``, what only this host can check (the local data and
-  tokenizer files, the optional packages); ``field_table``.
+  overrides (``build_config``: the same, leaving the local files to the caller);
+  ``local_resource_problems``, what only this host can check (the local data and tokenizer
+  files, the optional packages); ``field_table``.
 
 The model never touches the filesystem (every rank re-validates config.json on its own host);
-``load_config`` reports both kinds in one ``ConfigError``.
+``load_config`` reports both kinds in one ``ConfigError``. Every other check of the host that
+is to run a config (GPUs, torch, the store, the credentials block, the metric sinks) is with
+these in ``stoker.preflight.problems``.
 """
 
 from stoker.core.config.load import (
     RECIPES_DIR,
+    build_config,
     field_table,
     load_config,
     local_resource_problems,
@@ -68,6 +72,7 @@ __all__ = [
     "StorageConfig",
     "TokenizerConfig",
     "TrainConfig",
+    "build_config",
     "default_root",
     "field_table",
     "load_config",

@@ -174,6 +174,18 @@ def load_config(source: "RunConfig | dict | str | Path | None" = None, **overrid
     Type, bound and cross-field problems and missing local files are reported together in
     one ConfigError.
     """
+    cfg = build_config(source, **overrides)
+    problems = local_resource_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def build_config(source: "RunConfig | dict | str | Path | None" = None, **overrides: Any) -> RunConfig:
+    """load_config without the check of the local files once the model holds: for a caller
+    that checks them with the rest of this host (``stoker.preflight.problems``), so every
+    problem comes at once. When the model fails, its problems come with those of the files,
+    as load_config's do."""
     if source is None:
         data: dict[str, Any] = {}
     elif isinstance(source, RunConfig):
@@ -218,7 +230,4 @@ def load_config(source: "RunConfig | dict | str | Path | None" = None, **overrid
         errors = err.errors()
         problems = [problem_line(e, RunConfig) for e in errors] + local_resource_problems(_resources_of(data, errors))
         raise ConfigError(problems) from None
-    problems = local_resource_problems(cfg)
-    if problems:
-        raise ConfigError(problems)
     return cfg
