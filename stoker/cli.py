@@ -31,6 +31,13 @@ def main(argv: list[str] | None = None) -> int:
         help="take the run over from another launch that holds its lease (it stops "
         "at its next heartbeat); same as --set launch.takeover=true",
     )
+    val = sub.add_parser(
+        "validate",
+        help="every problem of a config on this host (the model, local files, GPUs, torch, extras, "
+        "the store, the credentials block, MLflow) at once, without starting anything",
+    )
+    val.add_argument("--recipe", default="tiny-cpu", help="recipe name under stoker/recipes or a YAML/JSON file")
+    val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ev = sub.add_parser("evaluate", help="evaluate one checkpoint URI")
     ev.add_argument("checkpoint_uri")
     ex = sub.add_parser(
@@ -95,13 +102,10 @@ def check_api_reachable(timeout: float = 5.0) -> None:
     URL: stoker starts an embedded server). Any HTTP answer counts as there: only a refused
     connection or a time-out is reported."""
     import httpx
-    from prefect.settings import PREFECT_API_URL
 
     from stoker.core.failures import StokerError
 
-    # the environment first: a settings context entered earlier in this process (a notebook's,
-    # a test harness's) would otherwise hide the URL this command was given
-    url = os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value()
+    url = _api_url()
     if not url:
         return
     try:
@@ -115,18 +119,49 @@ def check_api_reachable(timeout: float = 5.0) -> None:
         ) from None
 
 
+def _api_url() -> str | None:
+    """The Prefect server this command was given (None: stoker starts an embedded one)."""
+    from prefect.settings import PREFECT_API_URL
+
+    # the environment first: a settings context entered earlier in this process (a notebook's,
+    # a test harness's) would otherwise hide the URL this command was given
+    return os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value()
+
+
 def _preflight(args) -> None:
     if args.command == "evaluate":
         from stoker.tasks.evaluate import check_checkpoint_uri
 
         check_checkpoint_uri(args.checkpoint_uri)
         return
-    from stoker.core.failures import ConfigError
-    from stoker.tasks.training import host_problems
+    from stoker.core.failures import ConfigError, is_transient
 
-    problems = host_problems(config_from_args(args.recipe, _sets(args)))
-    if problems:
-        raise ConfigError(problems)
+    try:
+        checked_config(args.recipe, _sets(args))
+    except ConfigError:
+        raise
+    except Exception as err:
+        if not is_transient(err):
+            raise
+        # the store or the tracking server does not answer for now: the flow's first task
+        # checks them again, and reports it there
+
+
+def checked_config(recipe: str, sets: list[str]):
+    """The config of `--recipe R --set K=V ...`, checked on this host before anything starts:
+    one ConfigError with every problem of the one preflight (``stoker.preflight``). A
+    credentials block is loaded only from a Prefect server that is up (PREFECT_API_URL);
+    without one the flow's first task loads it, and probes the store with it."""
+    from stoker import preflight
+    from stoker.core.config import build_config
+
+    config = build_config(recipe, **_overrides(sets))
+    load = None
+    if config.storage.credentials_block and _api_url():
+        from stoker.tasks.credentials import use_store_credentials as load
+
+        check_api_reachable()
+    return preflight.check(config, load_credentials=load)
 
 
 def _end_group(pgid: int, grace: float = 5.0) -> None:
@@ -212,9 +247,15 @@ def _sets(args) -> list[str]:
 
 def config_from_args(recipe: str, sets: list[str]):
     """The checked config of `--recipe R --set K=V ...`; ConfigError for anything wrong."""
+    from stoker.core.config import load_config
+
+    return load_config(recipe, **_overrides(sets))
+
+
+def _overrides(sets: list[str]) -> dict:
+    """`--set KEY=VALUE` items as dotted keys, each value read as YAML."""
     import yaml
 
-    from stoker.core.config import load_config
     from stoker.core.failures import ConfigError
 
     overrides = {}
@@ -229,7 +270,7 @@ def config_from_args(recipe: str, sets: list[str]):
             raise ConfigError(
                 [f"--set {item!r}: the value is not valid YAML ({why}); quote it, e.g. --set run_name='my-run'"]
             ) from None
-    return load_config(recipe, **overrides)
+    return overrides
 
 
 def _root(given: str | None) -> str:
@@ -290,9 +331,32 @@ def _inspect(args) -> int:
     return 1
 
 
+def _validate(args) -> int:
+    """`stoker validate`: the checks `stoker run` makes before it starts, and nothing else."""
+    from stoker.core.failures import ConfigError, StokerError, describe, is_transient
+
+    try:
+        config = checked_config(args.recipe, args.set)
+    except ConfigError:
+        raise
+    except Exception as err:
+        if not is_transient(err):
+            raise
+        raise StokerError(f"the checks could not finish: {describe(err)}; try again") from None
+    print(f"run {config.resolved_run_name()}: no problem found on this host")
+    if config.storage.credentials_block and not _api_url():
+        print(
+            f"storage.credentials_block {config.storage.credentials_block!r} was not loaded (no "
+            "PREFECT_API_URL): the flow's first task loads it and probes the store with it"
+        )
+    return 0
+
+
 def _command(args) -> int:
     if args.command in ("runs", "checkpoints", "verify", "config"):
         return _inspect(args)
+    if args.command == "validate":
+        return _validate(args)
     if args.command == "deploy":
         from stoker.flows.deploy import deploy
 

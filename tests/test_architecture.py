@@ -9,21 +9,24 @@ import pytest
 
 from tests.conftest import ROOT
 
-ROOMS = ("core", "storage", "data", "launch", "training", "observe", "tasks", "flows", "cli")
+ROOMS = ("core", "storage", "data", "launch", "training", "observe", "preflight", "tasks", "flows", "cli")
 MAY_IMPORT = {
-    "cli": {"core", "tasks", "flows", "cli"},
+    "cli": {"core", "preflight", "tasks", "flows", "cli"},
     "core": {"core"},
     "storage": {"core", "storage"},
     "data": {"core", "storage", "data"},
     "launch": {"core", "storage", "launch"},
     "training": {"core", "storage", "training"},
     "observe": {"core", "storage", "observe"},
-    "tasks": {"core", "data", "launch", "observe", "storage", "tasks"},
-    "flows": {"core", "tasks", "flows"},
+    # the one preflight (stoker/preflight.py): every check of the host, gathered from the rooms below
+    "preflight": {"core", "storage", "data", "launch", "observe", "preflight"},
+    "tasks": {"core", "data", "launch", "observe", "storage", "preflight", "tasks"},
+    "flows": {"core", "preflight", "tasks", "flows"},
 }
 NEVER = {
     "cli": {"torch"},
     "observe": {"torch", "prefect"},
+    "preflight": {"torch", "prefect"},
     "launch": {"torch"},
     "tasks": {"torch"},
     "flows": {"torch"},

@@ -3,6 +3,7 @@ and reading them back from a checkpoint URL."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass
 
@@ -24,13 +25,17 @@ from stoker.storage.store import Store, join
 def store_problem(store: Store) -> str:
     """'' when the store root can be written (a tiny probe object, written and removed), else
     one line naming storage.root and the fix. Permanent failures only (a missing bucket,
-    access denied); a store that is merely unreachable raises, to be retried."""
+    access denied); a store that is merely unreachable raises, to be retried. A local root
+    that does not exist yet is probed in the nearest folder that does, where it would be
+    made: the probe leaves no folder behind (a config refused for another reason writes
+    nothing)."""
     from stoker.core.failures import describe, is_transient
 
     probe = f".stoker-probe-{uuid.uuid4().hex[:12]}"
+    where = Store("file://" + _nearest_folder(store.local_path())) if store.is_local else store
     try:
-        store.write_bytes(probe, b"")
-        store.rm(probe)
+        where.write_bytes(probe, b"")
+        where.rm(probe)
     except Exception as err:
         if is_transient(err):
             raise
@@ -39,6 +44,15 @@ def store_problem(store: Store) -> str:
             "bucket or folder, fix its name, or give credentials that may write there."
         )
     return ""
+
+
+def _nearest_folder(root: str) -> str:
+    """Where the probe of a local root goes: the root when it exists, else the nearest folder
+    above it (where it would be made). A file in the way: the root, whose making fails."""
+    path = root
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path if os.path.isdir(path) else root
 
 
 def pin_run_folder(store: Store, config: RunConfig, shards: ShardInfo) -> str:

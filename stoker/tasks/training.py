@@ -10,18 +10,17 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
+from stoker import preflight
 from stoker.core import events
-from stoker.core.config import RunConfig, StorageConfig, local_resource_problems
-from stoker.core.failures import ConfigError
+from stoker.core.config import RunConfig, StorageConfig
 from stoker.core.results import ResumePoint, ShardInfo, TrainingResult
 from stoker.launch import make_launcher
 from stoker.launch.attempts import launch_attempt
-from stoker.launch.devices import device_problems
 from stoker.launch.monitor import TrainingMonitor
 from stoker.observe.report import rounded
-from stoker.observe.sinks import open_sinks, sink_problems
+from stoker.observe.sinks import open_sinks
 from stoker.storage.checkpoints import find_latest_valid
-from stoker.storage.runs import pin_run_folder, store_problem
+from stoker.storage.runs import pin_run_folder
 from stoker.storage.store import Store
 from stoker.tasks.credentials import use_store_credentials
 from stoker.tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
@@ -64,31 +63,13 @@ def accelerator_slot(limit_name: str, logger):
         yield
 
 
-def host_problems(config: RunConfig) -> list[str]:
-    """What this host lacks for the config: the local files it names, the GPUs it asks for."""
-    return local_resource_problems(config) + device_problems(config)
-
-
 @task(name="validate_config", cache_policy=NO_CACHE, persist_result=False)
 def validate_config(config: RunConfig) -> RunConfig:
-    """Every problem of the config at once, before anything is computed or written: the
-    model's rules, the local files it names, the GPUs it needs, and whether the store root
-    can be written."""
-    problems = host_problems(config)
-    try:
-        config = config.check()
-    except ConfigError as err:
-        problems = err.problems + problems
-    if problems:
-        raise ConfigError(problems)
-    use_store_credentials(config.storage)  # a named credentials block: loaded, or one clear error
-    problem = store_problem(_store(config.storage))
-    if problem:
-        raise ConfigError([problem])
-    problems = sink_problems(config)  # an MLflow tracking URI that cannot be used
-    if problems:
-        raise ConfigError(problems)
-    return config
+    """Every problem of the config at once, before anything is computed or written: the one
+    preflight (``stoker.preflight``: the model's rules, the local files it names, the GPUs and
+    torch it needs, the credentials block, whether the store root can be written and the
+    MLflow tracking URI used). The credentials block stays in use for the run's tasks."""
+    return preflight.check(config, load_credentials=use_store_credentials)
 
 
 @task(

@@ -1,0 +1,207 @@
+"""The run configuration: ``RunConfig``, the tree of every section, with the run's identity
+(the hashes that name a run and its model, the resolved run name) and the rules that span
+sections.
+
+Rules that span sections run in one wrap validator on ``RunConfig`` that still runs when other
+fields failed, so one pass reports every problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Callable
+
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+from stoker.core.config.problems import problem_lines
+from stoker.core.config.sections import (
+    CheckpointConfig,
+    DataConfig,
+    EngineConfig,
+    EvalConfig,
+    LaunchConfig,
+    MetricsConfig,
+    ModelConfig,
+    RayConfig,
+    StorageConfig,
+    TokenizerConfig,
+    TrainConfig,
+    _field,
+    _rule,
+    _Section,
+)
+from stoker.core.failures import ConfigError
+
+
+# ---- rules that span sections --------------------------------------------------------------
+def _batch_divides(
+    global_batch_size: int, micro_batch_size: int, num_nodes: int, nproc_per_node: int
+) -> PydanticCustomError | None:
+    world = num_nodes * nproc_per_node
+    per_pass = world * micro_batch_size
+    if global_batch_size % per_pass:
+        return _rule(
+            f"is not divisible by world_size x micro_batch_size = {world} x {micro_batch_size} = {per_pass}",
+            f"use a multiple of {per_pass} (e.g. {per_pass * max(1, global_batch_size // per_pass)})",
+        )
+    return None
+
+
+def _ids_fit_dtype(token_dtype: str, vocab_size: int) -> PydanticCustomError | None:
+    if token_dtype == "uint16" and vocab_size > 65536:
+        return _rule(
+            f"uint16 holds token ids below 65536, and tokenizer.vocab_size is {vocab_size}",
+            "use 'uint32' or 'auto', or a vocabulary of at most 65536",
+        )
+    return None
+
+
+_Loc = tuple[str, str]
+# (the field a rule reports on, the fields it reads in order of its arguments, the rule)
+_CROSS_SECTION_RULES: list[tuple[_Loc, tuple[_Loc, ...], Callable[..., Any]]] = [
+    (
+        ("train", "global_batch_size"),
+        (
+            ("train", "global_batch_size"),
+            ("train", "micro_batch_size"),
+            ("launch", "num_nodes"),
+            ("launch", "nproc_per_node"),
+        ),
+        _batch_divides,
+    ),
+    (("data", "token_dtype"), (("data", "token_dtype"), ("tokenizer", "vocab_size")), _ids_fit_dtype),
+]
+
+
+def _overlaps(loc: tuple, path: tuple) -> bool:
+    """Whether an error at ``loc`` (a field, a section, or the whole input) touches ``path``."""
+    n = min(len(loc), len(path))
+    return tuple(loc[:n]) == tuple(path[:n])
+
+
+def _read(source: Any, path: _Loc) -> Any:
+    """A field's value from a RunConfig, or from raw input (a field that failed nowhere
+    validates alone to the same value; one that is absent is its default)."""
+    section_name, name = path
+    section = source.get(section_name) if isinstance(source, dict) else getattr(source, section_name, None)
+    if isinstance(section, BaseModel):
+        return getattr(section, name)
+    field = RunConfig.model_fields[section_name].annotation.model_fields[name]
+    if not isinstance(section, dict) or name not in section:
+        return field.get_default(call_default_factory=True)
+    return TypeAdapter(field.annotation).validate_python(section[name])
+
+
+class RunConfig(_Section):
+    """Everything a pretraining run needs, in one tree."""
+
+    run_name: str | None = _field(
+        None,
+        "Name of the run folder. Empty: derived from the config, so the same config resumes the same run.",
+        fix="use letters, digits, '.', '_' or '-' (max 128), starting with a letter or digit",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+    )
+    recipe: str | None = _field(
+        None,
+        "The recipe this config started from (load_config sets it from the recipe's name or "
+        "file). Informational: it tags the run's flow runs and is no part of the run's identity.",
+        fix="use letters, digits, '.', '_' or '-'",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+    )
+    data: DataConfig = Field(default_factory=DataConfig, description="Raw data source and split.")
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="GPT model size.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Optimization.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation during training.")
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How ranks are started.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="Precision, compilation and parallelism of the ranks."
+    )
+    storage: StorageConfig = Field(default_factory=StorageConfig, description="Object store.")
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig, description="TensorBoard and MLflow sinks of the run's metrics."
+    )
+    ray: RayConfig = Field(
+        default_factory=RayConfig, description="The Ray cluster of launch.launcher 'ray' and data.engine 'ray'."
+    )
+
+    # ---- derived facts -------------------------------------------------------------
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.launch.world_size * self.train.micro_batch_size)
+
+    def identity_hash(self) -> str:
+        """Hash of what determines the run's trajectory: not where it is stored, how it is
+        launched or computed, nor how the global batch is split (world size, micro-batch),
+        since every step trains on the same sequences at any split. A run may resume with
+        any of those changed."""
+        payload = self.model_dump(
+            mode="json",
+            exclude={
+                "run_name": True,
+                "recipe": True,
+                "storage": True,
+                "launch": True,
+                "engine": True,
+                "metrics": True,
+                "ray": True,
+                "data": {"num_workers", "engine"},
+                "train": {"micro_batch_size"},
+            },
+        )
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def model_hash(self) -> str:
+        """Hash of what must match for a checkpoint to load into this model."""
+        payload = {"model": self.model.model_dump(mode="json"), "vocab": self.tokenizer.vocab_size}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def resolved_run_name(self) -> str:
+        return self.run_name or f"run-{self.identity_hash()[:10]}"
+
+    # ---- validation ----------------------------------------------------------------
+    @model_validator(mode="wrap")
+    @classmethod
+    def _cross_section_rules(cls, data: Any, handler: Callable[[Any], RunConfig]) -> RunConfig:
+        """Run the rules that span sections even when other fields failed, and raise their
+        problems together with the others: an after-validator would be skipped whenever any
+        field failed. A rule is skipped only when a field it reads failed itself."""
+        failed: ValidationError | None = None
+        try:
+            cfg = handler(data)
+            errors: list[Any] = []
+        except ValidationError as err:
+            failed, errors = err, err.errors()
+        source = data if failed else cfg
+        found = []
+        for target, reads, check in _CROSS_SECTION_RULES:
+            if any(_overlaps(e["loc"], path) for e in errors for path in reads):
+                continue
+            problem = check(*(_read(source, path) for path in reads))
+            if problem is not None:
+                found.append({"type": problem, "loc": target, "input": _read(source, target)})
+        if not found:
+            if failed:
+                raise failed
+            return cfg
+        line_errors = [
+            {"type": PydanticCustomError(e["type"], e["msg"], e.get("ctx")), "loc": e["loc"], "input": e["input"]}
+            for e in errors
+        ]
+        raise ValidationError.from_exception_data(cls.__name__, line_errors + found)
+
+    def check(self) -> "RunConfig":
+        """Re-validate every rule of the model (not the local files: see
+        local_resource_problems); raise one ConfigError listing every problem, else return self."""
+        try:
+            type(self).model_validate(self.model_dump())
+        except ValidationError as err:
+            raise ConfigError(problem_lines(err, type(self))) from None
+        return self
+
+    # ---- (de)serialization ---------------------------------------------------------
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)

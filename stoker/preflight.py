@@ -1,0 +1,113 @@
+"""One preflight: every problem of a run config on the host that is to run it, found at once
+before any compute starts, each as one line naming the field and the fix.
+
+``problems(config)`` is what `stoker run` and `stoker validate` check before anything starts,
+and what the pipeline's first task (``validate_config``, so every deployment of it) checks
+before any work. It gathers:
+
+- the model's own rules (``RunConfig.check``: a config built in code was never validated);
+- the local files the config names and the optional packages it needs: the data source and
+  tokenizer, TensorBoard and MLflow (the 'metrics' extra), Ray (``local_resource_problems``);
+- the accelerators: NCCL without GPUs, more ranks here than GPUs, engine settings that CPU
+  ranks or the installed torch cannot honour, torch's version read from its metadata
+  (``launch.devices.device_problems``);
+- the credentials block named in ``storage.credentials_block``, when a loader is given (it
+  needs a Prefect server: the flow's task passes one, the CLI does when a server is up);
+- whether the store root can be written (a probe object, written and removed);
+- whether the MLflow tracking URI can be used (its experiment found or created).
+
+A check that needs what another found broken is left out (a store with bad storage fields, a
+sink whose package is missing), so each problem is told once. A store or tracking server that
+is merely unreachable raises its error (to be retried) when nothing else is wrong.
+
+No torch and no Prefect here: the flow's process never imports torch, and the CLI answers
+before Prefect's server starts.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from pydantic import BaseModel, ValidationError
+
+from stoker.core.config import RunConfig, StorageConfig, local_resource_problems, missing_sink_packages
+from stoker.core.failures import ConfigError, is_transient
+from stoker.launch.devices import device_problems
+from stoker.observe.sinks import sink_problems
+from stoker.storage.runs import store_problem
+from stoker.storage.store import Store
+
+# loads the credentials block a StorageConfig names and puts them in use in this process
+# (tasks.credentials.use_store_credentials); ConfigError naming the field when it cannot
+LoadCredentials = Callable[[StorageConfig], None]
+
+
+def problems(config: RunConfig, load_credentials: LoadCredentials | None = None) -> list[str]:
+    """Every problem of `config` on this host, one line each; [] when it may run here.
+
+    `load_credentials`: loads storage.credentials_block (and uses it for the store probe);
+    without it a named block is not loaded and the store is not probed (its keys are the
+    block's), which the flow's first task then does.
+    """
+    try:
+        config.check()
+        found = []
+    except ConfigError as err:
+        found = list(err.problems)
+    found += local_resource_problems(config) + device_problems(config)
+    unreachable: list[Exception] = []
+    if _valid(config.storage) and _credentials_in_use(config.storage, load_credentials, found):
+        found += _store_problems(config.storage, unreachable)
+    if _valid(config.metrics) and not missing_sink_packages(config.metrics):
+        found += _unreachable_as(lambda: sink_problems(config), unreachable)
+    if unreachable and not found:
+        raise unreachable[0]  # transient: a retry may find it back
+    return found
+
+
+def check(config: RunConfig, load_credentials: LoadCredentials | None = None) -> RunConfig:
+    """`config` when ``problems`` finds none, else one ConfigError listing them all."""
+    found = problems(config, load_credentials)
+    if found:
+        raise ConfigError(found)
+    return config
+
+
+def _valid(section: BaseModel) -> bool:
+    """Whether a section passes its own rules (a check that reads it is skipped otherwise)."""
+    try:
+        type(section).model_validate(section.model_dump())
+    except ValidationError:
+        return False
+    return True
+
+
+def _credentials_in_use(storage: StorageConfig, load: LoadCredentials | None, found: list[str]) -> bool:
+    """Load the credentials the store is opened with; False when the store cannot be probed
+    with them (the block could not be loaded: its problem is added to `found`; or it is named
+    and there is no loader here)."""
+    if load is None:
+        return not storage.credentials_block
+    try:
+        load(storage)
+    except ConfigError as err:
+        found += err.problems
+        return False
+    return True
+
+
+def _store_problems(storage: StorageConfig, unreachable: list[Exception]) -> list[str]:
+    store = Store(storage.root, storage.storage_options)
+    return _unreachable_as(lambda: [p for p in [store_problem(store)] if p], unreachable)
+
+
+def _unreachable_as(check: Callable[[], list[str]], unreachable: list[Exception]) -> list[str]:
+    """The problems `check` finds; a transient error is kept in `unreachable` (raised later,
+    when nothing else refuses the config) so the other checks still run."""
+    try:
+        return check()
+    except Exception as err:
+        if not is_transient(err):
+            raise
+        unreachable.append(err)
+        return []
