@@ -298,7 +298,8 @@ def ray_cluster():
 
 
 def tiny_dict(root: str, **sections) -> dict:
-    """The smallest config that still trains: ~300 KB of stdlib text, a 2-layer GPT."""
+    """The smallest config that still trains: ~300 KB of stdlib text, a 2-layer GPT, no
+    per-checkpoint evaluation (eval={"per_checkpoint_enabled": True} where it is the subject)."""
     base = {
         "storage": {"root": root},
         "data": {"max_bytes": 300_000, "val_fraction": 0.1},
@@ -314,7 +315,8 @@ def tiny_dict(root: str, **sections) -> dict:
             "min_lr": 1e-3,
         },
         "checkpoint": {"interval_steps": 4},
-        "eval": {"interval_steps": 4, "num_batches": 2},
+        # per-checkpoint evaluation (a process each) only where a test is about it
+        "eval": {"interval_steps": 4, "num_batches": 2, "per_checkpoint_enabled": False},
         "launch": {"nproc_per_node": 2, "timeout_seconds": 300, "max_attempts": 1},
     }
     for section, values in sections.items():

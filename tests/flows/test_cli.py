@@ -129,13 +129,13 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_running(tmp_path):
     import sqlite3
     import time
 
-    from tests.conftest import live_processes, wait_until_training
+    from tests.conftest import live_processes, tiny_sets, wait_until_training
 
     home = tmp_path / "prefect-home"
     env = {**os.environ, "STOKER_ROOT": str(tmp_path / "store"), "GLOO_SOCKET_IFNAME": "lo", "PREFECT_HOME": str(home)}
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "stoker.cli", "run", "--set", "train.max_steps=100000", "--set", "run_name=ctrlc"],
+        [sys.executable, "-m", "stoker.cli", "run", *tiny_sets(train={"max_steps": 100000}), "--set", "run_name=ctrlc"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

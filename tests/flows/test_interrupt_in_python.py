@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, live_processes, wait_until_training
+from tests.conftest import ROOT, live_processes, tiny_dict, wait_until_training
 
 pytestmark = pytest.mark.e2e
 
@@ -21,12 +21,14 @@ pytestmark = pytest.mark.e2e
 # a process started in the background by a non-interactive shell (a CI runner's `cmd &`)
 # inherits SIGINT ignored, and Python then leaves it ignored
 KERNEL = """
+import json
+import os
 import signal
 signal.signal(signal.SIGINT, signal.default_int_handler)
 from stoker.core.config import load_config
 from stoker.flows.pipeline import train_pipeline
 try:
-    train_pipeline(load_config("tiny-cpu", run_name="kernel", **{"train.max_steps": 100000}))
+    train_pipeline(load_config(json.loads(os.environ["KERNEL_CONFIG"])))
 except KeyboardInterrupt:
     print("KeyboardInterrupt reached the caller", flush=True)
 """
@@ -40,6 +42,9 @@ def test_an_interrupted_flow_call_crashes_the_flow_run_records_the_attempt_and_l
         "GLOO_SOCKET_IFNAME": "lo",
         "PREFECT_HOME": str(home),
         "PYTHONPATH": ROOT,
+        "KERNEL_CONFIG": json.dumps(
+            tiny_dict(f"file://{tmp_path}/store", run_name="kernel", train={"max_steps": 100000})
+        ),
     }
     env.pop("PREFECT_API_URL", None)
     log = open(tmp_path / "kernel.log", "w")  # a file: the server it starts keeps its output open

@@ -26,6 +26,7 @@ def test_a_run_writes_its_records_to_tensorboard_and_mlflow(prefect_server, tmp_
             root,
             run_name="sinks-e2e",
             metrics={"tensorboard_enabled": True, "mlflow_tracking_uri": mlruns, "mlflow_experiment": "e2e"},
+            eval={"per_checkpoint_enabled": True},
         )
     )
     result = train_pipeline(cfg)

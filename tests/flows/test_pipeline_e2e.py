@@ -20,7 +20,7 @@ def test_pipeline_trains_resumes_and_hits_the_data_cache(prefect_server, tmp_pat
     from stoker.flows.pipeline import PipelineResult, train_pipeline
 
     root = "file://" + str(tmp_path / "store")
-    cfg = load_config(tiny_dict(root, run_name="e2e"))
+    cfg = load_config(tiny_dict(root, run_name="e2e", eval={"per_checkpoint_enabled": True}))
     first = train_pipeline(cfg)
     assert isinstance(first, PipelineResult)
     assert (first.run_name, first.final_step, first.resumed_from_step) == ("e2e", 8, 0)

@@ -50,6 +50,7 @@ def test_the_pipeline_on_ray_prepares_trains_and_evaluates_with_a_credentials_bl
             data={"engine": "ray"},
             ray={"address": ray_cluster.cluster.client_address},
             launch={"launcher": "ray", "num_nodes": 2, "nproc_per_node": 1},
+            eval={"per_checkpoint_enabled": True},
         )
     )
     try:

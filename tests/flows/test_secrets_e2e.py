@@ -46,7 +46,7 @@ def _run_and_scan(s3_root, key_id: str, secret: str, **storage) -> None:
             run_name="secrets",
             train={"max_steps": 4},
             checkpoint={"interval_steps": 2},
-            eval={"interval_steps": 2},
+            eval={"interval_steps": 2, "per_checkpoint_enabled": True},
         )
     )
     cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"storage_options": options, **storage})})
