@@ -61,6 +61,15 @@ def prefect_server():
         yield
 
 
+@pytest.fixture
+def session_server_env(prefect_server) -> dict:
+    """The environment for a `stoker` process that runs its flow on the session's Prefect
+    server (no temporary server of its own: 30-45 s saved where that is not the subject)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

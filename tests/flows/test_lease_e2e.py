@@ -68,27 +68,27 @@ def test_second_launch_refuses_before_any_work_and_writes_nothing(prefect_server
     assert store.listdir("shards") == [] and store.listdir("datasets") == []  # refused before data prep
 
 
-def _cli(*args, timeout=900):
+def _cli(*args, env, timeout=900):
     return subprocess.run(
-        [sys.executable, "-m", "stoker.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "stoker.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 
 @pytest.mark.e2e
-def test_cli_refuses_in_one_line_and_takeover_trains(tmp_path):
+def test_cli_refuses_in_one_line_and_takeover_trains(tmp_path, session_server_env):
     root = f"file://{tmp_path}/store"
     recipe = tmp_path / "tiny.json"
     recipe.write_text(json.dumps(tiny_dict(root, run_name="leased")))
     holder = _hold(root, {}, "leased")
     try:
-        out = _cli("run", "--recipe", str(recipe))
+        out = _cli("run", "--recipe", str(recipe), env=session_server_env)
         assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
         ours = [line for line in out.stderr.splitlines() if line.startswith("stoker: ")]
         assert len(ours) == 1 and "already being trained" in ours[0] and f"pid {holder.pid}" in ours[0], out.stderr[
             -2000:
         ]
         assert "Traceback" not in out.stderr
-        out = _cli("run", "--recipe", str(recipe), "--takeover")
+        out = _cli("run", "--recipe", str(recipe), "--takeover", env=session_server_env)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         deadline = time.monotonic() + 60
         while holder.poll() is None and time.monotonic() < deadline:
