@@ -36,7 +36,8 @@ import torch
 from stoker.core import events
 from stoker.core.config import load_config
 from stoker.launch import make_launcher
-from stoker.launch.torchrun import NodeSpec, TorchrunLauncher, child_env
+from stoker.launch.env import child_env
+from stoker.launch.torchrun import NodeSpec, TorchrunLauncher
 from stoker.storage.checkpoints import find_latest_valid, list_checkpoints, validate_checkpoint
 from stoker.storage.store import Store
 from tests.conftest import (

@@ -8,8 +8,9 @@ import sys
 import time
 
 from stoker.launch.base import GangResult, classify
+from stoker.launch.env import child_env
 from stoker.launch.gang import GANG_ENV, GRACE_SECONDS, RANK_STOP_MARGIN_SECONDS, gang_pids, kill_gang, run_gang
-from stoker.launch.torchrun import child_env, free_port, torchrun_commands
+from stoker.launch.torchrun import free_port, torchrun_commands
 from stoker.storage.checkpoints import find_latest_valid
 from tests.conftest import ROOT, GangWatch, prepare_shards, read_proc, wait_for_none
 
