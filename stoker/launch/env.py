@@ -30,7 +30,7 @@ def child_env(cfg: RunConfig) -> dict[str, str]:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.pop("PREFECT__FLOW_RUN_ID", None)
     env[STOP_GRACE_ENV] = str(_rank_stop_grace(env.get(STOP_GRACE_ENV)))
-    return credentials.child_env(env)  # a credentials block's keys, as AWS_* variables
+    return credentials.apply_to_env(env)  # a credentials block's keys, as AWS_* variables
 
 
 def _rank_stop_grace(requested: str | None) -> float:

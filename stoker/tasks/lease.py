@@ -12,7 +12,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from stoker.core.config import RunConfig
+from stoker.core.config import RunConfig, StorageConfig
 from stoker.storage.lease import RunLease, acquire_lease
 from stoker.storage.store import Store
 from stoker.tasks.policy import BACKOFF, JITTER, retry_if_transient
@@ -22,8 +22,8 @@ _ON_LOST: dict[str, list[Callable[[str], None]]] = {}
 _LOCK = threading.Lock()
 
 
-def _store(config: RunConfig) -> Store:
-    return Store(config.storage.root, config.storage.storage_options)
+def _store(storage: StorageConfig) -> Store:
+    return Store(storage.root, storage.storage_options)
 
 
 def take_lease(config: RunConfig, logger) -> RunLease:
@@ -33,7 +33,11 @@ def take_lease(config: RunConfig, logger) -> RunLease:
     run = config.resolved_run_name()
     flow_run_id = str(flow_run.id or "")
     lease = acquire_lease(
-        _store(config), run, flow_run_id=flow_run_id, ttl=config.launch.lease_seconds, takeover=config.launch.takeover
+        _store(config.storage),
+        run,
+        flow_run_id=flow_run_id,
+        ttl=config.launch.lease_seconds,
+        takeover=config.launch.takeover,
     )
     with _LOCK:
         old = _HELD.pop(run, None)

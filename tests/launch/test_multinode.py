@@ -251,7 +251,7 @@ def test_a_lost_node_fails_the_other_fast_and_the_relaunch_ends_bitwise(cluster,
     # node 0's rank saw the loss itself (gloo: connection closed) and said so, transient
     assert [(f.rank, f.transient) for f in first.failures] == [(0, True)], (first.failures, lines[-30:])
     assert first.lost_ranks == [1]  # killed: no error file
-    error = launcher.classify(first)
+    error = launcher.classify_end(first)
     assert error is not None and error.transient and error.reason == "lost-rank"
     assert max(event_losses(seen)) == 5
 
