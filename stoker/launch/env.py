@@ -12,7 +12,7 @@ from stoker.core.config import RunConfig
 from stoker.launch.gang import GRACE_SECONDS, RANK_STOP_MARGIN_SECONDS
 from stoker.storage import credentials
 
-STOP_GRACE_ENV = "STOKER_STOP_GRACE_SECONDS"  # the ranks' stop budget (training.loop.stop_grace_seconds)
+STOP_GRACE_ENV = "STOKER_STOP_GRACE_SECONDS"  # the ranks' stop budget (training.distributed.stop_grace_seconds)
 STORAGE_OPTIONS_ENV = "STOKER_STORAGE_OPTIONS"  # fsspec options of the store, as JSON
 
 

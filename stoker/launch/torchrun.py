@@ -34,7 +34,7 @@ from stoker.launch.base import GangResult
 from stoker.launch.env import child_env
 from stoker.launch.gang import GangLauncher, ProcessGang, make_work_dir
 
-CPU_THREADS_ENV = "STOKER_CPU_THREADS"  # a CPU rank's torch threads (training.loop.setup_distributed)
+CPU_THREADS_ENV = "STOKER_CPU_THREADS"  # a CPU rank's torch threads (training.distributed.setup_distributed)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -153,7 +153,7 @@ def read_error_files(log_dir: str, nproc_per_node: int) -> tuple[list[Failure], 
 
 def _cpu_threads(nodes: list[NodeSpec], nproc_per_node: int, env: dict[str, str]) -> dict[str, str]:
     """The CPU threads of each rank of a node on this host, when several agents share it: a
-    rank divides the cores only among the ranks of its own agent (training.loop reads
+    rank divides the cores only among the ranks of its own agent (training.distributed reads
     STOKER_CPU_THREADS first), so 2 agents x 1 rank on 2 cores ran 4 threads, 7-10x slower
     than 1 x 2 (benchmarks/bench_multinode.py). Nothing when one agent runs here, or when the
     environment already says."""

@@ -158,7 +158,7 @@ def test_agents_sharing_this_host_share_its_cores(tiny_config, monkeypatch):
     alone = TorchrunLauncher(
         tiny_config(launch={"num_nodes": 1, "nproc_per_node": 2}), "file:///s/runs/r/config.json", "shards/k", None
     )
-    try:  # one agent: the ranks divide the cores among themselves (training.loop)
+    try:  # one agent: the ranks divide the cores among themselves (training.distributed)
         assert all("STOKER_CPU_THREADS" not in e for e in alone.gang.envs)
     finally:
         shutil.rmtree(alone.work_dir, ignore_errors=True)

@@ -131,7 +131,8 @@ def test_skip_fails_once_past_its_limit(tiny_config):
 
 def _trainer(cfg, store, shards, tmp_path):
     from stoker.storage.shards import materialize
-    from stoker.training.loop import RankInfo, Trainer
+    from stoker.training.distributed import RankInfo
+    from stoker.training.loop import Trainer
 
     cache, key = str(tmp_path / "cache"), shards.key.rsplit("/", 1)[-1]
     return Trainer(
