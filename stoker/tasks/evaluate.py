@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import time
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
 
 from stoker.core import events
 from stoker.core.config import RunConfig
@@ -14,7 +13,7 @@ from stoker.core.results import EvalResult
 from stoker.launch.child import Child
 from stoker.launch.env import child_env
 from stoker.storage import runs
-from stoker.tasks.policy import BACKOFF, JITTER, retry_if_transient
+from stoker.tasks.policy import stoker_task
 
 EVAL_TIMEOUT_SECONDS = 1800
 _LIVE: set[Child] = set()  # evaluation processes running now, in this process
@@ -90,15 +89,7 @@ def run_evaluation(
     )
 
 
-@task(
-    name="evaluate_checkpoint",
-    retries=2,
-    retry_delay_seconds=BACKOFF,
-    retry_jitter_factor=JITTER,
-    retry_condition_fn=retry_if_transient,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-)
+@stoker_task(name="evaluate_checkpoint", retries=2)
 def evaluate_checkpoint(config: RunConfig, config_url: str, checkpoint_key: str, shard_key: str) -> EvalResult:
     """Validation loss and perplexity of one committed checkpoint, from a fresh process.
     Its time limit is run_evaluation's (EVAL_TIMEOUT_SECONDS, the process is killed): a
@@ -147,16 +138,7 @@ def _finish_evaluation(config: RunConfig, checkpoint_key: str) -> None:
         get_run_logger().info("retention, held off during the evaluation, deleted %s", ", ".join(deleted))
 
 
-@task(
-    name="checkpoint_inputs",
-    retries=2,
-    retry_delay_seconds=BACKOFF,
-    retry_jitter_factor=JITTER,
-    retry_condition_fn=retry_if_transient,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-    timeout_seconds=300,
-)
+@stoker_task(name="checkpoint_inputs", retries=2, timeout_seconds=300)
 def checkpoint_inputs(
     checkpoint_uri: str, storage_options: dict, credentials_block: str | None = None
 ) -> tuple[RunConfig, str, str, str]:

@@ -8,14 +8,13 @@ import threading
 from contextlib import contextmanager
 from typing import Callable
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
 from prefect.runtime import flow_run
 
 from stoker.core.config import RunConfig, StorageConfig
 from stoker.storage.lease import RunLease, acquire_lease
 from stoker.storage.store import Store
-from stoker.tasks.policy import BACKOFF, JITTER, retry_if_transient
+from stoker.tasks.policy import stoker_task
 
 _HELD: dict[str, RunLease] = {}  # run name -> this process's lease (tasks share the process)
 _ON_LOST: dict[str, list[Callable[[str], None]]] = {}
@@ -93,16 +92,7 @@ def release_lease(config: RunConfig) -> None:
             )
 
 
-@task(
-    name="take_run_lease",
-    retries=3,
-    retry_delay_seconds=BACKOFF,
-    retry_jitter_factor=JITTER,
-    retry_condition_fn=retry_if_transient,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-    timeout_seconds=300,
-)
+@stoker_task(name="take_run_lease", retries=3, timeout_seconds=300)
 def take_run_lease(config: RunConfig) -> str:
     """One writer per run: take the run's lease before any work, or fail (never retried)
     naming the launch that holds it and how to take over. Returns the lease's description."""
