@@ -46,8 +46,9 @@ def _config(root: str, run: str):
 def plain(root: str) -> float:
     """The flow's stages without Prefect: the same functions and processes, in order."""
     from stoker.data import prepare
+    from stoker.launch.env import child_env
     from stoker.launch.gang import run_gang
-    from stoker.launch.torchrun import child_env, free_port, torchrun_commands
+    from stoker.launch.torchrun import free_port, torchrun_commands
     from stoker.storage.checkpoints import find_latest_valid, list_checkpoints
     from stoker.storage.runs import pin_run_folder
     from stoker.storage.store import Store

@@ -105,7 +105,8 @@ def _shard_key(store) -> str:
 
 def _trainer(cfg, store, shard_key, cache_dir):
     from stoker.storage.shards import materialize
-    from stoker.training.loop import RankInfo, Trainer
+    from stoker.training.distributed import RankInfo
+    from stoker.training.loop import Trainer
 
     ranks = RankInfo(0, 0, 1, DEVICE)
     return Trainer(cfg, ranks, materialize(store, shard_key, cache_dir), store, shard_key, cache_dir)

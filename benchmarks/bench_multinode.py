@@ -16,7 +16,7 @@ evaluations and the final checkpoint are not in it. The columns run in turn, --r
 each prints its median and its ratio to the 1x2 baseline of the same run.
 
 Simulated nodes share this host's cores. Left to itself a rank takes cpu_count / ranks of its
-agent threads (training.loop): the launcher corrects that for agents it knows share this host
+agent threads (training.distributed): the launcher corrects that for agents it knows share this host
 (2x1-here), but an agent behind a prefix (2x1's `ip netns exec`) is another machine to it, so
 its rank would take both cores: 4 threads on 2 cores, which measures oversubscription rather
 than the launch (0.09 of 1x2 when measured so). So every rank gets --threads (STOKER_CPU_THREADS,

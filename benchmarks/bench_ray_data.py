@@ -222,7 +222,7 @@ def _cluster(num_nodes: int):
     return RayCluster(num_nodes=num_nodes, cpus_per_node=1).up()
 
 
-def _store(cluster, kind: str, work: str) -> tuple[str, dict, object]:
+def _store_root(cluster, kind: str, work: str) -> tuple[str, dict, object]:
     if kind == "file":
         folder = os.path.join(work, f"store-{uuid.uuid4().hex[:6]}")
         return "file://" + folder, {}, None
@@ -326,7 +326,7 @@ def main() -> None:
             cluster = _cluster(nodes)
             moto = None
             try:
-                root, options, moto = _store(cluster, args.store, work)
+                root, options, moto = _store_root(cluster, args.store, work)
                 prepared = json.dumps(_run_child("prepare", root, json.dumps(options), corpus, tokenizer))
                 local = [] if nodes == 2 else None
                 results[nodes] = _ray_runs(cluster, root, options, prepared, args.repeats, local)

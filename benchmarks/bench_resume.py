@@ -26,8 +26,9 @@ from benchmarks._servers import moto_s3
 from stoker.core import events
 from stoker.core.config import load_config
 from stoker.data import prepare as data_prep
+from stoker.launch.env import child_env
 from stoker.launch.gang import run_gang
-from stoker.launch.torchrun import child_env, free_port, torchrun_commands
+from stoker.launch.torchrun import free_port, torchrun_commands
 from stoker.storage.checkpoints import list_checkpoints, rehydrate, validate_checkpoint
 from stoker.storage.store import Store, join
 

@@ -311,7 +311,7 @@ def _inspect(args) -> int:
         )
         return 0
     if args.command == "checkpoints":
-        rows = inspect.checkpoint_rows(_root(args.root), args.run)
+        rows = inspect.list_checkpoint_folders(_root(args.root), args.run)
         if not rows:
             print(f"run {args.run!r} has no checkpoint under {_root(args.root)}")
             return 0

@@ -89,7 +89,7 @@ def launch_attempt(
             monitor.logger.warning("the interrupted attempt could not be recorded: %s", err)
         raise
     monitor.collect_evaluations()
-    failure = launcher.classify(gang)
+    failure = launcher.classify_end(gang)
     result = monitor.result
     record_attempt(
         store,

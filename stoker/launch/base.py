@@ -50,9 +50,9 @@ class Launcher(ABC):
         """Stop the gang: SIGTERM (ranks checkpoint if it fits), a grace period, then kill.
         Idempotent; safe from any exit path."""
 
-    def classify(self, result: GangResult) -> TrainingFailed | None:
+    def classify_end(self, result: GangResult) -> TrainingFailed | None:
         """None when the gang completed, else an error whose `transient` says if a retry helps."""
-        return None if result.reason == "completed" else classify(result)
+        return None if result.reason == "completed" else classify_end(result)
 
     def collect(self, result: GangResult) -> GangResult:
         """Add the evidence only a stopped gang gives (exit codes, error files)."""
@@ -74,8 +74,9 @@ class Launcher(ABC):
             self.close()
 
 
-def classify(result: GangResult) -> TrainingFailed:
-    """Turn a failed gang into an error that says whether retrying can help.
+def classify_end(result: GangResult) -> TrainingFailed:
+    """Why a gang failed, as an error that says whether retrying can help (core.failures.classify
+    judges one exception; this judges a whole launch from its evidence).
 
     Any rank that reported a permanent failure (a bug, a bad config, a shape mismatch, out
     of memory) makes the whole failure permanent, since peers of a crashed rank only see

@@ -64,6 +64,13 @@ def make_work_dir(prefix: str) -> str:
     return work_dir
 
 
+def gang_env(gang_id: str, heartbeat: str | None = None) -> dict[str, str]:
+    """What ties a process to its gang and its launcher (this process): the gang id the kill
+    finds it by, the lifeline token and, when given, the heartbeat file (``core.lifeline``)."""
+    beat = {lifeline.HEARTBEAT_ENV: heartbeat} if heartbeat else {}
+    return {GANG_ENV: gang_id, lifeline.LAUNCHER_ENV: lifeline.token(), **beat}
+
+
 def gang_pids(gang_id: str | None) -> list[int]:
     """Live processes whose environment carries this gang's id (Linux /proc; elsewhere
     none are found and only the agents' process groups are killed)."""
@@ -162,8 +169,7 @@ class ProcessGang(Launcher):
     ):
         self.gang_id = uuid.uuid4().hex
         self.cmds, self.nproc_per_node, self.grace = cmds, nproc_per_node, grace
-        beat = {lifeline.HEARTBEAT_ENV: heartbeat} if heartbeat else {}
-        self.envs = [{**env, GANG_ENV: self.gang_id, lifeline.LAUNCHER_ENV: lifeline.token(), **beat} for env in envs]
+        self.envs = [{**env, **gang_env(self.gang_id, heartbeat)} for env in envs]
         self.heartbeat = lifeline.Heartbeat(heartbeat) if heartbeat else None
         self.watchdog = Watchdog(timeout, hang_timeout, startup_timeout)
         self.procs: list[subprocess.Popen] = []

@@ -21,8 +21,8 @@ import sys
 from stoker.core.config import LaunchConfig, RunConfig
 from stoker.core.events import Failure, from_dict
 from stoker.launch.base import GangResult
+from stoker.launch.env import child_env
 from stoker.launch.gang import GangLauncher, ProcessGang, make_work_dir
-from stoker.launch.torchrun import child_env
 
 RESULT_FILE = "ray-result.json"
 

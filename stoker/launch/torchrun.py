@@ -31,10 +31,10 @@ from stoker.core.config import LaunchConfig, RunConfig
 from stoker.core.events import ERROR_INFO_KEY, PERMANENT_MARKER_ENV, RANK_FILE, Failure, from_dict
 from stoker.core.failures import PERMANENT, classify_reported
 from stoker.launch.base import GangResult
-from stoker.launch.gang import GRACE_SECONDS, RANK_STOP_MARGIN_SECONDS, GangLauncher, ProcessGang, make_work_dir
-from stoker.storage import credentials
+from stoker.launch.env import child_env
+from stoker.launch.gang import GangLauncher, ProcessGang, make_work_dir
 
-CPU_THREADS_ENV = "STOKER_CPU_THREADS"  # a CPU rank's torch threads (training.loop.setup_distributed)
+CPU_THREADS_ENV = "STOKER_CPU_THREADS"  # a CPU rank's torch threads (training.distributed.setup_distributed)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -122,32 +122,6 @@ def torchrun_commands(
     return cmds
 
 
-def child_env(cfg: RunConfig) -> dict[str, str]:
-    """The environment of every process the launcher or an evaluation starts."""
-    env = dict(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["STOKER_STORAGE_OPTIONS"] = json.dumps(cfg.storage.storage_options)
-    if cfg.launch.rdzv_host in ("127.0.0.1", "localhost"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if cfg.launch.num_nodes > 1:
-        # a fresh store for each rendezvous round, hosted by that round's rank 0: a store shared
-        # by all rounds keeps the old round's keys, and the restart count that could tell the
-        # rounds apart differs between nodes (see training.train.any_rank_restarted)
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    env.pop("PREFECT__FLOW_RUN_ID", None)
-    env["STOKER_STOP_GRACE_SECONDS"] = str(_rank_stop_grace(env.get("STOKER_STOP_GRACE_SECONDS")))
-    return credentials.child_env(env)  # a credentials block's keys, as AWS_* variables
-
-
-def _rank_stop_grace(requested: str | None) -> float:
-    """The ranks' stop budget: what was asked for, but never past the launcher's grace."""
-    ceiling = GRACE_SECONDS - RANK_STOP_MARGIN_SECONDS
-    try:
-        return min(float(requested), ceiling) if requested else ceiling
-    except ValueError:
-        return ceiling
-
-
 # ---- why a launch ended ------------------------------------------------------------------
 def read_error_files(log_dir: str, nproc_per_node: int) -> tuple[list[Failure], list[int], list[tuple[str, str]]]:
     """(failures of ranks that raised, ranks that ended without raising, agent errors)."""
@@ -179,7 +153,7 @@ def read_error_files(log_dir: str, nproc_per_node: int) -> tuple[list[Failure], 
 
 def _cpu_threads(nodes: list[NodeSpec], nproc_per_node: int, env: dict[str, str]) -> dict[str, str]:
     """The CPU threads of each rank of a node on this host, when several agents share it: a
-    rank divides the cores only among the ranks of its own agent (training.loop reads
+    rank divides the cores only among the ranks of its own agent (training.distributed reads
     STOKER_CPU_THREADS first), so 2 agents x 1 rank on 2 cores ran 4 threads, 7-10x slower
     than 1 x 2 (benchmarks/bench_multinode.py). Nothing when one agent runs here, or when the
     environment already says."""

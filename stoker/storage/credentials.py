@@ -3,7 +3,7 @@
 Credentials come from the environment or an AWS profile (s3fs and botocore find those
 themselves), or from a Prefect block named in the config (``storage.credentials_block``),
 which the flow's first task loads and hands to :func:`use`. From then on every ``Store`` and
-source URL of this process opens S3 with them, and :func:`child_env` gives the processes it
+source URL of this process opens S3 with them, and :func:`apply_to_env` gives the processes it
 starts (ranks, evaluations) the standard ``AWS_*`` variables, as AWS tools expect. Nothing
 here has a repr, str or pickle that shows a value.
 """
@@ -75,7 +75,7 @@ def options_for(url: str, options: dict) -> dict:
     return {**options, **creds.fsspec_options()}
 
 
-def child_env(env: dict[str, str]) -> dict[str, str]:
+def apply_to_env(env: dict[str, str]) -> dict[str, str]:
     """A child process's environment with the credentials in use as AWS_* variables
     (replacing any inherited ones, which belong to another identity)."""
     creds = _current

@@ -6,31 +6,21 @@ Prefect result cache is off: a deleted store can never be masked by a stale cach
 
 from __future__ import annotations
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
 
 from stoker.core.config import DataConfig, RayConfig, StorageConfig, TokenizerConfig
 from stoker.core.results import DatasetInfo, ShardInfo, TokenizerInfo
 from stoker.data import prepare
 from stoker.observe.report import vocabulary_note
 from stoker.storage.store import Store
-from stoker.tasks.policy import BACKOFF, JITTER, retry_if_transient
+from stoker.tasks.policy import stoker_task
 
 
 def _store(storage: StorageConfig) -> Store:
     return Store(storage.root, storage.storage_options)
 
 
-@task(
-    name="download_dataset",
-    timeout_seconds=3600,
-    retries=3,
-    retry_delay_seconds=BACKOFF,
-    retry_jitter_factor=JITTER,
-    retry_condition_fn=retry_if_transient,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-)
+@stoker_task(name="download_dataset", retries=3, timeout_seconds=3600)
 def download_dataset(data: DataConfig, storage: StorageConfig) -> DatasetInfo:
     """Copy the raw source into {root}/datasets/{fingerprint}/ (no copy when present).
 
@@ -52,16 +42,7 @@ def download_dataset(data: DataConfig, storage: StorageConfig) -> DatasetInfo:
     return info
 
 
-@task(
-    name="train_tokenizer",
-    timeout_seconds=3600,
-    retries=2,
-    retry_delay_seconds=BACKOFF,
-    retry_jitter_factor=JITTER,
-    retry_condition_fn=retry_if_transient,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-)
+@stoker_task(name="train_tokenizer", retries=2, timeout_seconds=3600)
 def train_tokenizer(dataset: DatasetInfo, tokenizer: TokenizerConfig, storage: StorageConfig) -> TokenizerInfo:
     """Train a byte-level BPE on the corpus, or load the given tokenizer.json."""
     info = prepare.train_tokenizer(dataset, tokenizer, _store(storage))
@@ -77,16 +58,7 @@ def train_tokenizer(dataset: DatasetInfo, tokenizer: TokenizerConfig, storage: S
     return info
 
 
-@task(
-    name="tokenize_and_shard",
-    timeout_seconds=14400,
-    retries=2,
-    retry_delay_seconds=BACKOFF,
-    retry_jitter_factor=JITTER,
-    retry_condition_fn=retry_if_transient,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-)
+@stoker_task(name="tokenize_and_shard", retries=2, timeout_seconds=14400)
 def tokenize_and_shard(
     dataset: DatasetInfo,
     tokenizer: TokenizerInfo,

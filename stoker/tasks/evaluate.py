@@ -2,28 +2,22 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
 
 from stoker.core import events
 from stoker.core.config import RunConfig
 from stoker.core.failures import CheckpointUnavailable, EvaluationStopped, TrainingFailed, is_transient
 from stoker.core.results import EvalResult
-from stoker.launch.torchrun import child_env
+from stoker.launch.child import Child
+from stoker.launch.env import child_env
 from stoker.storage import runs
-from stoker.tasks.policy import BACKOFF, JITTER, retry_if_transient
+from stoker.tasks.policy import stoker_task
 
 EVAL_TIMEOUT_SECONDS = 1800
-_LIVE: set[subprocess.Popen] = set()  # evaluation processes running now, in this process
-_STOPPED: set[int] = set()  # pids of evaluations this process killed on a stop
-# an evaluation process ended by one of these was stopped by someone who meant it
-_STOP_SIGNALS = {-signal.SIGINT: "SIGINT (Ctrl-C)", -signal.SIGTERM: "SIGTERM"}
+_LIVE: set[Child] = set()  # evaluation processes running now, in this process
+_STOPPED_BY_TRAINING = "the end of its training (Ctrl-C, a cancel, a failed launch)"
 
 
 def check_checkpoint_uri(uri: str) -> None:
@@ -42,69 +36,45 @@ def check_checkpoint_uri(uri: str) -> None:
 
 
 def kill_running_evaluations() -> int:
-    """Kill every evaluation process this process started (on cancel); returns how many."""
-    procs = list(_LIVE)
-    for proc in procs:
-        _STOPPED.add(proc.pid)  # its task must not retry what the stop just ended
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return len(procs)
-
-
-def _interrupted_at_start(returncode: int | None, err: str) -> str | None:
-    """A Ctrl-C that reached the process while Python was still starting: the interpreter
-    reports a fatal KeyboardInterrupt and exits 1 instead of dying by SIGINT."""
-    if returncode == 1 and err.rstrip().endswith("KeyboardInterrupt"):
-        return _STOP_SIGNALS[-signal.SIGINT]
-    return None
+    """Kill every evaluation process this process started (on cancel); returns how many.
+    Their tasks must not retry what the stop just ended: EvaluationStopped."""
+    children = list(_LIVE)
+    for child in children:
+        child.kill()
+    return len(children)
 
 
 def run_evaluation(
     config: RunConfig, config_url: str, checkpoint_key: str, shard_key: str, timeout: float = EVAL_TIMEOUT_SECONDS
 ) -> EvalResult:
-    """Run `python -m stoker.training.evaluate` in its own process group; parse its JSON line."""
+    """Run `python -m stoker.training.evaluate` in a process of its own (launch.child); parse
+    its JSON line."""
     t0 = time.monotonic()
-    cmd = [
-        sys.executable,
-        "-m",
-        "stoker.training.evaluate",
-        "--config",
-        config_url,
-        "--checkpoint",
-        checkpoint_key,
-        "--shards",
-        shard_key,
-    ]
-    proc = subprocess.Popen(
-        cmd, env=child_env(config), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    _LIVE.add(proc)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        _LIVE.discard(proc)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    stopped = (
-        "the end of its training (Ctrl-C, a cancel, a failed launch)"
-        if proc.pid in _STOPPED
-        else _STOP_SIGNALS.get(proc.returncode) or _interrupted_at_start(proc.returncode, err)
-    )
-    _STOPPED.discard(proc.pid)
-    if stopped and proc.returncode != 0:  # (one that finished just before the kill counts)
+    args = ["--config", config_url, "--checkpoint", checkpoint_key, "--shards", shard_key]
+    with Child("stoker.training.evaluate", args, child_env(config)) as child:
+        _LIVE.add(child)
+        try:
+            ended = child.wait(timeout)
+        finally:
+            _LIVE.discard(child)
+    stopped = _STOPPED_BY_TRAINING if ended.killed else ended.stop_signal
+    if stopped and ended.returncode != 0:  # (one that finished just before the kill counts)
         raise EvaluationStopped(f"evaluation of {checkpoint_key} was stopped by {stopped}; not retried")
-    said = [e for e in map(events.decode, out.splitlines()) if e is not None]
-    done = [e for e in said if isinstance(e, events.Evaluated)]
-    if proc.returncode != 0 or not done:
-        failure = next((e for e in said if isinstance(e, events.Failure)), None)
-        why = f"{failure.type}: {failure.message}" if failure else err.strip()[-3000:]
-        # a killed process (negative exit code) or a transient error (storage) may heal on retry
-        transient = failure.transient if failure else (proc.returncode or 0) < 0
+    if ended.timed_out:
         raise TrainingFailed(
-            f"evaluation of {checkpoint_key} failed (exit {proc.returncode}): {why}",
+            f"evaluation of {checkpoint_key} gave no answer within {timeout:.0f}s; it was killed (not retried)",
+            transient=False,
+            reason="evaluation",
+        )
+    said = [e for e in map(events.decode, ended.out.splitlines()) if e is not None]
+    done = [e for e in said if isinstance(e, events.Evaluated)]
+    if ended.returncode != 0 or not done:
+        failure = next((e for e in said if isinstance(e, events.Failure)), None)
+        why = f"{failure.type}: {failure.message}" if failure else ended.err.strip()[-3000:]
+        # a killed process (negative exit code) or a transient error (storage) may heal on retry
+        transient = failure.transient if failure else (ended.returncode or 0) < 0
+        raise TrainingFailed(
+            f"evaluation of {checkpoint_key} failed (exit {ended.returncode}): {why}",
             transient=transient,
             reason="evaluation",
         )
@@ -119,15 +89,7 @@ def run_evaluation(
     )
 
 
-@task(
-    name="evaluate_checkpoint",
-    retries=2,
-    retry_delay_seconds=BACKOFF,
-    retry_jitter_factor=JITTER,
-    retry_condition_fn=retry_if_transient,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-)
+@stoker_task(name="evaluate_checkpoint", retries=2)
 def evaluate_checkpoint(config: RunConfig, config_url: str, checkpoint_key: str, shard_key: str) -> EvalResult:
     """Validation loss and perplexity of one committed checkpoint, from a fresh process.
     Its time limit is run_evaluation's (EVAL_TIMEOUT_SECONDS, the process is killed): a
@@ -176,16 +138,7 @@ def _finish_evaluation(config: RunConfig, checkpoint_key: str) -> None:
         get_run_logger().info("retention, held off during the evaluation, deleted %s", ", ".join(deleted))
 
 
-@task(
-    name="checkpoint_inputs",
-    retries=2,
-    retry_delay_seconds=BACKOFF,
-    retry_jitter_factor=JITTER,
-    retry_condition_fn=retry_if_transient,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-    timeout_seconds=300,
-)
+@stoker_task(name="checkpoint_inputs", retries=2, timeout_seconds=300)
 def checkpoint_inputs(
     checkpoint_uri: str, storage_options: dict, credentials_block: str | None = None
 ) -> tuple[RunConfig, str, str, str]:

@@ -1,18 +1,17 @@
 """Export a committed checkpoint as a Hugging Face GPT-2 folder, in a process of its own
-(stoker/training/export.py: the orchestrator's rooms never import torch). ``stoker export`` calls
-``export_checkpoint``; a deployment can wrap it in a task the same way."""
+(stoker/training/export.py, started by launch.child: the orchestrator's rooms never import
+torch). ``stoker export`` calls ``export_checkpoint``; a deployment can wrap it in a task the
+same way."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 
 from stoker.core import events
 from stoker.core.failures import ExportError
-from stoker.launch.torchrun import child_env
+from stoker.launch.child import Child
+from stoker.launch.env import STORAGE_OPTIONS_ENV, child_env
 from stoker.storage.runs import export_source
 
 EXPORT_TIMEOUT_SECONDS = 1800
@@ -32,23 +31,15 @@ def export_checkpoint(
     folder = os.path.abspath(folder)
     named = export_source(checkpoint_uri, folder, storage_options)
     env = child_env(named.config)
-    env["STOKER_STORAGE_OPTIONS"] = json.dumps(storage_options or {})
-    cmd = [sys.executable, "-m", "stoker.training.export", checkpoint_uri, folder]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        out, err = "", f"no answer within {timeout:.0f}s"
-    finally:
-        if proc.poll() is None:  # timed out, or interrupted (Ctrl-C): nothing left running
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    said = [e for e in map(events.decode, out.splitlines()) if e is not None]
+    env[STORAGE_OPTIONS_ENV] = json.dumps(storage_options or {})
+    ended = Child("stoker.training.export", [checkpoint_uri, folder], env).run(timeout)
+    said = [e for e in map(events.decode, ended.out.splitlines()) if e is not None]
     done = [e for e in said if isinstance(e, events.Exported)]
-    if proc.returncode == 0 and done:
+    if ended.returncode == 0 and done:
         return done[-1]
     failure = next((e for e in said if isinstance(e, events.Failure)), None)
-    why = f"{failure.type}: {failure.message}" if failure else " ".join(err.split()[-60:])
-    raise ExportError(f"export of {checkpoint_uri} failed (exit {proc.returncode}): {why}")
+    if ended.timed_out:
+        why = f"no answer within {timeout:.0f}s"
+    else:
+        why = f"{failure.type}: {failure.message}" if failure else " ".join(ended.err.split()[-60:])
+    raise ExportError(f"export of {checkpoint_uri} failed (exit {ended.returncode}): {why}")

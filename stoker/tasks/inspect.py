@@ -17,7 +17,7 @@ from stoker.storage.store import Store
 _SHARD_URL = re.compile(r"^(?P<root>.+)/shards/(?P<key>[^/]+)/?$")
 
 
-def _store(root: str, options: dict | None = None) -> Store:
+def _existing_store(root: str, options: dict | None = None) -> Store:
     store = Store(root, options or {})
     if not store.exists(""):
         raise ConfigError(
@@ -67,7 +67,7 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
     """One row per run folder: its newest valid checkpoint step, how many checkpoint folders
     it has, how its last launch ended (from metrics.jsonl), train.max_steps and the model's
     shape from its config.json."""
-    store = _store(root, options)
+    store = _existing_store(root, options)
     rows = []
     names = store.listdir("runs") if store.exists("runs") else []
     for run in sorted(names):
@@ -95,11 +95,11 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
     return rows
 
 
-def checkpoint_rows(root: str, run: str, options: dict | None = None) -> list[dict]:
+def list_checkpoint_folders(root: str, run: str, options: dict | None = None) -> list[dict]:
     """Every checkpoint folder of a run, newest first, with whether it is committed (manifest
     present, every listed file at its size, not marked invalid: no byte read, so a flipped byte
     is not seen; `verify` reads them) and the reason when it is not."""
-    store = _store(root, options)
+    store = _existing_store(root, options)
     rows = []
     for ref, verdict in _verdicts(store, run):
         files = verdict.manifest.get("files", {}) if verdict.manifest else {}

@@ -8,22 +8,21 @@ import threading
 from contextlib import contextmanager
 from typing import Callable
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
 from prefect.runtime import flow_run
 
-from stoker.core.config import RunConfig
+from stoker.core.config import RunConfig, StorageConfig
 from stoker.storage.lease import RunLease, acquire_lease
 from stoker.storage.store import Store
-from stoker.tasks.policy import BACKOFF, JITTER, retry_if_transient
+from stoker.tasks.policy import stoker_task
 
 _HELD: dict[str, RunLease] = {}  # run name -> this process's lease (tasks share the process)
 _ON_LOST: dict[str, list[Callable[[str], None]]] = {}
 _LOCK = threading.Lock()
 
 
-def _store(config: RunConfig) -> Store:
-    return Store(config.storage.root, config.storage.storage_options)
+def _store(storage: StorageConfig) -> Store:
+    return Store(storage.root, storage.storage_options)
 
 
 def take_lease(config: RunConfig, logger) -> RunLease:
@@ -33,7 +32,11 @@ def take_lease(config: RunConfig, logger) -> RunLease:
     run = config.resolved_run_name()
     flow_run_id = str(flow_run.id or "")
     lease = acquire_lease(
-        _store(config), run, flow_run_id=flow_run_id, ttl=config.launch.lease_seconds, takeover=config.launch.takeover
+        _store(config.storage),
+        run,
+        flow_run_id=flow_run_id,
+        ttl=config.launch.lease_seconds,
+        takeover=config.launch.takeover,
     )
     with _LOCK:
         old = _HELD.pop(run, None)
@@ -89,16 +92,7 @@ def release_lease(config: RunConfig) -> None:
             )
 
 
-@task(
-    name="take_run_lease",
-    retries=3,
-    retry_delay_seconds=BACKOFF,
-    retry_jitter_factor=JITTER,
-    retry_condition_fn=retry_if_transient,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-    timeout_seconds=300,
-)
+@stoker_task(name="take_run_lease", retries=3, timeout_seconds=300)
 def take_run_lease(config: RunConfig) -> str:
     """One writer per run: take the run's lease before any work, or fail (never retried)
     naming the launch that holds it and how to take over. Returns the lease's description."""

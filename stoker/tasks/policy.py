@@ -1,8 +1,12 @@
-"""Retry policy shared by the task decorators: retry what can heal, never a user mistake.
-The verdict is core.failures.classify's, the same one the ranks and the launcher use."""
+"""The policy every stoker task shares, on one decorator: retry what can heal, never a user
+mistake. The verdict is core.failures.classify's, the same one the ranks and the launcher use."""
 
 from __future__ import annotations
 
+from typing import Callable
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from stoker.core.failures import is_transient
@@ -16,3 +20,27 @@ def retry_if_transient(task, task_run, state) -> bool:
     """retry_condition_fn for Prefect tasks: retry only a transient failure."""
     exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
     return is_transient(exc if isinstance(exc, BaseException) else None)
+
+
+def stoker_task(
+    name: str,
+    *,
+    retries: int = 0,
+    timeout_seconds: float | None = None,
+    retry_delay_seconds: float | Callable = BACKOFF,
+) -> Callable:
+    """Prefect's ``@task`` with the policy every stoker task shares, so each says only what
+    differs (its name, how often it retries, its time limit): a failure is retried only when
+    transient (`retry_if_transient`), after `BACKOFF` with `JITTER`; results are neither cached
+    nor persisted (caching is by content in the object store, whose manifests are the truth: a
+    deleted store is never masked by a stale cache entry)."""
+    return task(
+        name=name,
+        retries=retries,
+        retry_delay_seconds=retry_delay_seconds,
+        retry_jitter_factor=JITTER,
+        retry_condition_fn=retry_if_transient,
+        cache_policy=NO_CACHE,
+        persist_result=False,
+        timeout_seconds=timeout_seconds,
+    )

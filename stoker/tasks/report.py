@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
 
 from stoker.core.config import RunConfig
 from stoker.core.results import EvalResult, PipelineResult, ResumePoint, ShardInfo, TrainingResult
@@ -23,6 +21,7 @@ from stoker.observe.report import (
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.layout import METRICS_FILE, run_file_key, run_key
 from stoker.storage.store import Store
+from stoker.tasks.policy import stoker_task
 
 
 def artifact_key(run: str, what: str) -> str:
@@ -33,7 +32,7 @@ def artifact_key(run: str, what: str) -> str:
     return f"{slug(run)}-{what}-{str(flow_run.id or 'local')[:8]}"
 
 
-@task(name="report", cache_policy=NO_CACHE, persist_result=False)
+@stoker_task(name="report")
 def report(
     config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: TrainingResult, evaluation: EvalResult | None
 ) -> PipelineResult:

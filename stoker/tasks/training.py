@@ -25,7 +25,7 @@ from stoker.storage.store import Store
 from stoker.tasks.credentials import use_store_credentials
 from stoker.tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
 from stoker.tasks.lease import held_lease, on_lease_lost
-from stoker.tasks.policy import BACKOFF, JITTER, retry_if_transient
+from stoker.tasks.policy import stoker_task
 from stoker.tasks.publish import FLUSH_SECONDS, BestEffortPublisher
 from stoker.tasks.report import artifact_key
 
@@ -72,31 +72,13 @@ def validate_config(config: RunConfig) -> RunConfig:
     return preflight.check(config, load_credentials=use_store_credentials)
 
 
-@task(
-    name="write_run_config",
-    retries=3,
-    retry_delay_seconds=BACKOFF,
-    retry_jitter_factor=JITTER,
-    retry_condition_fn=retry_if_transient,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-    timeout_seconds=600,
-)
+@stoker_task(name="write_run_config", retries=3, timeout_seconds=600)
 def write_run_config(config: RunConfig, shards: ShardInfo) -> str:
     """Pin config.json, the tokenizer and the shard set in the run folder; return the config URL."""
     return pin_run_folder(_store(config.storage), config, shards)
 
 
-@task(
-    name="find_resume_checkpoint",
-    retries=3,
-    retry_delay_seconds=BACKOFF,
-    retry_jitter_factor=JITTER,
-    retry_condition_fn=retry_if_transient,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-    timeout_seconds=3600,
-)
+@stoker_task(name="find_resume_checkpoint", retries=3, timeout_seconds=3600)
 def find_resume_checkpoint(config: RunConfig) -> ResumePoint:
     """Newest checkpoint of this run and model whose manifest and listing check out (no
     tensor is downloaded here: the full check is the ranks' load); every newer one skipped
@@ -121,14 +103,7 @@ def _resume_point(config: RunConfig) -> ResumePoint:
     return ResumePoint(checkpoint_key=ref.key, checkpoint_uri=ref.url, step=ref.step, skipped=skipped)
 
 
-@task(
-    name="launch_training",
-    retry_delay_seconds=5,
-    retry_jitter_factor=JITTER,
-    retry_condition_fn=retry_if_transient,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-)
+@stoker_task(name="launch_training", retry_delay_seconds=5)
 def launch_training(config: RunConfig, config_url: str, shards: ShardInfo, resume: ResumePoint) -> TrainingResult:
     """Launch the gang (launch.launcher), stream every rank's log, stop it on any exit path.
     Retries (launch.max_attempts, set by the flow from the config) first look again for the

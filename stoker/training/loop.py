@@ -1,5 +1,7 @@
 """The training loop every rank runs: DDP or FSDP2, AdamW, warmup+cosine, accumulation,
 clipping, periodic evaluation and checkpoints, throughput metrics. Plain torch; no orchestrator.
+The process group, the rank facts, the collectives and the stop vote are training.distributed's;
+the events, metrics.jsonl and throughput are training.metrics'.
 
 The step never waits for the host: the loss and token counts stay on the device and are
 read (one sync) only on log steps; collectives reduce device tensors on the world group
@@ -16,11 +18,8 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import sys
-import threading
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,11 +28,11 @@ from stoker.core import events
 from stoker.core.config import RunConfig
 from stoker.core.failures import CheckpointInvalid
 from stoker.storage.checkpoints import find_latest_valid, mark_invalid, rehydrate
-from stoker.storage.layout import METRICS_FILE, run_file_key
 from stoker.storage.store import Store
 from stoker.storage.uploader import CheckpointUploader
 from stoker.training.checkpoint import Checkpointer, agree_on_checkpoint, load_checkpoint, seed_rank_rngs
 from stoker.training.data import Batches, TokenStream, eval_offsets, get_batch
+from stoker.training.distributed import Preempted, RankInfo, StopRequest, all_ranks_agree, mean_over_ranks
 from stoker.training.engine import (
     Engine,
     build_model,
@@ -44,154 +43,10 @@ from stoker.training.engine import (
     side_group,
 )
 from stoker.training.faults import maybe_inject, settles_before
+from stoker.training.metrics import MetricsLog, Throughput
 from stoker.training.numerics import FINITE, NumericsGuard, count_nonfinite_tensors, state_tensors
 
-_STDOUT_LOCK = threading.Lock()
-
-
-def emit(event: events.Event) -> None:
-    """Print an event's wire line whole: one write under a lock, so lines printed from the
-    training and upload threads never cut into each other."""
-    with _STDOUT_LOCK:
-        sys.stdout.write(event.encode() + "\n")
-        sys.stdout.flush()
-
-
-def stop_grace_seconds() -> float:
-    """The ranks' stop budget (read when asked: a Ray worker sets its environment after import)."""
-    return float(os.environ.get("STOKER_STOP_GRACE_SECONDS", "15"))
-
-
-_STOP_ASKED = threading.Event()  # a stop asked for without a signal (a Ray worker's relay)
-
-
-def request_stop() -> None:
-    """Ask this rank to stop as SIGTERM does, from any thread (Ray workers get no signal:
-    their driver relays the stop)."""
-    _STOP_ASKED.set()
-    for stop in list(_STOP_REQUESTS):
-        stop.ask()
-
-
-_STOP_REQUESTS: "list[StopRequest]" = []
 FAILED_UPLOAD_WAIT_SECONDS = 10.0
-
-
-class Preempted(Exception):
-    """The ranks were asked to stop (SIGTERM: a cancel, a preemption). Transient."""
-
-
-class StopRequest:
-    """SIGTERM sets a flag; the ranks agree at a step boundary to stop together.
-
-    The vote costs no host sync: at each boundary a rank starts an asynchronous MAX
-    all-reduce of its flag over a gloo side group and reads the vote started one boundary
-    earlier (long done by then). Every rank reads the same vote at the same step, so all stop
-    together, one step after the signal, well inside the grace period."""
-
-    def __init__(self, group: "dist.ProcessGroup | None" = None):
-        if group is not None and dist.get_world_size(group) == 1:
-            group = None  # alone (torchrun --nproc-per-node=1): no vote to take each step
-        self.flag, self.since, self.group = False, None, group
-        self.pending: tuple | None = None  # (work, tensor) of the vote in flight
-        if threading.current_thread() is threading.main_thread():  # a Ray worker's is not
-            signal.signal(signal.SIGTERM, self._handler)
-        _STOP_REQUESTS[:] = [self]
-        if _STOP_ASKED.is_set():
-            self.ask()
-
-    def _handler(self, signum, frame) -> None:
-        self.ask()
-
-    def ask(self) -> None:
-        if not self.flag:
-            self.flag, self.since = True, time.monotonic()
-
-    def agreed(self) -> bool:
-        if self.group is None:
-            return self.flag
-        stop = False
-        if self.pending is not None:
-            work, vote = self.pending
-            work.wait()
-            stop = bool(vote.item())
-        vote = torch.tensor([1 if self.flag else 0])
-        self.pending = (dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group, async_op=True), vote)
-        if stop and self.since is None:
-            self.since = time.monotonic()
-        return stop
-
-    def drain(self) -> None:
-        """Finish the vote in flight (every rank started it) before the group goes away."""
-        if self.pending is not None:
-            self.pending[0].wait()
-            self.pending = None
-
-    def seconds_left(self) -> float:
-        return stop_grace_seconds() - (time.monotonic() - (self.since or time.monotonic()))
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Rank facts, worked out once."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
-
-    @property
-    def is_rank_zero(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_dist(self) -> bool:
-        return self.world_size > 1 or (dist.is_available() and dist.is_initialized())
-
-
-def _restart_store() -> "dist.Store | None":
-    """The rendezvous store of this restart round. torchrun (agent store) keeps one store across
-    in-place restarts, and the restarted ranks then read the dead ranks' gloo addresses from it
-    (connectFullMesh: connection refused; seen with torch 2.13 when a surviving rank failed on
-    its own). Keys prefixed by the restart count keep each round to itself."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    from datetime import timedelta
-
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        int(os.environ["WORLD_SIZE"]),
-        is_master=False,
-        timeout=timedelta(minutes=10),
-    )
-    return dist.PrefixStore(f"stoker/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
-def setup_distributed(cfg: RunConfig) -> RankInfo:
-    """Join the process group torchrun prepared (or run alone without one)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() and cfg.launch.backend != "gloo"
-    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if "MASTER_ADDR" in os.environ and not dist.is_initialized():
-        backend = "nccl" if use_cuda else "gloo"
-        from datetime import timedelta
-
-        dist.init_process_group(
-            backend=backend,
-            store=_restart_store(),
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=cfg.launch.collective_timeout_seconds),
-        )
-    if device.type == "cpu":  # the CPUs the launcher gave this rank (Ray: its reservation)
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        threads = int(os.environ.get("STOKER_CPU_THREADS", "0")) or (os.cpu_count() or 1) // local_world
-        torch.set_num_threads(max(1, threads))
-    return RankInfo(rank, local_rank, world, device)
 
 
 def lr_multiplier(step: int, cfg: RunConfig) -> float:
@@ -202,44 +57,6 @@ def lr_multiplier(step: int, cfg: RunConfig) -> float:
     progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
     floor = t.min_lr / t.lr
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-class MetricsLog:
-    """Typed events out of this rank: printed at once in their wire form (the launcher
-    streams them into the orchestrator's log); rank 0 also keeps the stored kinds for
-    {run}/metrics.jsonl, appended on flush (after each checkpoint commit, from the upload
-    thread, and at the end)."""
-
-    def __init__(self, store: Store, run_name: str, rank: int):
-        self.store, self.key = store, run_file_key(run_name, METRICS_FILE)
-        self.rank, self.enabled = rank, rank == 0
-        self.pending: list[str] = []
-        self.lock = threading.Lock()
-
-    def log(self, event: events.Event) -> None:
-        """A rank-0 record (others stay silent: every rank holds the same numbers)."""
-        if self.enabled:
-            self.event(event)
-
-    def event(self, event: events.Event) -> None:
-        """Something any rank has to say (an upload retry, a failed checkpoint). The training
-        and upload threads both print: one write of the whole line under a lock, or a line of
-        one could be cut by the other's (print writes the text and the newline apart)."""
-        emit(event)
-        if self.enabled and event.stored:
-            with self.lock:
-                self.pending.append(event.to_json() + "\n")
-
-    def flush(self) -> None:
-        """Best effort: on a storage error the lines stay pending for the next flush."""
-        with self.lock:
-            if not self.pending:
-                return
-            try:
-                self.store.append_text(self.key, "".join(self.pending))
-                self.pending = []
-            except Exception as err:  # never let a metrics write stop training
-                print(f"metrics flush failed, will retry: {err!r}", file=sys.stderr, flush=True)
 
 
 class Trainer:
@@ -318,6 +135,9 @@ class Trainer:
         )
         self.flops_per_token = self.raw_model.flops_per_token()
         self.peak_flops = peak_flops(ranks.device)
+        self.throughput = Throughput(
+            cfg, ranks, self.flops_per_token, self.peak_flops, lambda: self.batches.wait_seconds
+        )
 
     # ---- state ---------------------------------------------------------------------
     def resume(self, checkpoint_key: str) -> None:
@@ -333,11 +153,11 @@ class Trainer:
                 folder = rehydrate(self.store, key, self.cache_dir, expected=expected)
             except CheckpointInvalid as err:
                 problem = str(err)
-            if self._all_ranks_agree(not problem):
+            if all_ranks_agree(not problem, self.ranks):
                 state = self._load(folder)
                 # written before stoker checked numerics at save time: the loaded weights are
                 # checked here (a resume never goes on from NaN weights)
-                if self._all_ranks_agree(not self._state_nonfinite()):
+                if all_ranks_agree(not self._state_nonfinite(), self.ranks):
                     break
                 problem = "holds NaN/inf weights or optimizer state"
                 mark_invalid(self.store, key, problem)
@@ -374,13 +194,6 @@ class Trainer:
     def _state_nonfinite(self) -> bool:
         tensors = state_tensors(self.raw_model, self.optimizer)
         return bool(count_nonfinite_tensors(tensors, self.ranks.device))
-
-    def _all_ranks_agree(self, ok: bool) -> bool:
-        if not self.ranks.is_dist:
-            return ok
-        flag = torch.tensor([1 if ok else 0], device=self.ranks.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # group: world; one verdict for all ranks
-        return bool(flag.item())
 
     def _log_now(self, event: events.Event) -> None:
         """A numerics verdict is stored at once: the run may end right after it."""
@@ -437,13 +250,6 @@ class Trainer:
         self.tokens_seen += cfg.train.global_batch_size * cfg.model.block_size
         return total / accum
 
-    def _mean_over_ranks(self, loss: torch.Tensor) -> float:
-        if self.ranks.is_dist:
-            loss = loss.clone()
-            dist.all_reduce(loss)  # group: world; the loss averaged over all ranks
-            loss /= self.ranks.world_size
-        return float(loss)
-
     def _stop_early(self) -> None:
         """Asked to stop: checkpoint first when it fits in the grace period, then leave."""
         # a stop checkpoint must be written, uploaded and committed inside the grace period;
@@ -495,24 +301,6 @@ class Trainer:
             self.metrics.flush()
             sys.stdout.flush()
 
-    def _throughput(self, mark: tuple[int, float, float]) -> dict:
-        """Throughput since mark = (step, perf_counter, data wait seconds); call after a sync."""
-        steps, seconds = self.step - mark[0], time.perf_counter() - mark[1]
-        if steps <= 0 or seconds <= 0:
-            return {"step_seconds": 0.0}
-        cfg, r = self.cfg, self.ranks
-        tps = steps * cfg.train.global_batch_size * cfg.model.block_size / seconds
-        out = {
-            "step_seconds": round(seconds / steps, 4),
-            "tokens_per_second": round(tps, 1),
-            "data_wait_share": round(min(1.0, (self.batches.wait_seconds - mark[2]) / seconds), 4),
-        }
-        if self.peak_flops:
-            out["mfu"] = round(self.flops_per_token * tps / (self.peak_flops * r.world_size), 4)
-        if r.device.type == "cuda":
-            out["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(r.device) / 1e9, 2)
-        return out
-
     def _fit(self) -> dict:
         cfg = self.cfg
         t_start = time.time()
@@ -520,7 +308,7 @@ class Trainer:
             val = self.evaluate()
             self.metrics.log(events.Eval(step=0, val_loss=val, val_ppl=math.exp(min(val, 50))))
         last_val = None
-        mark = (self.step, time.perf_counter(), self.batches.wait_seconds)
+        self.throughput.restart(self.step)
         while self.step < cfg.train.max_steps:
             if self.stop.agreed():
                 self._stop_early()
@@ -532,7 +320,7 @@ class Trainer:
             self.metrics.log(events.Step(step=s))  # the launcher's hang watchdog
             log_step = s % cfg.train.log_interval == 0 or s == 1 or s == cfg.train.max_steps
             if log_step and not self.skipped_last:  # a skipped step's NaN is told by its NonFinite
-                mean = self._mean_over_ranks(loss)  # the one host sync of a log step
+                mean = mean_over_ranks(loss, self.ranks)  # the one host sync of a log step
                 self.numerics.raise_if_bad(s)  # before a NaN loss is logged as if all were well
                 self.metrics.log(
                     events.Train(
@@ -540,17 +328,17 @@ class Trainer:
                         loss=mean,
                         lr=self.scheduler.get_last_lr()[0],
                         tokens_seen=self.tokens_seen,
-                        **self._throughput(mark),
+                        **self.throughput.since_mark(s),
                     )
                 )
-                mark = (s, time.perf_counter(), self.batches.wait_seconds)
+                self.throughput.restart(s)
             if s % cfg.eval.interval_steps == 0 or s == cfg.train.max_steps:
                 self.numerics.raise_if_bad(s)  # evaluation syncs anyway: no NaN val loss reported
                 t_eval = time.perf_counter()
                 last_val = self.evaluate()
                 self.metrics.log(events.Eval(step=s, val_loss=last_val, val_ppl=math.exp(min(last_val, 50))))
                 # throughput is of training: the evaluation's time is left out of the interval
-                mark = (mark[0], mark[1] + time.perf_counter() - t_eval, mark[2])
+                self.throughput.leave_out(time.perf_counter() - t_eval)
             if s % cfg.checkpoint.interval_steps == 0 or s == cfg.train.max_steps:
                 self.save()
         self.uploader.wait()

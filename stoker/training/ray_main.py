@@ -34,7 +34,7 @@ import time
 import uuid
 
 from stoker.core import events
-from stoker.training.loop import Preempted, request_stop
+from stoker.training.distributed import Preempted, request_stop
 from stoker.training.train import FailedBefore, failure_of, read_config, run_rank
 
 POLL_SECONDS = 0.2
@@ -194,7 +194,7 @@ def train_worker(loop_config: dict) -> None:
         ray.get(relay.done.remote(rank))  # a stop asked for: not a failure Ray should retry
     except BaseException as exc:
         failure = failure_of(exc)
-        from stoker.training.loop import emit
+        from stoker.training.metrics import emit
 
         emit(failure)
         ray.get(relay.failed.remote(failure.to_dict()))

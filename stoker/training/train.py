@@ -31,7 +31,9 @@ from stoker.core.failures import RankAborted, is_transient
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.shards import materialize
 from stoker.storage.store import Store, default_cache_dir
-from stoker.training.loop import Trainer, emit, setup_distributed, stop_grace_seconds
+from stoker.training.distributed import setup_distributed, stop_grace_seconds
+from stoker.training.loop import Trainer
+from stoker.training.metrics import emit
 
 GANG_ENV = "STOKER_GANG_ID"  # launch.gang.GANG_ENV (training never imports launch)
 

@@ -179,7 +179,7 @@ def test_an_aws_credentials_block_gives_the_store_and_the_ranks_its_keys_and_sho
         pickle.dumps(creds)
     credentials.use(creds)
     try:
-        env = credentials.child_env({"AWS_PROFILE": "other", "PATH": "/bin"})
+        env = credentials.apply_to_env({"AWS_PROFILE": "other", "PATH": "/bin"})
         assert env == {
             "PATH": "/bin",
             "AWS_ACCESS_KEY_ID": key_id,

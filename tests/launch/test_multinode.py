@@ -36,7 +36,8 @@ import torch
 from stoker.core import events
 from stoker.core.config import load_config
 from stoker.launch import make_launcher
-from stoker.launch.torchrun import NodeSpec, TorchrunLauncher, child_env
+from stoker.launch.env import child_env
+from stoker.launch.torchrun import NodeSpec, TorchrunLauncher
 from stoker.storage.checkpoints import find_latest_valid, list_checkpoints, validate_checkpoint
 from stoker.storage.store import Store
 from tests.conftest import (
@@ -250,7 +251,7 @@ def test_a_lost_node_fails_the_other_fast_and_the_relaunch_ends_bitwise(cluster,
     # node 0's rank saw the loss itself (gloo: connection closed) and said so, transient
     assert [(f.rank, f.transient) for f in first.failures] == [(0, True)], (first.failures, lines[-30:])
     assert first.lost_ranks == [1]  # killed: no error file
-    error = launcher.classify(first)
+    error = launcher.classify_end(first)
     assert error is not None and error.transient and error.reason == "lost-rank"
     assert max(event_losses(seen)) == 5
 

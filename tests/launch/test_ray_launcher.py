@@ -212,7 +212,7 @@ def test_a_permanent_failure_is_not_retried_by_ray_with_the_driver_on_a_node_by_
     launcher, result, seen, lines = runs.launch(cfg, url, env=bug, on_node=0)
     assert any("Ray: 2 worker(s) on 2 CPU(s), 2 node(s)" in line for line in lines), lines[-30:]
     assert result.reason == "failed"
-    error = launcher.classify(result)
+    error = launcher.classify_end(result)
     assert error is not None and not error.transient, error
     assert "injected fault" in str(error)
     # Ray restarted the group (max_failures 1), and the restarted workers ended at once
@@ -299,7 +299,7 @@ def test_an_unreachable_cluster_is_said_as_such(tiny_config, tmp_path):
     config.write_text(cfg.to_json())
     launcher = make_launcher(cfg, f"file://{config}", "shards/k", None)
     result, _, lines = run_collecting(launcher)
-    error = launcher.classify(result)
+    error = launcher.classify_end(result)
     assert error is not None and str(error).startswith("the launch failed: ConnectionError: ray.address: "), (
         error,
         lines[-10:],

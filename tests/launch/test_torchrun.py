@@ -11,7 +11,7 @@ import pytest
 from stoker.core import events
 from stoker.core.config import load_config
 from stoker.launch import make_launcher
-from stoker.launch.base import GangResult, classify
+from stoker.launch.base import GangResult, classify_end
 from stoker.launch.gang import kill_gang, run_gang
 from stoker.launch.torchrun import NodeSpec, TorchrunLauncher, read_error_files
 from tests.conftest import prepare_shards, tiny_dict, wait_for_none
@@ -73,13 +73,13 @@ def test_classification_rank_error_is_permanent_signal_is_transient():
             events.Failure(rank=0, type="ZeroDivisionError", message="boom", transient=False),
         ],
     )
-    err = classify(bug)
+    err = classify_end(bug)
     assert not err.transient and "ZeroDivisionError" in str(err)
     killed = GangResult([1], "failed", 1.0, lost_ranks=[1])  # its folder holds no error file
-    assert classify(killed).transient
-    assert classify(GangResult([-signal.SIGKILL], "failed", 1.0)).transient
-    assert classify(GangResult([None], "timeout", 5.0)).transient
-    assert not classify(GangResult([1], "failed", 1.0, tail=["Traceback", "KeyError: 'x'"])).transient
+    assert classify_end(killed).transient
+    assert classify_end(GangResult([-signal.SIGKILL], "failed", 1.0)).transient
+    assert classify_end(GangResult([None], "timeout", 5.0)).transient
+    assert not classify_end(GangResult([1], "failed", 1.0, tail=["Traceback", "KeyError: 'x'"])).transient
 
 
 def test_node_specs_place_each_agent_and_say_which_node_hosts_the_rendezvous(tiny_config):
@@ -158,7 +158,7 @@ def test_agents_sharing_this_host_share_its_cores(tiny_config, monkeypatch):
     alone = TorchrunLauncher(
         tiny_config(launch={"num_nodes": 1, "nproc_per_node": 2}), "file:///s/runs/r/config.json", "shards/k", None
     )
-    try:  # one agent: the ranks divide the cores among themselves (training.loop)
+    try:  # one agent: the ranks divide the cores among themselves (training.distributed)
         assert all("STOKER_CPU_THREADS" not in e for e in alone.gang.envs)
     finally:
         shutil.rmtree(alone.work_dir, ignore_errors=True)
@@ -232,4 +232,4 @@ def test_a_killed_rank_is_reported_as_its_own_rank_when_c10d_orders_the_nodes_ot
     assert [f.rank for f in result.failures] == [0]  # its peer saw the loss and said so
     # the live log names each line's rank as the rank said it (a Joined event), not by order
     assert "[rank 1] injected fault: kill at step 2 on rank 1" in lines, lines[-40:]
-    assert launcher.classify(result).reason == "lost-rank"
+    assert launcher.classify_end(result).reason == "lost-rank"

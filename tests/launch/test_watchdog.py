@@ -7,9 +7,10 @@ import subprocess
 import sys
 import time
 
-from stoker.launch.base import GangResult, classify
+from stoker.launch.base import GangResult, classify_end
+from stoker.launch.env import child_env
 from stoker.launch.gang import GANG_ENV, GRACE_SECONDS, RANK_STOP_MARGIN_SECONDS, gang_pids, kill_gang, run_gang
-from stoker.launch.torchrun import child_env, free_port, torchrun_commands
+from stoker.launch.torchrun import free_port, torchrun_commands
 from stoker.storage.checkpoints import find_latest_valid
 from tests.conftest import ROOT, GangWatch, prepare_shards, read_proc, wait_for_none
 
@@ -46,7 +47,7 @@ def test_hung_rank_is_killed_with_its_gang_and_the_retry_resumes(tiny_config, tm
     hung = _launch(cfg, config_url, shards.key, None, env, watch)
     assert hung.reason == "hang", "\n".join(hung.tail)
     assert (tmp_path / "fault-fired").exists()  # rank 1 did stop stepping
-    err = classify(hung)
+    err = classify_end(hung)
     assert err.transient and err.reason == "hang"
     assert "last step seen: step 2" in str(err)  # rank 1 froze before step 3
 
@@ -87,7 +88,7 @@ def test_watchdog_arms_after_start_up_fires_on_silence_and_is_off_at_zero():
     )
     res = run_gang([[sys.executable, "-c", silent]], env, 1, lambda s: None, lambda m: None, timeout=60, hang_timeout=1)
     assert res.reason == "hang" and res.last_step is None
-    assert "last step seen: none yet" in str(classify(res))
+    assert "last step seen: none yet" in str(classify_end(res))
     res = run_gang([[sys.executable, "-c", silent]], env, 1, lambda s: None, lambda m: None, timeout=60, hang_timeout=0)
     assert res.reason == "completed"
 
@@ -109,7 +110,7 @@ def test_a_start_up_that_never_reports_is_killed_and_retried():
         startup_timeout=2,
     )
     assert res.reason == "startup"  # not "timeout": the start-up limit fired
-    err = classify(res)
+    err = classify_end(res)
     assert err.transient and err.reason == "startup" and "launch.startup_timeout_seconds" in str(err)
     slow = (
         "import time; from stoker.core import events as E; time.sleep(2); "
@@ -129,8 +130,8 @@ def test_a_start_up_that_never_reports_is_killed_and_retried():
     assert res.reason == "completed" and res.last_step == 3
 
 
-def test_classify_hang_is_transient_and_names_the_last_step():
-    err = classify(GangResult([-9, -9], "hang", 30.0, last_step=41, hang_timeout=20))
+def test_classify_end_of_a_hang_is_transient_and_names_the_last_step():
+    err = classify_end(GangResult([-9, -9], "hang", 30.0, last_step=41, hang_timeout=20))
     assert err.transient and err.reason == "hang"
     assert "no step finished for 20s" in str(err) and "last step seen: step 41" in str(err)
 

@@ -136,7 +136,7 @@ def test_the_process_group_gets_the_configured_collective_timeout(monkeypatch):
     """Before: no timeout was given (NCCL's default is 10 minutes, which a slow checkpoint
     download on one host can exceed while the others wait)."""
     from stoker.core.config import load_config
-    from stoker.training.loop import setup_distributed
+    from stoker.training.distributed import setup_distributed
 
     for name, value in {
         "MASTER_ADDR": "127.0.0.1",

@@ -157,7 +157,8 @@ def _tokens_per_second(trainer, steps: int) -> float:
 
 def test_bf16_and_compile_are_faster_than_fp32(gpu_shards, tmp_path):
     from stoker.storage.shards import materialize
-    from stoker.training.loop import RankInfo, Trainer
+    from stoker.training.distributed import RankInfo
+    from stoker.training.loop import Trainer
 
     root, key = gpu_shards
     ranks = RankInfo(0, 0, 1, torch.device("cuda", 0))

@@ -14,7 +14,7 @@ from stoker.launch import make_launcher
 from stoker.launch.attempts import launch_attempt, read_attempts
 from stoker.launch.monitor import TrainingMonitor
 from stoker.storage.checkpoints import find_latest_valid, list_checkpoints, validate_checkpoint
-from stoker.tasks.inspect import checkpoint_rows, list_runs
+from stoker.tasks.inspect import list_checkpoint_folders, list_runs
 from tests.conftest import prepare_shards, run_ranks
 
 
@@ -131,7 +131,8 @@ def test_skip_fails_once_past_its_limit(tiny_config):
 
 def _trainer(cfg, store, shards, tmp_path):
     from stoker.storage.shards import materialize
-    from stoker.training.loop import RankInfo, Trainer
+    from stoker.training.distributed import RankInfo
+    from stoker.training.loop import Trainer
 
     cache, key = str(tmp_path / "cache"), shards.key.rsplit("/", 1)[-1]
     return Trainer(
@@ -172,7 +173,7 @@ def test_resume_passes_over_a_nan_checkpoint_committed_the_old_way(tiny_config, 
         assert all(torch.isfinite(p).all() for p in again.raw_model.parameters())
     finally:
         again.batches.close()
-    rows = {r["step"]: r for r in checkpoint_rows(cfg.storage.root, run)}
+    rows = {r["step"]: r for r in list_checkpoint_folders(cfg.storage.root, run)}
     assert not rows[4]["valid"] and "NaN/inf" in rows[4]["reason"]
     assert find_latest_valid(store, run).checkpoint.step == 2
 
@@ -195,7 +196,7 @@ def test_an_old_checkpoint_after_a_logged_nan_loss_is_refused_without_reading_it
     choice = find_latest_valid(store, run)
     assert choice.checkpoint.step == 2
     assert "non-finite training loss at step 3" in choice.skipped[0][1]
-    rows = {r["step"]: r for r in checkpoint_rows(cfg.storage.root, run)}
+    rows = {r["step"]: r for r in list_checkpoint_folders(cfg.storage.root, run)}
     assert rows[2]["valid"] and not rows[4]["valid"] and "step 3" in rows[4]["reason"]
     assert list_runs(cfg.storage.root)[0]["newest_valid_step"] == 2
 
