@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
-from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run, task_run
 
 from stoker import preflight
@@ -63,7 +62,7 @@ def accelerator_slot(limit_name: str, logger):
         yield
 
 
-@task(name="validate_config", cache_policy=NO_CACHE, persist_result=False)
+@stoker_task(name="validate_config")
 def validate_config(config: RunConfig) -> RunConfig:
     """Every problem of the config at once, before anything is computed or written: the one
     preflight (``stoker.preflight``: the model's rules, the local files it names, the GPUs and
