@@ -67,8 +67,13 @@ def server(tmp_path_factory):
 # client (and run_deployment's events) bound to this module's server, which is gone by the
 # session's end, left prefect_test_harness's teardown waiting forever to drain its workers.
 def api(url, method, path, body=None):
-    """One call of the server's REST API; the answer's JSON."""
-    answer = httpx.request(method, url.rstrip("/") + path, json=body, timeout=30)
+    """One call of the server's REST API; the answer's JSON. A 503 (the server's SQLite busy
+    on a loaded machine) is tried again, as Prefect's own client does."""
+    for attempt in range(6):
+        answer = httpx.request(method, url.rstrip("/") + path, json=body, timeout=30)
+        if answer.status_code not in (502, 503) or attempt == 5:
+            break
+        time.sleep(1 + attempt)
     answer.raise_for_status()
     return answer.json()
 
