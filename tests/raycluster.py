@@ -27,7 +27,8 @@ import time
 
 from tests.netutil import NetnsNodes
 
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the checkout, on the nodes' PYTHONPATH: their workers import this checkout's code
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GCS_PORT = 6379
 CLIENT_PORT = 10001
 
@@ -86,7 +87,7 @@ class RayCluster:
             GLOO_SOCKET_IFNAME=self.nodes.ifnames[node],
             STOKER_CACHE=self.caches[node],
             PYTHONUNBUFFERED="1",
-            PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, env.get("PYTHONPATH")) if p),
+            PYTHONPATH=os.pathsep.join(p for p in (CHECKOUT, env.get("PYTHONPATH")) if p),
         )
         if node == 0:
             env.update(GRPC_ENABLE_FORK_SUPPORT="0", GRPC_POLL_STRATEGY="poll")
