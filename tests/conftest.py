@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -15,8 +16,10 @@ import time
 
 import pytest
 
-# Prefect reads its settings at import: set them before any test module imports it.
+# Prefect reads its settings at import: set them before any test module imports it. A child
+# process that imports this module (a test's script) removes its own home when it exits.
 _PREFECT_HOME = tempfile.mkdtemp(prefix="stoker-prefect-home-")
+atexit.register(shutil.rmtree, _PREFECT_HOME, ignore_errors=True)
 os.environ.update(
     {
         "PREFECT_HOME": _PREFECT_HOME,

@@ -38,7 +38,7 @@ def save_checkpoint(
         run_name,
         rank=rank,
         world_size=world_size,
-        staging_root=tempfile.mkdtemp(prefix="stoker-staging-"),
+        staging_root=tempfile.mkdtemp(dir=_STAGING.name),
         keep_latest_k=keep_latest_k,
         upload_timeout=300,
         commit_timeout=300,
@@ -58,6 +58,11 @@ def save_checkpoint(
     )
     stall = ckpt.save(step, tokens_seen, {"tokens_seen": tokens_seen, **meta})
     return uploader, committed, stall
+
+
+# each uploader's staging folder lives in here, removed when the test process ends (an
+# uploader may still write into its folder after save_checkpoint returns)
+_STAGING = tempfile.TemporaryDirectory(prefix="stoker-staging-")
 
 
 def save_and_commit(store, run_name, **kw):
