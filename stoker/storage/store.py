@@ -104,13 +104,7 @@ class Store:
         """Write a whole object atomically: tmp + rename on local disks, one PUT elsewhere."""
         path = self._path(key)
         if self.is_local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.replace(_complete_temp_file(path, data), path)
         else:
             self.fs.pipe_file(path, data)
 
@@ -151,12 +145,7 @@ class Store:
         stores check, then write (verify after writing there)."""
         path = self._path(key)
         if self.is_local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            tmp = _complete_temp_file(path, data)
             try:
                 os.link(tmp, path)  # fails if the key exists: the create is all or nothing
                 return True
@@ -386,3 +375,14 @@ def build_lock(store: Store, key: str):
                 fcntl.flock(f, fcntl.LOCK_UN)
 
     return held()
+
+
+def _complete_temp_file(path: str, data: bytes) -> str:
+    """`data` in a new file beside `path`, on disk (fsync'd); its name, to rename or link."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
