@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -251,6 +252,10 @@ def drive(args: argparse.Namespace) -> int:
         use_gpu = _use_gpu(cfg, ray)
         relay = ray.remote(num_cpus=0)(Relay).remote(world)
         resources = {"CPU": cfg.ray.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+        # Ray Train's own run folder (stoker's checkpoints go to the store): removed at the end
+        ray_storage = os.path.join(
+            tempfile.gettempdir(), "stoker-ray-train", f"stoker-{cfg.resolved_run_name()}-{uuid.uuid4().hex[:8]}"
+        )
         trainer = TorchTrainer(
             train_worker,
             train_loop_config={
@@ -265,8 +270,8 @@ def drive(args: argparse.Namespace) -> int:
             scaling_config=ScalingConfig(num_workers=world, use_gpu=use_gpu, resources_per_worker=resources),
             torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=lc.collective_timeout_seconds),
             run_config=RunConfig(
-                name=f"stoker-{cfg.resolved_run_name()}-{uuid.uuid4().hex[:8]}",
-                storage_path=os.path.join(tempfile.gettempdir(), "stoker-ray-train"),
+                name=os.path.basename(ray_storage),
+                storage_path=os.path.dirname(ray_storage),
                 failure_config=FailureConfig(max_failures=lc.max_restarts),
             ),
         )
@@ -279,12 +284,15 @@ def drive(args: argparse.Namespace) -> int:
         fit = threading.Thread(target=_fit, args=(trainer, outcome), daemon=True)
         fit.start()
         stop_sent = False
-        while fit.is_alive():
-            fit.join(POLL_SECONDS)
-            if stop_asked.is_set() and not stop_sent:
-                relay.request_stop.remote()
-                stop_sent = True
-            _print_lines(ray.get(relay.drain.remote()))
+        try:
+            while fit.is_alive():
+                fit.join(POLL_SECONDS)
+                if stop_asked.is_set() and not stop_sent:
+                    relay.request_stop.remote()
+                    stop_sent = True
+                _print_lines(ray.get(relay.drain.remote()))
+        finally:
+            shutil.rmtree(ray_storage, ignore_errors=True)
         _print_lines(ray.get(relay.drain.remote()))
         summary = ray.get(relay.summary.remote())
         result.update(failures=summary["failures"], starts=summary["starts"])
