@@ -196,12 +196,15 @@ class Lifeline:
             time.sleep(POLL_SECONDS)
 
 
-def terminate_self(grace: float) -> Callable[[str], None]:
+def terminate_self(grace: float, announce: Callable[[], bool] = lambda: True) -> Callable[[str], None]:
     """An `on_gone` that stops this process as a cancel does (SIGTERM to itself), and SIGKILLs
-    it when it is still here `grace` seconds later (stuck where no handler runs)."""
+    it when it is still here `grace` seconds later (stuck where no handler runs). It says why
+    on stderr when `announce()` is true (not when the process is already stopping: a Ctrl-C's
+    launcher ends before its ranks, and the user was told once already)."""
 
     def on_gone(reason: str) -> None:
-        print(f"stoker: stopping: {reason}", file=sys.stderr, flush=True)
+        if announce():
+            print(f"stoker: stopping: {reason}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -210,10 +213,12 @@ def terminate_self(grace: float) -> Callable[[str], None]:
 
 
 def main(argv: list[str]) -> None:
-    """`<token> <module> [args...]`: run the module as ``python -m`` would, ending it (SIGTERM,
-    then SIGKILL 10 s later) when the token's process is gone."""
-    launcher, module, *args = argv
-    Lifeline(terminate_self(10.0), launcher_token=launcher).start()
+    """`[--quiet] <token> <module> [args...]`: run the module as ``python -m`` would, ending it
+    (SIGTERM, then SIGKILL 10 s later) when the token's process is gone; `--quiet`: without a
+    word on stderr (a helper whose end is no news, such as Prefect's temporary server)."""
+    quiet = argv[:1] == ["--quiet"]
+    launcher, module, *args = argv[1:] if quiet else argv
+    Lifeline(terminate_self(10.0, announce=lambda: not quiet), launcher_token=launcher).start()
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

@@ -36,6 +36,11 @@ def request_stop() -> None:
 _STOP_REQUESTS: "list[StopRequest]" = []
 
 
+def stop_already_asked() -> bool:
+    """Whether this rank was already asked to stop (SIGTERM, a relayed stop)."""
+    return _STOP_ASKED.is_set() or any(stop.flag for stop in _STOP_REQUESTS)
+
+
 class Preempted(Exception):
     """The ranks were asked to stop (SIGTERM: a cancel, a preemption). Transient."""
 

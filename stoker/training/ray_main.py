@@ -35,7 +35,7 @@ import time
 import uuid
 
 from stoker.core import events
-from stoker.training.distributed import Preempted, request_stop
+from stoker.training.distributed import Preempted, request_stop, stop_grace_seconds
 from stoker.training.train import FailedBefore, failure_of, read_config, run_rank
 
 POLL_SECONDS = 0.2
@@ -283,14 +283,24 @@ def drive(args: argparse.Namespace) -> int:
         outcome: dict = {}
         fit = threading.Thread(target=_fit, args=(trainer, outcome), daemon=True)
         fit.start()
-        stop_sent = False
+        stop_sent: float | None = None  # when the stop was relayed
+        # past this, workers that have not stopped are ended with the job (ray.shutdown below)
+        stop_budget = stop_grace_seconds() + 30.0
         try:
             while fit.is_alive():
                 fit.join(POLL_SECONDS)
-                if stop_asked.is_set() and not stop_sent:
+                if stop_asked.is_set() and stop_sent is None:
                     relay.request_stop.remote()
-                    stop_sent = True
+                    stop_sent = time.monotonic()
                 _print_lines(ray.get(relay.drain.remote()))
+                if stop_sent is not None and time.monotonic() - stop_sent > stop_budget:
+                    print(
+                        f"Ray: the workers did not stop within {stop_budget:.0f} s of the stop; "
+                        "ending the job, which ends them",
+                        flush=True,
+                    )
+                    outcome.setdefault("error", TimeoutError("the workers did not stop in time"))
+                    break
         finally:
             shutil.rmtree(ray_storage, ignore_errors=True)
         _print_lines(ray.get(relay.drain.remote()))

@@ -31,7 +31,7 @@ from stoker.core.failures import RankAborted, is_transient
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.shards import materialize
 from stoker.storage.store import Store, default_cache_dir
-from stoker.training.distributed import setup_distributed, stop_grace_seconds
+from stoker.training.distributed import setup_distributed, stop_already_asked, stop_grace_seconds
 from stoker.training.loop import Trainer
 from stoker.training.metrics import emit
 
@@ -176,7 +176,7 @@ def _launcher_gone(reason: str) -> None:
             os.kill(agent, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    lifeline.terminate_self(stop_grace_seconds() + 15.0)(reason)
+    lifeline.terminate_self(stop_grace_seconds() + 15.0, announce=lambda: not stop_already_asked())(reason)
 
 
 def _same_gang(pid: int) -> bool:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from stoker.core import lifeline
 from tests.conftest import ROOT, read_proc
 
@@ -86,13 +88,15 @@ def test_a_heartbeat_counts_once_seen_and_goes_stale_when_it_stops(tmp_path, mon
     assert reason and "heartbeat" in reason
 
 
-def test_a_module_run_under_a_lifeline_ends_with_the_process_it_names():
+@pytest.mark.parametrize("quiet", [False, True])
+def test_a_module_run_under_a_lifeline_ends_with_the_process_it_names(quiet):
     starter = subprocess.Popen(["sleep", "60"])
     served = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "stoker.core.lifeline",
+            *(["--quiet"] if quiet else []),
             lifeline.token(starter.pid),
             "http.server",
             "0",
@@ -110,7 +114,8 @@ def test_a_module_run_under_a_lifeline_ends_with_the_process_it_names():
         starter.kill()
         starter.wait()
         served.wait(timeout=20)
-        assert "stopping: the launcher" in served.stderr.read()
+        said = served.stderr.read()
+        assert ("stopping: the launcher" in said) is not quiet, said
     finally:
         served.kill()
         starter.kill()
