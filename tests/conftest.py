@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -113,23 +114,23 @@ def wait_for(what: str, check, seconds: float, logs=()):
     pytest.fail(f"gave up waiting for {what}\n{tails}")
 
 
-@pytest.fixture
-def prefect_api(tmp_path):
-    """A real `prefect server start` on 127.0.0.1 with its own home; its scheduler looks for
-    due runs every 2 s. Yields the environment for processes that talk to it."""
+@contextmanager
+def real_prefect_server(home: str):
+    """A real `prefect server start` on 127.0.0.1 with its home in `home`; its scheduler
+    looks for due runs every 2 s. Yields the environment for processes that talk to it."""
     import httpx
 
     port = free_port()
     env = {
         **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_HOME": os.path.join(home, "prefect-home"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
         "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
         "PREFECT_SERVER_LOG_RETRYABLE_ERRORS": "true",  # what a 503 was, in server.log
         "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
     }
-    log = tmp_path / "server.log"
+    log = os.path.join(home, "server.log")
     with open(log, "w") as out:
         server = start_process(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, out
@@ -146,6 +147,21 @@ def prefect_api(tmp_path):
         yield env
     finally:
         stop_process(server)
+
+
+@pytest.fixture
+def prefect_api(tmp_path):
+    """A real `prefect server start` of this test alone (its database starts empty)."""
+    with real_prefect_server(str(tmp_path)) as env:
+        yield env
+
+
+@pytest.fixture(scope="session")
+def shared_prefect_api(tmp_path_factory):
+    """One real `prefect server start` for the session's tests (per xdist worker) that only
+    add to it: each names its own deployments, automations and runs, so none sees another's."""
+    with real_prefect_server(str(tmp_path_factory.mktemp("shared-prefect"))) as env:
+        yield env
 
 
 class MotoServer:
