@@ -192,6 +192,11 @@ class Evaluated(Event):
     val_loss: float
     val_ppl: float
     windows: int
+    # eval.sets beyond the loss (None: not measured)
+    bits_per_byte: float | None = None  # of the same validation windows
+    mc_accuracy: float | None = None  # multiple choice: the highest summed log-likelihood (acc)
+    mc_accuracy_norm: float | None = None  # the lowest mean per-token loss (acc_norm)
+    num_mc_items: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

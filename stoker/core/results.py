@@ -57,6 +57,16 @@ class EvalResult(BaseModel):
     val_ppl: float
     windows: int
     seconds: float
+    bits_per_byte: float | None = Field(
+        None, description="validation loss per UTF-8 byte of the same windows, in bits (eval.sets 'bpb')"
+    )
+    mc_accuracy: float | None = Field(
+        None, description="multiple choice (eval.sets 'multiple_choice'): share picked by summed log-likelihood"
+    )
+    mc_accuracy_norm: float | None = Field(
+        None, description="multiple choice: share picked by the lowest mean per-token loss (acc_norm)"
+    )
+    num_mc_items: int | None = Field(None, description="multiple-choice items scored")
 
 
 class TrainingResult(BaseModel):

@@ -93,6 +93,8 @@ def report_markdown(
         if evaluation
         else "n/a"
     )
+    if evaluation is not None and (evaluation.bits_per_byte is not None or evaluation.mc_accuracy_norm is not None):
+        final += f"; in all, {evaluation_line(evaluation)}"
     evals = "\n".join(f"| {s} | {v:.4f} |" for s, v in val_curve) or "| - | - |"
     what = (
         "nothing to train: the run had already reached train.max_steps"
@@ -159,27 +161,46 @@ def throughput_line(result) -> str:
 
 def checkpoint_rows(training: TrainingResult, final: EvalResult | None, retained: set[str] | None = None) -> list[dict]:
     """One row per committed checkpoint: step, URI, whether retention kept it, size, upload
-    seconds, validation loss (rounded for reading)."""
-    losses = {e.checkpoint_uri: e.val_loss for e in training.evaluations}
+    seconds, and its evaluation's validation loss, bits per byte and multiple-choice accuracy
+    (acc_norm) where measured (eval.sets)."""
+    evaluated = {e.checkpoint_uri: e for e in training.evaluations}
     if final is not None:
-        losses[final.checkpoint_uri] = final.val_loss
-    return [
-        {
-            "step": c["step"],
-            "uri": c["uri"],
-            "retained": "yes" if retained is None or c["uri"] in retained else "no (deleted by retention)",
-            "size_mb": (c.get("bytes") or 0) / 1e6,
-            "upload_seconds": c.get("upload_seconds"),
-            "val_loss": losses.get(c["uri"]),
-        }
-        for c in training.checkpoints
-    ]
+        evaluated[final.checkpoint_uri] = final
+    rows = []
+    for c in training.checkpoints:
+        e = evaluated.get(c["uri"])
+        rows.append(
+            {
+                "step": c["step"],
+                "uri": c["uri"],
+                "retained": "yes" if retained is None or c["uri"] in retained else "no (deleted by retention)",
+                "size_mb": (c.get("bytes") or 0) / 1e6,
+                "upload_seconds": c.get("upload_seconds"),
+                "val_loss": e.val_loss if e else None,
+                "bits_per_byte": e.bits_per_byte if e else None,
+                "mc_acc_norm": e.mc_accuracy_norm if e else None,
+            }
+        )
+    return rows
+
+
+def evaluation_line(e: EvalResult) -> str:
+    """An evaluation's numbers in one line (the sets it measured)."""
+    line = f"validation loss {e.val_loss:.4f}, perplexity {e.val_ppl:.1f}"
+    if e.bits_per_byte is not None:
+        line += f", {e.bits_per_byte:.4f} bits per byte"
+    if e.mc_accuracy_norm is not None:
+        line += (
+            f", multiple choice {100 * e.mc_accuracy_norm:.1f}% (acc_norm; acc {100 * (e.mc_accuracy or 0):.1f}%, "
+            f"{e.num_mc_items} items, chance 25%)"
+        )
+    return line
 
 
 def rounded(rows: list[dict]) -> list[dict]:
     """The rows as the UI's table shows them: numbers rounded for reading (the result keeps
     them whole)."""
-    digits = {"size_mb": 1, "upload_seconds": 2, "val_loss": 4}
+    digits = {"size_mb": 1, "upload_seconds": 2, "val_loss": 4, "bits_per_byte": 4, "mc_acc_norm": 3}
     return [{k: _round(v, digits[k]) if k in digits else v for k, v in row.items()} for row in rows]
 
 

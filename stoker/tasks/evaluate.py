@@ -86,6 +86,10 @@ def run_evaluation(
         val_ppl=e.val_ppl,
         windows=e.windows,
         seconds=time.monotonic() - t0,
+        bits_per_byte=e.bits_per_byte,
+        mc_accuracy=e.mc_accuracy,
+        mc_accuracy_norm=e.mc_accuracy_norm,
+        num_mc_items=e.num_mc_items,
     )
 
 

@@ -2,7 +2,9 @@
 
 Loads only the model tensors from the checkpoint (never unpickles anything) and prints
 an Evaluated event with the validation loss and perplexity over the whole validation
-split (capped by --max-windows); a failure is printed as a Failure event. Runs on the GPU
+split (capped by --max-windows) and the other sets of eval.sets: the bits per byte of the
+same windows, the accuracy on the vendored multiple-choice set (training.scoring); a failure
+is printed as a Failure event. Runs on the GPU
 when there is one (``--device``), with the run's precision (``engine.precision``).
 """
 
@@ -15,16 +17,27 @@ import os
 from functools import partial
 
 import torch
+from tokenizers import Tokenizer
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from stoker.core import events
 from stoker.storage.checkpoints import COMMIT_FILE, rehydrate
-from stoker.storage.shards import materialize
+from stoker.storage.shards import TOKENIZER_FILE, materialize
 from stoker.storage.store import Store, default_cache_dir
 from stoker.training.checkpoint import load_checkpoint
 from stoker.training.data import TokenStream, eval_offsets, get_batch
 from stoker.training.engine import Engine
 from stoker.training.model import GPT
+from stoker.training.scoring import (
+    ChoiceScores,
+    HeldOut,
+    add_window_scores,
+    encode_items,
+    load_multiple_choice,
+    score_choices,
+    token_byte_counts,
+    token_nll,
+)
 from stoker.training.train import RankErrorHandler, read_config
 
 
@@ -39,6 +52,8 @@ def evaluate_checkpoint(
     batch_size: int = 16,
     device: torch.device | None = None,
 ) -> events.Evaluated:
+    """Evaluate one checkpoint on the sets of cfg.eval.sets (see held_out_scores and
+    multiple_choice_scores)."""
     folder = rehydrate(
         store,
         checkpoint_key,
@@ -53,23 +68,51 @@ def evaluate_checkpoint(
     model = GPT(cfg.model, val.vocab_size, seed=None).to(device)  # every weight is loaded
     load_checkpoint(folder, model=model)
     model.eval()
-    T = cfg.model.block_size
-    offsets = eval_offsets(val.num_tokens, T, min(max_windows, max(1, val.num_tokens // T)))
-    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
-    for i in range(0, len(offsets), batch_size):
-        x, y = get_batch(val, T, offsets[i : i + batch_size])
-        with engine.autocast():
-            _, loss = model(x.to(device), y.to(device))
-        total += loss.double() * len(x)
-        count += len(x)
-    loss = float(total) / count
+    sets = set(cfg.eval.sets)
+    tokenizer = Tokenizer.from_file(os.path.join(shard_dir, TOKENIZER_FILE)) if sets - {"loss"} else None
+    held = held_out_scores(model, val, cfg.model.block_size, max_windows, batch_size, engine, tokenizer if "bpb" in sets else None)
+    mc = None
+    if "multiple_choice" in sets:
+        mc = multiple_choice_scores(model, tokenizer, cfg.model.block_size, cfg.eval.multiple_choice_items, engine)
     return events.Evaluated(
         checkpoint=store.url(checkpoint_key),
         step=manifest["step"],
-        val_loss=loss,
-        val_ppl=math.exp(min(loss, 50)),
-        windows=count,
+        val_loss=held.loss,
+        val_ppl=math.exp(min(held.loss, 50)),
+        windows=held.num_tokens // cfg.model.block_size,
+        bits_per_byte=held.bits_per_byte,
+        mc_accuracy=mc.accuracy if mc else None,
+        mc_accuracy_norm=mc.accuracy_norm if mc else None,
+        num_mc_items=len(mc.labels) if mc else None,
     )
+
+
+@torch.no_grad()
+def held_out_scores(
+    model: GPT, val: TokenStream, block_size: int, max_windows: int, batch_size: int, engine: Engine, tokenizer=None
+) -> HeldOut:
+    """The loss of the validation split's fixed windows (eval_offsets: evenly spaced, at most
+    max_windows), over the tokenizer's ids; with a tokenizer, also their bits per byte: the
+    nats of every predicted token that decodes to bytes / (ln 2 x those bytes), the bytes
+    counted exactly per id (scoring.token_byte_counts); a window's first token is never
+    predicted, and the end-of-text (no bytes) is left out of both sums."""
+    T, device = block_size, engine.device
+    byte_counts = None
+    if tokenizer is not None:
+        byte_counts = torch.from_numpy(token_byte_counts(tokenizer, val.vocab_size)).to(device)
+    offsets = eval_offsets(val.num_tokens, T, min(max_windows, max(1, val.num_tokens // T)))
+    held = HeldOut()
+    for i in range(0, len(offsets), batch_size):
+        x, y = get_batch(val, T, offsets[i : i + batch_size])
+        x, y = x.to(device), y.to(device)
+        add_window_scores(held, token_nll(model, x, y, engine.autocast), y, byte_counts)
+    return held
+
+
+def multiple_choice_scores(model: GPT, tokenizer, block_size: int, num_items: int, engine: Engine) -> ChoiceScores:
+    """The vendored multiple-choice set's first num_items items (its sha256 checked), scored."""
+    items = encode_items(tokenizer, load_multiple_choice(limit=num_items), block_size)
+    return score_choices(model, items, engine.device, engine.autocast)
 
 
 def default_device() -> torch.device:

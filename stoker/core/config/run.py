@@ -150,6 +150,7 @@ class RunConfig(_Section):
                 "ray": True,
                 "data": {"num_workers", "engine"},
                 "train": {"micro_batch_size"},
+                "eval": {"sets", "multiple_choice_items"},  # what a checkpoint's evaluation measures
             },
         )
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
