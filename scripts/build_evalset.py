@@ -60,7 +60,7 @@ SOURCE_FILES = (
     "zipfile.py",
 )
 NUM_ITEMS = 500
-CONTEXT_CHARS = 320
+CONTEXT_CHARS = 200
 ENDING_CHARS = (24, 72)
 MIN_LETTERS = 8
 GAP_LINES = 24
@@ -145,7 +145,9 @@ def build(stdlib: str) -> tuple[bytes, dict]:
         distractors = rng.sample(others[:LENGTH_POOL], NUM_ENDINGS - 1)
         label = rng.randrange(NUM_ENDINGS)
         endings = [item["indent"] + c for c in distractors[:label] + [true] + distractors[label:]]
-        items.append({"id": k, "source": item["source"], "context": item["context"], "endings": endings, "label": label})
+        items.append(
+            {"id": k, "source": item["source"], "context": item["context"], "endings": endings, "label": label}
+        )
     meta = {
         "name": "stdlib-continuations",
         "version": 1,

@@ -70,7 +70,9 @@ def evaluate_checkpoint(
     model.eval()
     sets = set(cfg.eval.sets)
     tokenizer = Tokenizer.from_file(os.path.join(shard_dir, TOKENIZER_FILE)) if sets - {"loss"} else None
-    held = held_out_scores(model, val, cfg.model.block_size, max_windows, batch_size, engine, tokenizer if "bpb" in sets else None)
+    held = held_out_scores(
+        model, val, cfg.model.block_size, max_windows, batch_size, engine, tokenizer if "bpb" in sets else None
+    )
     mc = None
     if "multiple_choice" in sets:
         mc = multiple_choice_scores(model, tokenizer, cfg.model.block_size, cfg.eval.multiple_choice_items, engine)

@@ -25,7 +25,7 @@ from stoker.core.failures import DataError
 EVALSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "evalsets")
 MULTIPLE_CHOICE_FILE = os.path.join(EVALSETS_DIR, "stdlib-continuations.jsonl")
 # the sha256 of the vendored file, checked at every load (scripts/build_evalset.py rebuilds it)
-MULTIPLE_CHOICE_SHA256 = "2e12f855e06ff9da9da78fb2813c1837f98200d2479a095c07f3de2f8f8c3d31"
+MULTIPLE_CHOICE_SHA256 = "e33850159fc7994efe528156517cddea1d82896ce5df05447da74937b90db704"
 
 
 # ---- bits per byte --------------------------------------------------------------------------
@@ -212,7 +212,9 @@ def score_choices(
     endings) per forward pass, right-padded: causal attention never looks at the padding."""
     sums, counts = [], []
     for start in range(0, len(items), items_per_batch):
-        batch = [(row, n) for item in items[start : start + items_per_batch] for row, n in zip(item.rows, item.num_ending)]
+        batch = [
+            (row, n) for item in items[start : start + items_per_batch] for row, n in zip(item.rows, item.num_ending)
+        ]
         width = max(len(row) for row, _ in batch)
         ids = torch.zeros((len(batch), width), dtype=torch.long)
         mask = torch.zeros((len(batch), width - 1), dtype=torch.bool)
