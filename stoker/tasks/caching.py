@@ -1,0 +1,266 @@
+"""Prefect result caching whose truth is the object store.
+
+A cached task's key is the content key of its output in the store (a dataset fingerprint,
+a tokenizer hash, a shard-set key, a checkpoint's commit manifest), computed only when the
+store holds that output with a valid manifest; otherwise there is no key and the task runs.
+A deleted or replaced output therefore never meets a stale cache entry. The results live
+in the same store, at ``{root}/prefect-results/{task name}/{key}``: deleting the store
+deletes its cache too, and every host that reaches the store shares it.
+
+Three Prefect parts, each small:
+- `StoreCache`, the cache policy: ``compute_key`` asks a content-key function.
+- `StoreResults`, the result storage block: reads and writes go through `storage.store.Store`
+  (the task run's own store, named by its StorageConfig parameter), with the credentials of
+  this process. Prefect's Task refuses an unsaved block at construction ("must be persisted
+  server-side") but resolves one at run time (results.resolve_result_storage takes a Block
+  instance as is); a saved block could not name the store, which is a run-time value, so
+  `attach_results` sets it on the task after construction. Its records carry no block id:
+  another process finds them by key through its own task (as the cache does), while
+  ``state.result()`` of a state read back from the API cannot (Prefect then looks in its
+  local default storage).
+- `StoreResultSerializer`: JSON, never pickle (a record in the store cannot run code here),
+  and only stoker's result types. A record read back is by definition a cache hit, so its
+  ``cache_hit`` says True; a record that no longer fits its type cannot be read, which
+  Prefect takes as "no record": the task runs again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from prefect.cache_policies import CachePolicy
+from prefect.context import TaskRunContext
+from prefect.filesystems import WritableFileSystem
+from prefect.serializers import Serializer
+from pydantic import BaseModel, Field
+
+from stoker.core.results import DatasetInfo, EvalResult, ShardInfo, TokenizerInfo
+from stoker.storage.store import Store, join
+
+RESULTS_DIR = "prefect-results"
+log = logging.getLogger("stoker.cache")
+
+# the types a record may hold: nothing else is ever constructed from the store's bytes
+RESULT_TYPES: dict[str, type] = {t.__name__: t for t in (DatasetInfo, TokenizerInfo, ShardInfo, EvalResult)}
+
+
+def digest(*parts: Any) -> str:
+    """A short sha256 of JSON-able parts (sorted keys): a cache key component."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def result_shape(result_type: type) -> list[str]:
+    """The field names of a result type: in a key, a changed type invalidates the old records."""
+    if dataclasses.is_dataclass(result_type):
+        return [f.name for f in dataclasses.fields(result_type)]
+    return sorted(result_type.model_fields)
+
+
+def parameter(parameters: dict, path: str) -> Any:
+    """A task parameter by dotted path: 'storage', 'config.storage'."""
+    first, *rest = path.split(".")
+    value = parameters[first]
+    for name in rest:
+        value = value[name] if isinstance(value, dict) else getattr(value, name)
+    return value
+
+
+def store_of(parameters: dict, path: str) -> Store:
+    storage = parameter(parameters, path)
+    return Store(storage.root, storage.storage_options)
+
+
+def record_key(task_name: str, key: str) -> str:
+    """Where the record of a task's cache key lives, relative to the store root."""
+    return join(RESULTS_DIR, task_name, key)
+
+
+# ---- the cache policy -----------------------------------------------------------------------
+@dataclass
+class StoreCache(CachePolicy):
+    """Key: ``{content key}`` from `content_key(store, task parameters)`, None (no caching,
+    the task runs) when the store does not hold the output. Any error there is the task's
+    to meet and report: no key, and it runs."""
+
+    content_key: Callable[[Store, dict], str | None] | None = None
+    storage_parameter: str = "storage"  # the task parameter holding the StorageConfig
+
+    def compute_key(self, task_ctx, inputs: dict, flow_parameters: dict, **kwargs) -> str | None:
+        try:
+            key = self.content_key(store_of(inputs, self.storage_parameter), inputs)
+        except Exception as err:
+            log.debug("no cache key for %s: %s", task_ctx.task.name if task_ctx else "?", err)
+            return None
+        return f"{task_ctx.task.name}/{key}" if key else None
+
+
+# ---- result storage in the store ------------------------------------------------------------
+class StoreResults(WritableFileSystem):
+    """Prefect results of stoker's cached tasks, in the object store of the task run:
+    ``{root}/prefect-results/{path}``. The store is the one in the task's StorageConfig
+    parameter (`storage_parameter`), opened with this process's credentials."""
+
+    _block_type_name = "Stoker Store Results"
+    _block_type_slug = "stoker-store-results"
+    _description = "Results of stoker's cached tasks, kept in the run's own object store."
+
+    storage_parameter: str = Field("storage", description="The task parameter that holds the StorageConfig.")
+
+    def _store(self) -> Store:
+        ctx = TaskRunContext.get()
+        if ctx is None:
+            raise RuntimeError("stoker's result storage is read and written inside a stoker task run only")
+        return store_of(ctx.parameters, self.storage_parameter)
+
+    def _resolve_path(self, path: str) -> None:
+        return None  # keys are used as given (Prefect would otherwise make them absolute)
+
+    def read_path(self, path: str, _sync: bool | None = None) -> bytes:
+        return self._store().read_bytes(join(RESULTS_DIR, path))
+
+    def write_path(self, path: str, content: bytes, _sync: bool | None = None) -> None:
+        self._store().write_bytes(join(RESULTS_DIR, path), content)
+
+    async def aread_path(self, path: str) -> bytes:
+        return self.read_path(path)
+
+    async def awrite_path(self, path: str, content: bytes) -> None:
+        self.write_path(path, content)
+
+
+class StoreResultSerializer(Serializer):
+    """JSON records of stoker's result types only (RESULT_TYPES); a record read back says
+    cache_hit=True. Exceptions (Prefect persists a failed run's) are kept as their type and
+    message."""
+
+    type: str = Field(default="stoker-result", frozen=True)
+
+    def dumps(self, obj: Any) -> bytes:
+        if isinstance(obj, BaseException):
+            payload = {"exception": type(obj).__name__, "message": str(obj)}
+        elif type(obj).__name__ in RESULT_TYPES and isinstance(obj, RESULT_TYPES[type(obj).__name__]):
+            data = obj.model_dump(mode="json") if isinstance(obj, BaseModel) else dataclasses.asdict(obj)
+            payload = {"type": type(obj).__name__, "data": data}
+        else:
+            raise TypeError(f"stoker's result store keeps {', '.join(RESULT_TYPES)}, not {type(obj).__name__}")
+        return json.dumps(payload).encode()
+
+    def loads(self, blob: bytes) -> Any:
+        payload = json.loads(blob)
+        if "exception" in payload:
+            return RuntimeError(f"{payload['exception']}: {payload['message']}")
+        result_type = RESULT_TYPES[payload["type"]]  # KeyError: not ours, not read
+        data = payload["data"]
+        if "cache_hit" in result_shape(result_type):
+            data = {**data, "cache_hit": True}  # read back from the cache: a hit
+        if issubclass(result_type, BaseModel):
+            return result_type.model_validate(data)
+        return result_type(**data)  # TypeError when the type changed: no record, the task runs
+
+
+def attach_results(made_task, cache: StoreCache):
+    """Give a task made with `cache` its result storage in the store (see the module doc)."""
+    made_task.result_storage = StoreResults(storage_parameter=cache.storage_parameter)
+    return made_task
+
+
+# ---- content keys: present only when the store holds the output -------------------------------
+def dataset_key(store: Store, parameters: dict) -> str | None:
+    """download_dataset: the source's fingerprint and the dataset it gave, when that dataset is
+    committed (info.json, corpus at its size). The fingerprint is taken as the task takes it
+    (content hashes of local files, ETags, revisions): on a miss, twice."""
+    import tempfile
+
+    from stoker.data.sources import resolve_source
+    from stoker.storage.datasets import dataset_of_source
+
+    with tempfile.TemporaryDirectory(prefix="stoker-cache-key-") as work:
+        source = resolve_source(parameters["data"], work)
+    known = dataset_of_source(store, source.fingerprint)
+    if known is None:
+        return None
+    fingerprint, info = known
+    return f"{fingerprint}-{digest(source.fingerprint, info, result_shape(DatasetInfo))}"
+
+
+def tokenizer_recipe(dataset_fingerprint: str, cfg) -> str:
+    """The folder name of a trained tokenizer (as data.prepare.train_tokenizer names it)."""
+    return hashlib.sha256(
+        json.dumps([dataset_fingerprint, cfg.vocab_size, cfg.min_frequency, cfg.eot_token]).encode()
+    ).hexdigest()[:24]
+
+
+def tokenizer_key(store: Store, parameters: dict) -> str | None:
+    """train_tokenizer: the trained tokenizer's sha256, when the store holds it under its
+    recipe and by its hash. A tokenizer.path is loaded each time (no key)."""
+    from stoker.storage.shards import TOKENIZER_FILE
+
+    dataset, cfg = parameters["dataset"], parameters["tokenizer"]
+    if cfg.path:
+        return None
+    try:
+        data = store.read_bytes(join("tokenizers", tokenizer_recipe(dataset.fingerprint, cfg), TOKENIZER_FILE))
+    except FileNotFoundError:
+        return None
+    sha = hashlib.sha256(data).hexdigest()
+    if not store.exists(join("tokenizers", "by-hash", sha[:24], TOKENIZER_FILE)):
+        return None
+    return f"{sha[:24]}-{digest(dataset.fingerprint, cfg.model_dump(mode='json'), result_shape(TokenizerInfo))}"
+
+
+def shard_cache_key_of(dataset: DatasetInfo, tokenizer: TokenizerInfo, data) -> str:
+    """The shard set's cache key, as data.prepare.tokenize_and_shard makes it."""
+    from stoker.data.prepare import token_dtype
+    from stoker.storage.shards import shard_cache_key
+
+    params = {
+        "val_fraction": data.val_fraction,
+        "shard_tokens": data.shard_tokens,
+        "dtype": token_dtype(data.token_dtype, tokenizer.vocab_size).str,
+        "eot_id": tokenizer.eot_id,
+    }
+    return shard_cache_key(dataset.fingerprint, tokenizer.sha256, params)
+
+
+def shards_key(store: Store, parameters: dict) -> str | None:
+    """tokenize_and_shard: the shard set's cache key and manifest, when the set is valid
+    (manifest, every file at its size, no invalid marker)."""
+    from stoker.storage.shards import validate_shard_set
+
+    cache_key = shard_cache_key_of(parameters["dataset"], parameters["tokenizer"], parameters["data"])
+    verdict = validate_shard_set(store, cache_key)
+    if not verdict:
+        return None
+    return f"{cache_key}-{digest(verdict.manifest, result_shape(ShardInfo))}"
+
+
+# bump when what an evaluation computes changes without a change of its settings or result type
+EVALUATION_VERSION = 1
+
+
+def evaluation_key(store: Store, parameters: dict) -> str | None:
+    """evaluate_checkpoint: the checkpoint's commit-manifest hash, when the checkpoint is
+    committed and its files are there at their sizes, plus what the evaluation depends on
+    besides (the validation shards, the eval settings, the precision, the result type)."""
+    from stoker.storage.checkpoints import validate_checkpoint
+
+    config, checkpoint_key = parameters["config"], parameters["checkpoint_key"]
+    if not checkpoint_key:
+        return None
+    verdict = validate_checkpoint(store, checkpoint_key)
+    if not verdict:
+        return None
+    settings = {
+        "version": EVALUATION_VERSION,
+        "shards": parameters["shard_key"],
+        "eval": config.eval.model_dump(mode="json"),
+        "precision": config.engine.precision,
+        "result": result_shape(EvalResult),
+    }
+    return f"{digest(verdict.manifest)}-{digest(settings)}"
