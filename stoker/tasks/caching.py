@@ -84,20 +84,46 @@ def record_key(task_name: str, key: str) -> str:
 # ---- the cache policy -----------------------------------------------------------------------
 @dataclass
 class StoreCache(CachePolicy):
-    """Key: ``{content key}`` from `content_key(store, task parameters)`, None (no caching,
-    the task runs) when the store does not hold the output. Any error there is the task's
-    to meet and report: no key, and it runs."""
+    """Key: `content_key(store, task parameters)`, the store's own content key of the task's
+    output, computed from the task's inputs (None: no caching, the task runs). A record at
+    that key counts only while `holds(store, result)` says the store still holds the output it
+    names, with a valid manifest; a record whose output is gone (a store deleted, a shard set
+    marked invalid) is removed before Prefect looks, so the task builds again and records
+    anew. Any error here is the task's to meet and report: no key, and it runs.
+    `on_hit(parameters)` runs when a record holds (before Prefect reads it)."""
 
     content_key: Callable[[Store, dict], str | None] | None = None
+    holds: Callable[[Store, Any], bool] | None = None
+    on_hit: Callable[[dict], None] | None = None
     storage_parameter: str = "storage"  # the task parameter holding the StorageConfig
 
     def compute_key(self, task_ctx, inputs: dict, flow_parameters: dict, **kwargs) -> str | None:
+        name = task_ctx.task.name if task_ctx else "?"
         try:
-            key = self.content_key(store_of(inputs, self.storage_parameter), inputs)
+            store = store_of(inputs, self.storage_parameter)
+            key = self.content_key(store, inputs)
+            if key is None:
+                return None
+            where = record_key(name, key)
+            if store.exists(where, refresh=True):
+                if self.holds is not None and not self._holds(store, where):
+                    log.info("the store no longer holds the output cached at %s: dropped, %s runs", where, name)
+                    store.rm(where)
+                elif self.on_hit is not None:
+                    self.on_hit(inputs)
         except Exception as err:
-            log.debug("no cache key for %s: %s", task_ctx.task.name if task_ctx else "?", err)
+            log.info("no cache key for %s (%s): it runs", name, err)
             return None
-        return f"{task_ctx.task.name}/{key}" if key else None
+        return f"{name}/{key}"
+
+    def _holds(self, store: Store, where: str) -> bool:
+        from prefect.results import ResultRecord
+
+        try:
+            result = ResultRecord.deserialize(store.read_bytes(where)).result
+        except Exception:  # unreadable: Prefect takes it as absent too, and writes anew
+            return True
+        return self.holds(store, result)
 
 
 # ---- result storage in the store ------------------------------------------------------------
@@ -170,23 +196,24 @@ def attach_results(made_task, cache: StoreCache):
     return made_task
 
 
-# ---- content keys: present only when the store holds the output -------------------------------
-def dataset_key(store: Store, parameters: dict) -> str | None:
-    """download_dataset: the source's fingerprint and the dataset it gave, when that dataset is
-    committed (info.json, corpus at its size). The fingerprint is taken as the task takes it
-    (content hashes of local files, ETags, revisions): on a miss, twice."""
+# ---- content keys, and what a record's output needs in the store --------------------------------
+def dataset_key(store: Store, parameters: dict) -> str:
+    """download_dataset: the source's fingerprint (datasets/by-source/), taken as the task
+    takes it (content hashes of local files, ETags, revisions): on a miss, twice."""
     import tempfile
 
     from stoker.data.sources import resolve_source
-    from stoker.storage.datasets import dataset_of_source
 
     with tempfile.TemporaryDirectory(prefix="stoker-cache-key-") as work:
         source = resolve_source(parameters["data"], work)
-    known = dataset_of_source(store, source.fingerprint)
-    if known is None:
-        return None
-    fingerprint, info = known
-    return f"{fingerprint}-{digest(source.fingerprint, info, result_shape(DatasetInfo))}"
+    return f"{source.fingerprint}-{digest(result_shape(DatasetInfo))}"
+
+
+def holds_dataset(store: Store, info: DatasetInfo) -> bool:
+    """The dataset is committed: info.json, its corpus at the listed size."""
+    from stoker.storage.datasets import committed_dataset
+
+    return committed_dataset(store, info.fingerprint) is not None
 
 
 def tokenizer_recipe(dataset_fingerprint: str, cfg) -> str:
@@ -197,21 +224,20 @@ def tokenizer_recipe(dataset_fingerprint: str, cfg) -> str:
 
 
 def tokenizer_key(store: Store, parameters: dict) -> str | None:
-    """train_tokenizer: the trained tokenizer's sha256, when the store holds it under its
-    recipe and by its hash. A tokenizer.path is loaded each time (no key)."""
-    from stoker.storage.shards import TOKENIZER_FILE
-
+    """train_tokenizer: the trained tokenizer's recipe (tokenizers/{recipe}/). A tokenizer.path
+    is loaded each time (no key)."""
     dataset, cfg = parameters["dataset"], parameters["tokenizer"]
     if cfg.path:
         return None
+    return f"{tokenizer_recipe(dataset.fingerprint, cfg)}-{digest(result_shape(TokenizerInfo))}"
+
+
+def holds_tokenizer(store: Store, info: TokenizerInfo) -> bool:
+    """The tokenizer file is there by its hash, with that hash."""
     try:
-        data = store.read_bytes(join("tokenizers", tokenizer_recipe(dataset.fingerprint, cfg), TOKENIZER_FILE))
+        return hashlib.sha256(store.read_bytes(info.key)).hexdigest() == info.sha256
     except FileNotFoundError:
-        return None
-    sha = hashlib.sha256(data).hexdigest()
-    if not store.exists(join("tokenizers", "by-hash", sha[:24], TOKENIZER_FILE)):
-        return None
-    return f"{sha[:24]}-{digest(dataset.fingerprint, cfg.model_dump(mode='json'), result_shape(TokenizerInfo))}"
+        return False
 
 
 def shard_cache_key_of(dataset: DatasetInfo, tokenizer: TokenizerInfo, data) -> str:
@@ -228,16 +254,17 @@ def shard_cache_key_of(dataset: DatasetInfo, tokenizer: TokenizerInfo, data) -> 
     return shard_cache_key(dataset.fingerprint, tokenizer.sha256, params)
 
 
-def shards_key(store: Store, parameters: dict) -> str | None:
-    """tokenize_and_shard: the shard set's cache key and manifest, when the set is valid
-    (manifest, every file at its size, no invalid marker)."""
+def shards_key(store: Store, parameters: dict) -> str:
+    """tokenize_and_shard: the shard set's cache key (shards/{cache key}/)."""
+    cache_key = shard_cache_key_of(parameters["dataset"], parameters["tokenizer"], parameters["data"])
+    return f"{cache_key}-{digest(result_shape(ShardInfo))}"
+
+
+def holds_shards(store: Store, info: ShardInfo) -> bool:
+    """The shard set is valid: its manifest, every file at its size, no invalid marker."""
     from stoker.storage.shards import validate_shard_set
 
-    cache_key = shard_cache_key_of(parameters["dataset"], parameters["tokenizer"], parameters["data"])
-    verdict = validate_shard_set(store, cache_key)
-    if not verdict:
-        return None
-    return f"{cache_key}-{digest(verdict.manifest, result_shape(ShardInfo))}"
+    return bool(validate_shard_set(store, info.cache_key))
 
 
 # bump when what an evaluation computes changes without a change of its settings or result type
@@ -246,8 +273,10 @@ EVALUATION_VERSION = 1
 
 def evaluation_key(store: Store, parameters: dict) -> str | None:
     """evaluate_checkpoint: the checkpoint's commit-manifest hash, when the checkpoint is
-    committed and its files are there at their sizes, plus what the evaluation depends on
-    besides (the validation shards, the eval settings, the precision, the result type)."""
+    committed and its files are there at their sizes (else no key: the evaluation says what is
+    wrong), plus what the evaluation depends on besides (the validation shards, the eval
+    settings, the precision, the result type). A deleted or replaced checkpoint has another
+    manifest, so another key."""
     from stoker.storage.checkpoints import validate_checkpoint
 
     config, checkpoint_key = parameters["config"], parameters["checkpoint_key"]

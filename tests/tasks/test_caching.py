@@ -6,7 +6,7 @@ parts: the Prefect test server, a moto S3 endpoint, real evaluation processes.""
 import pytest
 
 from stoker.core.config import load_config
-from stoker.core.results import DatasetInfo, EvalResult, ShardInfo
+from stoker.core.results import EvalResult, ShardInfo
 from stoker.storage.store import Store
 from tests.conftest import prepare_shards, tiny_dict
 
@@ -29,27 +29,30 @@ def test_a_record_read_back_says_cache_hit_and_only_stoker_types_are_read():
         ser.loads(b'{"type": "DatasetInfo", "data": {"fingerprint": "f"}}')
 
 
-def test_content_keys_are_the_stores_and_exist_only_with_the_output(tiny_config):
-    """The keys name what data.prepare made (a change there fails here), and a deleted
-    output has no key."""
-    from stoker.tasks.caching import dataset_key, shards_key, tokenizer_key
+def test_content_keys_are_the_stores_and_a_record_counts_only_with_its_output(tiny_config):
+    """The keys name what data.prepare made (a change there fails here), and a record's output
+    is held only while the store has it with a valid manifest."""
+    from stoker.data import prepare
+    from stoker.tasks import caching
 
     cfg = tiny_config()
     store, shards = prepare_shards(cfg)
-    from stoker.data import prepare
-
     dataset = prepare.download_dataset(cfg.data, store)
     tok = prepare.train_tokenizer(dataset, cfg.tokenizer, store)
     params = {"data": cfg.data, "storage": cfg.storage, "dataset": dataset, "tokenizer": tok}
-    assert dataset_key(store, params).startswith(dataset.fingerprint + "-")
-    assert tokenizer_key(store, {**params, "tokenizer": cfg.tokenizer}).startswith(tok.sha256[:24] + "-")
-    assert shards_key(store, {**params, "tokenizer": tok}).startswith(shards.cache_key + "-")
+    [link] = store.walk_files("datasets/by-source")
+    assert caching.dataset_key(store, params).startswith(link.removesuffix(".json") + "-")
+    recipe = caching.tokenizer_key(store, {**params, "tokenizer": cfg.tokenizer}).split("-")[0]
+    assert store.exists(f"tokenizers/{recipe}/tokenizer.json")
+    assert caching.shards_key(store, params).startswith(shards.cache_key + "-")
+    assert caching.holds_dataset(store, dataset) and caching.holds_tokenizer(store, tok)
+    assert caching.holds_shards(store, shards)
     store.rm(f"{shards.key}/manifest.json")
-    assert shards_key(store, {**params, "tokenizer": tok}) is None
+    assert not caching.holds_shards(store, shards)
     store.rm("tokenizers")
-    assert tokenizer_key(store, {**params, "tokenizer": cfg.tokenizer}) is None
+    assert not caching.holds_tokenizer(store, tok)
     store.rm("datasets")
-    assert dataset_key(store, params) is None
+    assert not caching.holds_dataset(store, dataset)
 
 
 # ---- through Prefect -------------------------------------------------------------------
@@ -153,10 +156,3 @@ def test_a_checkpoint_is_evaluated_once_and_a_replaced_one_again(prefect_server,
     store.write_json(f"{key}/{COMMIT_FILE}", {**manifest, "committed_at": manifest["committed_at"] + 1})
     third = evaluate_checkpoint_flow(store.url(key), return_state=True)
     assert _task_states(third)["evaluate_checkpoint"] == "Completed" and processes == [key, key]
-
-
-def test_a_dataset_info_record_round_trips(tmp_path):
-    from stoker.tasks.caching import StoreResultSerializer
-
-    info = DatasetInfo("f" * 24, "datasets/f", 3, 100, cache_hit=False, num_skipped_files=1)
-    assert StoreResultSerializer().loads(StoreResultSerializer().dumps(info)).cache_hit
