@@ -76,6 +76,17 @@ def store_of(parameters: dict, path: str) -> Store:
     return Store(storage.root, storage.storage_options)
 
 
+def _logger():
+    """The task run's logger (its lines show in the UI), else this module's."""
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return log
+
+
 def record_key(task_name: str, key: str) -> str:
     """Where the record of a task's cache key lives, relative to the store root."""
     return join(RESULTS_DIR, task_name, key)
@@ -107,12 +118,14 @@ class StoreCache(CachePolicy):
             where = record_key(name, key)
             if store.exists(where, refresh=True):
                 if self.holds is not None and not self._holds(store, where):
-                    log.info("the store no longer holds the output cached at %s: dropped, %s runs", where, name)
+                    _logger().info("the store no longer holds the output cached at %s: dropped, built again", where)
                     store.rm(where)
-                elif self.on_hit is not None:
-                    self.on_hit(inputs)
-        except Exception as err:
-            log.info("no cache key for %s (%s): it runs", name, err)
+                else:
+                    _logger().info("cached at %s, and the store still holds its output: no work", store.url(where))
+                    if self.on_hit is not None:
+                        self.on_hit(inputs)
+        except Exception as err:  # the task meets the same problem and reports it
+            log.debug("no cache key for %s (%s): it runs", name, err)
             return None
         return f"{name}/{key}"
 
