@@ -142,7 +142,7 @@ class StoreCache(CachePolicy):
 # ---- result storage in the store ------------------------------------------------------------
 class StoreResults(WritableFileSystem):
     """Prefect results of stoker's cached tasks, in the object store of the task run:
-    ``{root}/prefect-results/{path}``. The store is the one in the task's StorageConfig
+    ``{root}/prefect-results/{task}/{key}`` (cache records only). The store is the one in the task's StorageConfig
     parameter (`storage_parameter`), opened with this process's credentials."""
 
     _block_type_name = "Stoker Store Results"
@@ -164,6 +164,11 @@ class StoreResults(WritableFileSystem):
         return self._store().read_bytes(join(RESULTS_DIR, path))
 
     def write_path(self, path: str, content: bytes, _sync: bool | None = None) -> None:
+        if "/" not in path:
+            # not a cache record ({task}/{key}) but the exception record Prefect persists for
+            # each failed run, under a random name: nothing here reads it (records carry no
+            # block id), so it is not left in the store
+            return
         self._store().write_bytes(join(RESULTS_DIR, path), content)
 
     async def aread_path(self, path: str) -> bytes:
