@@ -90,6 +90,13 @@ def test_data_tasks_show_cached_only_while_the_s3_store_holds_their_output(prefe
     shards = second.result()
     assert shards.cache_hit and shards.cache_key == first.result().cache_key
 
+    # a record that cannot be read is no record: the task runs (and finds its shards)
+    [record] = [name for name in records if name.startswith("tokenize_and_shard/")]
+    store.write_bytes(f"prefect-results/{record}", b"{not json")
+    unreadable = prepare_data(*args, return_state=True)
+    assert _task_states(unreadable)["tokenize_and_shard"] == "Completed" and unreadable.result().cache_hit
+    assert store.read_bytes(f"prefect-results/{record}") != b"{not json"  # recorded anew
+
     for folder in ("datasets", "tokenizers", "shards"):  # the data deleted; the records stay
         store.rm(folder)
     third = prepare_data(*args, return_state=True)
