@@ -1,20 +1,23 @@
 """Prefect result caching whose truth is the object store.
 
-A cached task's key is the content key of its output in the store (a dataset fingerprint,
-a tokenizer hash, a shard-set key, a checkpoint's commit manifest), computed only when the
-store holds that output with a valid manifest; otherwise there is no key and the task runs.
-A deleted or replaced output therefore never meets a stale cache entry. The results live
-in the same store, at ``{root}/prefect-results/{task name}/{key}``: deleting the store
-deletes its cache too, and every host that reaches the store shares it.
+A cached task's key is the store's own content key of its output, from the task's inputs (a
+source fingerprint, a tokenizer recipe, a shard-set key, a checkpoint's commit manifest). A
+record at that key counts only while the store holds the output it names with a valid
+manifest; one whose output is gone is dropped before Prefect looks, so the task builds again:
+a deleted or replaced output never meets a stale cache entry. The records live in the same
+store, at ``{root}/prefect-results/{task name}/{key}``: deleting the store deletes its cache
+too, and every host that reaches the store shares it.
 
 Three Prefect parts, each small:
-- `StoreCache`, the cache policy: ``compute_key`` asks a content-key function.
+- `StoreCache`, the cache policy: ``compute_key`` asks a content-key function, and drops a
+  record whose output the store no longer holds.
 - `StoreResults`, the result storage block: reads and writes go through `storage.store.Store`
   (the task run's own store, named by its StorageConfig parameter), with the credentials of
   this process. Prefect's Task refuses an unsaved block at construction ("must be persisted
   server-side") but resolves one at run time (results.resolve_result_storage takes a Block
-  instance as is); a saved block could not name the store, which is a run-time value, so
-  `attach_results` sets it on the task after construction. Its records carry no block id:
+  instance as is). The store is a run-time value (each call's config) and one task object
+  serves every store (training submits evaluate_checkpoint as is), so no saved block could
+  name it: `attach_results` sets the block on the task after construction. Its records carry no block id:
   another process finds them by key through its own task (as the cache does), while
   ``state.result()`` of a state read back from the API cannot (Prefect then looks in its
   local default storage).

@@ -38,38 +38,32 @@ def stoker_task(
     only when transient (`retry_if_transient`), after `BACKOFF` with `JITTER`.
 
     Without `cache`, results are neither cached nor persisted. With one (tasks.caching), the
-    cache key is the content key of the task's output, given only while the store holds that
-    output with a valid manifest (the store's manifests stay the truth: a deleted store is
-    never masked by a stale cache entry); results persist in the store itself
-    (``{root}/prefect-results/``) as JSON, and a cache hit shows Cached in the UI. Such a task
+    cache key is the store's content key of the task's output, and a cached record counts only
+    while the store holds the output it names with a valid manifest (the manifests stay the
+    truth: a deleted store is never masked by a stale entry); records persist in the store
+    itself (``{root}/prefect-results/``) as JSON, and a hit shows Cached in the UI. Such a task
     keeps its result storage on the task object: make a variant with stoker_task, not
     ``with_options`` (Prefect's Task refuses the unsaved block there)."""
+    policy = dict(
+        name=name,
+        retries=retries,
+        retry_delay_seconds=retry_delay_seconds,
+        retry_jitter_factor=JITTER,
+        retry_condition_fn=retry_if_transient,
+        timeout_seconds=timeout_seconds,
+    )
     if cache is None:
-        return task(
-            name=name,
-            retries=retries,
-            retry_delay_seconds=retry_delay_seconds,
-            retry_jitter_factor=JITTER,
-            retry_condition_fn=retry_if_transient,
-            cache_policy=NO_CACHE,
-            persist_result=False,
-            timeout_seconds=timeout_seconds,
-        )
+        return task(**policy, cache_policy=NO_CACHE, persist_result=False)
     from stoker.tasks.caching import StoreResultSerializer, attach_results
 
     def decorate(fn: Callable):
         made = task(
-            name=name,
-            retries=retries,
-            retry_delay_seconds=retry_delay_seconds,
-            retry_jitter_factor=JITTER,
-            retry_condition_fn=retry_if_transient,
+            **policy,
             cache_policy=cache,
             persist_result=True,
             result_serializer=StoreResultSerializer(),
             # records are read back from the store, never from memory: a hit says so (cache_hit)
             cache_result_in_memory=False,
-            timeout_seconds=timeout_seconds,
         )(fn)
         return attach_results(made, cache)
 
