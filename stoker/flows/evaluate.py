@@ -16,6 +16,8 @@ def evaluate_checkpoint_flow(
 ) -> EvalResult:
     """Validation loss and perplexity of the checkpoint at `checkpoint_uri`
     (``{root}/runs/{run}/checkpoints/step-...``), using the run's own config and shards.
+    A checkpoint already evaluated (same commit manifest, same eval settings) is not evaluated
+    again: its evaluate_checkpoint task run shows Cached and returns the stored result.
     credentials_block: a Prefect block with the store's credentials (see
     storage.credentials_block); empty: the environment's."""
     claim_flow_run()  # its owner process, so a dead one's run ends Crashed, not Running

@@ -44,7 +44,8 @@ def _run_name() -> str:
 def prepare_data(
     data: DataConfig, tokenizer: TokenizerConfig, storage: StorageConfig, ray: RayConfig | None = None
 ) -> ShardInfo:
-    """Download -> tokenizer -> tokenize and shard; each step is a no-op when its output exists.
+    """Download -> tokenizer -> tokenize and shard; each step is a no-op when its output exists
+    (its task run shows Cached, and its result says cache_hit).
     `ray`: the cluster of data.engine 'ray' (empty: a local Ray instance)."""
     claim_flow_run()  # its owner process, so a dead one's run ends Crashed, not Running
     use_store_credentials(storage)  # a credentials block named in storage, when run on its own

@@ -1,7 +1,9 @@
 """Prefect tasks of the data stage: one job each, policy on the decorator.
 
-Caching is by content in the object store (the shard-set manifest is the truth), so the
-Prefect result cache is off: a deleted store can never be masked by a stale cache entry.
+Caching is by content in the object store (the manifests are the truth). Each task's Prefect
+cache key is the store's content key of its output (tasks.caching), and its record counts only
+while the store holds that output with a valid manifest: then the task run shows Cached and
+returns the stored result with cache_hit=True; from a deleted store, the task builds again.
 """
 
 from __future__ import annotations
@@ -13,6 +15,15 @@ from stoker.core.results import DatasetInfo, ShardInfo, TokenizerInfo
 from stoker.data import prepare
 from stoker.observe.report import vocabulary_note
 from stoker.storage.store import Store
+from stoker.tasks.caching import (
+    StoreCache,
+    dataset_key,
+    holds_dataset,
+    holds_shards,
+    holds_tokenizer,
+    shards_key,
+    tokenizer_key,
+)
 from stoker.tasks.policy import stoker_task
 
 
@@ -20,7 +31,12 @@ def _store(storage: StorageConfig) -> Store:
     return Store(storage.root, storage.storage_options)
 
 
-@stoker_task(name="download_dataset", retries=3, timeout_seconds=3600)
+@stoker_task(
+    name="download_dataset",
+    retries=3,
+    timeout_seconds=3600,
+    cache=StoreCache(content_key=dataset_key, holds=holds_dataset),
+)
 def download_dataset(data: DataConfig, storage: StorageConfig) -> DatasetInfo:
     """Copy the raw source into {root}/datasets/{fingerprint}/ (no copy when present).
 
@@ -42,7 +58,12 @@ def download_dataset(data: DataConfig, storage: StorageConfig) -> DatasetInfo:
     return info
 
 
-@stoker_task(name="train_tokenizer", retries=2, timeout_seconds=3600)
+@stoker_task(
+    name="train_tokenizer",
+    retries=2,
+    timeout_seconds=3600,
+    cache=StoreCache(content_key=tokenizer_key, holds=holds_tokenizer),
+)
 def train_tokenizer(dataset: DatasetInfo, tokenizer: TokenizerConfig, storage: StorageConfig) -> TokenizerInfo:
     """Train a byte-level BPE on the corpus, or load the given tokenizer.json."""
     info = prepare.train_tokenizer(dataset, tokenizer, _store(storage))
@@ -58,7 +79,12 @@ def train_tokenizer(dataset: DatasetInfo, tokenizer: TokenizerConfig, storage: S
     return info
 
 
-@stoker_task(name="tokenize_and_shard", retries=2, timeout_seconds=14400)
+@stoker_task(
+    name="tokenize_and_shard",
+    retries=2,
+    timeout_seconds=14400,
+    cache=StoreCache(content_key=shards_key, holds=holds_shards),
+)
 def tokenize_and_shard(
     dataset: DatasetInfo,
     tokenizer: TokenizerInfo,

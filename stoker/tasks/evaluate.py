@@ -13,6 +13,7 @@ from stoker.core.results import EvalResult
 from stoker.launch.child import Child
 from stoker.launch.env import child_env
 from stoker.storage import runs
+from stoker.tasks.caching import StoreCache, evaluation_key
 from stoker.tasks.policy import stoker_task
 
 EVAL_TIMEOUT_SECONDS = 1800
@@ -93,11 +94,27 @@ def run_evaluation(
     )
 
 
-@stoker_task(name="evaluate_checkpoint", retries=2)
+def _unpin_cached(parameters: dict) -> None:
+    """On a cache hit: the checkpoint's evaluation is done, so a pin still on it is one its
+    evaluation failed to remove (best effort there); removed now, so a hit leaves none."""
+    from stoker.storage.checkpoints import EVAL_PIN
+    from stoker.storage.store import Store, join
+
+    config, checkpoint_key = parameters["config"], parameters["checkpoint_key"]
+    if Store(config.storage.root, config.storage.storage_options).exists(join(checkpoint_key, EVAL_PIN)):
+        _finish_evaluation(config, checkpoint_key)
+
+
+@stoker_task(
+    name="evaluate_checkpoint",
+    retries=2,
+    cache=StoreCache(content_key=evaluation_key, on_hit=_unpin_cached, storage_parameter="config.storage"),
+)
 def evaluate_checkpoint(config: RunConfig, config_url: str, checkpoint_key: str, shard_key: str) -> EvalResult:
     """Validation loss and perplexity of one committed checkpoint, from a fresh process.
-    Its time limit is run_evaluation's (EVAL_TIMEOUT_SECONDS, the process is killed): a
-    Prefect task timeout could not stop a task submitted to a worker thread, and says so in a
+    Cached by the checkpoint's commit-manifest hash (and the eval settings): a checkpoint is
+    evaluated once; a second evaluation shows Cached and starts no process. Its time limit
+    is run_evaluation's (EVAL_TIMEOUT_SECONDS, the process is killed): a Prefect task timeout could not stop a task submitted to a worker thread, and says so in a
     warning on every call."""
     try:
         result = run_evaluation(config, config_url, checkpoint_key, shard_key)

@@ -3,13 +3,16 @@ mistake. The verdict is core.failures.classify's, the same one the ranks and the
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from stoker.core.failures import is_transient
+
+if TYPE_CHECKING:
+    from stoker.tasks.caching import StoreCache
 
 # 10 s, 20 s, 40 s ... with jitter, so many failed runs do not retry in lockstep
 BACKOFF = exponential_backoff(backoff_factor=10)
@@ -28,19 +31,40 @@ def stoker_task(
     retries: int = 0,
     timeout_seconds: float | None = None,
     retry_delay_seconds: float | Callable = BACKOFF,
+    cache: StoreCache | None = None,
 ) -> Callable:
     """Prefect's ``@task`` with the policy every stoker task shares, so each says only what
-    differs (its name, how often it retries, its time limit): a failure is retried only when
-    transient (`retry_if_transient`), after `BACKOFF` with `JITTER`; results are neither cached
-    nor persisted (caching is by content in the object store, whose manifests are the truth: a
-    deleted store is never masked by a stale cache entry)."""
-    return task(
+    differs (its name, how often it retries, its time limit, its cache): a failure is retried
+    only when transient (`retry_if_transient`), after `BACKOFF` with `JITTER`.
+
+    Without `cache`, results are neither cached nor persisted. With one (tasks.caching), the
+    cache key is the store's content key of the task's output, and a cached record counts only
+    while the store holds the output it names with a valid manifest (the manifests stay the
+    truth: a deleted store is never masked by a stale entry); records persist in the store
+    itself (``{root}/prefect-results/``) as JSON, and a hit shows Cached in the UI. Such a task
+    keeps its result storage on the task object: make a variant with stoker_task, not
+    ``with_options`` (Prefect's Task refuses the unsaved block there)."""
+    policy = dict(
         name=name,
         retries=retries,
         retry_delay_seconds=retry_delay_seconds,
         retry_jitter_factor=JITTER,
         retry_condition_fn=retry_if_transient,
-        cache_policy=NO_CACHE,
-        persist_result=False,
         timeout_seconds=timeout_seconds,
     )
+    if cache is None:
+        return task(**policy, cache_policy=NO_CACHE, persist_result=False)
+    from stoker.tasks.caching import StoreResultSerializer, attach_results
+
+    def decorate(fn: Callable):
+        made = task(
+            **policy,
+            cache_policy=cache,
+            persist_result=True,
+            result_serializer=StoreResultSerializer(),
+            # records are read back from the store, never from memory: a hit says so (cache_hit)
+            cache_result_in_memory=False,
+        )(fn)
+        return attach_results(made, cache)
+
+    return decorate

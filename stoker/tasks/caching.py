@@ -1,0 +1,316 @@
+"""Prefect result caching whose truth is the object store.
+
+A cached task's key is the store's own content key of its output, from the task's inputs (a
+source fingerprint, a tokenizer recipe, a shard-set key, a checkpoint's commit manifest). A
+record at that key counts only while the store holds the output it names with a valid
+manifest; one whose output is gone is dropped before Prefect looks, so the task builds again:
+a deleted or replaced output never meets a stale cache entry. The records live in the same
+store, at ``{root}/prefect-results/{task name}/{key}``: deleting the store deletes its cache
+too, and every host that reaches the store shares it.
+
+Three Prefect parts, each small:
+- `StoreCache`, the cache policy: ``compute_key`` asks a content-key function, and drops a
+  record whose output the store no longer holds.
+- `StoreResults`, the result storage block: reads and writes go through `storage.store.Store`
+  (the task run's own store, named by its StorageConfig parameter), with the credentials of
+  this process. Prefect's Task refuses an unsaved block at construction ("must be persisted
+  server-side") but resolves one at run time (results.resolve_result_storage takes a Block
+  instance as is). The store is a run-time value (each call's config) and one task object
+  serves every store (training submits evaluate_checkpoint as is), so no saved block could
+  name it: `attach_results` sets the block on the task after construction. Its records carry no block id:
+  another process finds them by key through its own task (as the cache does), while
+  ``state.result()`` of a state read back from the API cannot (Prefect then looks in its
+  local default storage).
+- `StoreResultSerializer`: JSON, never pickle (a record in the store cannot run code here),
+  and only stoker's result types. A record read back is by definition a cache hit, so its
+  ``cache_hit`` says True; a record that no longer fits its type cannot be read, which
+  Prefect takes as "no record": the task runs again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from prefect.cache_policies import CachePolicy
+from prefect.context import TaskRunContext
+from prefect.filesystems import WritableFileSystem
+from prefect.serializers import Serializer
+from pydantic import BaseModel, Field
+
+from stoker.core.results import DatasetInfo, EvalResult, ShardInfo, TokenizerInfo
+from stoker.storage.store import Store, join
+
+RESULTS_DIR = "prefect-results"
+log = logging.getLogger("stoker.cache")
+
+# the types a record may hold: nothing else is ever constructed from the store's bytes
+RESULT_TYPES: dict[str, type] = {t.__name__: t for t in (DatasetInfo, TokenizerInfo, ShardInfo, EvalResult)}
+
+
+def digest(*parts: Any) -> str:
+    """A short sha256 of JSON-able parts (sorted keys): a cache key component."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def result_shape(result_type: type) -> list[str]:
+    """The field names of a result type: in a key, a changed type invalidates the old records."""
+    if dataclasses.is_dataclass(result_type):
+        return [f.name for f in dataclasses.fields(result_type)]
+    return sorted(result_type.model_fields)
+
+
+def parameter(parameters: dict, path: str) -> Any:
+    """A task parameter by dotted path: 'storage', 'config.storage'."""
+    first, *rest = path.split(".")
+    value = parameters[first]
+    for name in rest:
+        value = value[name] if isinstance(value, dict) else getattr(value, name)
+    return value
+
+
+def store_of(parameters: dict, path: str) -> Store:
+    storage = parameter(parameters, path)
+    return Store(storage.root, storage.storage_options)
+
+
+def _logger():
+    """The task run's logger (its lines show in the UI), else this module's."""
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return log
+
+
+def record_key(task_name: str, key: str) -> str:
+    """Where the record of a task's cache key lives, relative to the store root."""
+    return join(RESULTS_DIR, task_name, key)
+
+
+# ---- the cache policy -----------------------------------------------------------------------
+@dataclass
+class StoreCache(CachePolicy):
+    """Key: `content_key(store, task parameters)`, the store's own content key of the task's
+    output, computed from the task's inputs (None: no caching, the task runs). A record at
+    that key counts only while `holds(store, result)` says the store still holds the output it
+    names, with a valid manifest; a record whose output is gone (a store deleted, a shard set
+    marked invalid) is removed before Prefect looks, so the task builds again and records
+    anew. Any error here is the task's to meet and report: no key, and it runs.
+    `on_hit(parameters)` runs when a record holds (before Prefect reads it)."""
+
+    content_key: Callable[[Store, dict], str | None] | None = None
+    holds: Callable[[Store, Any], bool] | None = None
+    on_hit: Callable[[dict], None] | None = None
+    storage_parameter: str = "storage"  # the task parameter holding the StorageConfig
+
+    def compute_key(self, task_ctx, inputs: dict, flow_parameters: dict, **kwargs) -> str | None:
+        name = task_ctx.task.name if task_ctx else "?"
+        try:
+            store = store_of(inputs, self.storage_parameter)
+            key = self.content_key(store, inputs)
+            if key is None:
+                return None
+            where = record_key(name, key)
+            if store.exists(where, refresh=True):
+                if self.holds is not None and not self._holds(store, where):
+                    _logger().info("the store no longer holds the output cached at %s: dropped, built again", where)
+                    store.rm(where)
+                else:
+                    _logger().info("cached at %s, and the store still holds its output: no work", store.url(where))
+                    if self.on_hit is not None:
+                        self.on_hit(inputs)
+        except Exception as err:  # the task meets the same problem and reports it
+            log.debug("no cache key for %s (%s): it runs", name, err)
+            return None
+        return f"{name}/{key}"
+
+    def _holds(self, store: Store, where: str) -> bool:
+        from prefect.results import ResultRecord
+
+        try:
+            result = ResultRecord.deserialize(store.read_bytes(where)).result
+        except Exception:  # unreadable: Prefect takes it as absent too, and writes anew
+            return True
+        return self.holds(store, result)
+
+
+# ---- result storage in the store ------------------------------------------------------------
+class StoreResults(WritableFileSystem):
+    """Prefect results of stoker's cached tasks, in the object store of the task run:
+    ``{root}/prefect-results/{task}/{key}`` (cache records only). The store is the one in the task's StorageConfig
+    parameter (`storage_parameter`), opened with this process's credentials."""
+
+    _block_type_name = "Stoker Store Results"
+    _block_type_slug = "stoker-store-results"
+    _description = "Results of stoker's cached tasks, kept in the run's own object store."
+
+    storage_parameter: str = Field("storage", description="The task parameter that holds the StorageConfig.")
+
+    def _store(self) -> Store:
+        ctx = TaskRunContext.get()
+        if ctx is None:
+            raise RuntimeError("stoker's result storage is read and written inside a stoker task run only")
+        return store_of(ctx.parameters, self.storage_parameter)
+
+    def _resolve_path(self, path: str) -> None:
+        return None  # keys are used as given (Prefect would otherwise make them absolute)
+
+    def read_path(self, path: str, _sync: bool | None = None) -> bytes:
+        return self._store().read_bytes(join(RESULTS_DIR, path))
+
+    def write_path(self, path: str, content: bytes, _sync: bool | None = None) -> None:
+        if "/" not in path:
+            # not a cache record ({task}/{key}) but the exception record Prefect persists for
+            # each failed run, under a random name: nothing here reads it (records carry no
+            # block id), so it is not left in the store
+            return
+        self._store().write_bytes(join(RESULTS_DIR, path), content)
+
+    async def aread_path(self, path: str) -> bytes:
+        return self.read_path(path)
+
+    async def awrite_path(self, path: str, content: bytes) -> None:
+        self.write_path(path, content)
+
+
+class StoreResultSerializer(Serializer):
+    """JSON records of stoker's result types only (RESULT_TYPES); a record read back says
+    cache_hit=True. Exceptions (Prefect persists a failed run's) are kept as their type and
+    message."""
+
+    type: str = Field(default="stoker-result", frozen=True)
+
+    def dumps(self, obj: Any) -> bytes:
+        if isinstance(obj, BaseException):
+            payload = {"exception": type(obj).__name__, "message": str(obj)}
+        elif type(obj).__name__ in RESULT_TYPES and isinstance(obj, RESULT_TYPES[type(obj).__name__]):
+            data = obj.model_dump(mode="json") if isinstance(obj, BaseModel) else dataclasses.asdict(obj)
+            payload = {"type": type(obj).__name__, "data": data}
+        else:
+            raise TypeError(f"stoker's result store keeps {', '.join(RESULT_TYPES)}, not {type(obj).__name__}")
+        return json.dumps(payload).encode()
+
+    def loads(self, blob: bytes) -> Any:
+        payload = json.loads(blob)
+        if "exception" in payload:
+            return RuntimeError(f"{payload['exception']}: {payload['message']}")
+        result_type = RESULT_TYPES[payload["type"]]  # KeyError: not ours, not read
+        data = payload["data"]
+        if "cache_hit" in result_shape(result_type):
+            data = {**data, "cache_hit": True}  # read back from the cache: a hit
+        if issubclass(result_type, BaseModel):
+            return result_type.model_validate(data)
+        return result_type(**data)  # TypeError when the type changed: no record, the task runs
+
+
+def attach_results(made_task, cache: StoreCache):
+    """Give a task made with `cache` its result storage in the store (see the module doc)."""
+    made_task.result_storage = StoreResults(storage_parameter=cache.storage_parameter)
+    return made_task
+
+
+# ---- content keys, and what a record's output needs in the store --------------------------------
+def dataset_key(store: Store, parameters: dict) -> str:
+    """download_dataset: the source's fingerprint (datasets/by-source/), taken as the task
+    takes it (content hashes of local files, ETags, revisions): on a miss, twice."""
+    import tempfile
+
+    from stoker.data.sources import resolve_source
+
+    with tempfile.TemporaryDirectory(prefix="stoker-cache-key-") as work:
+        source = resolve_source(parameters["data"], work)
+    return f"{source.fingerprint}-{digest(result_shape(DatasetInfo))}"
+
+
+def holds_dataset(store: Store, info: DatasetInfo) -> bool:
+    """The dataset is committed: info.json, its corpus at the listed size."""
+    from stoker.storage.datasets import committed_dataset
+
+    return committed_dataset(store, info.fingerprint) is not None
+
+
+def tokenizer_recipe(dataset_fingerprint: str, cfg) -> str:
+    """The folder name of a trained tokenizer (as data.prepare.train_tokenizer names it)."""
+    return hashlib.sha256(
+        json.dumps([dataset_fingerprint, cfg.vocab_size, cfg.min_frequency, cfg.eot_token]).encode()
+    ).hexdigest()[:24]
+
+
+def tokenizer_key(store: Store, parameters: dict) -> str | None:
+    """train_tokenizer: the trained tokenizer's recipe (tokenizers/{recipe}/). A tokenizer.path
+    is loaded each time (no key)."""
+    dataset, cfg = parameters["dataset"], parameters["tokenizer"]
+    if cfg.path:
+        return None
+    return f"{tokenizer_recipe(dataset.fingerprint, cfg)}-{digest(result_shape(TokenizerInfo))}"
+
+
+def holds_tokenizer(store: Store, info: TokenizerInfo) -> bool:
+    """The tokenizer file is there by its hash, with that hash."""
+    try:
+        return hashlib.sha256(store.read_bytes(info.key)).hexdigest() == info.sha256
+    except FileNotFoundError:
+        return False
+
+
+def shard_cache_key_of(dataset: DatasetInfo, tokenizer: TokenizerInfo, data) -> str:
+    """The shard set's cache key, as data.prepare.tokenize_and_shard makes it."""
+    from stoker.data.prepare import token_dtype
+    from stoker.storage.shards import shard_cache_key
+
+    params = {
+        "val_fraction": data.val_fraction,
+        "shard_tokens": data.shard_tokens,
+        "dtype": token_dtype(data.token_dtype, tokenizer.vocab_size).str,
+        "eot_id": tokenizer.eot_id,
+    }
+    return shard_cache_key(dataset.fingerprint, tokenizer.sha256, params)
+
+
+def shards_key(store: Store, parameters: dict) -> str:
+    """tokenize_and_shard: the shard set's cache key (shards/{cache key}/)."""
+    cache_key = shard_cache_key_of(parameters["dataset"], parameters["tokenizer"], parameters["data"])
+    return f"{cache_key}-{digest(result_shape(ShardInfo))}"
+
+
+def holds_shards(store: Store, info: ShardInfo) -> bool:
+    """The shard set is valid: its manifest, every file at its size, no invalid marker."""
+    from stoker.storage.shards import validate_shard_set
+
+    return bool(validate_shard_set(store, info.cache_key))
+
+
+# bump when what an evaluation computes changes without a change of its settings or result type
+EVALUATION_VERSION = 1
+
+
+def evaluation_key(store: Store, parameters: dict) -> str | None:
+    """evaluate_checkpoint: the checkpoint's commit-manifest hash, when the checkpoint is
+    committed and its files are there at their sizes (else no key: the evaluation says what is
+    wrong), plus what the evaluation depends on besides (the validation shards, the eval
+    settings, the precision, the result type). A deleted or replaced checkpoint has another
+    manifest, so another key."""
+    from stoker.storage.checkpoints import validate_checkpoint
+
+    config, checkpoint_key = parameters["config"], parameters["checkpoint_key"]
+    if not checkpoint_key:
+        return None
+    verdict = validate_checkpoint(store, checkpoint_key)
+    if not verdict:
+        return None
+    settings = {
+        "version": EVALUATION_VERSION,
+        "shards": parameters["shard_key"],
+        "eval": config.eval.model_dump(mode="json"),
+        "precision": config.engine.precision,
+        "result": result_shape(EvalResult),
+    }
+    return f"{digest(verdict.manifest)}-{digest(settings)}"

@@ -1,0 +1,165 @@
+"""Prefect result caching over the object store (stoker/tasks/caching.py): a task run shows
+Cached only while the store holds its output with a valid manifest, its result says
+cache_hit=True, the records live in the store, and a checkpoint is evaluated once. Real
+parts: the Prefect test server, a moto S3 endpoint, real evaluation processes."""
+
+import pytest
+
+from stoker.core.config import load_config
+from stoker.core.results import EvalResult, ShardInfo
+from stoker.storage.store import Store
+from tests.conftest import prepare_shards, tiny_dict
+
+
+# ---- the parts, without Prefect --------------------------------------------------------
+def test_a_record_read_back_says_cache_hit_and_only_stoker_types_are_read():
+    from stoker.tasks.caching import StoreResultSerializer
+
+    ser = StoreResultSerializer()
+    built = ShardInfo("k", "shards/k", "file:///s/shards/k", 10, 2, 384, "<u2", cache_hit=False)
+    back = ser.loads(ser.dumps(built))
+    assert back == ShardInfo(**{**built.as_dict(), "cache_hit": True})
+    ev = EvalResult(checkpoint_uri="file:///c", step=4, val_loss=1.5, val_ppl=4.5, windows=3, seconds=2.0)
+    assert ser.loads(ser.dumps(ev)) == ev
+    with pytest.raises(TypeError):
+        ser.dumps({"not": "ours"})
+    with pytest.raises(KeyError):  # a record of a type stoker does not know is never built
+        ser.loads(b'{"type": "Popen", "data": {}}')
+    with pytest.raises(TypeError):  # a record whose type changed since: unreadable, the task runs
+        ser.loads(b'{"type": "DatasetInfo", "data": {"fingerprint": "f"}}')
+
+
+def test_content_keys_are_the_stores_and_a_record_counts_only_with_its_output(tiny_config):
+    """The keys name what data.prepare made (a change there fails here), and a record's output
+    is held only while the store has it with a valid manifest."""
+    from stoker.data import prepare
+    from stoker.tasks import caching
+
+    cfg = tiny_config()
+    store, shards = prepare_shards(cfg)
+    dataset = prepare.download_dataset(cfg.data, store)
+    tok = prepare.train_tokenizer(dataset, cfg.tokenizer, store)
+    params = {"data": cfg.data, "storage": cfg.storage, "dataset": dataset, "tokenizer": tok}
+    [link] = store.walk_files("datasets/by-source")
+    assert caching.dataset_key(store, params).startswith(link.removesuffix(".json") + "-")
+    recipe = caching.tokenizer_key(store, {**params, "tokenizer": cfg.tokenizer}).split("-")[0]
+    assert store.exists(f"tokenizers/{recipe}/tokenizer.json")
+    assert caching.shards_key(store, params).startswith(shards.cache_key + "-")
+    assert caching.holds_dataset(store, dataset) and caching.holds_tokenizer(store, tok)
+    assert caching.holds_shards(store, shards)
+    store.rm(f"{shards.key}/manifest.json")
+    assert not caching.holds_shards(store, shards)
+    store.rm("tokenizers")
+    assert not caching.holds_tokenizer(store, tok)
+    store.rm("datasets")
+    assert not caching.holds_dataset(store, dataset)
+
+
+# ---- through Prefect -------------------------------------------------------------------
+def _task_states(flow_state) -> dict[str, str]:
+    """{task name: state name} of the flow run behind a flow's returned state."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    flow_run_id = flow_state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name.rsplit("-", 1)[0]: r.state.name for r in runs}
+
+
+DATA_TASKS = ["download_dataset", "train_tokenizer", "tokenize_and_shard"]
+
+
+@pytest.mark.e2e
+def test_data_tasks_show_cached_only_while_the_s3_store_holds_their_output(prefect_server, s3_root):
+    from stoker.flows.pipeline import prepare_data
+
+    root, options = s3_root
+    cfg = load_config(tiny_dict(root, storage={"storage_options": options}))
+    args = (cfg.data, cfg.tokenizer, cfg.storage)
+
+    first = prepare_data(*args, return_state=True)
+    assert not first.result().cache_hit
+    assert _task_states(first) == dict.fromkeys(DATA_TASKS, "Completed")
+    store = Store(root, options)
+    records = store.walk_files("prefect-results")  # the records live in the store itself
+    assert sorted(name.split("/")[0] for name in records) == sorted(DATA_TASKS)
+
+    second = prepare_data(*args, return_state=True)
+    assert _task_states(second) == dict.fromkeys(DATA_TASKS, "Cached")
+    shards = second.result()
+    assert shards.cache_hit and shards.cache_key == first.result().cache_key
+
+    # a record that cannot be read is no record: the task runs (and finds its shards)
+    [record] = [name for name in records if name.startswith("tokenize_and_shard/")]
+    store.write_bytes(f"prefect-results/{record}", b"{not json")
+    unreadable = prepare_data(*args, return_state=True)
+    assert _task_states(unreadable)["tokenize_and_shard"] == "Completed" and unreadable.result().cache_hit
+    assert store.read_bytes(f"prefect-results/{record}") != b"{not json"  # recorded anew
+
+    for folder in ("datasets", "tokenizers", "shards"):  # the data deleted; the records stay
+        store.rm(folder)
+    third = prepare_data(*args, return_state=True)
+    assert _task_states(third) == dict.fromkeys(DATA_TASKS, "Completed")  # built again, not masked
+    assert not third.result().cache_hit
+    assert store.exists(f"{third.result().key}/manifest.json")
+
+
+def _checkpoint(cfg, store, shards, step: int) -> str:
+    """A committed checkpoint of the run's model (written in this process, no training)."""
+    import torch
+
+    from stoker.training.model import GPT, param_groups
+    from tests.training.test_checkpoint import save_and_commit
+
+    model = GPT(cfg.model, shards.vocab_size, seed=step)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    key, _ = save_and_commit(
+        store,
+        cfg.resolved_run_name(),
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        step=step,
+        tokens_seen=0,
+        seed=0,
+        rank=0,
+        world_size=1,
+        meta={"run_name": cfg.resolved_run_name(), "model_hash": cfg.model_hash(), "numerics": "finite"},
+        keep_latest_k=2,
+    )
+    return key
+
+
+@pytest.mark.e2e
+def test_a_checkpoint_is_evaluated_once_and_a_replaced_one_again(prefect_server, tiny_config, monkeypatch):
+    from stoker.flows.evaluate import evaluate_checkpoint_flow
+    from stoker.storage.checkpoints import COMMIT_FILE, EVAL_PIN, pin_for_evaluation
+    from stoker.storage.runs import pin_run_folder
+    from stoker.tasks import evaluate
+
+    cfg = tiny_config(run_name="cached")
+    store, shards = prepare_shards(cfg)
+    pin_run_folder(store, cfg, shards)
+    key = _checkpoint(cfg, store, shards, step=4)
+    processes = []
+    real = evaluate.run_evaluation
+    monkeypatch.setattr(evaluate, "run_evaluation", lambda *a, **k: processes.append(a[2]) or real(*a, **k))
+
+    first = evaluate_checkpoint_flow(store.url(key), return_state=True)
+    assert _task_states(first)["evaluate_checkpoint"] == "Completed" and processes == [key]
+    # the same checkpoint again (a second trigger): Cached, no evaluation process, same answer;
+    # a pin its first evaluation failed to remove is not left behind by the hit
+    pin_for_evaluation(store, key)
+    second = evaluate_checkpoint_flow(store.url(key), return_state=True)
+    assert _task_states(second)["evaluate_checkpoint"] == "Cached" and processes == [key]
+    assert second.result() == first.result() and isinstance(second.result(), EvalResult)
+    assert not store.exists(f"{key}/{EVAL_PIN}")
+    assert store.walk_files("prefect-results/evaluate_checkpoint")
+
+    # replaced (same folder, another commit manifest): another hash, evaluated again
+    manifest = store.read_json(f"{key}/{COMMIT_FILE}")
+    store.write_json(f"{key}/{COMMIT_FILE}", {**manifest, "committed_at": manifest["committed_at"] + 1})
+    third = evaluate_checkpoint_flow(store.url(key), return_state=True)
+    assert _task_states(third)["evaluate_checkpoint"] == "Completed" and processes == [key, key]
