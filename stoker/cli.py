@@ -381,11 +381,10 @@ def _command(args) -> int:
     if args.command == "evaluate":
         from stoker.flows.evaluate import evaluate_checkpoint_flow  # the URI was checked: _preflight
 
+        from stoker.observe.report import evaluation_line
+
         result = evaluate_checkpoint_flow(args.checkpoint_uri)
-        print(
-            f"\nvalidation loss {result.val_loss:.4f}, perplexity {result.val_ppl:.1f} "
-            f"at step {result.step} ({result.checkpoint_uri})"
-        )
+        print(f"\n{evaluation_line(result)} at step {result.step} ({result.checkpoint_uri})")
         return 0
     config = config_from_args(args.recipe, _sets(args))  # host checks: _preflight (and the flow)
     from stoker.flows.pipeline import train_pipeline

@@ -202,6 +202,10 @@ class TrainingMonitor:
                             val_loss=ev.val_loss,
                             val_ppl=ev.val_ppl,
                             windows=ev.windows,
+                            bits_per_byte=ev.bits_per_byte,
+                            mc_accuracy=ev.mc_accuracy,
+                            mc_accuracy_norm=ev.mc_accuracy_norm,
+                            num_mc_items=ev.num_mc_items,
                         )
                     )
             except Exception as err:  # an evaluation failing must not fail the training task

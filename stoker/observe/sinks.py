@@ -61,7 +61,13 @@ def scalars(event: events.Event) -> dict[str, float]:
             "checkpoint/upload_seconds": event.upload_seconds,
         }
     elif isinstance(event, events.Evaluated):  # a committed checkpoint, evaluated in its own process
-        values = {"checkpoint/val_loss": event.val_loss, "checkpoint/val_perplexity": event.val_ppl}
+        values = {
+            "checkpoint/val_loss": event.val_loss,
+            "checkpoint/val_perplexity": event.val_ppl,
+            "checkpoint/bits_per_byte": event.bits_per_byte,
+            "checkpoint/mc_accuracy": event.mc_accuracy,
+            "checkpoint/mc_accuracy_norm": event.mc_accuracy_norm,
+        }
     else:
         return {}
     return {name: float(v) for name, v in values.items() if v is not None}

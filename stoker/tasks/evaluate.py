@@ -12,6 +12,7 @@ from stoker.core.failures import CheckpointUnavailable, EvaluationStopped, Train
 from stoker.core.results import EvalResult
 from stoker.launch.child import Child
 from stoker.launch.env import child_env
+from stoker.observe.report import evaluation_line
 from stoker.storage import runs
 from stoker.tasks.caching import StoreCache, evaluation_key
 from stoker.tasks.policy import stoker_task
@@ -124,10 +125,9 @@ def evaluate_checkpoint(config: RunConfig, config_url: str, checkpoint_key: str,
         raise
     _finish_evaluation(config, checkpoint_key)
     get_run_logger().info(
-        "evaluated %s: validation loss %.4f, perplexity %.1f (%d windows, %.1fs)",
+        "evaluated %s: %s (%d windows, %.1fs)",
         result.checkpoint_uri,
-        result.val_loss,
-        result.val_ppl,
+        evaluation_line(result),
         result.windows,
         result.seconds,
     )
