@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("checkpoint_uri", help="{root}/runs/{run}/checkpoints/step-NNNNNNNN")
     ex.add_argument("folder", help="a new or empty local folder")
     runs = sub.add_parser(
-        "runs", help="list the runs in the store, with their newest valid checkpoint, goodput and cost"
+        "runs",
+        help="list the runs in the store, with their newest valid checkpoint, goodput (productive step "
+        "time / wall-clock, over every flow run) and cost (cost.per_accelerator_hour)",
     )
     runs.add_argument("--root", default=None, help="store root URL (default: storage.root's default)")
     runs.add_argument(
@@ -316,10 +318,6 @@ def _inspect(args) -> int:
             if rows
             else f"no runs under {_root(args.root)}"
         )
-        if rows:
-            print(
-                "goodput: productive step time / wall-clock, over every flow run; `stoker runs --ledger RUN` tells why"
-            )
         deployments = inspect.deployment_rows(_root(args.root)) if rows else []
         if deployments:
             print("\nper deployment (its flow runs that reported):")
