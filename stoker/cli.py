@@ -46,8 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ex.add_argument("checkpoint_uri", help="{root}/runs/{run}/checkpoints/step-NNNNNNNN")
     ex.add_argument("folder", help="a new or empty local folder")
-    runs = sub.add_parser("runs", help="list the runs in the store, with their newest valid checkpoint")
+    runs = sub.add_parser(
+        "runs",
+        help="list the runs in the store, with their newest valid checkpoint, goodput (productive step "
+        "time / wall-clock, over every flow run) and cost (cost.per_accelerator_hour)",
+    )
     runs.add_argument("--root", default=None, help="store root URL (default: storage.root's default)")
+    runs.add_argument(
+        "--ledger", metavar="RUN", default=None, help="where RUN's wall-clock and cost went, cause by cause"
+    )
     cks = sub.add_parser("checkpoints", help="list a run's checkpoints, each with its validity")
     cks.add_argument("run")
     cks.add_argument("--root", default=None, help="store root URL (default: storage.root's default)")
@@ -302,13 +309,19 @@ def _inspect(args) -> int:
         return 0
     from stoker.tasks import inspect
 
+    if args.command == "runs" and args.ledger:
+        return _print_ledger(inspect, _root(args.root), args.ledger)
     if args.command == "runs":
         rows = inspect.list_runs(_root(args.root))
         print(
-            _table(rows, ["run", "newest_valid_step", "max_steps", "checkpoints", "ended", "model"])
+            _table(rows, ["run", "newest_valid_step", "max_steps", "checkpoints", "ended", "goodput", "cost", "model"])
             if rows
             else f"no runs under {_root(args.root)}"
         )
+        deployments = inspect.deployment_rows(_root(args.root)) if rows else []
+        if deployments:
+            print("\nper deployment (its flow runs that reported):")
+            print(_table(deployments, ["deployment", "runs", "flow_runs", "wall", "goodput", "cost"]))
         return 0
     if args.command == "checkpoints":
         rows = inspect.list_checkpoint_folders(_root(args.root), args.run)
@@ -329,6 +342,17 @@ def _inspect(args) -> int:
         return 0
     print(f"stoker: {what} {args.uri} is not intact: {verdict.reason}", file=sys.stderr)
     return 1
+
+
+def _print_ledger(inspect, root: str, run: str) -> int:
+    """`stoker runs --ledger RUN`: each flow run's line, then the run's causes."""
+    lines, rows = inspect.run_ledger(root, run)
+    if not lines:
+        print(f"run {run!r} has no recorded launch under {root}")
+        return 0
+    print("\n".join(lines))
+    print(_table(rows, ["cause", "seconds", "share", "cost"]))
+    return 0
 
 
 def _validate(args) -> int:
@@ -405,7 +429,11 @@ def print_summary(result) -> None:
         print(f"  validation loss at step {step:>6}: {loss:.4f}")
     if result.num_attempts > 1:
         print(f"attempts: {result.num_attempts}, steps lost to failures: {result.steps_lost}")
-    if result.goodput is not None:
+    if result.ledger is not None:
+        from stoker.tasks.inspect import ledger_line
+
+        print(f"{ledger_line(result.ledger)} (`stoker runs --ledger {result.run_name}`: where it went)")
+    elif result.goodput is not None:
         print(f"goodput (useful training time / total time): {result.goodput:.2f}")
     if result.last_val_loss is not None:
         print(f"final checkpoint validation loss: {result.last_val_loss:.4f}")

@@ -66,6 +66,14 @@ class Train(Event):
     mfu: float | None = None  # model FLOPs utilization, 0-1; None on devices without a peak
     peak_memory_gb: float | None = None  # max allocated on rank 0's GPU so far
     data_wait_share: float | None = None  # share of the interval rank 0 waited for batches
+    # the interval's own account, for the goodput ledger (observe.ledger): it began at wall
+    # time `since` after step `since_step`; of its wall time, `eval_seconds` went to in-loop
+    # evaluations (left out of step_seconds) and `checkpoint_seconds` to checkpoint stalls of
+    # the training thread (part of step_seconds)
+    since: float | None = None
+    since_step: int | None = None
+    eval_seconds: float | None = None
+    checkpoint_seconds: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +82,7 @@ class Eval(Event):
     step: int
     val_loss: float
     val_ppl: float
+    seconds: float | None = None  # how long this evaluation took (the ledger's evaluation time)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +189,12 @@ class Done(Event):
     seconds: float
     val_loss: float | None
     failed_checkpoints: list[str] = field(default_factory=list)
+    # the account of the last interval (as Train's): the last evaluation and checkpoint, and
+    # the wait for the last upload's commit
+    since: float | None = None
+    since_step: int | None = None
+    eval_seconds: float | None = None
+    checkpoint_seconds: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -119,3 +119,8 @@ class PipelineResult(BaseModel):
     tokens_per_second: float | None = Field(None, description="median over the log steps after the first")
     mfu: float | None = Field(None, description="median model FLOPs utilization (0-1) after the first log step")
     peak_memory_gb: float | None = Field(None, description="peak GPU memory of rank 0")
+    ledger: dict | None = Field(
+        None,
+        description="the flow run's goodput and cost ledger (observe.ledger): seconds, share and "
+        "cost per cause of its wall-clock, goodput = productive steps / wall-clock",
+    )

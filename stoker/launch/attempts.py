@@ -1,6 +1,7 @@
 """The record of every training launch of a flow run: where it started, how far it got,
 why it ended. Kept in {root}/runs/{run}/attempts.jsonl so retries (new task-run attempts)
-can see the earlier ones; the summary derives steps lost and goodput from it."""
+can see the earlier ones; the summary derives steps lost and goodput from it, and the run's
+ledger (observe.ledger) its windows: started_at, gang_ended_at (the ranks gone), ended_at."""
 
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ def launch_attempt(
         except Exception as err:  # the store may be what failed; the interruption still wins
             monitor.logger.warning("the interrupted attempt could not be recorded: %s", err)
         raise
+    gang_ended_at = time.time()  # after it: the wait for the evaluations submitted while training
     monitor.collect_evaluations()
     failure = launcher.classify_end(gang)
     result = monitor.result
@@ -103,6 +105,7 @@ def launch_attempt(
         outcome=failure.reason if failure else "completed",
         error=str(failure).split("\n", 1)[0][:500] if failure else None,  # why, in one line
         median_step_seconds=monitor.median_step_seconds(),
+        gang_ended_at=gang_ended_at,
     )
     if failure is not None:
         raise failure

@@ -9,6 +9,7 @@ import json
 import statistics
 
 from stoker.core.results import EvalResult, TrainingResult
+from stoker.observe.ledger import duration, ledger_line, ledger_rows
 from stoker.storage.layout import METRICS_FILE, checkpoints_key, run_file_key
 from stoker.storage.store import Store
 
@@ -85,7 +86,19 @@ def loss_curve_png(
 
 
 def report_markdown(
-    run, store, shards, resume, training, evaluation, result, curve, val_curve, nothing_trained, config_vocab
+    run,
+    store,
+    shards,
+    resume,
+    training,
+    evaluation,
+    result,
+    curve,
+    val_curve,
+    nothing_trained,
+    config_vocab,
+    ledger: dict | None = None,
+    deployment_total: dict | None = None,
 ) -> str:
     final = (
         f"**{evaluation.val_loss:.4f}** (perplexity {evaluation.val_ppl:.1f}) at step "
@@ -106,7 +119,7 @@ def report_markdown(
 - throughput: {throughput_line(result)}
 - checkpoints given up or dropped (never committed): {training.failed_checkpoints or "none"}; in-place restarts: {training.restarts}
 - steps skipped for a NaN/inf loss or gradient norm (train.nonfinite=skip): {training.skipped_steps or "none"}
-- attempts: {result.num_attempts}, steps lost to failures: {result.steps_lost}, goodput: {_round(result.goodput, 2)}
+- attempts: {result.num_attempts}, steps lost to failures: {result.steps_lost}, goodput of the launches: {_round(result.goodput, 2)}
 {attempt_lines(training.attempt_log)}
 - final checkpoint: `{training.final_checkpoint_uri}`
 - shards: `{shards.url}` ({"cache hit" if shards.cache_hit else "tokenized"}; {shards.num_train_tokens:,} train tokens)
@@ -125,7 +138,42 @@ Two validation losses, measured differently:
 | step | validation loss during training |
 |---|---|
 {evals}
+{ledger_markdown(ledger, deployment_total)}"""
+
+
+def _money(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def ledger_markdown(ledger: dict | None, deployment_total: dict | None = None) -> str:
+    """The report's section on where this flow run's wall-clock (and money) went."""
+    if ledger is None:
+        return ""
+    rows = "\n".join(
+        f"| {r['cause']} | {r['seconds']:.1f} | {r['share']} | {_money(r['cost'])} |" for r in ledger_rows(ledger)
+    )
+    price = (
+        f"priced at cost.per_accelerator_hour={ledger['price_per_accelerator_hour']:g} x "
+        f"{ledger['accelerators']} accelerator(s) (launch.world_size); queueing is not priced"
+        if ledger.get("cost_total") is not None
+        else "no price: set cost.per_accelerator_hour to see the cost of each cause"
+    )
+    text = f"""
+## Where the time went
+{ledger_line(ledger)}; {ledger["lost_steps"]} step(s) done again after a restart. Every second of this
+flow run, from when it was due to this report, is attributed to one cause ({price}):
+
+| cause | seconds | share | cost |
+|---|---|---|---|
+{rows}
 """
+    if deployment_total is not None:
+        text += (
+            f"\nDeployment total ({deployment_total['num_flow_runs']} flow run(s) of "
+            f"{len(deployment_total['runs'])} run(s)): {ledger_line(deployment_total)}; "
+            f"{duration(deployment_total['seconds']['productive'])} productive.\n"
+        )
+    return text
 
 
 def _round(value, digits: int):

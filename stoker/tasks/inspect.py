@@ -3,11 +3,13 @@ functions (no flow run), reading manifests and listings; only verify reads every
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 
 from stoker.core.config import RunConfig
 from stoker.core.failures import ConfigError
+from stoker.observe.ledger import deployment_ledgers, duration, ledger_line, ledger_rows, run_ledgers, sum_ledgers
 from stoker.storage.checkpoints import first_nonfinite_step, list_checkpoints, numerics_problem, validate_checkpoint
 from stoker.storage.layout import CONFIG_FILE, METRICS_FILE, parse_checkpoint_url, run_file_key
 from stoker.storage.manifest import Verdict
@@ -66,7 +68,8 @@ def run_ending(store: Store, run: str) -> str | None:
 def list_runs(root: str, options: dict | None = None) -> list[dict]:
     """One row per run folder: its newest valid checkpoint step, how many checkpoint folders
     it has, how its last launch ended (from metrics.jsonl), train.max_steps and the model's
-    shape from its config.json."""
+    shape from its config.json, and its ledger over every flow run: goodput (productive step
+    time / wall-clock) and cost (none without cost.per_accelerator_hour)."""
     store = _existing_store(root, options)
     rows = []
     names = store.listdir("runs") if store.exists("runs") else []
@@ -81,6 +84,7 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
             "model": None,
             "metrics": store.exists(run_file_key(run, METRICS_FILE)),
             "ended": run_ending(store, run),
+            **_ledger_columns(store, run),
         }
         try:
             cfg = RunConfig.model_validate_json(store.read_bytes(run_file_key(run, CONFIG_FILE)))
@@ -93,6 +97,52 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
             pass
         rows.append(row)
     return rows
+
+
+def _ledger_columns(store: Store, run: str) -> dict:
+    ledgers = run_ledgers(store, run)
+    if not ledgers:
+        return {"goodput": None, "cost": None}
+    total = sum_ledgers(ledgers)
+    return {
+        "goodput": None if total["goodput"] is None else round(total["goodput"], 3),
+        "cost": None if total["cost_total"] is None else round(total["cost_total"], 2),
+    }
+
+
+def run_ledger(root: str, run: str, options: dict | None = None) -> tuple[list[str], list[dict]]:
+    """`stoker runs --ledger RUN`: one line per flow run (its ledger stored by its report, or
+    computed from the records for one whose report never ran), a line for the run, and the
+    rows of the causes over all of them (no lines: no launch recorded)."""
+    ledgers = run_ledgers(_existing_store(root, options), run)
+    if not ledgers:
+        return [], []
+    lines = []
+    for one in ledgers:
+        began = datetime.datetime.fromtimestamp(one["from"]).strftime("%Y-%m-%d %H:%M:%S")
+        where = f" (deployment {one['deployment']})" if one.get("deployment") else ""
+        told = " (its launches only: it never reported, it failed or was stopped)" if one.get("launches_only") else ""
+        lines.append(f"flow run {one.get('flow_run_id')}{where}, {began}: {ledger_line(one)}{told}")
+    total = sum_ledgers(ledgers)
+    lines.append(
+        f"run {run}: {ledger_line(total)}, {total['num_attempts']} launch(es), {total['lost_steps']} step(s) lost"
+    )
+    return lines, ledger_rows(total)
+
+
+def deployment_rows(root: str, options: dict | None = None) -> list[dict]:
+    """Per deployment, the sum of the ledgers of its flow runs over the runs in the store."""
+    return [
+        {
+            "deployment": name,
+            "runs": len(total["runs"]),
+            "flow_runs": total["num_flow_runs"],
+            "wall": duration(total["wall_seconds"]),
+            "goodput": None if total["goodput"] is None else round(total["goodput"], 3),
+            "cost": None if total["cost_total"] is None else round(total["cost_total"], 2),
+        }
+        for name, total in sorted(deployment_ledgers(_existing_store(root, options)).items())
+    ]
 
 
 def list_checkpoint_folders(root: str, run: str, options: dict | None = None) -> list[dict]:

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
+import time
 
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from stoker.core.config import RunConfig
 from stoker.core.results import EvalResult, PipelineResult, ResumePoint, ShardInfo, TrainingResult
+from stoker.observe.ledger import (
+    FlowTimes,
+    compute_ledger,
+    deployment_ledgers,
+    ledger_rows,
+    read_attempt_log,
+    read_records,
+    store_ledger,
+)
 from stoker.observe.report import (
     LOSS_CURVE_FILE,
     checkpoint_rows,
@@ -37,6 +49,7 @@ def report(
     config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: TrainingResult, evaluation: EvalResult | None
 ) -> PipelineResult:
     """Summarize the run for the UI (artifacts) and for the caller (PipelineResult)."""
+    started = time.time()
     store = Store(config.storage.root, config.storage.storage_options)
     run = config.resolved_run_name()
     last_val = evaluation.val_loss if evaluation else (training.val_losses[-1][1] if training.val_losses else None)
@@ -79,6 +92,8 @@ def report(
             f"![loss curve of {run}](data:image/png;base64,{base64.b64encode(png).decode()})\n\n"
             f"(also `{store.url(run_file_key(run, LOSS_CURVE_FILE))}`)\n"
         )
+    ledger, deployment_total = flow_run_ledger(config, store, started, evaluation)
+    result.ledger = ledger
     nothing_trained = training.final_step == resume.step
     create_markdown_artifact(
         key=artifact_key(run, "report"),
@@ -95,6 +110,60 @@ def report(
             val_curve,
             nothing_trained,
             config.tokenizer.vocab_size,
+            ledger=ledger,
+            deployment_total=deployment_total,
         ),
     )
     return result
+
+
+def _flow_times(report_started: float, evaluation: EvalResult | None) -> tuple[FlowTimes, str | None]:
+    """This flow run's times from the Prefect server (due, started) and its deployment's name;
+    without the server, the ledger spans the launches and the closing tasks only."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    due = began = deployment = None
+    try:
+        with get_client(sync_client=True) as client:
+            run = client.read_flow_run(flow_run.id)
+            due = run.expected_start_time.timestamp() if run.expected_start_time else None
+            began = run.start_time.timestamp() if run.start_time else None
+            if run.deployment_id is not None:
+                deployment = client.read_deployment(run.deployment_id).name
+    except Exception as err:  # the ledger is told all the same, from stoker's own records
+        get_run_logger().warning("the flow run's times could not be read (%s); the ledger starts at training", err)
+    final_eval = evaluation.seconds if evaluation is not None else 0.0
+    times = FlowTimes(expected_start=due, start=began, closing_start=report_started, evaluation_seconds=final_eval)
+    return times, deployment
+
+
+def flow_run_ledger(
+    config: RunConfig, store: Store, report_started: float, evaluation: EvalResult | None
+) -> tuple[dict, dict | None]:
+    """This flow run's ledger (observe.ledger), kept in {run}/ledger.json and shown as a table
+    artifact; with the sum over its deployment's runs when it came from a deployment."""
+    from prefect.runtime import flow_run
+
+    run, flow_run_id = config.resolved_run_name(), str(flow_run.id)
+    times, deployment = _flow_times(report_started, evaluation)
+    attempts = [a for a in read_attempt_log(store, run) if a.get("flow_run_id") == flow_run_id]
+    records = read_records(store, run)
+    ledger = compute_ledger(
+        records,
+        attempts,
+        dataclasses.replace(times, end=time.time()),  # the wall-clock so far: up to this report
+        accelerators=config.launch.world_size,
+        price_per_accelerator_hour=config.cost.per_accelerator_hour,
+        flow_run_id=flow_run_id,
+        deployment=deployment,
+    )
+    store_ledger(store, run, ledger)
+    create_table_artifact(
+        ledger_rows(ledger),
+        key=artifact_key(run, "ledger"),
+        description=f"where the wall-clock of this flow run of {run} went, and its cost "
+        "(cost.per_accelerator_hour x launch.world_size; queueing unpriced)",
+    )
+    total = deployment_ledgers(store).get(deployment) if deployment else None
+    return ledger, total

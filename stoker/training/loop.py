@@ -305,8 +305,10 @@ class Trainer:
         cfg = self.cfg
         t_start = time.time()
         if self.step == 0:
+            t_eval = time.perf_counter()
             val = self.evaluate()
-            self.metrics.log(events.Eval(step=0, val_loss=val, val_ppl=math.exp(min(val, 50))))
+            seconds = round(time.perf_counter() - t_eval, 4)
+            self.metrics.log(events.Eval(step=0, val_loss=val, val_ppl=math.exp(min(val, 50)), seconds=seconds))
         last_val = None
         self.throughput.restart(self.step)
         while self.step < cfg.train.max_steps:
@@ -336,18 +338,28 @@ class Trainer:
                 self.numerics.raise_if_bad(s)  # evaluation syncs anyway: no NaN val loss reported
                 t_eval = time.perf_counter()
                 last_val = self.evaluate()
-                self.metrics.log(events.Eval(step=s, val_loss=last_val, val_ppl=math.exp(min(last_val, 50))))
+                seconds = time.perf_counter() - t_eval
+                self.metrics.log(
+                    events.Eval(
+                        step=s, val_loss=last_val, val_ppl=math.exp(min(last_val, 50)), seconds=round(seconds, 4)
+                    )
+                )
                 # throughput is of training: the evaluation's time is left out of the interval
-                self.throughput.leave_out(time.perf_counter() - t_eval)
+                self.throughput.leave_out(seconds)
             if s % cfg.checkpoint.interval_steps == 0 or s == cfg.train.max_steps:
+                t_save = time.perf_counter()
                 self.save()
+                self.throughput.checkpoint(time.perf_counter() - t_save)  # the ledger's checkpoint stall
+        t_wait = time.perf_counter()
         self.uploader.wait()
+        self.throughput.checkpoint(time.perf_counter() - t_wait)  # the last commit holds the run's end
         self.metrics.log(
             events.Done(
                 step=self.step,
                 seconds=round(time.time() - t_start, 3),
                 val_loss=last_val,
                 failed_checkpoints=self.uploader.failures,
+                **self.throughput.account(),
             )
         )
         return {"step": self.step, "val_loss": last_val}

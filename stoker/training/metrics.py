@@ -70,7 +70,8 @@ class Throughput:
     """Training throughput over the steps since a mark (`restart`): tokens/s, MFU (model FLOPs
     per token x tokens/s over the peak of every rank's device), the share of the time spent
     waiting for data, the peak device memory. Time `leave_out` is given (evaluations) does not
-    count. Read after a sync (a log step's)."""
+    count. Read after a sync (a log step's). Each interval also keeps its own account for the
+    goodput ledger (`account`): when it began, the evaluations left out, the checkpoint stalls."""
 
     def __init__(
         self,
@@ -84,25 +85,43 @@ class Throughput:
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.data_wait_seconds = data_wait_seconds
         self.mark = (0, time.perf_counter(), 0.0)  # (step, perf_counter, data wait seconds)
+        self.since, self.eval_seconds, self.checkpoint_seconds = time.time(), 0.0, 0.0
 
     def restart(self, step: int) -> None:
         self.mark = (step, time.perf_counter(), self.data_wait_seconds())
+        self.since, self.eval_seconds, self.checkpoint_seconds = time.time(), 0.0, 0.0
 
     def leave_out(self, seconds: float) -> None:
+        """An evaluation's time: not training, so not part of step_seconds."""
         step, t, wait = self.mark
         self.mark = (step, t + seconds, wait)
+        self.eval_seconds += seconds
+
+    def checkpoint(self, seconds: float) -> None:
+        """A checkpoint stall of the training thread (it stays part of step_seconds)."""
+        self.checkpoint_seconds += seconds
+
+    def account(self) -> dict:
+        """The interval's own account (Train's and Done's ledger fields)."""
+        return {
+            "since": round(self.since, 4),
+            "since_step": self.mark[0],
+            "eval_seconds": round(self.eval_seconds, 4),
+            "checkpoint_seconds": round(self.checkpoint_seconds, 4),
+        }
 
     def since_mark(self, step: int) -> dict:
         mark = self.mark
         steps, seconds = step - mark[0], time.perf_counter() - mark[1]
         if steps <= 0 or seconds <= 0:
-            return {"step_seconds": 0.0}
+            return {"step_seconds": 0.0, **self.account()}
         cfg, r = self.cfg, self.ranks
         tps = steps * cfg.train.global_batch_size * cfg.model.block_size / seconds
         out = {
             "step_seconds": round(seconds / steps, 4),
             "tokens_per_second": round(tps, 1),
             "data_wait_share": round(min(1.0, (self.data_wait_seconds() - mark[2]) / seconds), 4),
+            **self.account(),
         }
         if self.peak_flops:
             out["mfu"] = round(self.flops_per_token * tps / (self.peak_flops * r.world_size), 4)

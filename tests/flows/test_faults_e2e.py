@@ -1,7 +1,10 @@
 """Failures through the real flow: a killed rank is retried from the newest valid checkpoint
 and ends bit for bit where an unbroken run ends; a rank that raises is not retried."""
 
+import contextlib
+import io
 import json
+import time
 
 import pytest
 import torch
@@ -24,7 +27,7 @@ def _final_tensors(store, run):
     return sd
 
 
-def _cfg(root, name, **train):
+def _cfg(root, name, price=None, **train):
     return load_config(
         tiny_dict(
             root,
@@ -32,6 +35,7 @@ def _cfg(root, name, **train):
             train={"max_steps": 8, **train},
             launch={"max_attempts": 3, "max_restarts": 0},  # the relaunch path
             eval={"per_checkpoint_enabled": False},
+            cost={"per_accelerator_hour": price},
         )
     )
 
@@ -43,7 +47,9 @@ def test_killed_rank_is_retried_and_ends_bitwise_like_an_unbroken_run(prefect_se
     unbroken = train_pipeline(_cfg(root, "unbroken"))
     monkeypatch.setenv("STOKER_FAULT", "kill:rank=1:step=6")  # SIGKILL before step 6
     monkeypatch.setenv("STOKER_FAULT_ONCE", str(tmp_path / "fault-fired"))
-    broken = train_pipeline(_cfg(root, "killed"))
+    began = time.time()
+    broken = train_pipeline(_cfg(root, "killed", price=3.6))
+    wall = time.time() - began
     assert (tmp_path / "fault-fired").exists()
     assert broken.final_step == unbroken.final_step == 8
     assert broken.num_attempts == 2
@@ -62,6 +68,54 @@ def test_killed_rank_is_retried_and_ends_bitwise_like_an_unbroken_run(prefect_se
         rows = [json.loads(x) for x in store.read_bytes(f"runs/{run}/metrics.jsonl").splitlines()]
         losses[run] = {r["step"]: r["loss"] for r in rows if r["event"] == "train"}
     assert losses["killed"] == losses["unbroken"]  # same per-step losses, exactly
+    _check_ledger(broken.ledger, wall, root)
+
+
+def _cli_out(*args) -> str:
+    """What `stoker ARGS` prints (in this process: runs reads the store, no Prefect). Not
+    capsys: Prefect's console handler would keep its stream after the test."""
+    from stoker.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(list(args)) == 0
+    return out.getvalue()
+
+
+def _check_ledger(ledger, wall, root):
+    """The killed run's ledger: its causes add up to the flow run's wall-clock as the Prefect
+    server recorded it (due -> end) within 2%, and to no more than the stopwatch around the
+    call (which adds the client's own start and end); little is left unattributed; the killed
+    launch shows as restart and lost work; it is priced (3.6 per accelerator-hour x 2 ranks);
+    `stoker runs` shows its goodput and cost."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(ledger["flow_run_id"])
+        artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id={"any_": [ledger["flow_run_id"]]}))
+    recorded = flow_run.end_time.timestamp() - flow_run.expected_start_time.timestamp()
+    s = ledger["seconds"]
+    attributed = sum(v for cause, v in s.items() if cause != "unattributed")
+    timings = {"stopwatch": wall, "recorded": recorded, "attributed": attributed, "ledger": ledger}
+    assert attributed == pytest.approx(recorded, rel=0.02), timings
+    assert 0.95 * wall < attributed < wall, timings
+    assert abs(s["unattributed"]) < 0.01 * wall, ledger
+    assert min(s["productive"], s["startup"], s["evaluation"], s["checkpoint"], s["restart"]) > 0, ledger
+    assert ledger["lost_steps"] == 1 and 0 < ledger["lost_seconds"] < s["restart"], ledger
+    assert 0 < ledger["goodput"] < 1 and ledger["num_attempts"] == 2
+    assert ledger["cost_total"] == pytest.approx((ledger["wall_seconds"] - s["queueing"]) * 2 * 3.6 / 3600, rel=1e-3)
+    assert Store(root).exists("runs/killed/ledger.json")
+    table = next(a for a in artifacts if (a.key or "").startswith("killed-ledger-"))
+    assert table.type == "table" and "restart and lost work" in str(table.data)
+    report = next(a for a in artifacts if (a.key or "").startswith("killed-report-"))
+    assert "## Where the time went" in report.data and "cost.per_accelerator_hour=3.6" in report.data
+    table = _cli_out("runs", "--root", root).splitlines()
+    header, row = table[0].split(), next(line for line in table if line.startswith("killed "))
+    assert "goodput" in header and "cost" in header
+    assert str(round(ledger["goodput"], 3)) in row and str(round(ledger["cost_total"], 2)) in row
+    detail = _cli_out("runs", "--root", root, "--ledger", "killed")
+    assert "restart and lost work" in detail and "productive steps" in detail and "1 step(s) lost" in detail
 
 
 def test_a_rank_that_raises_is_not_retried(prefect_server, tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ from pydantic_core import PydanticCustomError
 from stoker.core.config.problems import problem_lines
 from stoker.core.config.sections import (
     CheckpointConfig,
+    CostConfig,
     DataConfig,
     EngineConfig,
     EvalConfig,
@@ -127,6 +128,9 @@ class RunConfig(_Section):
     ray: RayConfig = Field(
         default_factory=RayConfig, description="The Ray cluster of launch.launcher 'ray' and data.engine 'ray'."
     )
+    cost: CostConfig = Field(
+        default_factory=CostConfig, description="The accelerators' price, for the goodput and cost ledger."
+    )
 
     # ---- derived facts -------------------------------------------------------------
     @property
@@ -148,6 +152,7 @@ class RunConfig(_Section):
                 "engine": True,
                 "metrics": True,
                 "ray": True,
+                "cost": True,
                 "data": {"num_workers", "engine"},
                 "train": {"micro_batch_size"},
                 "eval": {"sets", "multiple_choice_items"},  # what a checkpoint's evaluation measures

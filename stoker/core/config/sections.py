@@ -991,3 +991,20 @@ class MetricsConfig(_Section):
         if not sep and uri != "databricks" and not os.path.isabs(uri):  # a string test
             raise _rule("is relative: it would depend on where the flow runs")
         return uri
+
+
+class CostConfig(_Section):
+    """The price of the run's accelerators, for the goodput and cost ledger (the run report,
+    `stoker runs`): every second of a flow run is attributed to one cause and priced at
+    per_accelerator_hour x launch.world_size (num_nodes x nproc_per_node). Not part of the
+    run's identity."""
+
+    per_accelerator_hour: float | None = _field(
+        None,
+        "Price of one accelerator (one rank's GPU, or CPU slot) for one hour, in your currency, "
+        "e.g. 2.5. The ledger prices each cause at this x launch.world_size; time spent queued "
+        "(before the flow run started) is shown but not priced, since no accelerator is held "
+        "then. Empty or 0: no price shown.",
+        fix="give the hourly price of one accelerator, e.g. 2.5, or leave it empty",
+        ge=0,
+    )
