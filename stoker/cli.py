@@ -404,7 +404,6 @@ def _command(args) -> int:
         return 0
     if args.command == "evaluate":
         from stoker.flows.evaluate import evaluate_checkpoint_flow  # the URI was checked: _preflight
-
         from stoker.observe.report import evaluation_line
 
         result = evaluate_checkpoint_flow(args.checkpoint_uri)

@@ -11,7 +11,7 @@ from tests.conftest import ROOT
 
 ROOMS = ("core", "storage", "data", "launch", "training", "observe", "preflight", "tasks", "flows", "cli")
 MAY_IMPORT = {
-    "cli": {"core", "preflight", "tasks", "flows", "cli"},
+    "cli": {"core", "preflight", "observe", "tasks", "flows", "cli"},  # observe: how results read
     "core": {"core"},
     "storage": {"core", "storage"},
     "data": {"core", "storage", "data"},
