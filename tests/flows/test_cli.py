@@ -10,9 +10,9 @@ import pytest
 from tests.conftest import ROOT
 
 
-def _cli(*args, timeout=300):
+def _cli(*args, timeout=300, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "stoker.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "stoker.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
@@ -33,7 +33,8 @@ def test_a_mistake_found_before_prefect_starts_is_one_line_and_exit_2(args, says
 
 
 @pytest.mark.e2e
-def test_a_data_error_found_inside_the_flow_is_one_line_and_exit_2(tmp_path):
+def test_a_data_error_found_inside_the_flow_is_one_line_and_exit_2(tmp_path, session_server_env):
+    """(On the session's Prefect server: a temporary one of its own is not the subject.)"""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(json.dumps({"text": "fine"}) + "\n{broken json\n")
     out = _cli(
@@ -46,6 +47,7 @@ def test_a_data_error_found_inside_the_flow_is_one_line_and_exit_2(tmp_path):
         "train.max_steps=2",
         "--set",
         "train.warmup_steps=1",
+        env=session_server_env,
     )
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     ours = [line for line in out.stderr.splitlines() if line.startswith("stoker: ")]
