@@ -21,6 +21,7 @@ from stoker.core.config.sections import (
     DataConfig,
     EngineConfig,
     EvalConfig,
+    EventsConfig,
     LaunchConfig,
     MetricsConfig,
     ModelConfig,
@@ -127,6 +128,10 @@ class RunConfig(_Section):
     ray: RayConfig = Field(
         default_factory=RayConfig, description="The Ray cluster of launch.launcher 'ray' and data.engine 'ray'."
     )
+    events: EventsConfig = Field(
+        default_factory=EventsConfig,
+        description="Prefect events of the run (checkpoints, heartbeats, stalls, failures) and the stalled-run automation.",
+    )
 
     # ---- derived facts -------------------------------------------------------------
     @property
@@ -148,6 +153,7 @@ class RunConfig(_Section):
                 "engine": True,
                 "metrics": True,
                 "ray": True,
+                "events": True,
                 "data": {"num_workers", "engine"},
                 "train": {"micro_batch_size"},
             },
