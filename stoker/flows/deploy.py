@@ -8,7 +8,8 @@ evaluate-checkpoint deployment on each ``stoker.checkpoint.committed`` event tha
 not evaluate itself (tasks.prefect_events). Run it again at will: each is found by its name.
 
 serve: the same deployments served from this process by a Prefect runner, with their
-schedules: a laptop needs no worker and no work pool.
+schedules: a laptop needs no worker and no work pool. The evaluate-checkpoint automation is
+pointed at the served deployment.
 """
 
 from __future__ import annotations
@@ -141,7 +142,11 @@ def serve() -> None:
     ensure_work_pool_and_limit()  # the limit (the pool is unused by served runs)
     for line in take_over_pooled_deployments():
         print(line)
-    prefect_serve(*runner_deployments())
+    deployments = runner_deployments()
+    for deployment in deployments:  # made now (serve updates them in place), for the automation
+        deployment.apply()
+    print(ensure_evaluate_automation())  # now on the served evaluate-checkpoint deployment
+    prefect_serve(*deployments)
 
 
 def take_over_pooled_deployments() -> list[str]:

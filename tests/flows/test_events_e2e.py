@@ -176,3 +176,39 @@ def test_a_run_that_stops_stepping_is_marked_stalled_by_its_automation_which_the
     (failed,) = stoker_events(server, pe.RUN_FAILED, run)
     assert failed["payload"]["reason"] == "hang" and failed["payload"]["transient"] is True
     assert os.path.exists(log)
+
+
+def test_serve_points_the_evaluate_automation_at_the_served_deployment(server, tmp_path):
+    """After `stoker deploy` (the first test), `stoker serve` takes the deployments over from
+    the work pool (new ids) and updates the one automation to run the served evaluate-checkpoint."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    env = {**server, "STOKER_ROOT": str(tmp_path / "store"), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        served = start_process([sys.executable, "-m", "stoker.cli", "serve"], env, out)
+    try:
+        with temporary_settings({PREFECT_API_URL: server["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
+
+            def served_evaluate():
+                try:
+                    d = client.read_deployment_by_name("evaluate-checkpoint/evaluate-checkpoint")
+                except Exception:
+                    return None
+                return d if d.work_pool_name is None else None
+
+            evaluate = wait_for("the served evaluate-checkpoint deployment", served_evaluate, 180, [log])
+            automations = wait_for(
+                "the automation on it",
+                lambda: [
+                    a
+                    for a in client.read_automations_by_name(EVALUATE_AUTOMATION)
+                    if a.actions[0].deployment_id == evaluate.id
+                ],
+                60,
+                [log],
+            )
+            assert len(client.read_automations_by_name(EVALUATE_AUTOMATION)) == len(automations) == 1
+    finally:
+        stop_process(served)

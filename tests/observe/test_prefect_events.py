@@ -78,7 +78,10 @@ def test_a_heartbeat_carries_the_step_the_last_loss_and_the_recent_median_step_t
     assert last["resource"]["prefect.resource.id"] == "stoker.run.r1"
     assert last["resource"][pe.FLOW_RUN_LABEL] == CTX.flow_run_id and last["resource"]["stoker.attempt"] == "2"
     related = {r["prefect.resource.id"]: r["prefect.resource.role"] for r in last["related"]}
-    assert related == {f"prefect.flow-run.{CTX.flow_run_id}": "flow-run", f"prefect.deployment.{CTX.deployment_id}": "deployment"}
+    assert related == {
+        f"prefect.flow-run.{CTX.flow_run_id}": "flow-run",
+        f"prefect.deployment.{CTX.deployment_id}": "deployment",
+    }
 
 
 def test_a_committed_checkpoint_names_run_step_uri_manifest_flow_run_and_deployment():
@@ -125,7 +128,10 @@ def test_failed_and_stalled_carry_the_classified_reason_and_the_last_step():
     stalled, failed = sent[1], sent[2]
     assert stalled["event"] == pe.RUN_STALLED and stalled["payload"]["last_step"] == 41
     assert failed["event"] == pe.RUN_FAILED and failed["payload"]["reason"] == "hang"
-    assert failed["resource"]["stoker.failure.reason"] == "hang" and failed["resource"]["stoker.failure.transient"] == "true"
+    assert (
+        failed["resource"]["stoker.failure.reason"] == "hang"
+        and failed["resource"]["stoker.failure.transient"] == "true"
+    )
 
 
 def test_an_emitter_that_raises_or_hangs_never_reaches_the_caller():
