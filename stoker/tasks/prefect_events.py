@@ -91,8 +91,9 @@ def stall_automation(ctx: pe.RunContext, window_seconds: float, action: str):
     )
     if action == "cancel":
         act = ChangeFlowRunState(state=StateType.CANCELLING, message=why + "; cancelled (events.stall_action)")
-    else:  # a Running state of its own name: the UI shows it, the run goes on
-        act = ChangeFlowRunState(state=StateType.RUNNING, name=STALLED_STATE_NAME, message=why, force=True)
+    else:  # a Running state of its own name: the UI shows it, the run goes on. Not forced: a
+        # flow run that has ended (its launcher killed before it removed this) stays ended
+        act = ChangeFlowRunState(state=StateType.RUNNING, name=STALLED_STATE_NAME, message=why)
     return AutomationCore(
         name=stall_automation_name(ctx),
         description=f"Marks flow run {ctx.flow_run_name or ctx.flow_run_id} stalled when its heartbeats stop "
@@ -188,8 +189,9 @@ class LaunchEvents:
         window = stall_window_seconds(self.config, median)
         self.sender.call("stalled-run automation", lambda: self.watch.create(window, self.config.events.stall_action))
 
-    def ended(self, exc: BaseException | None) -> None:
-        """Say how the launch failed (if it did), remove the automation, hand over what is left."""
+    def ended(self, exc: BaseException | None, timeout: float = CLOSE_SECONDS) -> None:
+        """Say how the launch failed (if it did), remove the automation, hand over what is left
+        (for `timeout` at most; an automation left behind is removed by the run's next launch)."""
         if isinstance(exc, TrainingFailed):
             if exc.reason == "hang":
                 self.events.stalled(self.config.launch.hang_timeout_seconds, str(exc).split("\n", 1)[0])
@@ -197,7 +199,7 @@ class LaunchEvents:
         elif isinstance(exc, Exception):
             self.events.failed(type(exc).__name__, is_transient(exc), describe(exc))
         self.sender.call("stalled-run automation removal", self.watch.delete)
-        if not self.sender.close(CLOSE_SECONDS):
+        if not self.sender.close(timeout):
             self.logger.warning("Prefect events: the last events of the launch were not handed over in time")
 
 

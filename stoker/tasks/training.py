@@ -162,7 +162,8 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo, resum
     except BaseException as exc:  # failed, cancelled (Prefect's TerminationSignal) or crashed: no evaluation left
         kill_running_evaluations()
         if prefect_events is not None:
-            prefect_events.ended(exc)  # stoker.run.failed (and .stalled); the automation removed
+            # stoker.run.failed (and .stalled), the automation removed; a cancel's grace is short
+            prefect_events.ended(exc, timeout=5.0 if isinstance(exc, Exception) else 2.0)
         if sinks is not None:
             sinks.close("FAILED" if isinstance(exc, Exception) else "KILLED")
         ui.close(timeout=2.0)  # a cancel's grace is short; the UI is not worth waiting for

@@ -31,7 +31,8 @@ def test_the_stalled_run_automation_expects_this_launchs_heartbeats_and_marks_or
     (act,) = spec.actions
     assert act.type == "change-flow-run-state"
     if action == "mark":
-        assert (act.state.value, act.name, act.force) == ("RUNNING", tpe.STALLED_STATE_NAME, True)
+        # not forced: an ended flow run (its launcher killed before removing this) stays ended
+        assert (act.state.value, act.name, act.force) == ("RUNNING", tpe.STALLED_STATE_NAME, False)
     else:
         assert act.state.value == "CANCELLING" and "cancelled" in act.message
     assert spec.name.startswith(f"{tpe.STALL_AUTOMATION_PREFIX}r1:")
