@@ -275,6 +275,14 @@ class RunEvents:
         loss, seconds = self.last_loss, self.median_step_seconds()
         self._send(RUN_STEP, lambda: step_heartbeat(self.ctx, step, loss, seconds))
 
+    def heartbeat_now(self) -> EventSpec | None:
+        """A heartbeat of the last step seen, whatever the rate bound (None before any step):
+        what opens the stalled-run trigger's window as soon as its automation exists, even
+        when the ranks stopped before it did."""
+        if self.last_step is None:
+            return None
+        return step_heartbeat(self.ctx, self.last_step, self.last_loss, self.median_step_seconds())
+
     def checkpoint(self, e: events.CheckpointCommitted) -> None:
         in_run = self.evaluated_in_run(e.step)
 

@@ -21,6 +21,7 @@ one left by a launcher that was killed is deleted by the next launch of the run.
 from __future__ import annotations
 
 import hashlib
+import threading
 from datetime import timedelta
 
 from stoker.core.config import RunConfig
@@ -33,7 +34,10 @@ STALL_AUTOMATION_PREFIX = "stoker-stalled:"
 STALLED_STATE_NAME = "Stalled"
 EVALUATE_AUTOMATION = "stoker-evaluate-committed-checkpoints"
 EVALUATE_DEPLOYMENT = "evaluate-checkpoint/evaluate-checkpoint"
-CLOSE_SECONDS = 5.0  # what a launch's end waits, at most, for its last events to be handed over
+CLOSE_SECONDS = 5.0
+REPEAT_SECONDS = (
+    3.0,
+)  # after the automation's first heartbeat, while no step follows  # what a launch's end waits, at most, for its last events to be handed over
 
 
 def emit(**kwargs) -> None:
@@ -106,6 +110,10 @@ def stall_automation(ctx: pe.RunContext, window_seconds: float, action: str):
                 pe.FLOW_RUN_LABEL: ctx.flow_run_id,
                 "stoker.attempt": str(ctx.attempt),
             },
+            # per resource (one here, by the match): buckets open only at a heartbeat, which the
+            # firing then names (the flow run comes from it); without for_each a proactive
+            # trigger keeps an empty bucket from its start, and fires with no event to act on
+            for_each={"prefect.resource.id"},
             posture=Posture.Proactive,
             threshold=1,
             within=timedelta(seconds=window_seconds),
@@ -187,7 +195,30 @@ class LaunchEvents:
 
     def _step_time_known(self, median: float) -> None:
         window = stall_window_seconds(self.config, median)
-        self.sender.call("stalled-run automation", lambda: self.watch.create(window, self.config.events.stall_action))
+        self.sender.call("stalled-run automation", lambda: self._watch(window))
+
+    def _watch(self, window: float) -> None:
+        """On the sender thread: create the automation, then send a heartbeat at once. The
+        trigger's window opens at the first heartbeat the server's trigger service sees after it
+        has loaded the automation: without this one, ranks that stopped while it was being
+        created would never be marked. The server may take that heartbeat before it has loaded
+        the automation (a busy SQLite server did, in tests), so while no step follows, the
+        same heartbeat is repeated REPEAT_SECONDS later (the stall is then seen that late)."""
+        self.watch.create(window, self.config.events.stall_action)
+        self._beat_again(self.events.heartbeats, REPEAT_SECONDS)
+
+    def _beat_again(self, heartbeats: int, later: tuple[float, ...]) -> None:
+        if self.events.heartbeats != heartbeats:
+            return  # steps go on: their own heartbeats open the window
+        beat = self.events.heartbeat_now()
+        if beat is not None:
+            emit(**beat.kwargs())
+        if later:
+            timer = threading.Timer(
+                later[0], lambda: self.sender.call("heartbeat", lambda: self._beat_again(heartbeats, later[1:]))
+            )
+            timer.daemon = True
+            timer.start()
 
     def ended(self, exc: BaseException | None, timeout: float = CLOSE_SECONDS) -> None:
         """Say how the launch failed (if it did), remove the automation, hand over what is left

@@ -97,7 +97,11 @@ def test_deploy_keeps_the_evaluate_automation_and_a_committed_checkpoint_is_eval
             assert runs[0].parameters == {"checkpoint_uri": step4}
             assert runs[0].state.type == StateType.COMPLETED, runs[0].state.message
 
-        committed = stoker_events(server, pe.CHECKPOINT_COMMITTED, run)
+        committed = wait_for(
+            "both checkpoint events",
+            lambda: (lambda es: es if len(es) == 2 else None)(stoker_events(server, pe.CHECKPOINT_COMMITTED, run)),
+            60,
+        )
         assert [e["resource"]["stoker.checkpoint.step"] for e in committed] == ["4", "8"]
         first = committed[0]
         assert first["resource"]["prefect.resource.id"] == f"stoker.checkpoint.{run}.4"
@@ -171,9 +175,10 @@ def test_a_run_that_stops_stepping_is_marked_stalled_by_its_automation_which_the
             proc.wait()
     last_beat = stoker_events(server, pe.RUN_STEP, run)[-1]["payload"]
     assert last_beat["step"] < 40 and last_beat["step_seconds"] > 0
-    (gone,) = stoker_events(server, pe.RUN_STALLED, run)
+    # sent as the launch ended; the server stores events in batches
+    (gone,) = wait_for("the stalled event", lambda: stoker_events(server, pe.RUN_STALLED, run), 60)
     assert gone["payload"]["last_step"] == 39
-    (failed,) = stoker_events(server, pe.RUN_FAILED, run)
+    (failed,) = wait_for("the failed event", lambda: stoker_events(server, pe.RUN_FAILED, run), 60)
     assert failed["payload"]["reason"] == "hang" and failed["payload"]["transient"] is True
     assert os.path.exists(log)
 

@@ -177,3 +177,13 @@ def test_prefect_emit_with_the_server_away_returns_at_once_and_raises_nothing(mo
         EventsWorker.drain_all(timeout=2)  # it gives up on the dead server; do not wait for it
     assert took < 2, took
     assert sender.failures == 0 and sender.sent == 201  # handed to Prefect's worker, which drops them
+
+
+def test_heartbeat_now_repeats_the_last_step_whatever_the_rate_bound():
+    run, sender, clock, sent = _collecting(step_interval=1000.0)
+    assert run.heartbeat_now() is None  # no step yet: nothing to say
+    run(events.Train(step=7, loss=3.5, lr=1e-3, step_seconds=0.2, tokens_seen=700))
+    run(events.Step(step=8))  # bounded: no event
+    assert sender.close(5) and len(sent) == 1
+    beat = run.heartbeat_now().kwargs()
+    assert beat["event"] == pe.RUN_STEP and beat["payload"] == {"step": 8, "loss": 3.5, "step_seconds": 0.2}

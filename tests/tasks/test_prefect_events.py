@@ -22,7 +22,7 @@ def test_the_stalled_run_automation_expects_this_launchs_heartbeats_and_marks_or
     spec = tpe.stall_automation(CTX, 42.0, action)
     t = spec.trigger
     assert t.posture == "Proactive" and t.after == t.expect == {pe.RUN_STEP} and t.threshold == 1
-    assert t.within.total_seconds() == 42.0
+    assert t.within.total_seconds() == 42.0 and t.for_each == {"prefect.resource.id"}
     assert t.match.model_dump() == {
         "prefect.resource.id": "stoker.run.r1",
         pe.FLOW_RUN_LABEL: CTX.flow_run_id,
