@@ -3,10 +3,13 @@
 deploy: one idempotent command against the Prefect server at $PREFECT_API_URL: the `process`
 work pool, the global concurrency limit that a launch holds while its ranks run (one slot:
 two runs never take the same accelerators), then `prefect deploy --all` from the project
-root (prefect.yaml is the one definition of the deployments). Run it again at will.
+root (prefect.yaml is the one definition of the deployments), and the automation that runs the
+evaluate-checkpoint deployment on each ``stoker.checkpoint.committed`` event that its run does
+not evaluate itself (tasks.prefect_events). Run it again at will: each is found by its name.
 
 serve: the same deployments served from this process by a Prefect runner, with their
-schedules: a laptop needs no worker and no work pool.
+schedules: a laptop needs no worker and no work pool. The evaluate-checkpoint automation is
+pointed at the served deployment.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 import yaml
 
 from stoker.core.failures import ConfigError
+from stoker.tasks.prefect_events import ensure_evaluate_automation
 
 # prefect.yaml sits beside the stoker package in a checkout, and its entrypoints
 # (stoker/flows/...) are paths from that folder, which Prefect records as the runs' working folder
@@ -94,6 +98,7 @@ def deploy() -> list[str]:
         raise RuntimeError(f"prefect deploy --all failed (exit {out.returncode}):\n{tail}")
     names = [f"{_flow_name(d['entrypoint'])}/{d['name']}" for d in deployment_specs()]
     done += [f"deployment {n}: created or updated" for n in names]
+    done.append(ensure_evaluate_automation())  # evaluation as a service, on each committed checkpoint
     done.append(f"start a worker: prefect worker start --pool {WORK_POOL}   (UI: {url.removesuffix('/api')})")
     return done
 
@@ -137,7 +142,11 @@ def serve() -> None:
     ensure_work_pool_and_limit()  # the limit (the pool is unused by served runs)
     for line in take_over_pooled_deployments():
         print(line)
-    prefect_serve(*runner_deployments())
+    deployments = runner_deployments()
+    for deployment in deployments:  # made now (serve updates them in place), for the automation
+        deployment.apply()
+    print(ensure_evaluate_automation())  # now on the served evaluate-checkpoint deployment
+    prefect_serve(*deployments)
 
 
 def take_over_pooled_deployments() -> list[str]:

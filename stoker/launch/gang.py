@@ -228,9 +228,9 @@ class ProcessGang(Launcher):
                 on_line(text)
                 continue
             self.watchdog.saw(event)
-            if not isinstance(event, events.Step):  # heartbeats feed the watchdog only
+            if not isinstance(event, events.Step):  # heartbeats are not kept in the result
                 seen.append(event)
-                on_event(event)
+            on_event(event)  # heartbeats too: the Prefect events' stoker.run.step
         if self.reason == "completed":
             for p in self.procs:
                 p.wait(timeout=max(1.0, self.watchdog.seconds_left()))

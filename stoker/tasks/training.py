@@ -25,6 +25,7 @@ from stoker.tasks.credentials import use_store_credentials
 from stoker.tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
 from stoker.tasks.lease import held_lease, on_lease_lost
 from stoker.tasks.policy import stoker_task
+from stoker.tasks.prefect_events import open_launch_events
 from stoker.tasks.publish import FLUSH_SECONDS, BestEffortPublisher
 from stoker.tasks.report import artifact_key
 
@@ -132,13 +133,15 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo, resum
     lease = held_lease(config, logger)  # this flow run's (a retry re-takes its own); LeaseLost if taken
     launcher = make_launcher(config, config_url, shards.key, resume.checkpoint_key)
     sinks = open_sinks(config, logger)  # TensorBoard, MLflow (metrics.*), or None
+    # Prefect events (events.*) and this launch's stalled-run automation, or None
+    prefect_events = open_launch_events(config, attempt, _store(config.storage), logger)
     monitor = TrainingMonitor(
         result,
         max_steps,
         logger,
         on_progress=ui.progress,
         on_commit=evaluate_while_training if config.eval.per_checkpoint_enabled else None,
-        sink=ui.feeding(sinks),
+        sink=ui.feeding(sinks, prefect_events),
     )
     try:
         # another launch took the run over (launch.takeover): stop the gang at once
@@ -158,12 +161,17 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo, resum
             )
     except BaseException as exc:  # failed, cancelled (Prefect's TerminationSignal) or crashed: no evaluation left
         kill_running_evaluations()
+        if prefect_events is not None:
+            # stoker.run.failed (and .stalled), the automation removed; a cancel's grace is short
+            prefect_events.ended(exc, timeout=5.0 if isinstance(exc, Exception) else 2.0)
         if sinks is not None:
             sinks.close("FAILED" if isinstance(exc, Exception) else "KILLED")
         ui.close(timeout=2.0)  # a cancel's grace is short; the UI is not worth waiting for
         if lease.lost and isinstance(exc, Exception):
             lease.check()  # LeaseLost (permanent): the gang was stopped for the new holder; no retry
         raise
+    if prefect_events is not None:
+        prefect_events.ended(None)
     if sinks is not None:
         sinks.close("FINISHED")
     ui.progress(100.0)
@@ -216,10 +224,15 @@ class TrainingUI:
                 ),
             )
 
-    def feeding(self, sinks):
-        """The monitor's sink: the metric sinks (if any), and this table at each commit."""
+    def feeding(self, sinks, prefect_events=None):
+        """The monitor's sink: the metric sinks and the Prefect events (if any), and this
+        table at each commit."""
 
         def sink(event: events.Event) -> None:
+            if prefect_events is not None:
+                prefect_events.sink(event)
+            if isinstance(event, events.Step):  # a heartbeat: nothing else wants it
+                return
             if isinstance(event, events.CheckpointCommitted):
                 self.rows.append(
                     {"step": event.step, "uri": event.uri, "bytes": event.bytes, "upload_seconds": event.upload_seconds}

@@ -22,6 +22,7 @@ from stoker.core.config.sections import (
     DataConfig,
     EngineConfig,
     EvalConfig,
+    EventsConfig,
     LaunchConfig,
     MetricsConfig,
     ModelConfig,
@@ -131,6 +132,10 @@ class RunConfig(_Section):
     cost: CostConfig = Field(
         default_factory=CostConfig, description="The accelerators' price, for the goodput and cost ledger."
     )
+    events: EventsConfig = Field(
+        default_factory=EventsConfig,
+        description="Prefect events of the run (checkpoints, heartbeats, stalls, failures) and the stalled-run automation.",
+    )
 
     # ---- derived facts -------------------------------------------------------------
     @property
@@ -153,6 +158,7 @@ class RunConfig(_Section):
                 "metrics": True,
                 "ray": True,
                 "cost": True,
+                "events": True,
                 "data": {"num_workers", "engine"},
                 "train": {"micro_batch_size"},
                 "eval": {"sets", "multiple_choice_items"},  # what a checkpoint's evaluation measures

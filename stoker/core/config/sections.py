@@ -1008,3 +1008,47 @@ class CostConfig(_Section):
         fix="give the hourly price of one accelerator, e.g. 2.5, or leave it empty",
         ge=0,
     )
+
+
+class EventsConfig(_Section):
+    """Prefect events the run emits (``stoker.checkpoint.committed``, ``stoker.run.step``,
+    ``stoker.run.stalled``, ``stoker.run.failed``) and the per-launch automation that marks a
+    flow run stalled. Sent best-effort from the process that launches the ranks: emitting never
+    waits for the server and never fails training. Not part of the run's identity."""
+
+    enabled: bool = Field(
+        True,
+        description="Emit the run's Prefect events, and create the stalled-run automation of each "
+        "launch (removed when the launch ends). Off: no event, no automation.",
+    )
+    step_interval_seconds: float = _field(
+        10.0,
+        "Heartbeats: at most one stoker.run.step event per this many seconds (each carries the "
+        "step, the last loss and the recent median step time).",
+        fix="give at least 1 second, e.g. 10",
+        ge=1.0,
+    )
+    stall_factor: float = _field(
+        20.0,
+        "The stalled-run automation fires when no stoker.run.step event arrives for "
+        "max(stall_min_seconds, stall_factor x the recent median step time) plus "
+        "step_interval_seconds (the heartbeat period is added so the rate bound never looks like "
+        "a stall). Keep the window above the longest pause between steps (an evaluation, a "
+        "synchronous checkpoint save).",
+        fix="give a factor of at least 2, e.g. 20",
+        ge=2.0,
+    )
+    stall_min_seconds: float = _field(
+        120.0,
+        "The shortest stall window, whatever the step time (Prefect's proactive triggers need 10 s "
+        "at least). Keep it above the step-0 evaluation and a checkpoint save.",
+        fix="give at least 10 seconds, e.g. 120",
+        ge=10.0,
+    )
+    stall_action: Literal["mark", "cancel"] = Field(
+        "mark",
+        description="What the stalled-run automation does: 'mark' sets the flow run's state to "
+        "Running named 'Stalled' (the UI shows it; the run goes on, and stoker's own hang watchdog, "
+        "launch.hang_timeout_seconds, still kills a gang that truly hangs); 'cancel' cancels the "
+        "flow run (the gang is stopped as on any cancel).",
+    )

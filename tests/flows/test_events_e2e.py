@@ -1,0 +1,219 @@
+"""Prefect events and automations with a real `prefect server start`: `stoker deploy` keeps the
+evaluate-checkpoint automation (twice: idempotent); a run's real stoker.checkpoint.committed
+event makes it run the evaluate-checkpoint deployment on that checkpoint, which a process worker
+runs to Completed; a run whose rank stops stepping is marked Stalled by its launch's automation,
+which the launch removes when it ends."""
+
+import os
+import subprocess
+import sys
+import uuid
+
+import httpx
+import pytest
+
+from stoker.observe import prefect_events as pe
+from stoker.tasks.prefect_events import EVALUATE_AUTOMATION, STALL_AUTOMATION_PREFIX, STALLED_STATE_NAME
+from tests.conftest import ROOT, real_prefect_server, start_process, stop_process, tiny_dict, tiny_sets, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One real server for this module (its tests name their runs apart)."""
+    with real_prefect_server(str(tmp_path_factory.mktemp("events-prefect"))) as env:
+        yield env
+
+
+def stoker_events(env: dict, prefix: str, run: str) -> list[dict]:
+    """The server's events whose name starts with `prefix` and that name the stoker run."""
+    body = {"filter": {"event": {"prefix": [prefix]}, "any_resource": {"labels": {pe.RUN_LABEL: [run]}}}, "limit": 50}
+    page = httpx.post(env["PREFECT_API_URL"] + "/events/filter", json=body, timeout=30).json()
+    return sorted(page["events"], key=lambda e: e["occurred"])
+
+
+def test_deploy_keeps_the_evaluate_automation_and_a_committed_checkpoint_is_evaluated_by_it(server, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+    from prefect.client.schemas.objects import StateType
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    store = tmp_path / "store"
+    env = {**server, "STOKER_ROOT": str(store), "STOKER_CACHE": str(tmp_path / "cache")}
+    for round_ in (1, 2):  # idempotent: the second finds the automation by its name
+        out = subprocess.run(
+            [sys.executable, "-m", "stoker.cli", "deploy"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        said = "created" if round_ == 1 else "already there (updated)"
+        assert f"automation {EVALUATE_AUTOMATION!r}: {said}" in out.stdout, out.stdout
+
+    worker_log = tmp_path / "worker.log"
+    with open(worker_log, "w") as log:
+        worker = start_process(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "stoker-process", "--prefetch-seconds", "5"],
+            {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"},
+            log,
+        )
+    try:
+        with temporary_settings({PREFECT_API_URL: server["PREFECT_API_URL"]}):
+            with get_client(sync_client=True) as client:
+                automations = client.read_automations_by_name(EVALUATE_AUTOMATION)
+                assert len(automations) == 1
+                evaluate = client.read_deployment_by_name("evaluate-checkpoint/evaluate-checkpoint")
+                action = automations[0].actions[0]
+                assert action.type == "run-deployment" and action.deployment_id == evaluate.id
+
+            # a real run, from the ad-hoc deployment: checkpoints at steps 4 and 8; the run
+            # evaluates step 8 itself (its last), the automation step 4
+            run = "svc-" + uuid.uuid4().hex[:6]
+            params = tiny_dict("file://" + str(store), run_name=run)
+            train = run_deployment("train-pipeline/train-adhoc", parameters={"config": params}, timeout=0)
+            with get_client(sync_client=True) as client:
+                done = wait_for(
+                    "the training run to finish",
+                    lambda: (lambda r: r if r.state.is_final() else None)(client.read_flow_run(train.id)),
+                    420,
+                    [worker_log],
+                )
+                assert done.state.type == StateType.COMPLETED, done.state.message
+
+                def evaluations():
+                    runs = client.read_flow_runs(
+                        deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["evaluate-checkpoint"]))
+                    )
+                    return runs if runs and all(r.state.is_final() for r in runs) else None
+
+                runs = wait_for("the automation's evaluation to finish", evaluations, 300, [worker_log])
+            assert len(runs) == 1, [(r.name, r.parameters) for r in runs]
+            step4 = f"file://{store}/runs/{run}/checkpoints/step-00000004"
+            assert runs[0].parameters == {"checkpoint_uri": step4}
+            assert runs[0].state.type == StateType.COMPLETED, runs[0].state.message
+
+        committed = wait_for(
+            "both checkpoint events",
+            lambda: (lambda es: es if len(es) == 2 else None)(stoker_events(server, pe.CHECKPOINT_COMMITTED, run)),
+            60,
+        )
+        assert [e["resource"]["stoker.checkpoint.step"] for e in committed] == ["4", "8"]
+        first = committed[0]
+        assert first["resource"]["prefect.resource.id"] == f"stoker.checkpoint.{run}.4"
+        assert first["resource"][pe.URI_LABEL] == step4 and len(first["resource"][pe.MANIFEST_LABEL]) == 64
+        assert first["resource"]["stoker.deployment.id"] == str(done.deployment_id)
+        related = {r["prefect.resource.id"] for r in first["related"]}
+        assert {
+            f"prefect.flow-run.{train.id}",
+            f"prefect.deployment.{done.deployment_id}",
+            f"stoker.run.{run}",
+        } <= related
+        assert stoker_events(server, pe.RUN_STEP, run), "no heartbeat"
+        assert not stoker_events(server, pe.RUN_FAILED, run)
+    finally:
+        stop_process(worker)
+
+
+def test_a_run_that_stops_stepping_is_marked_stalled_by_its_automation_which_then_goes(server, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.client.schemas.objects import StateType
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    run = "stall-" + uuid.uuid4().hex[:6]
+    env = {
+        **server,
+        "STOKER_CACHE": str(tmp_path / "cache"),
+        "STOKER_FAULT": "hang:rank=0:step=40",  # rank 0 sleeps before step 40; rank 1 waits on it
+    }
+    args = tiny_sets(
+        train={"max_steps": 60, "log_interval": 1},
+        checkpoint={"interval_steps": 20},
+        eval={"interval_steps": 100},
+        launch={"hang_timeout_seconds": 90, "max_attempts": 1},
+        events={"step_interval_seconds": 1, "stall_min_seconds": 10, "stall_factor": 2},
+    )
+    cmd = [sys.executable, "-m", "stoker.cli", "run", *args, "--set", f"run_name={run}"]
+    cmd += ["--set", f"storage.root=file://{tmp_path}/store"]
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        with temporary_settings({PREFECT_API_URL: server["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
+
+            def flow_run():
+                runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"run:{run}"])))
+                return runs[0] if runs else None
+
+            def stall_automations():
+                return [a for a in client.read_automations() if a.name.startswith(f"{STALL_AUTOMATION_PREFIX}{run}:")]
+
+            found = wait_for("the launch's stalled-run automation", stall_automations, 300, [log])
+            trigger = found[0].trigger
+            assert trigger.posture == "Proactive" and trigger.expect == {pe.RUN_STEP}
+            assert 10 <= trigger.within.total_seconds() <= 60  # max(10, 2 x median step) + 1
+
+            def stalled():
+                fr = flow_run()
+                states = client.read_flow_run_states(fr.id) if fr else []
+                return [s for s in states if s.name == STALLED_STATE_NAME] or None
+
+            marked = wait_for("the flow run to be marked Stalled", stalled, 180, [log])
+            assert marked[0].type == StateType.RUNNING and "no training step" in marked[0].message
+            assert proc.wait(timeout=240) != 0  # then stoker's own watchdog kills the hung gang
+            ended = flow_run()
+            assert ended.state.type == StateType.FAILED, ended.state
+            assert stall_automations() == []  # removed when the launch ended
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    last_beat = stoker_events(server, pe.RUN_STEP, run)[-1]["payload"]
+    assert last_beat["step"] < 40 and last_beat["step_seconds"] > 0
+    # sent as the launch ended; the server stores events in batches
+    (gone,) = wait_for("the stalled event", lambda: stoker_events(server, pe.RUN_STALLED, run), 60)
+    assert gone["payload"]["last_step"] == 39
+    (failed,) = wait_for("the failed event", lambda: stoker_events(server, pe.RUN_FAILED, run), 60)
+    assert failed["payload"]["reason"] == "hang" and failed["payload"]["transient"] is True
+    assert os.path.exists(log)
+
+
+def test_serve_points_the_evaluate_automation_at_the_served_deployment(server, tmp_path):
+    """After `stoker deploy` (the first test), `stoker serve` takes the deployments over from
+    the work pool (new ids) and updates the one automation to run the served evaluate-checkpoint."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    env = {**server, "STOKER_ROOT": str(tmp_path / "store"), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        served = start_process([sys.executable, "-m", "stoker.cli", "serve"], env, out)
+    try:
+        with temporary_settings({PREFECT_API_URL: server["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
+
+            def served_evaluate():
+                try:
+                    d = client.read_deployment_by_name("evaluate-checkpoint/evaluate-checkpoint")
+                except Exception:
+                    return None
+                return d if d.work_pool_name is None else None
+
+            evaluate = wait_for("the served evaluate-checkpoint deployment", served_evaluate, 180, [log])
+            automations = wait_for(
+                "the automation on it",
+                lambda: [
+                    a
+                    for a in client.read_automations_by_name(EVALUATE_AUTOMATION)
+                    if a.actions[0].deployment_id == evaluate.id
+                ],
+                60,
+                [log],
+            )
+            assert len(client.read_automations_by_name(EVALUATE_AUTOMATION)) == len(automations) == 1
+    finally:
+        stop_process(served)
