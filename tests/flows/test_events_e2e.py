@@ -35,7 +35,12 @@ def stoker_events(env: dict, prefix: str, run: str) -> list[dict]:
 
 def test_deploy_keeps_the_evaluate_automation_and_a_committed_checkpoint_is_evaluated_by_it(server, tmp_path):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterName,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
     from prefect.client.schemas.objects import StateType
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -115,6 +120,29 @@ def test_deploy_keeps_the_evaluate_automation_and_a_committed_checkpoint_is_eval
         } <= related
         assert stoker_events(server, pe.RUN_STEP, run), "no heartbeat"
         assert not stoker_events(server, pe.RUN_FAILED, run)
+
+        # the same checkpoint's event a second time (a replayed event, a second trigger): the
+        # automation runs the deployment again, and its evaluation is Cached (keyed by the
+        # checkpoint's manifest): no second evaluation process, the same numbers
+        with temporary_settings({PREFECT_API_URL: server["PREFECT_API_URL"]}):
+            from prefect.events import emit_event
+            from prefect.events.worker import EventsWorker
+
+            emit_event(event=pe.CHECKPOINT_COMMITTED, resource=first["resource"], related=first["related"])
+            EventsWorker.drain_all()
+            with get_client(sync_client=True) as client:
+                again = wait_for(
+                    "the second evaluation to finish",
+                    lambda: (lambda rs: rs if len(rs) == 2 else None)(evaluations() or []),
+                    300,
+                    [worker_log],
+                )
+                second = max(again, key=lambda r: r.expected_start_time)
+                assert second.id != runs[0].id and second.parameters == {"checkpoint_uri": step4}
+                assert second.state.type == StateType.COMPLETED, second.state.message
+                tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[second.id])))
+                states = {t.name.rsplit("-", 1)[0]: t.state.name for t in tasks}
+                assert states.get("evaluate_checkpoint") == "Cached", states
     finally:
         stop_process(worker)
 
