@@ -90,22 +90,15 @@ class RunContext:
         out = []
         if with_run:
             out.append({"prefect.resource.id": run_resource_id(self.run), "prefect.resource.role": "stoker-run"})
-        if self.flow_run_id:
-            flow_run = {
-                "prefect.resource.id": f"prefect.flow-run.{self.flow_run_id}",
-                "prefect.resource.role": "flow-run",
-            }
-            if self.flow_run_name:
-                flow_run["prefect.resource.name"] = self.flow_run_name
-            out.append(flow_run)
-        if self.deployment_id:
-            deployment = {
-                "prefect.resource.id": f"prefect.deployment.{self.deployment_id}",
-                "prefect.resource.role": "deployment",
-            }
-            if self.deployment_name:
-                deployment["prefect.resource.name"] = self.deployment_name
-            out.append(deployment)
+        for kind, role, ident, name in (
+            ("flow-run", "flow-run", self.flow_run_id, self.flow_run_name),
+            ("deployment", "deployment", self.deployment_id, self.deployment_name),
+        ):
+            if ident:  # Prefect's own resource ids, so the UI links them
+                resource = {"prefect.resource.id": f"prefect.{kind}.{ident}", "prefect.resource.role": role}
+                if name:
+                    resource["prefect.resource.name"] = name
+                out.append(resource)
         return out
 
 
