@@ -187,7 +187,11 @@ def test_custom_run_from_the_ui_form_completes_and_its_page_shows_report_and_los
                 sync_api.expect(report.get_by_role("heading", name=run, exact=True)).to_be_visible()
                 sync_api.expect(report.get_by_text(f"steps 0 -> {MAX_STEPS}", exact=True)).to_be_visible()
                 sync_api.expect(report.get_by_text("the final checkpoint's evaluation")).to_be_visible()
-                sync_api.expect(report.locator("table")).to_contain_text("validation loss during training")
+                sync_api.expect(
+                    report.locator("table").filter(has_text="validation loss during training")
+                ).to_have_count(1)
+                # the goodput and cost ledger's table: where the run's time went
+                sync_api.expect(report.locator("table").filter(has_text="productive steps")).to_have_count(1)
                 curve = report.locator(f"img[alt='loss curve of {run}']")
                 curve.wait_for()
                 page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=curve.element_handle())
