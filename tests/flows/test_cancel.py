@@ -45,6 +45,16 @@ def _wait(what, check, deadline_s, proc=None, log=None):
         time.sleep(0.5)
 
 
+class _Described:
+    """What a wait is for, with what its last look found (read when the wait fails)."""
+
+    def __init__(self, what: str, found):
+        self.what, self.found = what, found
+
+    def __str__(self) -> str:
+        return f"{self.what} ({self.found()})"
+
+
 def _tail(log) -> str:
     return log.read_text()[-6000:] if log is not None and log.exists() else ""
 
@@ -127,10 +137,16 @@ def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_ser
                     for p in watch.seen.values()
                     if "torch.distributed.run" not in p.cmdline and "training.train" in p.cmdline and read_proc(p.pid)
                 ]
-                return len(ranks) == 2 and find_latest_valid(store, "cancel").checkpoint
+                seen["ranks"] = len(ranks)
+                if len(ranks) != 2:
+                    return None
+                choice = find_latest_valid(store, "cancel")
+                seen["skipped"] = [(ref.key, reason) for ref, reason in choice.skipped][:4]
+                return choice.checkpoint
 
+            seen: dict = {}  # what the last look found, for the message of a failed wait
             _wait(
-                "training with a committed checkpoint",
+                _Described("training with a committed checkpoint", lambda: f"last look: {seen}"),
                 _still_running(client, run.id, watch, log, training),
                 300,
                 server,

@@ -124,12 +124,16 @@ def test_deploy_keeps_the_evaluate_automation_and_a_committed_checkpoint_is_eval
         # the same checkpoint's event a second time (a replayed event, a second trigger): the
         # automation runs the deployment again, and its evaluation is Cached (keyed by the
         # checkpoint's manifest): no second evaluation process, the same numbers
-        with temporary_settings({PREFECT_API_URL: server["PREFECT_API_URL"]}):
-            from prefect.events import emit_event
-            from prefect.events.worker import EventsWorker
+        # (posted to the server's events API: this process's EventsWorker may still be bound
+        # to another server of the session)
+        from prefect.events import Event
 
-            emit_event(event=pe.CHECKPOINT_COMMITTED, resource=first["resource"], related=first["related"])
-            EventsWorker.drain_all()
+        again_event = Event(event=pe.CHECKPOINT_COMMITTED, resource=first["resource"], related=first["related"])
+        posted = httpx.post(
+            server["PREFECT_API_URL"] + "/events", json=[again_event.model_dump(mode="json")], timeout=30
+        )
+        assert posted.status_code == 204, posted.text
+        with temporary_settings({PREFECT_API_URL: server["PREFECT_API_URL"]}):
             with get_client(sync_client=True) as client:
                 again = wait_for(
                     "the second evaluation to finish",
