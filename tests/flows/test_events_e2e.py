@@ -144,9 +144,15 @@ def test_deploy_keeps_the_evaluate_automation_and_a_committed_checkpoint_is_eval
                 second = max(again, key=lambda r: r.expected_start_time)
                 assert second.id != runs[0].id and second.parameters == {"checkpoint_uri": step4}
                 assert second.state.type == StateType.COMPLETED, second.state.message
-                tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[second.id])))
-                states = {t.name.rsplit("-", 1)[0]: t.state.name for t in tasks}
-                assert states.get("evaluate_checkpoint") == "Cached", states
+
+                def task_states():  # task run states reach the database as events, a little later
+                    tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[second.id])))
+                    states = {t.name.rsplit("-", 1)[0]: t.state for t in tasks if t.state is not None}
+                    done = states.get("evaluate_checkpoint")
+                    return states if done is not None and done.is_final() else None
+
+                states = wait_for("the second evaluation's task runs", task_states, 60, [worker_log])
+                assert states["evaluate_checkpoint"].name == "Cached", states
     finally:
         stop_process(worker)
 
