@@ -87,6 +87,17 @@ def start_process(cmd: list[str], env: dict, log) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def start_worker(env: dict, log_path) -> subprocess.Popen:
+    """A Prefect process worker on stoker's work pool (what `stoker deploy` made), asking for
+    runs every second; its output goes to `log_path`."""
+    with open(log_path, "w") as log:
+        return start_process(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "stoker-process", "--prefetch-seconds", "5"],
+            {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"},
+            log,
+        )
+
+
 def stop_process(proc: subprocess.Popen) -> None:
     """SIGTERM the process group, SIGKILL what is left after 20 s."""
     for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from stoker.core.config import RunConfig, load_config
-from tests.conftest import ROOT, start_process, stop_process, tiny_dict, wait_for
+from tests.conftest import ROOT, start_process, start_worker, stop_process, tiny_dict, wait_for
 
 PREFECT_YAML = os.path.join(ROOT, "prefect.yaml")
 
@@ -55,12 +55,7 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
     assert "deployment train-pipeline/train-adhoc: created or updated" in out.stdout
 
     worker_log = tmp_path / "worker.log"
-    with open(worker_log, "w") as log:
-        worker = start_process(
-            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "stoker-process", "--prefetch-seconds", "5"],
-            {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"},
-            log,
-        )
+    worker = start_worker(env, worker_log)
     try:
         with temporary_settings({PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}):
             with get_client(sync_client=True) as client:

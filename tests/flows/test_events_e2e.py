@@ -14,7 +14,16 @@ import pytest
 
 from stoker.observe import prefect_events as pe
 from stoker.tasks.prefect_events import EVALUATE_AUTOMATION, STALL_AUTOMATION_PREFIX, STALLED_STATE_NAME
-from tests.conftest import ROOT, real_prefect_server, start_process, stop_process, tiny_dict, tiny_sets, wait_for
+from tests.conftest import (
+    ROOT,
+    real_prefect_server,
+    start_process,
+    start_worker,
+    stop_process,
+    tiny_dict,
+    tiny_sets,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -61,12 +70,7 @@ def test_deploy_keeps_the_evaluate_automation_and_a_committed_checkpoint_is_eval
         assert f"automation {EVALUATE_AUTOMATION!r}: {said}" in out.stdout, out.stdout
 
     worker_log = tmp_path / "worker.log"
-    with open(worker_log, "w") as log:
-        worker = start_process(
-            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "stoker-process", "--prefetch-seconds", "5"],
-            {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"},
-            log,
-        )
+    worker = start_worker(env, worker_log)
     try:
         with temporary_settings({PREFECT_API_URL: server["PREFECT_API_URL"]}):
             with get_client(sync_client=True) as client:
