@@ -10,11 +10,18 @@ need nothing of this: Prefect's APILogHandler already queues them for a worker o
 
 Each call runs in a copy of the caller's context (made when it is queued), so an artifact is
 still linked to the task run and flow run that made it.
+
+The thread never outlives its use: once close() has given up, or the main thread has ended
+(the interpreter is shutting down), no further call is started. A call still in flight then
+may finish with its artifact on the server, but Prefect can no longer start the service that
+sends the artifact's event (``can't register atexit after shutdown``); that one error is not
+news at exit and is kept out of the run's log (`_QuietAtExit`).
 """
 
 from __future__ import annotations
 
 import contextvars
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -25,6 +32,22 @@ from stoker.core.failures import describe
 MAX_PENDING = 32  # keys; more than this and the oldest is dropped (never reached by stoker's few)
 RETRY_SECONDS = 5.0
 FLUSH_SECONDS = 30.0  # what close() waits, at most, for the last values to go out
+THREAD_NAME = "stoker-prefect-publisher"
+
+
+def _exiting() -> bool:
+    return not threading.main_thread().is_alive()
+
+
+class _QuietAtExit(logging.Filter):
+    """Drops Prefect's "Error emitting event" from this module's thread once the main thread
+    has ended: the artifact reached the server, only its event could not be sent at exit."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.threadName == THREAD_NAME and _exiting())
+
+
+logging.getLogger("prefect.events.utilities").addFilter(_QuietAtExit())
 
 
 class BestEffortPublisher:
@@ -35,10 +58,11 @@ class BestEffortPublisher:
         self._pending: OrderedDict[str, tuple[Callable[[], object], contextvars.Context]] = OrderedDict()
         self._cond = threading.Condition()
         self._closing = False
-        self._busy = False
+        self._abandoned = False  # close() gave up: no call is started any more
+        self._busy: str | None = None  # the key of the call in flight
         self.failures = 0  # calls that failed (and were kept to try again)
         self._outage_since: float | None = None
-        self._thread = threading.Thread(target=self._work, name="stoker-prefect-publisher", daemon=True)
+        self._thread = threading.Thread(target=self._work, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
     def latest(self, key: str, call: Callable[[], object]) -> None:
@@ -56,13 +80,13 @@ class BestEffortPublisher:
             with self._cond:
                 while not self._pending and not self._closing:
                     self._cond.wait()
-                if not self._pending:
+                if not self._pending or self._abandoned or _exiting():
                     return
                 key, (call, ctx) = self._pending.popitem(last=False)
-                self._busy = True
+                self._busy = key
             ok = self._try(key, call, ctx)
             with self._cond:
-                self._busy = False
+                self._busy = None
                 if not ok:
                     self._pending.setdefault(key, (call, ctx))  # unless a newer value came
                     self._pending.move_to_end(key, last=False)
@@ -106,7 +130,8 @@ class BestEffortPublisher:
             self._cond.notify_all()
         self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
         with self._cond:
-            left = list(self._pending)
+            self._abandoned = True  # a call still in flight is the last one made
+            left = ([self._busy] if self._busy else []) + [k for k in self._pending if k != self._busy]
         if left:
             self.logger.warning("Prefect API still unreachable: not sent to the UI: %s", ", ".join(left))
         return left

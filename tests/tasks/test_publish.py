@@ -76,3 +76,54 @@ def test_close_with_the_server_away_gives_up_after_its_timeout_and_names_what_wa
     t0 = time.monotonic()
     assert pub.close(timeout=1.0) == ["progress"]
     assert time.monotonic() - t0 < 15
+
+
+def test_close_that_gives_up_names_the_call_in_flight_and_starts_no_other():
+    server, pub = Server(), BestEffortPublisher(logging.getLogger("t"), retry_seconds=0.1)
+    server.gate.clear()  # the server hangs
+    pub.latest("progress", server.call("progress", 1))
+    assert wait(lambda: pub._busy == "progress")
+    pub.latest("table", server.call("table", ["step 10"]))
+    assert pub.close(timeout=0.5) == ["progress", "table"]
+    server.gate.set()  # the hung call ends after close() gave up
+    assert wait(lambda: server.got == [("progress", 1)])
+    time.sleep(0.5)
+    assert server.got == [("progress", 1)]  # the table was not sent after close() gave up
+
+
+EXIT_SCRIPT = r"""
+import logging, sys, threading, time
+from stoker.tasks.publish import BestEffortPublisher
+
+logging.basicConfig(stream=sys.stdout, level=logging.INFO)
+made = []
+
+def in_flight():  # ends after the main thread; then fails like Prefect's emit_event at exit
+    threading.main_thread().join()
+    try:
+        raise RuntimeError("can't register atexit after shutdown")
+    except RuntimeError:
+        logging.getLogger("prefect.events.utilities").exception("Error emitting event: prefect.artifact.created")
+    print("in-flight call ended", flush=True)
+
+pub = BestEffortPublisher(logging.getLogger("t"))
+pub.latest("progress", in_flight)
+pub.latest("table", lambda: print("table sent after exit", flush=True))
+time.sleep(0.3)
+print("main thread ends", flush=True)
+"""
+
+
+def test_no_call_is_started_and_no_traceback_printed_once_the_main_thread_has_ended():
+    """The daemon thread of a process that ends without close() (the flow returned, the
+    interpreter shuts down): the call in flight ends quietly, the next is never made."""
+    import subprocess
+    import sys
+
+    # a non-daemon thread keeps the interpreter in threading._shutdown long enough to see
+    script = EXIT_SCRIPT + "threading.Thread(target=time.sleep, args=(1.5,)).start()\n"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "main thread ends" in text and "in-flight call ended" in text, text
+    assert "table sent after exit" not in text and "Traceback" not in text, text
