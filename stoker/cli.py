@@ -46,6 +46,35 @@ def main(argv: list[str] | None = None) -> int:
     )
     ex.add_argument("checkpoint_uri", help="{root}/runs/{run}/checkpoints/step-NNNNNNNN")
     ex.add_argument("folder", help="a new or empty local folder")
+    hv = sub.add_parser(
+        "harness",
+        help="lm-evaluation-harness tasks (the 'harness' extra) on a checkpoint exported as GPT-2: "
+        "local-file tasks (stoker_mc: the vendored multiple-choice set), nothing downloaded",
+    )
+    hv.add_argument(
+        "--checkpoint",
+        default="latest",
+        help="a checkpoint URI ({root}/runs/{run}/checkpoints/step-NNNNNNNN), an exported folder, or "
+        "'latest': the newest valid checkpoint of the run of --recipe/--set",
+    )
+    hv.add_argument("--tasks", default=None, help="task names, comma-separated (default: eval.harness_tasks)")
+    hv.add_argument(
+        "--include",
+        action="append",
+        default=None,
+        help="a folder of lm-eval task YAML files (default: eval.harness_include)",
+    )
+    hv.add_argument(
+        "--limit", type=int, default=None, help="the first N items of each task (default: eval.harness_limit)"
+    )
+    hv.add_argument("--out", default=None, help="write the metrics as JSON here")
+    hv.add_argument(
+        "--samples", action="store_true", help="also write each item's log-likelihoods and verdicts to --out"
+    )
+    hv.add_argument(
+        "--recipe", default="tiny-cpu", help="the run's recipe (its eval.harness_* and, for 'latest', its run)"
+    )
+    hv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     runs = sub.add_parser(
         "runs",
         help="list the runs in the store, with their newest valid checkpoint, goodput (productive step "
@@ -402,6 +431,8 @@ def _command(args) -> int:
             f"load it with transformers.GPT2LMHeadModel.from_pretrained({done.folder!r})"
         )
         return 0
+    if args.command == "harness":
+        return _harness(args)
     if args.command == "evaluate":
         from stoker.flows.evaluate import evaluate_checkpoint_flow  # the URI was checked: _preflight
         from stoker.observe.report import evaluation_line
@@ -414,6 +445,33 @@ def _command(args) -> int:
 
     result = train_pipeline(config)
     print_summary(result)
+    return 0
+
+
+def _harness(args) -> int:
+    """`stoker harness`: no flow run; one process exports the checkpoint and runs lm-eval."""
+    from stoker.tasks.harness import harness_line, latest_checkpoint_uri, run_harness
+
+    config = config_from_args(args.recipe, args.set)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks is not None else None
+    source = latest_checkpoint_uri(config) if args.checkpoint == "latest" else args.checkpoint
+    done = run_harness(
+        source,
+        config.eval.harness_tasks if tasks is None else tasks,
+        config.eval.harness_include if args.include is None else args.include,
+        config.eval.harness_limit if args.limit is None else args.limit,
+        args.out,
+        args.samples,
+        config,
+        fields=(
+            "--tasks" if tasks is not None else "eval.harness_tasks",
+            "--include" if args.include else "eval.harness_include",
+        ),
+    )
+    at = f"step {done.step} of {done.checkpoint}" if done.checkpoint else source
+    print(f"lm-evaluation-harness on {at} ({done.seconds:.0f}s):\n{harness_line(done)}")
+    if done.out:
+        print(f"metrics (JSON): {done.out}")
     return 0
 
 

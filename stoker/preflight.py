@@ -8,6 +8,8 @@ before any work. It gathers:
 - the model's own rules (``RunConfig.check``: a config built in code was never validated);
 - the local files the config names and the optional packages it needs: the data source and
   tokenizer, TensorBoard and MLflow (the 'metrics' extra), Ray (``local_resource_problems``);
+- eval.harness_tasks: lm-evaluation-harness installed (the 'harness' extra), the
+  eval.harness_include folders there, every task name defined in them (``core.harness``);
 - the accelerators: NCCL without GPUs, more ranks here than GPUs, engine settings that CPU
   ranks or the installed torch cannot honour, torch's version read from its metadata
   (``launch.devices.device_problems``);
@@ -32,6 +34,7 @@ from pydantic import BaseModel, ValidationError
 
 from stoker.core.config import RunConfig, StorageConfig, local_resource_problems, missing_sink_packages
 from stoker.core.failures import ConfigError, is_transient
+from stoker.core.harness import harness_problems
 from stoker.launch.devices import device_problems
 from stoker.observe.sinks import sink_problems
 from stoker.storage.runs import store_problem
@@ -55,6 +58,8 @@ def problems(config: RunConfig, load_credentials: LoadCredentials | None = None)
     except ConfigError as err:
         found = list(err.problems)
     found += local_resource_problems(config) + device_problems(config)
+    if _valid(config.eval):  # lm-eval installed, its folders there, its task names known
+        found += harness_problems(config.eval.harness_tasks, config.eval.harness_include)
     unreachable: list[Exception] = []
     if _valid(config.storage) and _credentials_in_use(config.storage, load_credentials, found):
         found += _store_problems(config.storage, unreachable)

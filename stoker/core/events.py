@@ -228,6 +228,20 @@ class Exported(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class HarnessEvaluated(Event):
+    """What an lm-evaluation-harness process (training.harness) measured on an exported model."""
+
+    kind: ClassVar[str] = "harness"
+    checkpoint: str | None  # None: an exported folder that does not name its checkpoint
+    step: int | None
+    tasks: list[str]
+    metrics: dict[str, dict[str, float]]  # {task: {"acc": .., "acc_stderr": .., ...}}
+    num_items: dict[str, int]  # {task: items scored}
+    out: str | None = None  # the JSON file written (--out)
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class Joined(Event):
     """A torchrun rank's own numbers, once at its start. c10d numbers the nodes in its own
     order, so the launcher learns from this which global rank prints each of its lines."""
@@ -258,6 +272,7 @@ TYPES: dict[str, type[Event]] = {
         Done,
         Evaluated,
         Exported,
+        HarnessEvaluated,
     )
 }
 

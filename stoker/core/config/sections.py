@@ -499,6 +499,33 @@ class EvalConfig(_Section):
             raise _rule("leaves out 'loss', which every evaluation measures", "add 'loss' to the list")
         return list(dict.fromkeys(sets))  # each once, in the order given
 
+    harness_tasks: list[NonBlank] = Field(
+        default_factory=list,
+        description="lm-evaluation-harness tasks (the 'harness' extra: pip install 'stoker[harness]') "
+        "that `stoker harness` runs on a checkpoint exported as GPT-2: local-file tasks only, "
+        "nothing is downloaded. 'stoker_mc' is stoker's vendored multiple-choice set as an "
+        "lm-eval task; eval.harness_include adds your own. Empty: none.",
+        json_schema_extra={"fix": "give task names, e.g. ['stoker_mc'], or an empty list"},
+    )
+    harness_include: list[NonBlank] = Field(
+        default_factory=list,
+        description="Folders of lm-eval task YAML files (e.g. dataset_path: json with "
+        "dataset_kwargs.data_files naming a local file) whose tasks eval.harness_tasks may name, "
+        "beside stoker's own (stoker/evalsets/harness).",
+        json_schema_extra={"fix": "give folders that hold lm-eval task YAML files"},
+    )
+    harness_limit: int | None = _field(
+        None,
+        "Items of each harness task that are scored (the first N); empty: every item.",
+        fix="a whole number of at least 1, or leave it empty for every item",
+        ge=1,
+    )
+
+    @field_validator("harness_tasks", "harness_include", mode="before")
+    @classmethod
+    def _one_or_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value  # --set eval.harness_tasks=stoker_mc
+
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

@@ -1,0 +1,93 @@
+"""lm-evaluation-harness tasks on a committed checkpoint, in a process of its own
+(stoker/training/harness.py, started by launch.child: the orchestrator's rooms never import
+torch or run lm_eval). ``stoker harness`` calls ``run_harness``; a deployment can wrap it in a
+task the same way."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from stoker.core import events
+from stoker.core.config import RunConfig
+from stoker.core.failures import CheckpointUnavailable, ConfigError, StokerError
+from stoker.core.harness import OFFLINE_ENV, harness_problems
+from stoker.launch.child import Child
+from stoker.launch.env import STORAGE_OPTIONS_ENV, child_env
+
+HARNESS_TIMEOUT_SECONDS = 3600
+
+
+class HarnessFailed(StokerError, RuntimeError):
+    """The harness process ended without its result."""
+
+
+def latest_checkpoint_uri(config: RunConfig) -> str:
+    """The newest valid checkpoint of the config's run (storage.root, run_name): its URI.
+    CheckpointUnavailable when the run has none."""
+    from stoker.storage.checkpoints import find_latest_valid
+    from stoker.storage.store import Store
+
+    store = Store(config.storage.root, config.storage.storage_options)
+    run = config.resolved_run_name()
+    # the run's own config (its run folder) is what the export reads the checkpoint with
+    choice = find_latest_valid(store, run, {"run_name": run})
+    if choice.checkpoint is None:
+        raise CheckpointUnavailable(
+            f"run {run!r} has no valid checkpoint under {config.storage.root} to evaluate; give one with "
+            "--checkpoint URI (stoker checkpoints RUN lists them), or name the run with --set run_name=..."
+        )
+    return store.url(choice.checkpoint.key)
+
+
+def run_harness(
+    source: str,
+    tasks: list[str],
+    include: list[str],
+    limit: int | None = None,
+    out: str | None = None,
+    samples: bool = False,
+    config: RunConfig | None = None,
+    timeout: float = HARNESS_TIMEOUT_SECONDS,
+    fields: tuple[str, str] = ("--tasks", "--include"),
+) -> events.HarnessEvaluated:
+    """The harness's metrics of `tasks` on `source` (a checkpoint URI, exported first into a
+    temporary folder, or an exported folder). The names, the include folders and lm_eval
+    itself are checked here first (ConfigError naming --tasks/--include), before any process
+    starts; then ``python -m stoker.training.harness`` runs offline. HarnessFailed when it ends
+    without a result. `fields`: what the problems call the tasks and the include folders."""
+    found = harness_problems(tasks, include, *fields)
+    if not tasks:
+        found = [f"{fields[0]}: no task named; give task names, e.g. --tasks stoker_mc, or set eval.harness_tasks"]
+    if found:
+        raise ConfigError(found)
+    env = child_env(config) if config is not None else dict(os.environ)
+    env.update(OFFLINE_ENV)
+    env.setdefault(STORAGE_OPTIONS_ENV, json.dumps(config.storage.storage_options if config else {}))
+    args = [source, "--tasks", ",".join(tasks), *(a for d in include for a in ("--include", d))]
+    args += ["--limit", str(limit)] if limit else []
+    args += ["--out", os.path.abspath(out)] if out else []
+    args += ["--samples"] if samples else []
+    ended = Child("stoker.training.harness", args, env).run(timeout)
+    said = [e for e in map(events.decode, ended.out.splitlines()) if e is not None]
+    done = [e for e in said if isinstance(e, events.HarnessEvaluated)]
+    if ended.returncode == 0 and done:
+        return done[-1]
+    failure = next((e for e in said if isinstance(e, events.Failure)), None)
+    if failure and failure.type == "ConfigError":
+        raise ConfigError([failure.message])
+    if ended.timed_out:
+        why = f"no answer within {timeout:.0f}s"
+    else:
+        why = f"{failure.type}: {failure.message}" if failure else " ".join(ended.err.split()[-60:])
+    raise HarnessFailed(f"lm-evaluation-harness on {source} failed (exit {ended.returncode}): {why}")
+
+
+def harness_line(done: events.HarnessEvaluated) -> str:
+    """The metrics in one line per task."""
+    lines = []
+    for task in done.tasks:
+        values = done.metrics.get(task, {})
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in values.items() if not k.endswith("_stderr"))
+        lines.append(f"  {task}: {shown} ({done.num_items.get(task, '?')} items)")
+    return "\n".join(lines)
