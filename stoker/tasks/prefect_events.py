@@ -1,6 +1,8 @@
 """Prefect's side of the run's events (``observe.prefect_events`` builds them): the emitter,
-the per-launch stalled-run automation, and the evaluate-checkpoint automation that
-``stoker deploy`` keeps.
+the per-launch stalled-run automation, the evaluate-checkpoint automation that
+``stoker deploy`` keeps, and the pipeline's on_failure hook (``flow_run_failed``: the
+``stoker.run.failed`` of a flow run that failed outside a launch; a launch's failure, already
+sent by its LaunchEvents, is not sent twice).
 
 ``prefect.events.emit_event`` (Prefect 3.8.8) validates the event and puts it on the
 EventsWorker's queue (``put_nowait``; unbounded unless PREFECT_EVENTS_WORKER_MAX_QUEUE_SIZE),
@@ -25,7 +27,7 @@ import threading
 from datetime import timedelta
 
 from stoker.core.config import RunConfig
-from stoker.core.failures import TrainingFailed, describe, is_transient
+from stoker.core.failures import StokerError, TrainingFailed, describe, is_transient
 from stoker.observe import prefect_events as pe
 from stoker.storage.checkpoints import COMMIT_FILE
 from stoker.storage.store import Store, join
@@ -223,12 +225,11 @@ class LaunchEvents:
     def ended(self, exc: BaseException | None, timeout: float = CLOSE_SECONDS) -> None:
         """Say how the launch failed (if it did), remove the automation, hand over what is left
         (for `timeout` at most; an automation left behind is removed by the run's next launch)."""
-        if isinstance(exc, TrainingFailed):
-            if exc.reason == "hang":
-                self.events.stalled(self.config.launch.hang_timeout_seconds, str(exc).split("\n", 1)[0])
-            self.events.failed(exc.reason, exc.transient, str(exc))
-        elif isinstance(exc, Exception):
-            self.events.failed(type(exc).__name__, is_transient(exc), describe(exc))
+        if isinstance(exc, TrainingFailed) and exc.reason == "hang":
+            self.events.stalled(self.config.launch.hang_timeout_seconds, str(exc).split("\n", 1)[0])
+        if isinstance(exc, Exception):
+            self.events.failed(*classified(exc))
+            mark_failure_sent(exc)  # the flow run's failure hook sends no second one for it
         self.sender.call("stalled-run automation removal", self.watch.delete)
         if not self.sender.close(timeout):
             self.logger.warning("Prefect events: the last events of the launch were not handed over in time")
@@ -236,6 +237,78 @@ class LaunchEvents:
 
 def open_launch_events(config: RunConfig, attempt: int, store: Store, logger) -> LaunchEvents | None:
     return LaunchEvents(config, attempt, store, logger) if config.events.enabled else None
+
+
+# ---- stoker.run.failed of the flow run (its on_failure hook) ------------------------------------
+FAILURE_SENT = "_stoker_run_failed_sent"  # on an exception whose stoker.run.failed went out
+
+
+def classified(exc: BaseException) -> tuple[str, bool, str]:
+    """(reason, transient, message) of a failure: a launch's own reason (error, lost-rank, hang,
+    timeout...), else the exception's type; transient as core.failures.classify says. A project
+    error's message is its own line (the flow run's state message); a bug's, its innermost cause."""
+    if isinstance(exc, TrainingFailed):
+        return exc.reason, exc.transient, str(exc)
+    return type(exc).__name__, is_transient(exc), str(exc) if isinstance(exc, StokerError) else describe(exc)
+
+
+def mark_failure_sent(exc: BaseException) -> None:
+    try:
+        setattr(exc, FAILURE_SENT, True)
+    except Exception:  # an exception type without a __dict__: at worst, a second event
+        pass
+
+
+def _failure(state) -> BaseException | None:
+    """The exception a failed state holds, if it can be had without the network."""
+    if isinstance(state.data, BaseException):
+        return state.data
+    try:
+        value = state.result(raise_on_failure=False)
+    except Exception:
+        return None
+    return value if isinstance(value, BaseException) else None
+
+
+def _run_of(flow_run) -> tuple[str, bool]:
+    """(the stoker run's name, whether its events are on), from the flow run's config parameter;
+    a config that does not validate still names its run_name (else the flow run's name)."""
+    raw = (flow_run.parameters or {}).get("config")
+    try:
+        config = raw if isinstance(raw, RunConfig) else RunConfig.model_validate(raw or {})
+        return config.resolved_run_name(), config.events.enabled
+    except Exception:
+        named = raw.get("run_name") if isinstance(raw, dict) else None
+        return str(named or flow_run.name), True
+
+
+def flow_run_failed(flow, flow_run, state) -> None:
+    """train_pipeline's on_failure hook: ``stoker.run.failed`` with the classified reason, for
+    any failure of the flow run (the data stage, the tokenizer, the resume search, a refused
+    lease, a failed launch), once: a failure whose event a launch already sent (its exception
+    is marked) is not sent again. Best-effort: never raises (Prefect would log it as an error)."""
+    import logging
+
+    try:
+        exc = _failure(state)
+        if exc is not None and getattr(exc, FAILURE_SENT, False):
+            return
+        run, enabled = _run_of(flow_run)
+        if not enabled:
+            return
+        ctx = pe.RunContext(
+            run=run,
+            flow_run_id=str(flow_run.id),
+            flow_run_name=flow_run.name,
+            deployment_id=str(flow_run.deployment_id) if flow_run.deployment_id else None,
+            attempt=flow_run.run_count or 1,
+        )
+        reason, transient, message = classified(exc) if exc is not None else ("error", False, state.message or "")
+        emit(**pe.failed(ctx, reason, transient, message, None).kwargs())
+        if exc is not None:
+            mark_failure_sent(exc)
+    except Exception as err:  # an event is never worth more than the failure it reports
+        logging.getLogger("stoker.events").warning("Prefect event stoker.run.failed not sent (%s)", describe(err))
 
 
 # ---- the evaluate-checkpoint automation (stoker deploy) ---------------------------------------
