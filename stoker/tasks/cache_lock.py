@@ -23,14 +23,13 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from typing import Callable
 
-from prefect.context import TaskRunContext
 from prefect.locking.protocol import LockManager
 
 from stoker.storage.store import Store, join
-from stoker.tasks.caching import RESULTS_DIR, store_of
 
-LOCKS_DIR = join(RESULTS_DIR, ".locks")
+LOCKS_DIR = "prefect-results/.locks"  # beside tasks.caching's records
 TTL_SECONDS = 60.0  # a lock whose holder stopped renewing it is free after this
 POLL_SECONDS = 1.0  # how often a waiter looks again
 SETTLE_SECONDS = 2.0  # verify-after-write wait, on stores without conditional writes
@@ -73,24 +72,12 @@ class StoreLockManager(LockManager):
     its own (the held locks' renewals are this module's), so a cache policy copied by Prefect
     copies nothing that matters."""
 
-    def __init__(
-        self,
-        storage_parameter: str = "storage",
-        ttl: float = TTL_SECONDS,
-        poll: float = POLL_SECONDS,
-        store: Store | None = None,
-    ):
-        """`storage_parameter`: the task parameter holding the StorageConfig; `store`: a fixed
-        store instead (outside a task run)."""
-        self.storage_parameter, self.ttl, self.poll, self.store = storage_parameter, ttl, poll, store
+    def __init__(self, store: Store | Callable[[], Store], ttl: float = TTL_SECONDS, poll: float = POLL_SECONDS):
+        """`store`: the store, or what gives it at each call (tasks.caching: the task run's)."""
+        self.store, self.ttl, self.poll = store, ttl, poll
 
     def _store(self) -> Store:
-        if self.store is not None:
-            return self.store
-        ctx = TaskRunContext.get()
-        if ctx is None:
-            raise RuntimeError("stoker's cache locks are taken inside a stoker task run only")
-        return store_of(ctx.parameters, self.storage_parameter)
+        return self.store if isinstance(self.store, Store) else self.store()
 
     # ---- the protocol ---------------------------------------------------------------------
     def acquire_lock(

@@ -35,6 +35,7 @@ the first one's lock and reads its record.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -49,6 +50,7 @@ from pydantic import BaseModel, Field
 
 from stoker.core.results import DatasetInfo, EvalResult, ShardInfo, TokenizerInfo
 from stoker.storage.store import Store, join
+from stoker.tasks.cache_lock import StoreLockManager
 
 RESULTS_DIR = "prefect-results"
 log = logging.getLogger("stoker.cache")
@@ -82,6 +84,14 @@ def parameter(parameters: dict, path: str) -> Any:
 def store_of(parameters: dict, path: str) -> Store:
     storage = parameter(parameters, path)
     return Store(storage.root, storage.storage_options)
+
+
+def task_store(storage_parameter: str) -> Store:
+    """The store of the task run in progress (its StorageConfig parameter)."""
+    ctx = TaskRunContext.get()
+    if ctx is None:
+        raise RuntimeError("stoker's result storage and cache locks are used inside a stoker task run only")
+    return store_of(ctx.parameters, storage_parameter)
 
 
 def _logger():
@@ -123,9 +133,7 @@ class StoreCache(CachePolicy):
         # locks are leases in the same store, so they hold across processes and hosts
         if self.isolation_level is not None and str(self.isolation_level).endswith("SERIALIZABLE"):
             if self.lock_manager is None:
-                from stoker.tasks.cache_lock import StoreLockManager
-
-                self.lock_manager = StoreLockManager(self.storage_parameter)
+                self.lock_manager = StoreLockManager(functools.partial(task_store, self.storage_parameter))
 
     def compute_key(self, task_ctx, inputs: dict, flow_parameters: dict, **kwargs) -> str | None:
         name = task_ctx.task.name if task_ctx else "?"
@@ -171,10 +179,7 @@ class StoreResults(WritableFileSystem):
     storage_parameter: str = Field("storage", description="The task parameter that holds the StorageConfig.")
 
     def _store(self) -> Store:
-        ctx = TaskRunContext.get()
-        if ctx is None:
-            raise RuntimeError("stoker's result storage is read and written inside a stoker task run only")
-        return store_of(ctx.parameters, self.storage_parameter)
+        return task_store(self.storage_parameter)
 
     def _resolve_path(self, path: str) -> None:
         return None  # keys are used as given (Prefect would otherwise make them absolute)

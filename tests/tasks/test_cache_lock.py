@@ -16,7 +16,7 @@ KEY = "evaluate_checkpoint/abc123"
 
 def test_a_held_lock_keeps_others_out_until_released_and_a_holder_may_take_it_again(tmp_path):
     store = Store("file://" + str(tmp_path))
-    locks = StoreLockManager(store=store, poll=0.05)
+    locks = StoreLockManager(store, poll=0.05)
     assert not locks.is_locked(KEY)
     assert locks.acquire_lock(KEY, "first")
     assert locks.is_locked(KEY) and locks.is_lock_holder(KEY, "first") and not locks.is_lock_holder(KEY, "second")
@@ -38,7 +38,7 @@ def test_a_dead_holders_lock_expires_and_a_live_holder_keeps_renewing_its_own(tm
     store = Store("file://" + str(tmp_path))
     dead = {"holder": "gone", "token": "t", "host": "elsewhere", "pid": 1, "expires_at": time.time() - 1}
     store.write_bytes(lock_key(KEY), json.dumps(dead).encode())
-    locks = StoreLockManager(store=store, ttl=3.0, poll=0.05)
+    locks = StoreLockManager(store, ttl=3.0, poll=0.05)
     assert not locks.is_locked(KEY)
     assert locks.acquire_lock(KEY, "next", acquire_timeout=0)  # no wait for a holder that died
     time.sleep(4.5)  # past its first expiry: renewed every ttl / 3
@@ -56,7 +56,7 @@ HOLD = """
 import sys, time
 from stoker.storage.store import Store
 from stoker.tasks.cache_lock import StoreLockManager
-locks = StoreLockManager(store=Store(sys.argv[1]), poll=0.05)
+locks = StoreLockManager(Store(sys.argv[1]), poll=0.05)
 assert locks.acquire_lock(sys.argv[2], "other-process", acquire_timeout=0)
 print("held", flush=True)
 time.sleep(2.0)
@@ -69,7 +69,7 @@ def test_the_lock_holds_across_processes(tmp_path):
     other = subprocess.Popen([sys.executable, "-c", HOLD, root, KEY], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert other.stdout.readline().strip() == "held"
-        locks = StoreLockManager(store=Store(root), poll=0.05)
+        locks = StoreLockManager(Store(root), poll=0.05)
         assert locks.is_locked(KEY) and not locks.is_lock_holder(KEY, "here")
         t0 = time.monotonic()
         assert locks.acquire_lock(KEY, "here", acquire_timeout=60)  # waits for the other's release
