@@ -16,8 +16,11 @@ proactive trigger: after a ``stoker.run.step`` of this run, flow run and attempt
 next within the stall window (``events.stall_*``); when none comes, the automation marks the
 flow run Running/"Stalled" (or cancels it, ``events.stall_action``). The trigger's bucket is
 removed when it fires and a new one opens at the next heartbeat, so a stall is marked once and
-a run that steps again is watched again. The launch deletes its automation on every exit path;
-one left by a launcher that was killed is deleted by the next launch of the run.
+a run that steps again is watched again. With 'mark', a second automation takes the mark back:
+after the flow run's ``prefect.flow-run.Stalled`` event, the run's next heartbeat sets it
+Running; and a launch that starts stepping in a flow run still marked Stalled (by its failed
+predecessor) sets it Running itself. The launch deletes its automations on every exit path;
+those left by a launcher that was killed are deleted by the next launch of the run.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from stoker.storage.store import Store, join
 
 STALL_AUTOMATION_PREFIX = "stoker-stalled:"
 STALLED_STATE_NAME = "Stalled"
+RESUMED_SUFFIX = ":resumed"  # the name of the automation that takes a Stalled mark back
 EVALUATE_AUTOMATION = "stoker-evaluate-committed-checkpoints"
 EVALUATE_DEPLOYMENT = "evaluate-checkpoint/evaluate-checkpoint"
 CLOSE_SECONDS = 5.0
@@ -85,6 +89,38 @@ def stall_automation_name(ctx: pe.RunContext) -> str:
     return f"{STALL_AUTOMATION_PREFIX}{ctx.run}:{ctx.flow_run_id}:{ctx.attempt}"
 
 
+def resume_automation(ctx: pe.RunContext):
+    """The per-launch automation that takes the mark back (events.stall_action 'mark'): once
+    its flow run entered Stalled, the next step heartbeat of the run sets it Running again.
+    One trigger sees both events: the flow run's own state event (``prefect.flow-run.Stalled``,
+    Prefect's, about ``prefect.flow-run.<id>``) opens it, the heartbeat (about
+    ``stoker.run.<run>``, relating the flow run, whence the action's flow run) fires it; the
+    firing closes it until the next Stalled."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+
+    return AutomationCore(
+        name=stall_automation_name(ctx) + RESUMED_SUFFIX,
+        description=f"Marks flow run {ctx.flow_run_name or ctx.flow_run_id} Running again when its heartbeats "
+        "resume after it was marked Stalled (created and deleted by its launch_training task).",
+        trigger=EventTrigger(
+            after={f"prefect.flow-run.{STALLED_STATE_NAME}"},
+            expect={pe.RUN_STEP},
+            match={"prefect.resource.id": [f"prefect.flow-run.{ctx.flow_run_id}", pe.run_resource_id(ctx.run)]},
+            posture=Posture.Reactive,
+            threshold=1,
+            within=timedelta(0),  # however long the stall lasted
+        ),
+        # not forced, as the mark: an ended flow run stays ended
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.RUNNING, message=f"stoker: training steps of run {ctx.run} are reported again"
+            )
+        ],
+    )
+
+
 def stall_automation(ctx: pe.RunContext, window_seconds: float, action: str):
     """The per-launch automation (an AutomationCore, not yet created)."""
     from prefect.client.schemas.objects import StateType
@@ -125,11 +161,12 @@ def stall_automation(ctx: pe.RunContext, window_seconds: float, action: str):
 
 
 class StallWatch:
-    """The per-launch automation: `create` (on the sender thread) and `delete` (at the end)."""
+    """The per-launch automations (the mark, and with 'mark' the one that takes it back):
+    `create` (on the sender thread) and `delete` (at the end)."""
 
     def __init__(self, ctx: pe.RunContext, logger):
         self.ctx, self.logger = ctx, logger
-        self.automation_id = None
+        self.automation_ids: list = []
         self.window_seconds: float | None = None
 
     def create(self, window_seconds: float, action: str) -> None:
@@ -139,23 +176,38 @@ class StallWatch:
             for old in client.read_automations():  # left by a killed launch of this run
                 if old.name.startswith(f"{STALL_AUTOMATION_PREFIX}{self.ctx.run}:"):
                     client.delete_automation(old.id)
-            self.automation_id = client.create_automation(stall_automation(self.ctx, window_seconds, action))
+            self.automation_ids.append(client.create_automation(stall_automation(self.ctx, window_seconds, action)))
+            if action != "cancel":
+                self.automation_ids.append(client.create_automation(resume_automation(self.ctx)))
+                self._unmark(client)
         self.window_seconds = window_seconds
         self.logger.info(
             "stalled-run automation %s: the flow run is %s when no step is reported for %.0fs",
             stall_automation_name(self.ctx),
-            "cancelled" if action == "cancel" else f"marked {STALLED_STATE_NAME!r}",
+            "cancelled" if action == "cancel" else f"marked {STALLED_STATE_NAME!r} (Running again at the next step)",
             window_seconds,
         )
+
+    def _unmark(self, client) -> None:
+        """A Stalled mark an earlier launch of this flow run left (it failed while stalled and
+        this retry steps): taken back now, since this launch's steps are known to go on."""
+        from prefect.states import Running
+
+        state = client.read_flow_run(self.ctx.flow_run_id).state
+        if state is not None and state.is_running() and state.name == STALLED_STATE_NAME:
+            client.set_flow_run_state(
+                self.ctx.flow_run_id,
+                Running(message=f"stoker: launch {self.ctx.attempt} of run {self.ctx.run} is stepping"),
+            )
 
     def delete(self) -> None:
         from prefect.client.orchestration import get_client
 
-        if self.automation_id is None:
+        if not self.automation_ids:
             return
         with get_client(sync_client=True) as client:
-            client.delete_automation(self.automation_id)
-        self.automation_id = None
+            while self.automation_ids:
+                client.delete_automation(self.automation_ids.pop())
 
 
 class LaunchEvents:

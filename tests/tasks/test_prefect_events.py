@@ -38,6 +38,53 @@ def test_the_stalled_run_automation_expects_this_launchs_heartbeats_and_marks_or
     assert spec.name.startswith(f"{tpe.STALL_AUTOMATION_PREFIX}r1:")
 
 
+def test_the_resume_automation_sets_running_at_the_first_heartbeat_after_the_flow_run_went_stalled():
+    spec = tpe.resume_automation(CTX)
+    t = spec.trigger
+    assert t.posture == "Reactive" and t.threshold == 1 and t.within.total_seconds() == 0
+    assert t.after == {"prefect.flow-run.Stalled"} and t.expect == {pe.RUN_STEP}
+    # one trigger sees the flow run's own state event and the run's heartbeats
+    assert t.match.model_dump() == {"prefect.resource.id": [f"prefect.flow-run.{CTX.flow_run_id}", "stoker.run.r1"]}
+    (act,) = spec.actions
+    assert act.type == "change-flow-run-state" and (act.state.value, act.name, act.force) == ("RUNNING", None, False)
+    assert spec.name == tpe.stall_automation_name(CTX) + tpe.RESUMED_SUFFIX
+    assert spec.name.startswith(f"{tpe.STALL_AUTOMATION_PREFIX}r1:")  # removed with the stall one
+
+
+@pytest.mark.e2e
+def test_a_launch_that_steps_takes_back_a_stalled_mark_left_by_its_predecessor(prefect_server):
+    """A retry of a launch that failed while marked Stalled: the flow run is Running again when
+    the new launch's automations are made; 'cancel' makes no resume automation."""
+    import logging
+    import uuid
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.states import Running
+
+    @flow
+    def stand_in():
+        pass
+
+    log = logging.getLogger("test")
+    with get_client(sync_client=True) as client:
+        flow_run = client.create_flow_run(stand_in, state=Running())
+        client.set_flow_run_state(flow_run.id, Running(name=tpe.STALLED_STATE_NAME))
+        ctx = pe.RunContext(run="mark-" + uuid.uuid4().hex[:6], flow_run_id=str(flow_run.id), attempt=2)
+        watch = tpe.StallWatch(ctx, log)
+        watch.create(20.0, "mark")
+        state = client.read_flow_run(flow_run.id).state
+        assert state.is_running() and state.name == "Running" and "launch 2" in state.message
+        mine = [a.name for a in client.read_automations() if a.name.startswith(tpe.stall_automation_name(ctx))]
+        assert sorted(mine) == [tpe.stall_automation_name(ctx), tpe.stall_automation_name(ctx) + tpe.RESUMED_SUFFIX]
+        watch.delete()
+        assert not [a for a in client.read_automations() if a.name.startswith(tpe.stall_automation_name(ctx))]
+        cancelling = tpe.StallWatch(ctx, log)
+        cancelling.create(20.0, "cancel")
+        assert len(cancelling.automation_ids) == 1
+        cancelling.delete()
+
+
 def test_the_evaluate_automation_runs_the_deployment_on_the_events_checkpoint_uri():
     import uuid
 
