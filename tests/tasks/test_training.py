@@ -6,7 +6,10 @@ import threading
 import time
 import uuid
 
+import pytest
 
+
+@pytest.mark.e2e
 def test_the_wait_for_an_accelerator_slot_is_measured_and_no_limit_is_no_wait(prefect_server):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
