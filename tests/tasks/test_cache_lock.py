@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from stoker.storage.store import Store
 from stoker.tasks.cache_lock import StoreLockManager, lock_key
 from tests.conftest import ROOT
@@ -14,8 +16,10 @@ from tests.conftest import ROOT
 KEY = "evaluate_checkpoint/abc123"
 
 
-def test_a_held_lock_keeps_others_out_until_released_and_a_holder_may_take_it_again(tmp_path):
-    store = Store("file://" + str(tmp_path))
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_held_lock_keeps_others_out_until_released_and_a_holder_may_take_it_again(tmp_path, where, request):
+    root, options = ("file://" + str(tmp_path), {}) if where == "local" else request.getfixturevalue("s3_root")
+    store = Store(root, options)  # a local disk, or S3's conditional writes
     locks = StoreLockManager(store, poll=0.05)
     assert not locks.is_locked(KEY)
     assert locks.acquire_lock(KEY, "first")
