@@ -15,6 +15,7 @@ from stoker.tasks.credentials import use_store_credentials
 from stoker.tasks.data import download_dataset, tokenize_and_shard, train_tokenizer
 from stoker.tasks.evaluate import evaluate_checkpoint
 from stoker.tasks.lease import run_lease
+from stoker.tasks.prefect_events import flow_run_failed
 from stoker.tasks.report import report
 from stoker.tasks.training import (
     find_resume_checkpoint,
@@ -54,7 +55,8 @@ def prepare_data(
     return tokenize_and_shard(dataset, tok, data, storage, ray)
 
 
-@flow(name="train-pipeline", log_prints=True, flow_run_name=_run_name)
+# any failure (data, tokenizer, resume search, lease, training) sends stoker.run.failed, once
+@flow(name="train-pipeline", log_prints=True, flow_run_name=_run_name, on_failure=[flow_run_failed])
 @fails_in_one_line
 def train_pipeline(config: RunConfig | None = None) -> PipelineResult:
     """Prepare data, resume or start training on a torchrun gang, evaluate, report."""

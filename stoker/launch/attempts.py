@@ -1,7 +1,8 @@
 """The record of every training launch of a flow run: where it started, how far it got,
 why it ended. Kept in {root}/runs/{run}/attempts.jsonl so retries (new task-run attempts)
 can see the earlier ones; the summary derives steps lost and goodput from it, and the run's
-ledger (observe.ledger) its windows: started_at, gang_ended_at (the ranks gone), ended_at."""
+ledger (observe.ledger) its windows: started_at, gang_ended_at (the ranks gone), ended_at, and
+slot_wait_seconds (the wait for an accelerator slot just before started_at)."""
 
 from __future__ import annotations
 
@@ -64,9 +65,12 @@ def launch_attempt(
     flow_run_id: str,
     attempt: int,
     resume_step: int,
+    slot_wait_seconds: float = 0.0,
 ) -> TrainingResult:
     """Run one launch to its end, record it in attempts.jsonl, and raise TrainingFailed
-    (transient or not) when it failed; else return the result with the attempts summary."""
+    (transient or not) when it failed; else return the result with the attempts summary.
+    `slot_wait_seconds`: how long the launch waited for its accelerator slot just before it
+    (recorded: the ledger counts it as queueing)."""
     started_at = time.time()
     try:
         gang = launcher.run(on_line=monitor.logger.info, on_event=monitor)
@@ -85,6 +89,7 @@ def launch_attempt(
                 committed_step=result.final_step,
                 outcome=f"interrupted ({type(stop).__name__})",
                 median_step_seconds=monitor.median_step_seconds(),
+                slot_wait_seconds=slot_wait_seconds,
             )
         except Exception as err:  # the store may be what failed; the interruption still wins
             monitor.logger.warning("the interrupted attempt could not be recorded: %s", err)
@@ -106,6 +111,7 @@ def launch_attempt(
         error=str(failure).split("\n", 1)[0][:500] if failure else None,  # why, in one line
         median_step_seconds=monitor.median_step_seconds(),
         gang_ended_at=gang_ended_at,
+        slot_wait_seconds=slot_wait_seconds,
     )
     if failure is not None:
         raise failure

@@ -13,7 +13,9 @@ The records:
   its closing task (the report) began, and the final evaluation's seconds.
 
 The causes, in the flow run's order:
-    queueing      due (expected start) -> started: waiting for a worker or a slot
+    queueing      due (expected start) -> started: waiting for a worker or a slot; and each
+                  launch's wait for an accelerator slot (launch.concurrency_limit), recorded
+                  as its slot_wait_seconds, just before it started
     startup       started -> the first step: the flow's tasks (config, data, resume point) and
                   the first launch's process start (imports, model build, checkpoint load)
     productive    the steps' own time (the intervals less evaluation, checkpoint, data wait)
@@ -27,7 +29,8 @@ The causes, in the flow run's order:
 The causes always sum to the wall-clock exactly (unattributed closes the sum).
 
 Cost: seconds x accelerators (launch.world_size) x cost.per_accelerator_hour / 3600 per cause;
-queueing is not priced (no accelerator is held while the flow run waits to start).
+queueing is not priced (no accelerator is held while the flow run waits to start, nor while a
+launch waits for its slot).
 """
 
 from __future__ import annotations
@@ -238,6 +241,11 @@ def _attempt(acc, a: dict, first: bool, intervals, evals: _Evals, resumes: _Resu
         acc.add("restart", hi - cursor)
 
 
+def _slot_wait(a: dict, room: float) -> float:
+    """The launch's wait for its accelerator slot, within the `room` before it started."""
+    return min(max(0.0, float(a.get("slot_wait_seconds") or 0.0)), max(0.0, room))
+
+
 def compute_ledger(
     records: list[dict],
     attempts: list[dict],
@@ -254,7 +262,10 @@ def compute_ledger(
     attempts = sorted(attempts, key=lambda a: a["started_at"])
     first = float(attempts[0]["started_at"]) if attempts else None
     last_end = float(attempts[-1]["ended_at"]) if attempts else None
-    start = next((t for t in (times.start, first, times.closing_start, times.end) if t is not None), 0.0)
+    # without the flow run's own times, the ledger begins where the first launch began waiting
+    # for its slot
+    first_asked = first - _slot_wait(attempts[0], math.inf) if attempts else None
+    start = next((t for t in (times.start, first_asked, times.closing_start, times.end) if t is not None), 0.0)
     queued = min(start, times.expected_start) if times.expected_start is not None else start
     end = next((t for t in (times.end, last_end, times.closing_start) if t is not None), start)
     closing = min(max(times.closing_start if times.closing_start is not None else end, start), end)
@@ -267,11 +278,16 @@ def compute_ledger(
         if attempts[-1].get("outcome") != "completed":  # the next launch goes on from its last commit
             points.append((last_end, int(attempts[-1].get("committed_step", 0))))
         resumes, evals, intervals = _Resumes(points), _Evals(window), _intervals(window)
-        acc.add("startup", first - start)
+        waited = _slot_wait(attempts[0], first - start)  # for an accelerator slot: queueing
+        acc.add("queueing", waited)
+        acc.add("startup", first - start - waited)
         for i, a in enumerate(attempts):
             _attempt(acc, a, i == 0, intervals, evals, resumes)
             if i + 1 < len(attempts):
-                acc.add("restart", float(attempts[i + 1]["started_at"]) - float(a["ended_at"]))
+                between = float(attempts[i + 1]["started_at"]) - float(a["ended_at"])
+                waited = _slot_wait(attempts[i + 1], between)
+                acc.add("queueing", waited)
+                acc.add("restart", between - waited)
         after_training, before = "shutdown", max(last_end, start)
     else:
         after_training, before = "startup", start

@@ -9,7 +9,10 @@ Four events, each about a resource that names the run (Prefect's resource-id for
   ``events.step_interval_seconds`` (step, last loss, recent median step seconds); the
   per-launch stalled-run automation expects them;
 - ``stoker.run.stalled`` when stoker's own hang watchdog killed the gang;
-- ``stoker.run.failed`` with the launch's classified end (reason, transient, attempt).
+- ``stoker.run.failed`` with the launch's classified end (reason, transient, attempt), and,
+  for a flow run that failed anywhere else (the data stage, the tokenizer, the resume search,
+  a refused lease), from the pipeline's on_failure hook (``tasks.prefect_events``): once per
+  failure.
 
 Every event relates the run (``stoker.run.<run>``), and the flow run and deployment in
 Prefect's own form (``prefect.flow-run.<id>``, ``prefect.deployment.<id>``), so an

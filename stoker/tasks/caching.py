@@ -25,11 +25,17 @@ Three Prefect parts, each small:
   and only stoker's result types. A record read back is by definition a cache hit, so its
   ``cache_hit`` says True; a record that no longer fits its type cannot be read, which
   Prefect takes as "no record": the task runs again.
+
+A policy made with ``isolation_level="SERIALIZABLE"`` (evaluate_checkpoint's) also gets a lock
+manager whose locks are leases in the same store (`tasks.cache_lock.StoreLockManager`): two
+task runs of one key at once, in any processes or hosts, compute it once; the second waits for
+the first one's lock and reads its record.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -44,6 +50,7 @@ from pydantic import BaseModel, Field
 
 from stoker.core.results import DatasetInfo, EvalResult, ShardInfo, TokenizerInfo
 from stoker.storage.store import Store, join
+from stoker.tasks.cache_lock import StoreLockManager
 
 RESULTS_DIR = "prefect-results"
 log = logging.getLogger("stoker.cache")
@@ -79,6 +86,14 @@ def store_of(parameters: dict, path: str) -> Store:
     return Store(storage.root, storage.storage_options)
 
 
+def task_store(storage_parameter: str) -> Store:
+    """The store of the task run in progress (its StorageConfig parameter)."""
+    ctx = TaskRunContext.get()
+    if ctx is None:
+        raise RuntimeError("stoker's result storage and cache locks are used inside a stoker task run only")
+    return store_of(ctx.parameters, storage_parameter)
+
+
 def _logger():
     """The task run's logger (its lines show in the UI), else this module's."""
     from prefect.exceptions import MissingContextError
@@ -104,12 +119,21 @@ class StoreCache(CachePolicy):
     names, with a valid manifest; a record whose output is gone (a store deleted, a shard set
     marked invalid) is removed before Prefect looks, so the task builds again and records
     anew. Any error here is the task's to meet and report: no key, and it runs.
-    `on_hit(parameters)` runs when a record holds (before Prefect reads it)."""
+    `on_hit(parameters)` runs when a record holds (before Prefect reads it).
+    ``isolation_level="SERIALIZABLE"``: callers of one key at once compute it once; the others
+    wait for its lock (tasks.cache_lock, in the store) and read its record (Cached)."""
 
     content_key: Callable[[Store, dict], str | None] | None = None
     holds: Callable[[Store, Any], bool] | None = None
     on_hit: Callable[[dict], None] | None = None
     storage_parameter: str = "storage"  # the task parameter holding the StorageConfig
+
+    def __post_init__(self) -> None:
+        # SERIALIZABLE (one computation per key, the others wait and read its record): the
+        # locks are leases in the same store, so they hold across processes and hosts
+        if self.isolation_level is not None and str(self.isolation_level).endswith("SERIALIZABLE"):
+            if self.lock_manager is None:
+                self.lock_manager = StoreLockManager(functools.partial(task_store, self.storage_parameter))
 
     def compute_key(self, task_ctx, inputs: dict, flow_parameters: dict, **kwargs) -> str | None:
         name = task_ctx.task.name if task_ctx else "?"
@@ -155,10 +179,7 @@ class StoreResults(WritableFileSystem):
     storage_parameter: str = Field("storage", description="The task parameter that holds the StorageConfig.")
 
     def _store(self) -> Store:
-        ctx = TaskRunContext.get()
-        if ctx is None:
-            raise RuntimeError("stoker's result storage is read and written inside a stoker task run only")
-        return store_of(ctx.parameters, self.storage_parameter)
+        return task_store(self.storage_parameter)
 
     def _resolve_path(self, path: str) -> None:
         return None  # keys are used as given (Prefect would otherwise make them absolute)

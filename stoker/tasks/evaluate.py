@@ -109,12 +109,20 @@ def _unpin_cached(parameters: dict) -> None:
 @stoker_task(
     name="evaluate_checkpoint",
     retries=2,
-    cache=StoreCache(content_key=evaluation_key, on_hit=_unpin_cached, storage_parameter="config.storage"),
+    # two triggers of one checkpoint at once (the automation, a user, the run itself): one
+    # evaluates, the other waits for its lock and reads its result
+    cache=StoreCache(
+        content_key=evaluation_key,
+        on_hit=_unpin_cached,
+        storage_parameter="config.storage",
+        isolation_level="SERIALIZABLE",
+    ),
 )
 def evaluate_checkpoint(config: RunConfig, config_url: str, checkpoint_key: str, shard_key: str) -> EvalResult:
     """Validation loss and perplexity of one committed checkpoint, from a fresh process.
     Cached by the checkpoint's commit-manifest hash (and the eval settings): a checkpoint is
-    evaluated once; a second evaluation shows Cached and starts no process. Its time limit
+    evaluated once; a second evaluation shows Cached and starts no process, also when it
+    started while the first was running (it waits for the first one's lock). Its time limit
     is run_evaluation's (EVAL_TIMEOUT_SECONDS, the process is killed): a Prefect task timeout could not stop a task submitted to a worker thread, and says so in a
     warning on every call."""
     try:

@@ -1,6 +1,8 @@
 """Prefect's side of the run's events (``observe.prefect_events`` builds them): the emitter,
-the per-launch stalled-run automation, and the evaluate-checkpoint automation that
-``stoker deploy`` keeps.
+the per-launch stalled-run automation, the evaluate-checkpoint automation that
+``stoker deploy`` keeps, and the pipeline's on_failure hook (``flow_run_failed``: the
+``stoker.run.failed`` of a flow run that failed outside a launch; a launch's failure, already
+sent by its LaunchEvents, is not sent twice).
 
 ``prefect.events.emit_event`` (Prefect 3.8.8) validates the event and puts it on the
 EventsWorker's queue (``put_nowait``; unbounded unless PREFECT_EVENTS_WORKER_MAX_QUEUE_SIZE),
@@ -14,8 +16,11 @@ proactive trigger: after a ``stoker.run.step`` of this run, flow run and attempt
 next within the stall window (``events.stall_*``); when none comes, the automation marks the
 flow run Running/"Stalled" (or cancels it, ``events.stall_action``). The trigger's bucket is
 removed when it fires and a new one opens at the next heartbeat, so a stall is marked once and
-a run that steps again is watched again. The launch deletes its automation on every exit path;
-one left by a launcher that was killed is deleted by the next launch of the run.
+a run that steps again is watched again. With 'mark', a second automation takes the mark back:
+after the flow run's ``prefect.flow-run.Stalled`` event, the run's next heartbeat sets it
+Running; and a launch that starts stepping in a flow run still marked Stalled (by its failed
+predecessor) sets it Running itself. The launch deletes its automations on every exit path;
+those left by a launcher that was killed are deleted by the next launch of the run.
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ import threading
 from datetime import timedelta
 
 from stoker.core.config import RunConfig
-from stoker.core.failures import TrainingFailed, describe, is_transient
+from stoker.core.failures import StokerError, TrainingFailed, describe, is_transient
 from stoker.observe import prefect_events as pe
 from stoker.storage.checkpoints import COMMIT_FILE
 from stoker.storage.store import Store, join
 
 STALL_AUTOMATION_PREFIX = "stoker-stalled:"
 STALLED_STATE_NAME = "Stalled"
+RESUMED_SUFFIX = ":resumed"  # the name of the automation that takes a Stalled mark back
 EVALUATE_AUTOMATION = "stoker-evaluate-committed-checkpoints"
 EVALUATE_DEPLOYMENT = "evaluate-checkpoint/evaluate-checkpoint"
 CLOSE_SECONDS = 5.0
@@ -83,6 +89,38 @@ def stall_automation_name(ctx: pe.RunContext) -> str:
     return f"{STALL_AUTOMATION_PREFIX}{ctx.run}:{ctx.flow_run_id}:{ctx.attempt}"
 
 
+def resume_automation(ctx: pe.RunContext):
+    """The per-launch automation that takes the mark back (events.stall_action 'mark'): once
+    its flow run entered Stalled, the next step heartbeat of the run sets it Running again.
+    One trigger sees both events: the flow run's own state event (``prefect.flow-run.Stalled``,
+    Prefect's, about ``prefect.flow-run.<id>``) opens it, the heartbeat (about
+    ``stoker.run.<run>``, relating the flow run, whence the action's flow run) fires it; the
+    firing closes it until the next Stalled."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+
+    return AutomationCore(
+        name=stall_automation_name(ctx) + RESUMED_SUFFIX,
+        description=f"Marks flow run {ctx.flow_run_name or ctx.flow_run_id} Running again when its heartbeats "
+        "resume after it was marked Stalled (created and deleted by its launch_training task).",
+        trigger=EventTrigger(
+            after={f"prefect.flow-run.{STALLED_STATE_NAME}"},
+            expect={pe.RUN_STEP},
+            match={"prefect.resource.id": [f"prefect.flow-run.{ctx.flow_run_id}", pe.run_resource_id(ctx.run)]},
+            posture=Posture.Reactive,
+            threshold=1,
+            within=timedelta(0),  # however long the stall lasted
+        ),
+        # not forced, as the mark: an ended flow run stays ended
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.RUNNING, message=f"stoker: training steps of run {ctx.run} are reported again"
+            )
+        ],
+    )
+
+
 def stall_automation(ctx: pe.RunContext, window_seconds: float, action: str):
     """The per-launch automation (an AutomationCore, not yet created)."""
     from prefect.client.schemas.objects import StateType
@@ -123,11 +161,12 @@ def stall_automation(ctx: pe.RunContext, window_seconds: float, action: str):
 
 
 class StallWatch:
-    """The per-launch automation: `create` (on the sender thread) and `delete` (at the end)."""
+    """The per-launch automations (the mark, and with 'mark' the one that takes it back):
+    `create` (on the sender thread) and `delete` (at the end)."""
 
     def __init__(self, ctx: pe.RunContext, logger):
         self.ctx, self.logger = ctx, logger
-        self.automation_id = None
+        self.automation_ids: list = []
         self.window_seconds: float | None = None
 
     def create(self, window_seconds: float, action: str) -> None:
@@ -137,23 +176,38 @@ class StallWatch:
             for old in client.read_automations():  # left by a killed launch of this run
                 if old.name.startswith(f"{STALL_AUTOMATION_PREFIX}{self.ctx.run}:"):
                     client.delete_automation(old.id)
-            self.automation_id = client.create_automation(stall_automation(self.ctx, window_seconds, action))
+            self.automation_ids.append(client.create_automation(stall_automation(self.ctx, window_seconds, action)))
+            if action != "cancel":
+                self.automation_ids.append(client.create_automation(resume_automation(self.ctx)))
+                self._unmark(client)
         self.window_seconds = window_seconds
         self.logger.info(
             "stalled-run automation %s: the flow run is %s when no step is reported for %.0fs",
             stall_automation_name(self.ctx),
-            "cancelled" if action == "cancel" else f"marked {STALLED_STATE_NAME!r}",
+            "cancelled" if action == "cancel" else f"marked {STALLED_STATE_NAME!r} (Running again at the next step)",
             window_seconds,
         )
+
+    def _unmark(self, client) -> None:
+        """A Stalled mark an earlier launch of this flow run left (it failed while stalled and
+        this retry steps): taken back now, since this launch's steps are known to go on."""
+        from prefect.states import Running
+
+        state = client.read_flow_run(self.ctx.flow_run_id).state
+        if state is not None and state.is_running() and state.name == STALLED_STATE_NAME:
+            client.set_flow_run_state(
+                self.ctx.flow_run_id,
+                Running(message=f"stoker: launch {self.ctx.attempt} of run {self.ctx.run} is stepping"),
+            )
 
     def delete(self) -> None:
         from prefect.client.orchestration import get_client
 
-        if self.automation_id is None:
+        if not self.automation_ids:
             return
         with get_client(sync_client=True) as client:
-            client.delete_automation(self.automation_id)
-        self.automation_id = None
+            while self.automation_ids:
+                client.delete_automation(self.automation_ids.pop())
 
 
 class LaunchEvents:
@@ -223,12 +277,11 @@ class LaunchEvents:
     def ended(self, exc: BaseException | None, timeout: float = CLOSE_SECONDS) -> None:
         """Say how the launch failed (if it did), remove the automation, hand over what is left
         (for `timeout` at most; an automation left behind is removed by the run's next launch)."""
-        if isinstance(exc, TrainingFailed):
-            if exc.reason == "hang":
-                self.events.stalled(self.config.launch.hang_timeout_seconds, str(exc).split("\n", 1)[0])
-            self.events.failed(exc.reason, exc.transient, str(exc))
-        elif isinstance(exc, Exception):
-            self.events.failed(type(exc).__name__, is_transient(exc), describe(exc))
+        if isinstance(exc, TrainingFailed) and exc.reason == "hang":
+            self.events.stalled(self.config.launch.hang_timeout_seconds, str(exc).split("\n", 1)[0])
+        if isinstance(exc, Exception):
+            self.events.failed(*classified(exc))
+            mark_failure_sent(exc)  # the flow run's failure hook sends no second one for it
         self.sender.call("stalled-run automation removal", self.watch.delete)
         if not self.sender.close(timeout):
             self.logger.warning("Prefect events: the last events of the launch were not handed over in time")
@@ -236,6 +289,78 @@ class LaunchEvents:
 
 def open_launch_events(config: RunConfig, attempt: int, store: Store, logger) -> LaunchEvents | None:
     return LaunchEvents(config, attempt, store, logger) if config.events.enabled else None
+
+
+# ---- stoker.run.failed of the flow run (its on_failure hook) ------------------------------------
+FAILURE_SENT = "_stoker_run_failed_sent"  # on an exception whose stoker.run.failed went out
+
+
+def classified(exc: BaseException) -> tuple[str, bool, str]:
+    """(reason, transient, message) of a failure: a launch's own reason (error, lost-rank, hang,
+    timeout...), else the exception's type; transient as core.failures.classify says. A project
+    error's message is its own line (the flow run's state message); a bug's, its innermost cause."""
+    if isinstance(exc, TrainingFailed):
+        return exc.reason, exc.transient, str(exc)
+    return type(exc).__name__, is_transient(exc), str(exc) if isinstance(exc, StokerError) else describe(exc)
+
+
+def mark_failure_sent(exc: BaseException) -> None:
+    try:
+        setattr(exc, FAILURE_SENT, True)
+    except Exception:  # an exception type without a __dict__: at worst, a second event
+        pass
+
+
+def _failure(state) -> BaseException | None:
+    """The exception a failed state holds, if it can be had without the network."""
+    if isinstance(state.data, BaseException):
+        return state.data
+    try:
+        value = state.result(raise_on_failure=False)
+    except Exception:
+        return None
+    return value if isinstance(value, BaseException) else None
+
+
+def _run_of(flow_run) -> tuple[str, bool]:
+    """(the stoker run's name, whether its events are on), from the flow run's config parameter;
+    a config that does not validate still names its run_name (else the flow run's name)."""
+    raw = (flow_run.parameters or {}).get("config")
+    try:
+        config = raw if isinstance(raw, RunConfig) else RunConfig.model_validate(raw or {})
+        return config.resolved_run_name(), config.events.enabled
+    except Exception:
+        named = raw.get("run_name") if isinstance(raw, dict) else None
+        return str(named or flow_run.name), True
+
+
+def flow_run_failed(flow, flow_run, state) -> None:
+    """train_pipeline's on_failure hook: ``stoker.run.failed`` with the classified reason, for
+    any failure of the flow run (the data stage, the tokenizer, the resume search, a refused
+    lease, a failed launch), once: a failure whose event a launch already sent (its exception
+    is marked) is not sent again. Best-effort: never raises (Prefect would log it as an error)."""
+    import logging
+
+    try:
+        exc = _failure(state)
+        if exc is not None and getattr(exc, FAILURE_SENT, False):
+            return
+        run, enabled = _run_of(flow_run)
+        if not enabled:
+            return
+        ctx = pe.RunContext(
+            run=run,
+            flow_run_id=str(flow_run.id),
+            flow_run_name=flow_run.name,
+            deployment_id=str(flow_run.deployment_id) if flow_run.deployment_id else None,
+            attempt=flow_run.run_count or 1,
+        )
+        reason, transient, message = classified(exc) if exc is not None else ("error", False, state.message or "")
+        emit(**pe.failed(ctx, reason, transient, message, None).kwargs())
+        if exc is not None:
+            mark_failure_sent(exc)
+    except Exception as err:  # an event is never worth more than the failure it reports
+        logging.getLogger("stoker.events").warning("Prefect event stoker.run.failed not sent (%s)", describe(err))
 
 
 # ---- the evaluate-checkpoint automation (stoker deploy) ---------------------------------------

@@ -3,6 +3,7 @@ point, launch the gang. The work lives in storage/ and launch/; the torch side i
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 from prefect import get_run_logger
@@ -38,29 +39,31 @@ def _store(storage: StorageConfig) -> Store:
 def accelerator_slot(limit_name: str, logger):
     """Hold a slot of the Prefect global concurrency limit `limit_name` while the ranks run,
     so two runs never take the same accelerators (`stoker deploy` creates it with one slot).
-    No limit of that name on the server (an embedded server, a notebook): nothing to hold."""
+    No limit of that name on the server (an embedded server, a notebook): nothing to hold.
+    Yields the seconds it waited for the slot (the ledger's queueing, not start-up)."""
     from prefect.client.orchestration import get_client
     from prefect.concurrency.sync import concurrency
     from prefect.exceptions import ObjectNotFound
 
     if not limit_name:
-        yield
+        yield 0.0
         return
     try:
         with get_client(sync_client=True) as client:
             limit = client.read_global_concurrency_limit_by_name(limit_name)
     except ObjectNotFound:
-        yield
+        yield 0.0
         return
     if not limit.active:
-        yield
+        yield 0.0
         return
     logger.info(
         "taking a slot of concurrency limit %r (%d slot(s); waits while other runs hold them)", limit_name, limit.limit
     )
+    asked = time.time()
     # a lease renewal that fails while the server is away must not end a healthy run
     with concurrency(limit_name, occupy=1, strict=True, raise_on_lease_renewal_failure=False):
-        yield
+        yield time.time() - asked
 
 
 @stoker_task(name="validate_config")
@@ -146,7 +149,7 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo, resum
     try:
         # another launch took the run over (launch.takeover): stop the gang at once
         with (
-            accelerator_slot(config.launch.concurrency_limit, logger),
+            accelerator_slot(config.launch.concurrency_limit, logger) as slot_wait_seconds,
             on_lease_lost(config, lambda why: launcher.stop()),
         ):
             logger.info("launching %s", getattr(launcher, "description", config.launch.launcher))
@@ -158,6 +161,7 @@ def launch_training(config: RunConfig, config_url: str, shards: ShardInfo, resum
                 str(flow_run.id),
                 attempt,
                 resume.step,
+                slot_wait_seconds=slot_wait_seconds,
             )
     except BaseException as exc:  # failed, cancelled (Prefect's TerminationSignal) or crashed: no evaluation left
         kill_running_evaluations()

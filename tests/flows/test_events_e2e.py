@@ -2,7 +2,7 @@
 evaluate-checkpoint automation (twice: idempotent); a run's real stoker.checkpoint.committed
 event makes it run the evaluate-checkpoint deployment on that checkpoint, which a process worker
 runs to Completed; a run whose rank stops stepping is marked Stalled by its launch's automation,
-which the launch removes when it ends."""
+and Running again by the other one at its next heartbeat; the launch removes both when it ends."""
 
 import os
 import subprocess
@@ -13,7 +13,12 @@ import httpx
 import pytest
 
 from stoker.observe import prefect_events as pe
-from stoker.tasks.prefect_events import EVALUATE_AUTOMATION, STALL_AUTOMATION_PREFIX, STALLED_STATE_NAME
+from stoker.tasks.prefect_events import (
+    EVALUATE_AUTOMATION,
+    RESUMED_SUFFIX,
+    STALL_AUTOMATION_PREFIX,
+    STALLED_STATE_NAME,
+)
 from tests.conftest import (
     ROOT,
     real_prefect_server,
@@ -161,10 +166,11 @@ def test_deploy_keeps_the_evaluate_automation_and_a_committed_checkpoint_is_eval
         stop_process(worker)
 
 
-def test_a_run_that_stops_stepping_is_marked_stalled_by_its_automation_which_then_goes(server, tmp_path):
+def test_a_run_that_stops_stepping_is_marked_stalled_and_running_again_at_its_next_step(server, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
     from prefect.client.schemas.objects import StateType
+    from prefect.events import Event
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     run = "stall-" + uuid.uuid4().hex[:6]
@@ -195,18 +201,42 @@ def test_a_run_that_stops_stepping_is_marked_stalled_by_its_automation_which_the
             def stall_automations():
                 return [a for a in client.read_automations() if a.name.startswith(f"{STALL_AUTOMATION_PREFIX}{run}:")]
 
-            found = wait_for("the launch's stalled-run automation", stall_automations, 300, [log])
-            trigger = found[0].trigger
+            # the mark, and the one that takes it back (made one after the other)
+            found = wait_for(
+                "the launch's stalled-run automations",
+                lambda: (lambda a: a if len(a) == 2 else None)(stall_automations()),
+                300,
+                [log],
+            )
+            (trigger,) = [a.trigger for a in found if not a.name.endswith(RESUMED_SUFFIX)]
             assert trigger.posture == "Proactive" and trigger.expect == {pe.RUN_STEP}
             assert 10 <= trigger.within.total_seconds() <= 60  # max(10, 2 x median step) + 1
 
-            def stalled():
+            def states():
                 fr = flow_run()
-                states = client.read_flow_run_states(fr.id) if fr else []
-                return [s for s in states if s.name == STALLED_STATE_NAME] or None
+                return sorted(client.read_flow_run_states(fr.id), key=lambda s: s.timestamp) if fr else []
+
+            def stalled():
+                return [s for s in states() if s.name == STALLED_STATE_NAME] or None
 
             marked = wait_for("the flow run to be marked Stalled", stalled, 180, [log])
             assert marked[0].type == StateType.RUNNING and "no training step" in marked[0].message
+
+            # a heartbeat of the run after the mark (its last one again, as a rank that stepped
+            # again would send it; posted to this server's events API): Running again
+            beat = stoker_events(server, pe.RUN_STEP, run)[-1]
+            again = Event(
+                event=pe.RUN_STEP, resource=beat["resource"], related=beat["related"], payload=beat["payload"]
+            )
+            posted = httpx.post(server["PREFECT_API_URL"] + "/events", json=[again.model_dump(mode="json")], timeout=30)
+            assert posted.status_code == 204, posted.text
+
+            def running_again():
+                after = [s for s in states() if s.timestamp > marked[0].timestamp]
+                return [s for s in after if s.type == StateType.RUNNING and s.name == "Running"] or None
+
+            (resumed, *_) = wait_for("the flow run to be Running again", running_again, 60, [log])
+            assert "reported again" in resumed.message
             assert proc.wait(timeout=240) != 0  # then stoker's own watchdog kills the hung gang
             ended = flow_run()
             assert ended.state.type == StateType.FAILED, ended.state

@@ -161,6 +161,35 @@ def test_cost_is_seconds_times_accelerators_times_price_and_queueing_is_not_pric
         assert free["seconds"] == priced["seconds"]
 
 
+def test_a_launchs_wait_for_an_accelerator_slot_is_queueing_not_start_up_or_restart_and_unpriced():
+    """launch_training records how long each launch waited for its slot of
+    launch.concurrency_limit (slot_wait_seconds, just before started_at)."""
+    first = [train(s, 24 + s, 25 + s) for s in range(1, 3)]  # steps 1-2, 25 -> 27
+    second = [{"event": "resumed", "step": 2, "time": 55.0, "checkpoint": "c"}, train(3, 55, 56), done(3, 56, 57)]
+    attempts = [
+        {**attempt(1, 20, 30, reached=2, committed=2, outcome="lost-rank"), "slot_wait_seconds": 8.0},
+        {**attempt(2, 50, 58, resumed=2, reached=3, committed=3), "slot_wait_seconds": 15.0},
+    ]
+    times = FlowTimes(expected_start=0, start=2, closing_start=58, end=60)
+    ledger = compute_ledger(first + second, attempts, times, accelerators=2, price_per_accelerator_hour=36.0)
+    s = ledger["seconds"]
+    # due 0 -> started 2; the first launch waited 12 -> 20, the second 35 -> 50
+    assert s["queueing"] == pytest.approx(2 + 8 + 15)
+    assert s["startup"] == pytest.approx(10 + 5)  # 2 -> 12 (the flow's tasks), 20 -> 25 (the process)
+    assert s["restart"] == pytest.approx(3 + 5 + 5)  # 27 -> 30, 30 -> 35, 50 -> 55
+    assert ledger["cost"]["queueing"] == 0.0
+    assert ledger["cost_total"] == pytest.approx((60 - 25) * 2 * 36.0 / 3600)
+    assert_adds_up(ledger)
+    # a wait longer than the room before the launch counts only that room
+    clipped = compute_ledger([], [{**attempt(1, 5, 6), "slot_wait_seconds": 99.0}], FlowTimes(start=0, end=6))
+    assert clipped["seconds"]["queueing"] == 5 and clipped["seconds"]["startup"] == 1  # the launch, no step
+    # without the flow run's times (no report), the ledger begins where the first launch asked
+    launches_only = compute_ledger(first + second, attempts)
+    assert launches_only["from"] == 12 and launches_only["seconds"]["queueing"] == pytest.approx(8 + 15)
+    assert launches_only["seconds"]["startup"] == pytest.approx(5)
+    assert_adds_up(launches_only)
+
+
 def test_nothing_to_train_is_start_up_evaluation_and_wind_down():
     times = FlowTimes(expected_start=0, start=0, closing_start=10, end=11, evaluation_seconds=6)
     ledger = compute_ledger([], [], times)

@@ -133,7 +133,12 @@ def _checkpoint(cfg, store, shards, step: int) -> str:
 
 
 @pytest.mark.e2e
-def test_a_checkpoint_is_evaluated_once_and_a_replaced_one_again(prefect_server, tiny_config, monkeypatch):
+def test_a_checkpoint_is_evaluated_once_even_by_two_evaluations_at_once_and_a_replaced_one_again(
+    prefect_server, tiny_config, monkeypatch
+):
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Barrier
+
     from stoker.flows.evaluate import evaluate_checkpoint_flow
     from stoker.storage.checkpoints import COMMIT_FILE, EVAL_PIN, pin_for_evaluation
     from stoker.storage.runs import pin_run_folder
@@ -147,8 +152,22 @@ def test_a_checkpoint_is_evaluated_once_and_a_replaced_one_again(prefect_server,
     real = evaluate.run_evaluation
     monkeypatch.setattr(evaluate, "run_evaluation", lambda *a, **k: processes.append(a[2]) or real(*a, **k))
 
-    first = evaluate_checkpoint_flow(store.url(key), return_state=True)
-    assert _task_states(first)["evaluate_checkpoint"] == "Completed" and processes == [key]
+    # two triggers of one checkpoint at once (the automation and a user, say): one evaluates,
+    # the other waits for its lock in the store, then reads its record (Cached)
+    together = Barrier(2)
+
+    def trigger(_):
+        together.wait()
+        return evaluate_checkpoint_flow(store.url(key), return_state=True)
+
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(trigger, range(2)))
+    assert sorted(_task_states(s)["evaluate_checkpoint"] for s in both) == ["Cached", "Completed"]
+    assert processes == [key]  # one evaluation process
+    first = next(s for s in both if _task_states(s)["evaluate_checkpoint"] == "Completed")
+    assert both[0].result() == both[1].result()
+    locks = "prefect-results/.locks"
+    assert not store.exists(locks) or not store.walk_files(locks)  # the lock released
     # the same checkpoint again (a second trigger): Cached, no evaluation process, same answer;
     # a pin its first evaluation failed to remove is not left behind by the hit
     pin_for_evaluation(store, key)
