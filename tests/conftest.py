@@ -716,3 +716,25 @@ def wait_until_training(pid: int, metrics, seconds: float = 240) -> dict[int, Pr
         time.sleep(0.5)
     assert any("training.train" in p.cmdline for p in seen.values()), "the ranks never started"
     return seen
+
+
+def one_rank_run(tmp_path_factory, run: str, **sections):
+    """A run folder as the flow pins it, and its checkpoint of step 4, committed by one real
+    torchrun rank (a tokenizer of 300 ids unless `sections` say otherwise). Returns (config,
+    store, shards): for tests of what reads a checkpoint (export, the harness)."""
+    from stoker.core.config import load_config
+    from stoker.storage.runs import pin_run_folder
+
+    sections = {
+        "tokenizer": {"vocab_size": 300},
+        "train": {"max_steps": 4},
+        "checkpoint": {"interval_steps": 4},
+        "eval": {"interval_steps": 4},
+        "launch": {"nproc_per_node": 1},
+        **sections,
+    }
+    root = "file://" + str(tmp_path_factory.mktemp(run) / "store")
+    cfg = load_config(tiny_dict(root, run_name=run, **sections))
+    store, shards = prepare_shards(cfg)
+    run_ranks(pin_run_folder(store, cfg, shards), shards.key, nproc=1)
+    return cfg, store, shards

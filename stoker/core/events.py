@@ -12,7 +12,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 PREFIX = "STOKER_METRIC "
 # where a rank files its Failure record in torchelastic's error.json (message.extraInfo)
@@ -299,3 +299,28 @@ def decode(line: str) -> Event | None:
     except ValueError:
         return None
     return from_dict(record) if isinstance(record, dict) else None
+
+
+def report_outcome(work: Callable[[], Event]) -> int:
+    """The main of a one-process child (``stoker.training.export``, ``stoker.training.harness``):
+    `work()`'s event printed as its last line, exit 0; a failure as one Failure line (a
+    ConfigError's problems joined), exit 1, with a traceback on stderr only for what is not a
+    StokerError (a bug, or a library's own error)."""
+    import traceback
+
+    from stoker.core.failures import ConfigError, StokerError, is_transient
+
+    try:
+        result = work()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # DCP's CheckpointException included
+        if not isinstance(exc, StokerError):
+            traceback.print_exc()
+        message = "; ".join(exc.problems) if isinstance(exc, ConfigError) else " ".join(str(exc).split())[:2000]
+        print(
+            Failure(rank=0, type=type(exc).__name__, message=message, transient=is_transient(exc)).encode(), flush=True
+        )
+        return 1
+    print(result.encode(), flush=True)
+    return 0

@@ -30,14 +30,13 @@ import json
 import os
 import shutil
 import sys
-import traceback
 import uuid
 
 import torch
 
 from stoker.core import events
 from stoker.core.config import ModelConfig
-from stoker.core.failures import ConfigError, ExportError, StokerError, is_transient
+from stoker.core.failures import ExportError
 from stoker.storage.checkpoints import rehydrate
 from stoker.storage.layout import TOKENIZER_FILE, run_file_key
 from stoker.storage.runs import export_source
@@ -232,12 +231,6 @@ def export_checkpoint(
     )
 
 
-def _one_line(exc: BaseException) -> str:
-    if isinstance(exc, ConfigError):
-        return "; ".join(exc.problems)
-    return " ".join(str(exc).split())[:2000]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Export a stoker checkpoint as a Hugging Face GPT-2 folder.")
     p.add_argument("checkpoint_uri", help="{root}/runs/{run}/checkpoints/step-NNNNNNNN")
@@ -245,22 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", default=default_cache_dir())
     args = p.parse_args(argv)
     options = json.loads(os.environ.get("STOKER_STORAGE_OPTIONS", "{}"))
-    try:
-        result = export_checkpoint(args.checkpoint_uri, args.folder, args.cache_dir, options)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # DCP's CheckpointException included
-        if not isinstance(exc, StokerError):
-            traceback.print_exc()  # a bug: its traceback goes to stderr
-        print(
-            events.Failure(
-                rank=0, type=type(exc).__name__, message=_one_line(exc), transient=is_transient(exc)
-            ).encode(),
-            flush=True,
-        )
-        return 1
-    print(result.encode(), flush=True)
-    return 0
+    return events.report_outcome(lambda: export_checkpoint(args.checkpoint_uri, args.folder, args.cache_dir, options))
 
 
 if __name__ == "__main__":

@@ -28,10 +28,9 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 
 from stoker.core import events
-from stoker.core.failures import ConfigError, StokerError, is_transient
+from stoker.core.failures import ConfigError
 from stoker.core.harness import OFFLINE_ENV, harness_problems, include_paths
 
 os.environ.update(OFFLINE_ENV)  # before datasets, transformers or lm_eval read them
@@ -265,12 +264,6 @@ def run(args: argparse.Namespace) -> events.HarnessEvaluated:
     return done
 
 
-def _one_line(exc: BaseException) -> str:
-    if isinstance(exc, ConfigError):
-        return "; ".join(exc.problems)
-    return " ".join(str(exc).split())[:2000]
-
-
 def main(argv: list[str] | None = None) -> int:
     from stoker.storage.store import default_cache_dir
 
@@ -286,22 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", default=default_cache_dir())
     args = p.parse_args(argv)
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    try:
-        result = run(args)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # DCP's CheckpointException included
-        if not isinstance(exc, StokerError):
-            traceback.print_exc()  # a bug, or the harness's own error: its traceback goes to stderr
-        print(
-            events.Failure(
-                rank=0, type=type(exc).__name__, message=_one_line(exc), transient=is_transient(exc)
-            ).encode(),
-            flush=True,
-        )
-        return 1
-    print(result.encode(), flush=True)
-    return 0
+    return events.report_outcome(lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import pytest
 import yaml
 
 from stoker.core.config import RunConfig, load_config
+from stoker.observe.ledger import deployment_ledgers, read_ledgers
+from stoker.storage.store import Store
 from tests.conftest import ROOT, start_process, start_worker, stop_process, tiny_dict, wait_for
 
 PREFECT_YAML = os.path.join(ROOT, "prefect.yaml")
@@ -122,6 +124,21 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
                 )
                 assert fired[0].state.type == StateType.COMPLETED, fired[0].state.message
                 assert fired[0].auto_scheduled
+
+            # the ledger summed per deployment: each of the two runs under its own deployment
+            store = Store("file://" + str(tmp_path / "store"))
+            totals = deployment_ledgers(store)
+            assert {name: t["runs"] for name, t in totals.items()} == {
+                "train-adhoc": [run_name],
+                "continued-pretraining": ["nightly"],
+            }
+            for name, run in (("train-adhoc", run_name), ("continued-pretraining", "nightly")):
+                (one,) = read_ledgers(store, run)
+                assert one["deployment"] == name and totals[name]["num_flow_runs"] == 1
+                assert totals[name]["wall_seconds"] == pytest.approx(one["wall_seconds"]) and one["wall_seconds"] > 0
+                assert totals[name]["seconds"] == pytest.approx(
+                    {c: one["seconds"].get(c, 0.0) for c in totals[name]["seconds"]}
+                )
     finally:
         stop_process(worker)
 

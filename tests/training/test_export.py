@@ -10,12 +10,11 @@ import sys
 import pytest
 import torch
 
-from stoker.core.config import ModelConfig, load_config
-from stoker.storage.runs import pin_run_folder
+from stoker.core.config import ModelConfig
 from stoker.training.checkpoint import load_checkpoint
 from stoker.training.export import gpt2_config, gpt2_state_dict
 from stoker.training.model import GPT, padded_vocab
-from tests.conftest import ROOT, prepare_shards, run_ranks, tiny_dict
+from tests.conftest import ROOT, one_rank_run
 
 CHECKPOINT = "runs/export/checkpoints/step-00000004"
 
@@ -30,20 +29,7 @@ def _cli(*args, timeout=300):
 def trained(tmp_path_factory):
     """A run folder as the flow pins it, and a checkpoint committed by one torchrun rank after 4
     steps. The tokenizer has 300 ids: the model's embedding is padded to 384 rows."""
-    root = "file://" + str(tmp_path_factory.mktemp("export") / "store")
-    cfg = load_config(
-        tiny_dict(
-            root,
-            run_name="export",
-            tokenizer={"vocab_size": 300},
-            train={"max_steps": 4},
-            checkpoint={"interval_steps": 4},
-            eval={"interval_steps": 4},
-            launch={"nproc_per_node": 1},
-        )
-    )
-    store, shards = prepare_shards(cfg)
-    run_ranks(pin_run_folder(store, cfg, shards), shards.key, nproc=1)
+    cfg, store, shards = one_rank_run(tmp_path_factory, "export")
     assert shards.vocab_size == 300 and padded_vocab(300, cfg.model.vocab_pad_multiple) == 384
     return cfg, store, shards
 

@@ -15,13 +15,11 @@ from tokenizers import Tokenizer
 
 from stoker import preflight
 from stoker.core import events
-from stoker.core.config import load_config
 from stoker.core.harness import OFFLINE_ENV, harness_problems, local_tasks
-from stoker.storage.runs import pin_run_folder
 from stoker.training.checkpoint import load_checkpoint
 from stoker.training.model import GPT
 from stoker.training.scoring import ChoiceRows, encode_items, load_multiple_choice, score_choices
-from tests.conftest import ROOT, prepare_shards, run_ranks, tiny_dict
+from tests.conftest import ROOT, one_rank_run
 
 RUN = "harness"
 CHECKPOINT = f"runs/{RUN}/checkpoints/step-00000004"
@@ -32,22 +30,7 @@ BLOCK = 128  # every ending (at most 72 characters) fits whole; most contexts ar
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A run folder as the flow pins it, and a checkpoint one torchrun rank committed after 4 steps."""
-    root = "file://" + str(tmp_path_factory.mktemp("harness") / "store")
-    cfg = load_config(
-        tiny_dict(
-            root,
-            run_name=RUN,
-            tokenizer={"vocab_size": 300},
-            model={"block_size": BLOCK},
-            train={"max_steps": 4},
-            checkpoint={"interval_steps": 4},
-            eval={"interval_steps": 4},
-            launch={"nproc_per_node": 1},
-        )
-    )
-    store, shards = prepare_shards(cfg)
-    run_ranks(pin_run_folder(store, cfg, shards), shards.key, nproc=1)
-    return cfg, store, shards
+    return one_rank_run(tmp_path_factory, RUN, model={"block_size": BLOCK})
 
 
 def _cli(*args, timeout=600):

@@ -1,11 +1,13 @@
-"""Real torchrun with 2 gloo ranks: a resumed run ends bit for bit where an unbroken one does."""
+"""Real torchrun with 2 gloo ranks: a resumed run ends bit for bit where an unbroken one does
+(one unbroken run per world size for the module: `unbroken`)."""
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from stoker.core.config import RunConfig
 from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
-from tests.conftest import prepare_shards, run_ranks, train_losses
+from tests.conftest import prepare_shards, run_ranks, tiny_dict, train_losses
 
 
 def _torchrun(config_url, shard_key, resume=None, nproc=2):
@@ -19,28 +21,50 @@ def _tensors(path):
     return sd
 
 
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+    """The module's unbroken runs, one per world size, each made once: 8 steps, checkpoints at
+    4 and 8. Returns get(ranks) -> (store, shards, config URL, run name, per-step losses)."""
+    from stoker.core.config import load_config
+
+    made = {}
+
+    def get(ranks: int):
+        if ranks not in made:
+            run = f"bitwise-{ranks}"
+            root = "file://" + str(tmp_path_factory.mktemp(run) / "store")
+            cfg = load_config(
+                tiny_dict(
+                    root,
+                    run_name=run,
+                    train={"max_steps": 8},
+                    checkpoint={"interval_steps": 4},
+                    launch={"nproc_per_node": ranks},
+                )
+            )
+            store, shards = prepare_shards(cfg)
+            store.write_bytes(f"runs/{run}/config.json", cfg.to_json().encode())
+            url = store.url(f"runs/{run}/config.json")
+            losses = _torchrun(url, shards.key, nproc=ranks)
+            assert sorted(losses) == [1, 2, 3, 4, 5, 6, 7, 8]
+            assert [r.name for r in list_checkpoints(store, run)] == ["step-00000008", "step-00000004"]
+            made[ranks] = (store, shards, url, run, losses)
+        return made[ranks]
+
+    return get
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_resumed_run_equals_uninterrupted_run_bitwise(tiny_config, ranks):
+def test_resumed_run_equals_uninterrupted_run_bitwise(unbroken, ranks):
     """With 4 ranks a ring all-reduce adds more than two numbers, so the order of gradients in
     DDP's buckets matters: DDP's rebuild of its buckets after its first step would differ
     between the unbroken run and the resumed one (train.deterministic keeps them fixed)."""
-    cfg = tiny_config(
-        run_name="bitwise", train={"max_steps": 6}, checkpoint={"interval_steps": 3}, launch={"nproc_per_node": ranks}
-    )
-    store, shards = prepare_shards(cfg)
-    store.write_bytes("runs/bitwise/config.json", cfg.to_json().encode())
-    config_url = store.url("runs/bitwise/config.json")
+    store, shards, config_url, run, whole = unbroken(ranks)
+    resumed = _torchrun(config_url, shards.key, resume=f"runs/{run}/checkpoints/step-00000004", nproc=ranks)
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert all(resumed[s] == whole[s] for s in resumed)  # same per-step losses, exactly
 
-    unbroken = _torchrun(config_url, shards.key, nproc=ranks)
-    assert sorted(unbroken) == [1, 2, 3, 4, 5, 6]
-    names = [r.name for r in list_checkpoints(store, "bitwise")]
-    assert names == ["step-00000006", "step-00000003"]
-
-    resumed = _torchrun(config_url, shards.key, resume="runs/bitwise/checkpoints/step-00000003", nproc=ranks)
-    assert sorted(resumed) == [4, 5, 6]
-    assert all(resumed[s] == unbroken[s] for s in resumed)  # same per-step losses, exactly
-
-    a_key, b_key = "runs/bitwise/checkpoints/step-00000006", "runs/bitwise/checkpoints/step-00000006.a1"
+    a_key, b_key = f"runs/{run}/checkpoints/step-00000008", f"runs/{run}/checkpoints/step-00000008.a1"
     assert validate_checkpoint(store, b_key, deep=True)
     a, b = _tensors(store.local_path(a_key)), _tensors(store.local_path(b_key))
     assert a.keys() == b.keys()
@@ -71,16 +95,13 @@ def test_ranks_fall_back_together_from_a_checkpoint_their_full_check_rejects(tin
     assert not validate_checkpoint(store, newest)  # marked: no later choice takes it
 
 
-def test_a_killed_rank_is_restarted_in_place_and_ends_bitwise_like_an_unbroken_run(tiny_config, tmp_path):
+def test_a_killed_rank_is_restarted_in_place_and_ends_bitwise_like_an_unbroken_run(unbroken, tmp_path):
     """torchrun --max-restarts: the restarted ranks ignore the stale --resume-from, load the
     newest valid checkpoint themselves and finish where an unbroken run does, bit for bit."""
-    cfg = tiny_config(run_name="inplace", train={"max_steps": 8}, checkpoint={"interval_steps": 4})
-    store, shards = prepare_shards(cfg)
-    store.write_bytes("runs/inplace/config.json", cfg.to_json().encode())
-    url = store.url("runs/inplace/config.json")
-    unbroken = train_losses(run_ranks(url, shards.key))
-    final_a = _tensors(store.local_path("runs/inplace/checkpoints/step-00000008"))
+    store, shards, url, run, whole = unbroken(2)
+    final_a = _tensors(store.local_path(f"runs/{run}/checkpoints/step-00000008"))
 
+    cfg = RunConfig.model_validate_json(store.read_bytes(f"runs/{run}/config.json"))
     other = cfg.model_copy(update={"run_name": "inplace-killed"})
     store.write_bytes("runs/inplace-killed/config.json", other.to_json().encode())
     fault = {"STOKER_FAULT": "kill:rank=1:step=6", "STOKER_FAULT_ONCE": str(tmp_path / "fired")}
@@ -89,7 +110,7 @@ def test_a_killed_rank_is_restarted_in_place_and_ends_bitwise_like_an_unbroken_r
     resumed = [r for r in records if r["event"] == "resumed"]
     assert [r["step"] for r in resumed] == [4]  # the restart took the newest valid one itself
     losses = train_losses(records)
-    assert all(losses[s] == unbroken[s] for s in losses)
+    assert all(losses[s] == whole[s] for s in losses)
     newest = list_checkpoints(store, "inplace-killed")[0]
     assert newest.step == 8
     final_b = _tensors(store.local_path(newest.key))
