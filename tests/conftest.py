@@ -87,6 +87,15 @@ def start_process(cmd: list[str], env: dict, log) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def stoker_deploy(env: dict) -> str:
+    """`stoker deploy` on the server `env` names; assert it succeeded; its standard output."""
+    out = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "deploy"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
 def start_worker(env: dict, log_path) -> subprocess.Popen:
     """A Prefect process worker on stoker's work pool (what `stoker deploy` made), asking for
     runs every second; its output goes to `log_path`."""
@@ -451,6 +460,17 @@ def gang_members(gang_id: str) -> list[int]:
     return out
 
 
+def wait_for_flow_run(client, flow_run_id, what: str, logs=(), seconds: float = 420):
+    """Poll the flow run through `client` (a sync Prefect client) until its state is final;
+    the flow run. Fails as wait_for does, with the tails of `logs`."""
+
+    def final():
+        run = client.read_flow_run(flow_run_id)
+        return run if run.state.is_final() else None
+
+    return wait_for(what, final, seconds, logs)
+
+
 def wait_for_none(left, seconds: float = 15.0, interval: float = 0.1) -> list:
     """Poll left() (what is still there) until it is empty or `seconds` pass; returns its last
     answer. A killed process takes a moment to exit and its parent a moment to reap it (a
@@ -721,7 +741,8 @@ def wait_until_training(pid: int, metrics, seconds: float = 240) -> dict[int, Pr
 def one_rank_run(tmp_path_factory, run: str, **sections):
     """A run folder as the flow pins it, and its checkpoint of step 4, committed by one real
     torchrun rank (a tokenizer of 300 ids unless `sections` say otherwise). Returns (config,
-    store, shards): for tests of what reads a checkpoint (export, the harness)."""
+    store, shards, config URL): for tests of what reads a checkpoint (export, the harness,
+    the evaluation sets)."""
     from stoker.core.config import load_config
     from stoker.storage.runs import pin_run_folder
 
@@ -736,5 +757,6 @@ def one_rank_run(tmp_path_factory, run: str, **sections):
     root = "file://" + str(tmp_path_factory.mktemp(run) / "store")
     cfg = load_config(tiny_dict(root, run_name=run, **sections))
     store, shards = prepare_shards(cfg)
-    run_ranks(pin_run_folder(store, cfg, shards), shards.key, nproc=1)
-    return cfg, store, shards
+    config_url = pin_run_folder(store, cfg, shards)
+    run_ranks(config_url, shards.key, nproc=1)
+    return cfg, store, shards, config_url

@@ -4,7 +4,6 @@ artifacts read back through the client, and a schedule that fires."""
 
 import datetime
 import os
-import subprocess
 import sys
 import uuid
 
@@ -14,7 +13,16 @@ import yaml
 from stoker.core.config import RunConfig, load_config
 from stoker.observe.ledger import deployment_ledgers, read_ledgers
 from stoker.storage.store import Store
-from tests.conftest import ROOT, start_process, start_worker, stop_process, tiny_dict, wait_for
+from tests.conftest import (
+    ROOT,
+    start_process,
+    start_worker,
+    stoker_deploy,
+    stop_process,
+    tiny_dict,
+    wait_for,
+    wait_for_flow_run,
+)
 
 PREFECT_YAML = os.path.join(ROOT, "prefect.yaml")
 
@@ -44,17 +52,9 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
 
     env = {**prefect_api, "STOKER_ROOT": str(tmp_path / "store"), "STOKER_CACHE": str(tmp_path / "cache")}
     for round_ in (1, 2):  # idempotent: the second round finds the pool and the limit
-        out = subprocess.run(
-            [sys.executable, "-m", "stoker.cli", "deploy"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        assert ("already there" in out.stdout) == (round_ == 2), out.stdout
-    assert "deployment train-pipeline/train-adhoc: created or updated" in out.stdout
+        out = stoker_deploy(env)
+        assert ("already there" in out) == (round_ == 2), out
+    assert "deployment train-pipeline/train-adhoc: created or updated" in out
 
     worker_log = tmp_path / "worker.log"
     worker = start_worker(env, worker_log)
@@ -82,12 +82,7 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
             params = tiny_dict("file://" + str(tmp_path / "store"), run_name=run_name)
             flow_run = run_deployment("train-pipeline/train-adhoc", parameters={"config": params}, timeout=0)
             with get_client(sync_client=True) as client:
-                done = wait_for(
-                    "the ad-hoc run to finish",
-                    lambda: (lambda r: r if r.state.is_final() else None)(client.read_flow_run(flow_run.id)),
-                    420,
-                    [worker_log],
-                )
+                done = wait_for_flow_run(client, flow_run.id, "the ad-hoc run to finish", [worker_log])
                 assert done.state.type == StateType.COMPLETED, done.state.message
                 assert done.name == run_name and f"run:{run_name}" in done.tags
                 artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id={"any_": [flow_run.id]}))
@@ -177,12 +172,7 @@ def test_serve_runs_the_deployments_from_one_process_without_a_worker(prefect_ap
             params = tiny_dict("file://" + str(tmp_path / "store"), run_name="served")
             flow_run = run_deployment("train-pipeline/train-adhoc", parameters={"config": params}, timeout=0)
             with get_client(sync_client=True) as client:
-                done = wait_for(
-                    "the served run to finish",
-                    lambda: (lambda r: r if r.state.is_final() else None)(client.read_flow_run(flow_run.id)),
-                    420,
-                    [log],
-                )
+                done = wait_for_flow_run(client, flow_run.id, "the served run to finish", [log])
             assert done.state.type == StateType.COMPLETED, done.state.message
             assert done.name == "served"
     finally:

@@ -24,10 +24,12 @@ from tests.conftest import (
     real_prefect_server,
     start_process,
     start_worker,
+    stoker_deploy,
     stop_process,
     tiny_dict,
     tiny_sets,
     wait_for,
+    wait_for_flow_run,
 )
 
 pytestmark = pytest.mark.e2e
@@ -62,17 +64,9 @@ def test_deploy_keeps_the_evaluate_automation_and_a_committed_checkpoint_is_eval
     store = tmp_path / "store"
     env = {**server, "STOKER_ROOT": str(store), "STOKER_CACHE": str(tmp_path / "cache")}
     for round_ in (1, 2):  # idempotent: the second finds the automation by its name
-        out = subprocess.run(
-            [sys.executable, "-m", "stoker.cli", "deploy"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         said = "created" if round_ == 1 else "already there (updated)"
-        assert f"automation {EVALUATE_AUTOMATION!r}: {said}" in out.stdout, out.stdout
+        out = stoker_deploy(env)
+        assert f"automation {EVALUATE_AUTOMATION!r}: {said}" in out, out
 
     worker_log = tmp_path / "worker.log"
     worker = start_worker(env, worker_log)
@@ -91,12 +85,7 @@ def test_deploy_keeps_the_evaluate_automation_and_a_committed_checkpoint_is_eval
             params = tiny_dict("file://" + str(store), run_name=run)
             train = run_deployment("train-pipeline/train-adhoc", parameters={"config": params}, timeout=0)
             with get_client(sync_client=True) as client:
-                done = wait_for(
-                    "the training run to finish",
-                    lambda: (lambda r: r if r.state.is_final() else None)(client.read_flow_run(train.id)),
-                    420,
-                    [worker_log],
-                )
+                done = wait_for_flow_run(client, train.id, "the training run to finish", [worker_log])
                 assert done.state.type == StateType.COMPLETED, done.state.message
 
                 def evaluations():

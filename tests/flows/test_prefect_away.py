@@ -14,7 +14,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.conftest import ROOT, descendants, free_port, start_process, stop_process, tiny_dict, wait_for
+from tests.conftest import ROOT, descendants, free_port, start_process, stoker_deploy, stop_process, tiny_dict, wait_for
 
 
 class PrefectServer:
@@ -181,10 +181,7 @@ def test_an_unreachable_prefect_api_url_is_one_line_before_any_compute(monkeypat
 @pytest.mark.e2e
 def test_serve_after_deploy_on_the_same_server_runs_a_flow_run_to_completed(server, tmp_path):
     env = {**server.env, "STOKER_ROOT": str(tmp_path / "store"), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "stoker.cli", "deploy"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    stoker_deploy(env)
     log = tmp_path / "serve.log"
     with open(log, "w") as f:
         served = start_process([sys.executable, "-m", "stoker.cli", "serve"], env, f)

@@ -9,13 +9,11 @@ import base64
 import os
 import re
 import struct
-import subprocess
-import sys
 
 import pytest
 
 from stoker.core.config import RunConfig, load_config
-from tests.conftest import ROOT, start_process, stop_process
+from tests.conftest import start_worker, stoker_deploy, stop_process
 
 # Debian's package (scripts/setup.sh test installs it); STOKER_TEST_CHROMIUM names another binary
 CHROMIUM = os.environ.get("STOKER_TEST_CHROMIUM", "/usr/bin/chromium")
@@ -83,17 +81,9 @@ def test_custom_run_from_the_ui_form_completes_and_its_page_shows_report_and_los
     expected = load_config("tiny-cpu", train__max_steps=MAX_STEPS)
     run = expected.resolved_run_name()
 
-    out = subprocess.run(
-        [sys.executable, "-m", "stoker.cli", "deploy"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    stoker_deploy(env)
     worker_log = tmp_path / "worker.log"
-    with open(worker_log, "w") as log:
-        worker = start_process(
-            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "stoker-process", "--prefetch-seconds", "5"],
-            {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"},
-            log,
-        )
+    worker = start_worker(env, worker_log)
     taken: list[str] = []
 
     def shot(page, name, **kw):

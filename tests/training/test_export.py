@@ -29,7 +29,7 @@ def _cli(*args, timeout=300):
 def trained(tmp_path_factory):
     """A run folder as the flow pins it, and a checkpoint committed by one torchrun rank after 4
     steps. The tokenizer has 300 ids: the model's embedding is padded to 384 rows."""
-    cfg, store, shards = one_rank_run(tmp_path_factory, "export")
+    cfg, store, shards, _ = one_rank_run(tmp_path_factory, "export")
     assert shards.vocab_size == 300 and padded_vocab(300, cfg.model.vocab_pad_multiple) == 384
     return cfg, store, shards
 

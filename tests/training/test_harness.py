@@ -30,7 +30,7 @@ BLOCK = 128  # every ending (at most 72 characters) fits whole; most contexts ar
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A run folder as the flow pins it, and a checkpoint one torchrun rank committed after 4 steps."""
-    return one_rank_run(tmp_path_factory, RUN, model={"block_size": BLOCK})
+    return one_rank_run(tmp_path_factory, RUN, model={"block_size": BLOCK})[:3]
 
 
 def _cli(*args, timeout=600):

@@ -16,9 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from stoker.core import events
-from stoker.core.config import load_config
 from stoker.core.failures import DataError
-from stoker.storage.runs import pin_run_folder
 from stoker.training.checkpoint import load_checkpoint
 from stoker.training.data import TokenStream, eval_offsets, get_batch
 from stoker.training.model import GPT, padded_vocab
@@ -31,7 +29,7 @@ from stoker.training.scoring import (
     score_choices,
     token_byte_counts,
 )
-from tests.conftest import ROOT, prepare_shards, run_ranks, tiny_dict
+from tests.conftest import ROOT, one_rank_run
 
 CHECKPOINT = "runs/scoring/checkpoints/step-00000008"
 MAX_WINDOWS = 24
@@ -42,21 +40,14 @@ NUM_ITEMS = 40
 def trained(tmp_path_factory):
     """A run folder as the flow pins it and a checkpoint one torchrun rank committed after 8
     steps. 300 tokenizer ids: the embedding is padded to 384 rows, which the scores leave out."""
-    root = "file://" + str(tmp_path_factory.mktemp("scoring") / "store")
-    cfg = load_config(
-        tiny_dict(
-            root,
-            run_name="scoring",
-            tokenizer={"vocab_size": 300},
-            checkpoint={"interval_steps": 8},
-            eval={"interval_steps": 8, "multiple_choice_items": NUM_ITEMS},
-            launch={"nproc_per_node": 1},
-        )
+    cfg, store, shards, config_url = one_rank_run(
+        tmp_path_factory,
+        "scoring",
+        train={"max_steps": 8},
+        checkpoint={"interval_steps": 8},
+        eval={"interval_steps": 8, "multiple_choice_items": NUM_ITEMS},
     )
     assert cfg.eval.sets == ["loss", "bpb", "multiple_choice"]  # the default: every set
-    store, shards = prepare_shards(cfg)
-    config_url = pin_run_folder(store, cfg, shards)
-    run_ranks(config_url, shards.key, nproc=1)
     assert shards.vocab_size == 300 and padded_vocab(300, cfg.model.vocab_pad_multiple) == 384
     return cfg, store, shards, config_url
 
