@@ -199,6 +199,26 @@ def _token(data: bytes) -> str:
         return ""
 
 
+def claim(
+    store: Store, key: str, data: bytes, token: str, version: str | None, settle_seconds: float = SETTLE_SECONDS
+) -> str | None:
+    """Write `data` (a JSON record carrying `token`) at `key` only if nothing is there
+    (`version` None) or it is unchanged since `version`, then read it back (on a store without
+    conditional writes, after `settle_seconds`: a racing plain write lands within them). The
+    version now there when the read-back carries `token` (this writer holds `key`), else None.
+    The run lease and the evaluation locks (tasks.cache_lock) are taken with it."""
+    if version is None:
+        written = store.write_bytes_if_absent(key, data)
+    else:
+        written = store.write_bytes_if_version(key, data, version)
+    if not written:
+        return None
+    if not store.conditional_writes:
+        time.sleep(settle_seconds)
+    found = store.read_versioned(key)
+    return found[1] if found is not None and _token(found[0]) == token else None
+
+
 def acquire_lease(
     store: Store,
     run_name: str,
@@ -220,19 +240,12 @@ def acquire_lease(
             run_name, owner, uuid.uuid4().hex, socket.gethostname(), os.getpid(), flow_run_id, now, now, now + ttl
         )
         current, version = read_lease(store, run_name)
-        if current is None:
-            written = store.write_bytes_if_absent(key, _encode(record))
-        elif why_takeable(current, owner, takeover, now):
-            written = store.write_bytes_if_version(key, _encode(record), version)
-        else:
+        if current is not None and not why_takeable(current, owner, takeover, now):
             raise LeaseHeld(held_message(current, run_name))
-        if not written:
-            continue  # another launch wrote first: look again at what it wrote
-        if not store.conditional_writes:
-            time.sleep(settle_seconds)  # a racing plain write lands within it; read back after
-        found = store.read_versioned(key)
-        if found is not None and _token(found[0]) == record.token:
-            return RunLease(store, record, found[1], ttl)
+        held = claim(store, key, _encode(record), record.token, version, settle_seconds)
+        if held is not None:
+            return RunLease(store, record, held, ttl)
+        # another launch wrote first: look again at what it wrote
     current, _ = read_lease(store, run_name)
     if current is None:
         raise TimeoutError(f"the lease of run {run_name!r} kept changing; try again")

@@ -27,12 +27,12 @@ from typing import Callable
 
 from prefect.locking.protocol import LockManager
 
+from stoker.storage.lease import claim
 from stoker.storage.store import Store, join
 
 LOCKS_DIR = "prefect-results/.locks"  # beside tasks.caching's records
 TTL_SECONDS = 60.0  # a lock whose holder stopped renewing it is free after this
 POLL_SECONDS = 1.0  # how often a waiter looks again
-SETTLE_SECONDS = 2.0  # verify-after-write wait, on stores without conditional writes
 
 # the renewal threads of the locks this process holds: (store url, key, holder) -> stop event
 _HELD: dict[tuple[str, str, str], threading.Event] = {}
@@ -149,20 +149,11 @@ class StoreLockManager(LockManager):
         until = now + hold_timeout if hold_timeout is not None else None
         mine = LockRecord(holder, uuid.uuid4().hex, socket.gethostname(), os.getpid(), now + self.ttl, until)
         current, version = _read(store, where)
-        if current is None:
-            written = store.write_bytes_if_absent(where, _encode(mine))
-        elif current.holder == holder and current.live(now):
-            return None  # already this holder's
-        elif current.live(now):
-            return current
-        else:  # expired: its holder died or stopped renewing
-            written = store.write_bytes_if_version(where, _encode(mine), version)
-        if written:
-            if not store.conditional_writes:
-                time.sleep(SETTLE_SECONDS)  # a racing plain write lands within it; read back after
-            back, _ = _read(store, where)
-            if back is not None and back.token == mine.token:
-                return None
+        if current is not None and current.live(now):
+            return None if current.holder == holder else current  # already this holder's, or in the way
+        # free, or expired (its holder died or stopped renewing)
+        if claim(store, where, _encode(mine), mine.token, version) is not None:
+            return None
         back, _ = _read(store, where)
         return back if back is not None else current or mine
 
