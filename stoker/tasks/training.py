@@ -7,7 +7,6 @@ import time
 from contextlib import contextmanager
 
 from prefect import get_run_logger
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.runtime import flow_run, task_run
 
 from stoker import preflight
@@ -27,7 +26,7 @@ from stoker.tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
 from stoker.tasks.lease import held_lease, on_lease_lost
 from stoker.tasks.policy import stoker_task
 from stoker.tasks.prefect_events import open_launch_events
-from stoker.tasks.publish import FLUSH_SECONDS, BestEffortPublisher
+from stoker.tasks.publish import FLUSH_SECONDS, BestEffortPublisher, create_artifact, update_artifact
 from stoker.tasks.report import artifact_key
 
 
@@ -201,11 +200,9 @@ class TrainingUI:
 
     def _send_progress(self, pct: float) -> None:
         if self.progress_id is None:
-            self.progress_id = create_progress_artifact(
-                progress=pct, key=self.progress_key, description=f"steps of {self.run}"
-            )
+            self.progress_id = create_artifact("progress", self.progress_key, f"steps of {self.run}", pct)
         else:
-            update_progress_artifact(self.progress_id, progress=pct)
+            update_artifact(self.progress_id, pct)
 
     def checkpoints(self, checkpoints: list[dict]) -> None:
         """The checkpoints committed so far (the report's final table adds their losses)."""
@@ -223,9 +220,7 @@ class TrainingUI:
         if rows:
             self.publisher.latest(
                 "checkpoint table",
-                lambda: create_table_artifact(
-                    rows, key=self.table_key, description=f"checkpoints of {self.run} committed so far"
-                ),
+                lambda: create_artifact("table", self.table_key, f"checkpoints of {self.run} committed so far", rows),
             )
 
     def feeding(self, sinks, prefect_events=None):
