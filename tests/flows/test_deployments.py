@@ -95,7 +95,9 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
             with get_client(sync_client=True) as client:
                 nightly = deployments["continued-pretraining"]
                 client.delete_deployment_schedule(nightly.id, nightly.schedules[0].id)
-                soon = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=5)
+                # 20 s ahead: the server's scheduler (a pass every 2 s) must see the schedule before its
+                # first run is due, or that run is an hour later (seen once, with the CI machine loaded)
+                soon = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=20)
                 client.create_deployment_schedules(
                     nightly.id,
                     [(IntervalSchedule(interval=datetime.timedelta(hours=1), anchor_date=soon), True)],
