@@ -30,6 +30,11 @@ os.environ.update(
         "PREFECT_LOGGING_LEVEL": "INFO",
         "GLOO_SOCKET_IFNAME": "lo",
         "STOKER_CACHE": os.path.join(_PREFECT_HOME, "cache"),
+        # one torch/OpenMP thread where nothing else says (evaluations, in-process tensors): two
+        # xdist workers already keep both cores busy, and a 2-thread process on a busy 2-core
+        # machine spins for its partner thread (an evaluation took 2x the CPU). The ranks keep
+        # the launcher's rule (training.distributed: the cores divided among the local ranks).
+        "OMP_NUM_THREADS": "1",
     }
 )
 os.environ.pop("PREFECT_API_URL", None)
