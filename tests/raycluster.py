@@ -7,7 +7,7 @@ Each node gets what a real machine would have:
   name resolves to the node's address: Ray's and gloo's own address lookups find that address;
 - ``GLOO_SOCKET_IFNAME`` (its interface), ``STOKER_CACHE`` (its own host cache) and the project
   on ``PYTHONPATH``, in the environment of its raylet and so of every worker it starts;
-- its own Ray temp folder (one log monitor per node: no line is forwarded twice).
+- its own Ray temp folder (its workers' log files; no log monitor forwards them to drivers).
 
 Drivers in this namespace reach the cluster with Ray Client at ``client_address``. The head's
 client server forks a server per client; gRPC's fork handlers crash it ("Check failed:
@@ -31,6 +31,17 @@ from tests.netutil import NetnsNodes
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GCS_PORT = 6379
 CLIENT_PORT = 10001
+
+# Ray Train settings for the tests' Ray (a node's raylet passes them to the workers it starts,
+# the Train controller included; a driver passes its own to the controller): no preemption
+# watcher (an actor per launch that polls for node drains, which no test makes), and the
+# controller polls its workers every 0.5 s, not 2 s (a run's end, and a killed worker, are
+# seen sooner; a poll that misses is only counted as a hang after 10 min, as before)
+TRAIN_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+# a raylet starts as many worker processes at once as its node has CPUs (one here): a launch's
+# actors on the head (relay, Train controller, its helpers, a Ray Train worker) would start one
+# after another while this machine's other core idles
+STARTUP_CONCURRENCY = "2"
 
 
 def ray_unavailable() -> str | None:
@@ -88,6 +99,8 @@ class RayCluster:
             STOKER_CACHE=self.caches[node],
             PYTHONUNBUFFERED="1",
             PYTHONPATH=os.pathsep.join(p for p in (CHECKOUT, env.get("PYTHONPATH")) if p),
+            RAY_worker_maximum_startup_concurrency=STARTUP_CONCURRENCY,
+            **TRAIN_ENV,
         )
         if node == 0:
             env.update(GRPC_ENABLE_FORK_SUPPORT="0", GRPC_POLL_STRATEGY="poll")
@@ -112,6 +125,10 @@ class RayCluster:
                     "--num-gpus=0",
                     "--disable-usage-stats",
                     f"--temp-dir={self.temp_dirs[i]}",
+                    # no test reads Ray's log forwarding (the training driver relays its workers'
+                    # lines itself; the data engine's tasks print nothing): a log monitor would
+                    # only tail every worker's files, for nobody
+                    "--include-log-monitor=false",
                 ]
                 if i == 0:
                     cmd = [

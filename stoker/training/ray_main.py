@@ -35,8 +35,10 @@ import time
 import uuid
 
 from stoker.core import events
-from stoker.training.distributed import Preempted, request_stop, stop_grace_seconds
-from stoker.training.train import FailedBefore, failure_of, read_config, run_rank
+
+# the rank code (torch) is imported where it runs, in the workers and the driver: the relay
+# actor's process imports this module for the Relay class alone, and would import torch for
+# nothing (a few CPU seconds, ~300 MB, per launch)
 
 POLL_SECONDS = 0.2
 STOP_POLL_SECONDS = 0.5
@@ -146,6 +148,8 @@ def _watch(relay, writer: _RelayWriter, done: threading.Event) -> None:
     """Ship output lines every POLL_SECONDS; relay a stop request to this rank's loop."""
     import ray
 
+    from stoker.training.distributed import request_stop
+
     last_stop_check = 0.0
     while not done.wait(POLL_SECONDS):
         writer.flush()
@@ -168,6 +172,9 @@ def train_worker(loop_config: dict) -> None:
     os.environ["STOKER_CPU_THREADS"] = str(max(1, int(loop_config["cpus"])))
     relay, rank = loop_config["relay"], int(os.environ["RANK"])
     import ray
+
+    from stoker.training.distributed import Preempted
+    from stoker.training.train import FailedBefore, failure_of, run_rank
 
     writer, done = _RelayWriter(relay, rank), threading.Event()
     saved = sys.stdout, sys.stderr
@@ -239,6 +246,9 @@ def drive(args: argparse.Namespace) -> int:
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+
+    from stoker.training.distributed import stop_grace_seconds
+    from stoker.training.train import read_config
 
     stop_asked = threading.Event()
     result = {"failures": [], "running": [], "launcher_errors": [], "completed": False}

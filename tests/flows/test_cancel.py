@@ -212,7 +212,8 @@ def test_cancelling_a_flow_run_on_ray_stops_the_ray_job_and_leaves_no_worker(pre
             root,
             run_name="cancel-ray",
             train={"max_steps": 100_000},
-            checkpoint={"interval_steps": 20},
+            # the cancel waits for a first committed checkpoint (mid-training): at step 4
+            checkpoint={"interval_steps": 4},
             eval={"interval_steps": 100_000, "per_checkpoint_enabled": False},
             storage={"root": root, "storage_options": options},
             ray={"address": ray_cluster.cluster.client_address},

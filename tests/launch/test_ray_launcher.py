@@ -30,6 +30,7 @@ from tests.conftest import (
     run_collecting,
     tiny_dict,
 )
+from tests.raycluster import TRAIN_ENV
 
 MAX_STEPS, INTERVAL = 8, 4
 RAY_PROCESSES = ("RayTrainWorker", "TrainController")
@@ -252,7 +253,7 @@ print("REASON", result.reason)
             capture_output=True,
             text=True,
             timeout=300,
-            env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+            env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", **TRAIN_ENV},
         )
     finally:
         subprocess.run(["ip", "netns", "pids", ns], capture_output=True)
