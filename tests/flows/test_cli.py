@@ -1,9 +1,12 @@
 """The CLI answers a user's mistake with one `stoker: ...` line and exit code 2, never a
 traceback, whether it is found before Prefect starts or by a task after it has."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +19,24 @@ def _cli(*args, timeout=300, env=None):
     )
 
 
+@pytest.fixture
+def stoker_main(monkeypatch):
+    """`stoker ARGS` in this process, for what needs no Prefect (a process start is ~2 s of
+    CPU; the subprocess tests here keep the real exit code and stderr): returncode, stdout and
+    stderr, as `_cli` gives them. Not capsys: Prefect's console handler would keep its stream."""
+    from stoker.cli import main
+
+    monkeypatch.delenv("STOKER_CLI_CHILD", raising=False)
+
+    def run(*args):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+        return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+    return run
+
+
 @pytest.mark.parametrize(
     "args,says",
     [
@@ -25,8 +46,8 @@ def _cli(*args, timeout=300, env=None):
         (["run", "--recipe", "no-such-recipe"], "is neither a file nor a recipe"),
     ],
 )
-def test_a_mistake_found_before_prefect_starts_is_one_line_and_exit_2(args, says):
-    out = _cli(*args, timeout=120)
+def test_a_mistake_found_before_prefect_starts_is_one_line_and_exit_2(args, says, stoker_main):
+    out = stoker_main(*args)
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.startswith("stoker: ") and says in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
@@ -181,7 +202,7 @@ def test_a_gpu_recipe_on_a_machine_without_gpus_is_one_line_before_prefect_start
     print(f"refused in {time.monotonic() - t0:.1f} s")
 
 
-def test_runs_checkpoints_verify_and_config_list_read_the_store_without_prefect(tmp_path):
+def test_runs_checkpoints_verify_and_config_list_read_the_store_without_prefect(tmp_path, stoker_main):
     """A store with one run: two committed checkpoints, the newer one with a flipped byte
     (sizes match, so only verify's checksums find it) and one never committed."""
     from stoker.core.config import load_config
@@ -202,26 +223,26 @@ def test_runs_checkpoints_verify_and_config_list_read_the_store_without_prefect(
     data = store.read_bytes(shard)
     store.write_bytes(shard, data[:10] + bytes([data[10] ^ 1]) + data[11:])
 
-    out = _cli("runs", "--root", store.root)
+    out = stoker_main("runs", "--root", store.root)
     assert out.returncode == 0, out.stderr
     [row] = [line.split() for line in out.stdout.splitlines()[1:]]
     assert row[:4] == ["r1", "8", "500", "3"]  # the cheap choice: sizes match at step 8
-    out = _cli("checkpoints", "r1", "--root", store.root)
+    out = stoker_main("checkpoints", "r1", "--root", store.root)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[1].startswith("12") and "INVALID: no manifest" in lines[1]
     # the flipped byte keeps the sizes: the listing does not claim it valid, only committed
     assert lines[2].startswith("8") and "committed (not verified)" in lines[2] and lines[3].startswith("4")
     assert "valid" not in lines[2].replace("INVALID", "") and "stoker verify" in out.stdout
-    good = _cli("verify", store.url(keys[4]))
+    good = stoker_main("verify", store.url(keys[4]))
     assert good.returncode == 0 and "intact (2 files, every sha256 matches)" in good.stdout
-    bad = _cli("verify", store.url(keys[8]))
+    bad = stoker_main("verify", store.url(keys[8]))
     assert bad.returncode == 1 and "__0_0.distcp fails its sha256 checksum" in bad.stderr
-    listing = _cli("config", "--list")
+    listing = stoker_main("config", "--list")
     assert listing.returncode == 0
     assert "engine.parallelism  ['ddp' | 'fsdp']  default: 'ddp'" in listing.stdout
     assert "train.max_steps  [int (>= 1)]" in listing.stdout
-    typo = _cli("run", "--set", "train.max_step=5")
+    typo = stoker_main("run", "--set", "train.max_step=5")
     assert typo.returncode == 2 and "did you mean train.max_steps?" in typo.stderr
 
 

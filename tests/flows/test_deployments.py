@@ -15,6 +15,7 @@ from stoker.observe.ledger import deployment_ledgers, read_ledgers
 from stoker.storage.store import Store
 from tests.conftest import (
     ROOT,
+    real_prefect_server,
     start_process,
     start_worker,
     stoker_deploy,
@@ -25,6 +26,16 @@ from tests.conftest import (
 )
 
 PREFECT_YAML = os.path.join(ROOT, "prefect.yaml")
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    """One real `prefect server start` for this module's two tests (a start costs ~11 CPU
+    seconds and, on a loaded machine, up to a minute): `stoker deploy` and the worker first,
+    then `stoker serve`, which takes the deployments over from the work pool as it does after
+    any deploy. Both tests are one xdist group, so they share it under `make test` too."""
+    with real_prefect_server(str(tmp_path_factory.mktemp("deployments-prefect"))) as env:
+        yield env
 
 
 def test_prefect_yaml_train_parameters_are_the_tiny_cpu_recipe():
@@ -42,6 +53,7 @@ def test_prefect_yaml_train_parameters_are_the_tiny_cpu_recipe():
 
 
 @pytest.mark.e2e
+@pytest.mark.xdist_group("deployments-server")
 def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(prefect_api, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter
@@ -141,6 +153,7 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
 
 
 @pytest.mark.e2e
+@pytest.mark.xdist_group("deployments-server")
 def test_serve_runs_the_deployments_from_one_process_without_a_worker(prefect_api, tmp_path):
     """`stoker serve`: the four deployments served by a runner in this one process (no work
     pool, no worker); a run of the ad-hoc one with tiny parameters completes."""
@@ -150,6 +163,11 @@ def test_serve_runs_the_deployments_from_one_process_without_a_worker(prefect_ap
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     env = {**prefect_api, "STOKER_ROOT": str(tmp_path / "store"), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+    # the module's server: the deploy test's pooled deployments (when it ran first) are there
+    # until serve has replaced them with deployments of its own
+    with temporary_settings({PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}):
+        with get_client(sync_client=True) as client:
+            before = {d.id for d in client.read_deployments()}
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         served = start_process([sys.executable, "-m", "stoker.cli", "serve"], env, out)
@@ -158,7 +176,9 @@ def test_serve_runs_the_deployments_from_one_process_without_a_worker(prefect_ap
             with get_client(sync_client=True) as client:
                 deployments = wait_for(
                     "the served deployments",
-                    lambda: (lambda ds: ds if len(ds) == 4 else None)(client.read_deployments()),
+                    lambda: (lambda ds: ds if len(ds) == 4 and not {d.id for d in ds} & before else None)(
+                        client.read_deployments()
+                    ),
                     180,
                     [log],
                 )

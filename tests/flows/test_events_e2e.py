@@ -32,7 +32,8 @@ from tests.conftest import (
     wait_for_flow_run,
 )
 
-pytestmark = pytest.mark.e2e
+# one xdist group: the module's server is started once under `make test` too
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("events-server")]
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +173,9 @@ def test_a_run_that_stops_stepping_is_marked_stalled_and_running_again_at_its_ne
         train={"max_steps": 60, "log_interval": 1},
         checkpoint={"interval_steps": 20},
         eval={"interval_steps": 100},
-        launch={"hang_timeout_seconds": 90, "max_attempts": 1},
+        # waited out after the mark and the take-back (~11 s window, then the server's trigger
+        # passes): 60 s leaves those half a minute more even on a loaded machine
+        launch={"hang_timeout_seconds": 60, "max_attempts": 1},
         events={"step_interval_seconds": 1, "stall_min_seconds": 10, "stall_factor": 2},
     )
     cmd = [sys.executable, "-m", "stoker.cli", "run", *args, "--set", f"run_name={run}"]
@@ -226,6 +229,8 @@ def test_a_run_that_stops_stepping_is_marked_stalled_and_running_again_at_its_ne
 
             (resumed, *_) = wait_for("the flow run to be Running again", running_again, 60, [log])
             assert "reported again" in resumed.message
+            beat_at = beat["occurred"]
+            print(f"last heartbeat {beat_at}; marked Stalled {marked[0].timestamp}; Running again {resumed.timestamp}")
             assert proc.wait(timeout=240) != 0  # then stoker's own watchdog kills the hung gang
             ended = flow_run()
             assert ended.state.type == StateType.FAILED, ended.state

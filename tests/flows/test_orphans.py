@@ -104,7 +104,7 @@ def _kill_all(procs) -> None:
                 pass
 
 
-def test_sigkilled_cli_and_flow_process_leave_no_rank_agent_or_server_and_a_rerun_resumes(tmp_path):
+def test_sigkilled_cli_and_flow_process_leave_no_rank_agent_or_server_and_a_rerun_resumes(tmp_path, session_server_env):
     env, log = _env(tmp_path), tmp_path / "cli.log"
     store = Store("file://" + str(tmp_path / "store"))
     with open(log, "w") as out:
@@ -141,11 +141,13 @@ def test_sigkilled_cli_and_flow_process_leave_no_rank_agent_or_server_and_a_reru
         _wait("the embedded server to end", lambda: read_proc(servers[0].pid) is None, 30, log)
         assert [p for p in seen.values() if read_proc(p.pid) is not None and read_proc(p.pid).start == p.start] == []
 
-        # a rerun resumes from the newest valid checkpoint, and finishes two steps later
+        # a rerun resumes from the newest valid checkpoint, and finishes two steps later (on the
+        # session's Prefect server: a second temporary one is not the subject)
         newest = find_latest_valid(store, "orphans").checkpoint
         assert newest is not None and newest.step > 0
+        rerun_env = {**env, "PREFECT_API_URL": session_server_env["PREFECT_API_URL"]}
         rerun = subprocess.run(
-            _cli("orphans", newest.step + 2), cwd=ROOT, env=env, capture_output=True, text=True, timeout=400
+            _cli("orphans", newest.step + 2), cwd=ROOT, env=rerun_env, capture_output=True, text=True, timeout=400
         )
         assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
         assert f"run orphans: step {newest.step} -> {newest.step + 2}" in rerun.stdout, rerun.stdout[-3000:]

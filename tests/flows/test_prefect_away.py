@@ -57,6 +57,7 @@ class PrefectServer:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """The module's server; its tests are one xdist group, so `make test` starts it once."""
     srv = PrefectServer(str(tmp_path_factory.mktemp("prefect-away")))
     srv.start()
     yield srv
@@ -115,6 +116,7 @@ def slow_run_config(tmp_path, run_name, max_steps):
 
 # ---- the server away during training ------------------------------------------------------
 @pytest.mark.e2e
+@pytest.mark.xdist_group("prefect-away-server")
 def test_training_outlives_a_prefect_server_outage_and_the_ui_catches_up(server, tmp_path):
     """The server is stopped for longer than the client's retry window (2 retries: about 6 s)
     while the ranks train, then started again: the ranks train on, the flow's log and the
@@ -179,6 +181,7 @@ def test_an_unreachable_prefect_api_url_is_one_line_before_any_compute(monkeypat
 
 # ---- serve after deploy ------------------------------------------------------------------
 @pytest.mark.e2e
+@pytest.mark.xdist_group("prefect-away-server")
 def test_serve_after_deploy_on_the_same_server_runs_a_flow_run_to_completed(server, tmp_path):
     env = {**server.env, "STOKER_ROOT": str(tmp_path / "store"), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
     stoker_deploy(env)
@@ -232,6 +235,7 @@ print("failed:", evaluate_checkpoint_flow(sys.argv[1], return_state=True).is_fai
 
 
 @pytest.mark.e2e
+@pytest.mark.xdist_group("prefect-away-server")
 def test_the_flow_run_of_a_killed_python_process_ends_crashed(server, tmp_path):
     run_name = "kernel-" + uuid.uuid4().hex[:6]
     store, cfg = slow_run_config(tmp_path, run_name, max_steps=400)
