@@ -209,6 +209,15 @@ def _zygotes(n: int) -> list[_Zygote]:
     return _ZYGOTES[:n]
 
 
+_OUT: list[str] = []  # the folder of every run's output files, removed with the zygotes
+
+
+def _out_root() -> str:
+    if not _OUT:
+        _OUT.append(tempfile.mkdtemp(prefix="stoker-forked-ranks-"))
+    return _OUT[0]
+
+
 _OPEN: list["Ranks"] = []  # runs not closed yet (a test that failed half-way)
 
 
@@ -218,6 +227,8 @@ def stop_zygotes() -> None:
     _OPEN.clear()
     while _ZYGOTES:
         _ZYGOTES.pop().stop()
+    while _OUT:
+        shutil.rmtree(_OUT.pop(), ignore_errors=True)
 
 
 atexit.register(stop_zygotes)
@@ -232,7 +243,7 @@ class Ranks:
 
         while _OPEN:  # a zygote forks the next run only when its last one is reaped
             _OPEN.pop().close()
-        self.out = tempfile.mkdtemp(prefix="stoker-ranks-")
+        self.out = tempfile.mkdtemp(prefix="ranks-", dir=_out_root())
         self.zygotes = _zygotes(nproc)
         self.codes: dict[int, int] = {}  # rank -> exit status, once reaped
         self.pids: list[int] = []
