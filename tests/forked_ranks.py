@@ -19,9 +19,11 @@ own; its standard output and error in files of its own (out/rank-K.out, .err); `
 ``python -m stoker.training.train`` has it; and then it runs train's main to a normal
 interpreter exit (non-daemon threads joined, atexit handlers run), whose status it exits with.
 
-The zygote stays single-threaded in Python (asserted). Importing torch starts one native
-thread, numpy's OpenBLAS server, which OpenBLAS itself stops before a fork and restarts after
-(pthread_atfork); nothing in the zygote touches torch, CUDA or an OpenMP pool before forking.
+A zygote imports what every rank imports (stoker.training.train, s3fs, and torch._inductor
+with torch._dynamo, which torch.use_deterministic_algorithms pulls in), then forks. It stays
+single-threaded in Python (asserted). Importing torch starts one native thread, numpy's
+OpenBLAS server, which OpenBLAS's own fork handler (pthread_atfork) stops before a fork; the
+zygote touches no tensor, CUDA or OpenMP pool before forking.
 Tests that need a GPU, or whose subject is torchrun (restarts, its agent, its error files),
 keep conftest.run_ranks.
 
@@ -55,6 +57,10 @@ def _serve() -> tuple[dict, int] | None:
 
     import fsspec  # noqa: F401
     import s3fs  # noqa: F401
+
+    # torch._inductor, and torch._dynamo with it: torch.use_deterministic_algorithms imports
+    # them in every CPU rank (engine.configure_backends), ~1 s of CPU a rank
+    import torch._inductor  # noqa: F401
 
     import stoker.training.train  # noqa: F401
 
@@ -159,6 +165,8 @@ class _Zygote:
             start_new_session=True,
         )
         self.buf = b""
+
+    def wait_ready(self) -> None:
         ready = self.read(timeout=180)
         assert ready and "ready" in ready, f"the zygote did not start: {self.tail()}"
 
@@ -204,8 +212,11 @@ _ZYGOTES: list[_Zygote] = []
 
 
 def _zygotes(n: int) -> list[_Zygote]:
-    while len(_ZYGOTES) < n:
-        _ZYGOTES.append(_Zygote())
+    """The first `n` zygotes; those missing are started side by side."""
+    new = [_Zygote() for _ in range(n - len(_ZYGOTES))]
+    _ZYGOTES.extend(new)
+    for zygote in new:
+        zygote.wait_ready()
     return _ZYGOTES[:n]
 
 
