@@ -743,9 +743,9 @@ def wait_until_training(pid: int, metrics, seconds: float = 240) -> dict[int, Pr
 
 def one_rank_run(tmp_path_factory, run: str, **sections):
     """A run folder as the flow pins it, and its checkpoint of step 4, committed by one real
-    rank (forked: tests.forked_ranks; a tokenizer of 300 ids unless `sections` say otherwise). Returns (config,
-    store, shards, config URL): for tests of what reads a checkpoint (export, the harness,
-    the evaluation sets)."""
+    rank (forked from a warm zygote: tests.forked_ranks; a tokenizer of 300 ids unless
+    `sections` say otherwise). Returns (config, store, shards, config URL): for tests of what
+    reads a checkpoint (export, the harness, the evaluation sets)."""
     from stoker.core.config import load_config
     from stoker.storage.runs import pin_run_folder
     from tests.forked_ranks import run_forked
