@@ -58,6 +58,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    from tests.forked_ranks import stop_zygotes
+
+    stop_zygotes()  # this worker's warm rank zygotes, if it started any
     shutil.rmtree(_PREFECT_HOME, ignore_errors=True)
 
 
@@ -745,11 +748,12 @@ def wait_until_training(pid: int, metrics, seconds: float = 240) -> dict[int, Pr
 
 def one_rank_run(tmp_path_factory, run: str, **sections):
     """A run folder as the flow pins it, and its checkpoint of step 4, committed by one real
-    torchrun rank (a tokenizer of 300 ids unless `sections` say otherwise). Returns (config,
-    store, shards, config URL): for tests of what reads a checkpoint (export, the harness,
-    the evaluation sets)."""
+    rank (forked from a warm zygote: tests.forked_ranks; a tokenizer of 300 ids unless
+    `sections` say otherwise). Returns (config, store, shards, config URL): for tests of what
+    reads a checkpoint (export, the harness, the evaluation sets)."""
     from stoker.core.config import load_config
     from stoker.storage.runs import pin_run_folder
+    from tests.forked_ranks import run_forked
 
     sections = {
         "tokenizer": {"vocab_size": 300},
@@ -763,5 +767,5 @@ def one_rank_run(tmp_path_factory, run: str, **sections):
     cfg = load_config(tiny_dict(root, run_name=run, **sections))
     store, shards = prepare_shards(cfg)
     config_url = pin_run_folder(store, cfg, shards)
-    run_ranks(config_url, shards.key, nproc=1)
+    run_forked(config_url, shards.key, nproc=1)
     return cfg, store, shards, config_url

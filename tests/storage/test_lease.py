@@ -54,9 +54,11 @@ def test_own_flow_run_retakes_its_lease(store):
 
 
 def test_stale_lease_is_taken_without_takeover(store):
-    old = acquire_lease(store, "r", flow_run_id="flow-1", ttl=8)  # room for a loaded machine
+    old = acquire_lease(store, "r", flow_run_id="flow-1", ttl=60)
     with pytest.raises(LeaseHeld):
         acquire_lease(store, "r", flow_run_id="flow-2", ttl=60)
+    old.ttl = 1.0
+    assert old.renew()  # its last heartbeat, with a short ttl: the lease lasts 1 s more
     time.sleep(max(0.0, old.record.expires_at - time.time()) + 0.5)  # no heartbeat: expired
     new = acquire_lease(store, "r", flow_run_id="flow-2", ttl=60)
     assert read_lease(store, "r")[0].flow_run_id == "flow-2"
@@ -105,10 +107,11 @@ import sys, time
 from stoker.storage.store import Store
 from stoker.storage.lease import LeaseHeld, acquire_lease
 store = Store(sys.argv[1], {opts})
-start = float(sys.argv[2])
+print("READY", flush=True)
+start = float(sys.stdin.readline())
 time.sleep(max(0.0, start - time.time()))
 try:
-    acquire_lease(store, "r", flow_run_id=sys.argv[3], ttl=60)
+    acquire_lease(store, "r", flow_run_id=sys.argv[2], ttl=60)
     print("WON")
 except LeaseHeld:
     print("HELD")
@@ -123,17 +126,30 @@ def test_racing_processes_exactly_one_wins(store, expired):
         acquire_lease(store, "r", flow_run_id="flow-old", ttl=0.01)
         time.sleep(0.1)
     opts = repr(store.storage_options)
-    start = time.time() + 8  # every racer imported and waiting, on a loaded machine too
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _RACER.format(opts=opts), store.root, str(start), f"racer-{i}"],
+            [sys.executable, "-c", _RACER.format(opts=opts), store.root, f"racer-{i}"],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             cwd=__import__("tests.conftest").conftest.ROOT,
         )
         for i in range(4)
     ]
-    outs = [p.communicate(timeout=180)[0].strip() for p in procs]
+    try:
+        # every racer imported and waiting (however long that took on a loaded machine);
+        # then one start instant for all, a moment ahead
+        assert [p.stdout.readline().strip() for p in procs] == ["READY"] * 4
+        start = f"{time.time() + 0.5}\n"
+        for p in procs:
+            p.stdin.write(start)
+            p.stdin.flush()
+        outs = [p.communicate(timeout=180)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert sorted(outs) == ["HELD", "HELD", "HELD", "WON"], outs
     winner = read_lease(store, "r")[0].flow_run_id
     assert outs[int(winner.split("-")[1])] == "WON"

@@ -1,5 +1,5 @@
 """Checkpoints to a real S3 endpoint (moto_server on 127.0.0.1, through s3fs), from real
-torchrun ranks: manifests land, a fresh process loads them, an outage loses nothing."""
+ranks (forked: tests.forked_ranks): manifests land, a fresh process loads them, an outage loses nothing."""
 
 import json
 import os
@@ -9,9 +9,9 @@ import time
 
 from stoker.core import events
 from stoker.core.config import load_config
-from stoker.launch.torchrun import free_port
 from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
 from tests.conftest import ROOT, prepare_shards, tiny_dict
+from tests.forked_ranks import start_ranks, train_argv
 from tests.netutil import TcpProxy
 
 
@@ -21,29 +21,10 @@ def _s3_config(root, options, **sections):
 
 
 def _start(cfg, store, shard_key, tmp_path):
+    """Two forked ranks (tests.forked_ranks) of the run, its store options in their environment."""
     store.write_bytes(f"runs/{cfg.run_name}/config.json", cfg.to_json().encode())
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc-per-node=2",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "--tee=3",
-        "-m",
-        "stoker.training.train",
-        "--config",
-        store.url(f"runs/{cfg.run_name}/config.json"),
-        "--shards",
-        shard_key,
-        "--cache-dir",
-        str(tmp_path / "cache"),
-    ]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "STOKER_STORAGE_OPTIONS": json.dumps(cfg.storage.storage_options)}
-    return subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    argv = train_argv(store.url(f"runs/{cfg.run_name}/config.json"), shard_key, cache_dir=str(tmp_path / "cache"))
+    return start_ranks(argv, nproc=2, env={"STOKER_STORAGE_OPTIONS": json.dumps(cfg.storage.storage_options)})
 
 
 def _metric(line):
@@ -57,8 +38,10 @@ def test_checkpoints_land_in_s3_with_manifests_and_load_in_a_fresh_process(s3_ro
     cfg = _s3_config(root, options, run_name="s3run", train={"max_steps": 8}, checkpoint={"interval_steps": 4})
     store, shards = prepare_shards(cfg)
     proc = _start(cfg, store, shards.key, tmp_path)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-4000:]
+    try:
+        assert proc.wait(timeout=300) == 0, proc.tails()
+    finally:
+        proc.close()
     refs = list_checkpoints(store, "s3run")
     assert [r.step for r in refs] == [8, 4]
     for ref in refs:
@@ -133,7 +116,7 @@ def test_s3_outage_during_upload_delays_but_loses_no_checkpoint(s3_server, s3_ro
     proc = _start(cfg, store, shards.key, tmp_path)
     events, steps_while_down, down_since = [], [], None
     try:
-        for line in proc.stdout:
+        for line in proc.lines(timeout=300):
             m = _metric(line)
             if m is None:
                 continue
@@ -146,10 +129,8 @@ def test_s3_outage_during_upload_delays_but_loses_no_checkpoint(s3_server, s3_ro
                 if m["step"] == 7:  # training went on without storage; bring it back
                     time.sleep(1.0)
                     proxy.start()
-        proc.wait(timeout=300)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
+        proc.close()
         proxy.stop()
     assert proc.returncode == 0, [e for e in events if e["event"] != "step"][-10:]
     assert steps_while_down[:3] == [5, 6, 7]  # training did not stop during the outage
@@ -192,7 +173,7 @@ def test_outage_of_many_checkpoint_intervals_keeps_training_and_commits_the_newe
     proc = _start(cfg, store, shards.key, tmp_path)
     records, steps_while_down, staged_while_down = [], [], []
     try:
-        for line in proc.stdout:
+        for line in proc.lines(timeout=300):
             m = _metric(line)
             if m is None:
                 continue
@@ -206,10 +187,8 @@ def test_outage_of_many_checkpoint_intervals_keeps_training_and_commits_the_newe
                     proxy.start()
             elif m["event"] == "checkpoint_staged" and down:
                 staged_while_down.append(m["step"])
-        proc.wait(timeout=300)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
+        proc.close()
         proxy.stop()
     assert proc.returncode == 0, [e for e in records if e["event"] != "step"][-10:]
     assert steps_while_down == list(range(3, 13))  # training went on without its store
@@ -253,16 +232,14 @@ def test_a_deleted_bucket_fails_the_checkpoint_stream_once_and_training_reaches_
     proc = _start(cfg, store, shards.key, tmp_path)
     records = []
     try:
-        for line in proc.stdout:
+        for line in proc.lines(timeout=300):
             m = _metric(line)
             if m is not None:
                 records.append(m)
                 if m["event"] == "train" and m["step"] == 1:  # inputs read, no checkpoint yet
                     _delete_bucket(options["endpoint_url"], root.split("/")[2])
-        proc.wait(timeout=300)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
+        proc.close()
     assert proc.returncode == 0, [e for e in records if e["event"] != "step"][-10:]
     [done] = [e for e in records if e["event"] == "done"]
     assert done["step"] == 192 and done["failed_checkpoints"]

@@ -1,4 +1,4 @@
-"""The engine on CPU: FSDP2 on two real gloo ranks (torchrun), checkpoints that move between
+"""The engine on CPU: FSDP2 on two real gloo ranks (forked: tests.forked_ranks), checkpoints that move between
 DDP and FSDP2 in both directions, and the engine settings' config errors."""
 
 import math
@@ -9,7 +9,8 @@ import torch
 from stoker.core.config import RunConfig, load_config
 from stoker.core.failures import ConfigError
 from stoker.training.engine import Engine, peak_flops
-from tests.conftest import prepare_shards, run_ranks, tiny_dict, train_losses
+from tests.conftest import prepare_shards, tiny_dict, train_losses
+from tests.forked_ranks import run_forked
 
 CKPT = "runs/eng/checkpoints/step-{:08d}"
 
@@ -52,15 +53,15 @@ def test_fsdp2_on_two_gloo_ranks_trains_like_ddp_and_checkpoints_move_both_ways(
     store, shards = prepare_shards(ddp)
     ddp_url, fsdp_url = _write_config(store, ddp, "config"), _write_config(store, fsdp, "config-fsdp")
 
-    a = train_losses(run_ranks(ddp_url, shards.key))  # DDP: checkpoints step-2, step-4
-    fresh = run_ranks(fsdp_url, shards.key)  # FSDP2 from scratch: step-2.a1, step-4.a1
+    a = train_losses(run_forked(ddp_url, shards.key))  # DDP: checkpoints step-2, step-4
+    fresh = run_forked(fsdp_url, shards.key)  # FSDP2 from scratch: step-2.a1, step-4.a1
     _close(a, train_losses(fresh), [1, 2, 3, 4])
     assert any(e["event"] == "checkpoint" and e["step"] == 4 for e in fresh)
 
-    c = train_losses(run_ranks(fsdp_url, shards.key, resume=CKPT.format(2)))  # DDP -> FSDP2
+    c = train_losses(run_forked(fsdp_url, shards.key, resume=CKPT.format(2)))  # DDP -> FSDP2
     assert sorted(c) == [3, 4]
     _close(a, c, [3, 4])
-    d = train_losses(run_ranks(ddp_url, shards.key, resume=CKPT.format(2) + ".a1"))  # FSDP2 -> DDP
+    d = train_losses(run_forked(ddp_url, shards.key, resume=CKPT.format(2) + ".a1"))  # FSDP2 -> DDP
     assert sorted(d) == [3, 4]
     _close(a, d, [3, 4])
 
@@ -190,14 +191,14 @@ def test_resume_at_another_world_size_trains_on_the_same_windows(tiny_config):
     store, shards = prepare_shards(two)
     two_url, one_url = _write_config(store, two, "config-2"), _write_config(store, one, "config-1")
 
-    a = train_losses(run_ranks(two_url, shards.key))  # step-2, step-4
-    b_events = run_ranks(one_url, shards.key, resume=CKPT.format(2), nproc=1)  # 2 -> 1
+    a = train_losses(run_forked(two_url, shards.key))  # step-2, step-4
+    b_events = run_forked(one_url, shards.key, resume=CKPT.format(2), nproc=1)  # 2 -> 1
     assert [e["rng_restored"] for e in b_events if e["event"] == "resumed"] == [False]
     _close(a, train_losses(b_events), [3, 4], tol=1e-5)
 
-    c = train_losses(run_ranks(one_url, shards.key, nproc=1))  # step-2.a1, step-4.a1
+    c = train_losses(run_forked(one_url, shards.key, nproc=1))  # step-2.a1, step-4.a1
     _close(a, c, [1, 2, 3, 4], tol=1e-5)
-    d = train_losses(run_ranks(two_url, shards.key, resume=CKPT.format(2) + ".a1"))  # 1 -> 2
+    d = train_losses(run_forked(two_url, shards.key, resume=CKPT.format(2) + ".a1"))  # 1 -> 2
     _close(c, d, [3, 4], tol=1e-5)
 
 

@@ -1,4 +1,4 @@
-"""`stoker export`: a checkpoint trained by real torchrun ranks, written as a Hugging Face GPT-2
+"""`stoker export`: a checkpoint trained by a real (forked) rank, written as a Hugging Face GPT-2
 folder, loaded by transformers, gives our model's logits on the same tokens."""
 
 import json
@@ -27,7 +27,7 @@ def _cli(*args, timeout=300):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A run folder as the flow pins it, and a checkpoint committed by one torchrun rank after 4
+    """A run folder as the flow pins it, and a checkpoint committed by one real rank after 4
     steps. The tokenizer has 300 ids: the model's embedding is padded to 384 rows."""
     cfg, store, shards, _ = one_rank_run(tmp_path_factory, "export")
     assert shards.vocab_size == 300 and padded_vocab(300, cfg.model.vocab_pad_multiple) == 384

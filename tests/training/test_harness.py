@@ -1,5 +1,5 @@
 """The lm-evaluation-harness extra (training.harness, tasks.harness, `stoker harness`): real
-lm_eval on a checkpoint trained by a real torchrun rank and exported as GPT-2. Its `acc` on
+lm_eval on a checkpoint trained by a real (forked) rank and exported as GPT-2. Its `acc` on
 stoker_mc (the vendored multiple-choice set as an lm-eval task) equals stoker's own scorer's
 summed-log-likelihood accuracy on the same items, item by item; bad names, folders and a
 missing lm_eval are one error before anything is exported."""
@@ -29,7 +29,7 @@ BLOCK = 128  # every ending (at most 72 characters) fits whole; most contexts ar
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A run folder as the flow pins it, and a checkpoint one torchrun rank committed after 4 steps."""
+    """A run folder as the flow pins it, and a checkpoint one real rank committed after 4 steps."""
     return one_rank_run(tmp_path_factory, RUN, model={"block_size": BLOCK})[:3]
 
 

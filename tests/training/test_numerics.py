@@ -1,5 +1,5 @@
 """The numerics guard: a NaN loss never goes on silently, a NaN state is never committed or
-resumed from. Real torchrun ranks; the NaN comes from STOKER_FAULT=nan (a forward hook that
+resumed from. Real ranks (the launcher's, or forked: tests.forked_ranks); the NaN comes from STOKER_FAULT=nan (a forward hook that
 makes the training loss NaN), and the real check catches it."""
 
 import json
@@ -15,7 +15,8 @@ from stoker.launch.attempts import launch_attempt, read_attempts
 from stoker.launch.monitor import TrainingMonitor
 from stoker.storage.checkpoints import find_latest_valid, list_checkpoints, validate_checkpoint
 from stoker.tasks.inspect import list_checkpoint_folders, list_runs
-from tests.conftest import prepare_shards, run_ranks
+from tests.conftest import prepare_shards
+from tests.forked_ranks import run_forked
 
 
 def _stage(cfg, run):
@@ -101,7 +102,7 @@ def test_skip_drops_a_transient_nan_step_and_the_run_completes(tiny_config):
         checkpoint={"interval_steps": 3},
     )
     store, shards = _stage(cfg, run)
-    records = run_ranks(store.url(f"runs/{run}/config.json"), shards.key, env={"STOKER_FAULT": "nan:rank=0:step=3"})
+    records = run_forked(store.url(f"runs/{run}/config.json"), shards.key, env={"STOKER_FAULT": "nan:rank=0:step=3"})
     skipped = [r for r in records if r["event"] == "nonfinite"]
     assert [(r["step"], r["action"], r["what"]) for r in skipped] == [(3, "skipped", "loss")]
     losses = {r["step"]: r["loss"] for r in records if r["event"] == "train"}

@@ -1,6 +1,6 @@
 """Evaluation sets beyond the validation loss (training.scoring): bits per byte of held-out
 text and multiple-choice scoring over the vendored, checksummed set. The numbers of a real
-evaluation process, on a checkpoint trained by a real torchrun rank, equal those transformers'
+evaluation process, on a checkpoint trained by a real (forked) rank, equal those transformers'
 GPT-2 computes on the same checkpoint exported with `python -m stoker.training.export`."""
 
 import hashlib
@@ -38,7 +38,7 @@ NUM_ITEMS = 40
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A run folder as the flow pins it and a checkpoint one torchrun rank committed after 8
+    """A run folder as the flow pins it and a checkpoint one real rank committed after 8
     steps. 300 tokenizer ids: the embedding is padded to 384 rows, which the scores leave out."""
     cfg, store, shards, config_url = one_rank_run(
         tmp_path_factory,

@@ -1,5 +1,7 @@
-"""Real torchrun with 2 gloo ranks: a resumed run ends bit for bit where an unbroken one does
-(one unbroken run per world size for the module: `unbroken`)."""
+"""Real gloo ranks: a resumed run ends bit for bit where an unbroken one does (one unbroken run
+per world size for the module: `unbroken`). Where torchrun is not the subject the ranks are
+forked (tests.forked_ranks); torchrun's in-place restart, and its refusal to restart a
+permanent failure, run under real torchrun, against the same (forked) unbroken run."""
 
 import pytest
 import torch
@@ -8,10 +10,11 @@ import torch.distributed.checkpoint as dcp
 from stoker.core.config import RunConfig
 from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
 from tests.conftest import prepare_shards, run_ranks, tiny_dict, train_losses
+from tests.forked_ranks import run_forked
 
 
-def _torchrun(config_url, shard_key, resume=None, nproc=2):
-    return train_losses(run_ranks(config_url, shard_key, resume, nproc=nproc))
+def _train(config_url, shard_key, resume=None, nproc=2):
+    return train_losses(run_forked(config_url, shard_key, resume, nproc=nproc))
 
 
 def _tensors(path):
@@ -45,7 +48,7 @@ def unbroken(tmp_path_factory):
             store, shards = prepare_shards(cfg)
             store.write_bytes(f"runs/{run}/config.json", cfg.to_json().encode())
             url = store.url(f"runs/{run}/config.json")
-            losses = _torchrun(url, shards.key, nproc=ranks)
+            losses = _train(url, shards.key, nproc=ranks)
             assert sorted(losses) == [1, 2, 3, 4, 5, 6, 7, 8]
             assert [r.name for r in list_checkpoints(store, run)] == ["step-00000008", "step-00000004"]
             made[ranks] = (store, shards, url, run, losses)
@@ -60,7 +63,7 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(unbroken, ranks):
     DDP's buckets matters: DDP's rebuild of its buckets after its first step would differ
     between the unbroken run and the resumed one (train.deterministic keeps them fixed)."""
     store, shards, config_url, run, whole = unbroken(ranks)
-    resumed = _torchrun(config_url, shards.key, resume=f"runs/{run}/checkpoints/step-00000004", nproc=ranks)
+    resumed = _train(config_url, shards.key, resume=f"runs/{run}/checkpoints/step-00000004", nproc=ranks)
     assert sorted(resumed) == [5, 6, 7, 8]
     assert all(resumed[s] == whole[s] for s in resumed)  # same per-step losses, exactly
 
@@ -80,7 +83,7 @@ def test_ranks_fall_back_together_from_a_checkpoint_their_full_check_rejects(tin
     cfg = tiny_config(run_name="fallback", train={"max_steps": 4}, checkpoint={"interval_steps": 2})
     store, shards = prepare_shards(cfg)
     store.write_bytes("runs/fallback/config.json", cfg.to_json().encode())
-    run_ranks(store.url("runs/fallback/config.json"), shards.key)
+    run_forked(store.url("runs/fallback/config.json"), shards.key)
     newest = "runs/fallback/checkpoints/step-00000004"
     shard = sorted(n for n in store.walk_files(newest) if n.endswith(".distcp"))[0]
     data = store.read_bytes(f"{newest}/{shard}")
@@ -88,7 +91,7 @@ def test_ranks_fall_back_together_from_a_checkpoint_their_full_check_rejects(tin
 
     longer = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 6})})
     store.write_bytes("runs/fallback/config-6.json", longer.to_json().encode())
-    records = run_ranks(store.url("runs/fallback/config-6.json"), shards.key, resume=newest)
+    records = run_forked(store.url("runs/fallback/config-6.json"), shards.key, resume=newest)
     [resumed] = [r for r in records if r["event"] == "resumed"]
     assert resumed["step"] == 2 and resumed["passed_over"] == [store.url(newest)]
     assert sorted(train_losses(records)) == [3, 4, 5, 6]
@@ -144,7 +147,7 @@ def test_a_permanent_failure_is_not_restarted(tiny_config, tmp_path):
             "--nproc-per-node=2",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            "--max-restarts=3",
+            "--max-restarts=1",  # one restart round shows it: it ends at once, without training
             "--tee=3",
             "-m",
             "stoker.training.train",
