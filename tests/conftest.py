@@ -647,6 +647,7 @@ def run_ranks(
     """torchrun `nproc` ranks of training.train on this host; assert they succeed and return
     their events (decoded metric lines)."""
     from stoker.launch.torchrun import free_port as rdzv_port
+    from tests.forked_ranks import train_argv  # the ranks' arguments, as the forked runner gives them
 
     cmd = [
         sys.executable,
@@ -660,15 +661,8 @@ def run_ranks(
         f"--max-restarts={max_restarts}",
         "-m",
         "stoker.training.train",
-        "--config",
-        config_url,
-        "--shards",
-        shard_key,
+        *train_argv(config_url, shard_key, resume, cache_dir),
     ]
-    if resume:
-        cmd += ["--resume-from", resume]
-    if cache_dir:
-        cmd += ["--cache-dir", cache_dir]
     out = subprocess.run(
         cmd,
         cwd=ROOT,
