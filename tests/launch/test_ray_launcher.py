@@ -347,9 +347,21 @@ def test_a_sigkilled_launcher_stops_the_ray_job_with_a_checkpoint_and_leaves_no_
         helper.kill()
         helper.wait()
         _no_ray_workers_left(runs.cluster, seconds=150)  # the driver ends the job 45 s after the stop at most
+        # the workers stopped at a step boundary; the newest checkpoint is valid, and it is the
+        # one written on the way out when it fit into the grace period (as a cancel's, in
+        # tests/flows/test_cancel.py). The stop comes right after the first commit here: on a
+        # loaded machine that commit took 6.7 s once, and the estimate (its time x 1.5 + 1 s)
+        # no longer fit into the ranks' 12 s, so they kept the committed one
         records = [json.loads(line) for line in runs.store.read_bytes("runs/ray-orphan/metrics.jsonl").splitlines()]
         stopped = [r for r in records if r["event"] == "stopped"]
-        assert stopped and stopped[0]["saved"], records[-5:]
+        assert len(stopped) == 1, records[-5:]
+        newest = list_checkpoints(runs.store, "ray-orphan")[0]
+        choice = find_latest_valid(runs.store, "ray-orphan")
+        assert choice.checkpoint is not None and choice.checkpoint.key == newest.key
+        if stopped[0]["saved"]:
+            assert newest.step == stopped[0]["step"]
+        else:
+            assert newest.step < stopped[0]["step"]
     finally:
         for pid in [helper.pid, *_drivers_of("runs/ray-orphan/config.json")]:  # a failed test's
             try:

@@ -45,16 +45,20 @@ def test_stoker_evaluate_of_a_missing_checkpoint_says_so_before_any_process(tiny
     print(f"refused in {time.monotonic() - t0:.2f} s")
 
 
-def _evaluation_in_a_thread(cfg):
-    """Start run_evaluation in a thread; returns (thread, the error box, its process)."""
+def _evaluation_in_a_thread(cfg, tmp_path):
+    """Start run_evaluation in a thread; returns (thread, the error box, its process). Its
+    config is a FIFO nobody writes: the process waits there until the stop comes (a missing
+    file let it end on its own first once, when a loaded machine was slow to send the stop)."""
     from stoker.tasks import evaluate
 
     box = []
+    config = tmp_path / "config.json"
+    os.mkfifo(config)
 
     def run():
         try:
             evaluate.run_evaluation(
-                cfg, "file:///nonexistent/config.json", "runs/r/checkpoints/step-00000004", "shards/none", timeout=300
+                cfg, f"file://{config}", "runs/r/checkpoints/step-00000004", "shards/none", timeout=300
             )
         except BaseException as err:  # the error the task would raise
             box.append(err)
@@ -68,10 +72,10 @@ def _evaluation_in_a_thread(cfg):
     return thread, box, proc
 
 
-def test_an_evaluation_killed_by_the_runs_stop_is_not_retried(tiny_config):
+def test_an_evaluation_killed_by_the_runs_stop_is_not_retried(tiny_config, tmp_path):
     from stoker.tasks.evaluate import kill_running_evaluations
 
-    thread, box, _ = _evaluation_in_a_thread(tiny_config())
+    thread, box, _ = _evaluation_in_a_thread(tiny_config(), tmp_path)
     assert kill_running_evaluations() == 1  # what launch_training does on Ctrl-C or a cancel
     thread.join(60)
     [err] = box
@@ -80,8 +84,8 @@ def test_an_evaluation_killed_by_the_runs_stop_is_not_retried(tiny_config):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_an_evaluation_ended_by_sigterm_or_sigint_is_not_retried(tiny_config, sig):
-    thread, box, proc = _evaluation_in_a_thread(tiny_config())
+def test_an_evaluation_ended_by_sigterm_or_sigint_is_not_retried(tiny_config, sig, tmp_path):
+    thread, box, proc = _evaluation_in_a_thread(tiny_config(), tmp_path)
     os.killpg(proc.pid, sig)
     thread.join(60)
     [err] = box
