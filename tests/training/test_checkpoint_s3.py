@@ -20,11 +20,13 @@ def _s3_config(root, options, **sections):
     return cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"storage_options": options})})
 
 
-def _start(cfg, store, shard_key, tmp_path):
-    """Two forked ranks (tests.forked_ranks) of the run, its store options in their environment."""
+def _start(cfg, store, shard_key, tmp_path, env=None):
+    """Two forked ranks (tests.forked_ranks) of the run, its store options (and `env`) in their
+    environment."""
     store.write_bytes(f"runs/{cfg.run_name}/config.json", cfg.to_json().encode())
     argv = train_argv(store.url(f"runs/{cfg.run_name}/config.json"), shard_key, cache_dir=str(tmp_path / "cache"))
-    return start_ranks(argv, nproc=2, env={"STOKER_STORAGE_OPTIONS": json.dumps(cfg.storage.storage_options)})
+    options = json.dumps(cfg.storage.storage_options)
+    return start_ranks(argv, nproc=2, env={"STOKER_STORAGE_OPTIONS": options, **(env or {})})
 
 
 def _metric(line):
@@ -220,19 +222,21 @@ def test_a_deleted_bucket_fails_the_checkpoint_stream_once_and_training_reaches_
     without being written; and training reaches max_steps. Which checkpoint meets the missing
     bucket first, on which rank, depends on how fast the uploads go: 12 checkpoint intervals
     leave room for later ones on a loaded machine (with 6, all six were once staged before the
-    first upload had failed)."""
+    first upload had failed). Each step sleeps first (STOKER_FAULT=slow): an interval lasts
+    over a second of mostly idle time in which the uploads run (they once waited for the GIL
+    behind 32 busy steps), for a fraction of the CPU of busy steps."""
     root, options = s3_root
-    max_steps = 384
+    interval, max_steps = 8, 96
     cfg = _s3_config(
         root,
         options,
         run_name="nobucket",
         train={"max_steps": max_steps, "warmup_steps": 2},
         eval={"interval_steps": 100},
-        checkpoint={"interval_steps": 32, "upload_timeout_seconds": 120, "commit_timeout_seconds": 120},
+        checkpoint={"interval_steps": interval, "upload_timeout_seconds": 120, "commit_timeout_seconds": 120},
     )
     store, shards = prepare_shards(cfg)
-    proc = _start(cfg, store, shards.key, tmp_path)
+    proc = _start(cfg, store, shards.key, tmp_path, env={"STOKER_FAULT": "slow:seconds=0.15"})
     records = []
     try:
         for line in proc.lines(timeout=300):
@@ -256,8 +260,8 @@ def test_a_deleted_bucket_fails_the_checkpoint_stream_once_and_training_reaches_
     assert all("max_pending_uploads" in e["reason"] for e in dropped), dropped
     settled = set(committed) | {e["step"] for e in dropped} | {e["step"] for e in failed}
     assert all(s in settled for s in staged), (staged, settled)
-    unwritten = [s for s in range(32, max_steps + 1, 32) if s not in staged]  # from some step on, none is
-    assert unwritten and unwritten == list(range(unwritten[0], max_steps + 1, 32)), staged
+    unwritten = [s for s in range(interval, max_steps + 1, interval) if s not in staged]  # from some step on, none is
+    assert unwritten and unwritten == list(range(unwritten[0], max_steps + 1, interval)), staged
     for step in unwritten:  # failed at once, said once, by rank 0
         [e] = [e for e in failed if e["step"] == step]
         assert e["error"].startswith("not attempted") and e["rank"] == 0, e
