@@ -60,16 +60,19 @@ def _steps(store, run):
     return sorted(r.step for r in list_checkpoints(store, run) if validate_checkpoint(store, r.key))
 
 
+# launch.max_restarts: each restart round of a permanent failure starts every rank again (to
+# read the marker and end at once): one round, in one case, shows that path here; it is
+# test_torchrun_resume's subject
 @pytest.mark.parametrize(
-    "fault,lr,log_interval,bad_step",
+    "fault,lr,log_interval,bad_step,max_restarts",
     [
-        ("nan:rank=0:step=3", 1e-2, 4, 3),  # an injected NaN loss, found on the next log step (4)
-        ("", 1e6, 100, 2),  # a real divergence (AdamW at lr 1e6 is NaN at step 2), found before a save
+        ("nan:rank=0:step=3", 1e-2, 4, 3, 1),  # an injected NaN loss, found on the next log step (4)
+        ("", 1e6, 100, 2, 0),  # a real divergence (AdamW at lr 1e6 is NaN at step 2), found before a save
     ],
     ids=["injected-found-on-a-log-step", "diverging-lr-found-before-a-save"],
 )
 def test_nan_loss_fails_the_run_permanently_naming_the_step_and_commits_nothing_after_it(
-    tiny_config, fault, lr, log_interval, bad_step
+    tiny_config, fault, lr, log_interval, bad_step, max_restarts
 ):
     run = "diverge"
     cfg = tiny_config(
@@ -77,6 +80,7 @@ def test_nan_loss_fails_the_run_permanently_naming_the_step_and_commits_nothing_
         train={"max_steps": 8, "log_interval": log_interval, "lr": lr, "warmup_steps": 0, "min_lr": 0},
         checkpoint={"interval_steps": 2 if fault else 1},
         eval={"per_checkpoint_enabled": False, "interval_steps": 100},
+        launch={"max_restarts": max_restarts},
     )
     store, shards = _stage(cfg, run)
     err, result, lines = _launch(cfg, store, shards, run, fault)
@@ -120,6 +124,7 @@ def test_skip_fails_once_past_its_limit(tiny_config):
         train={"max_steps": 8, "nonfinite": "skip", "nonfinite_skip_limit": 2},
         checkpoint={"interval_steps": 2},
         eval={"per_checkpoint_enabled": False},
+        launch={"max_restarts": 0},  # no restart round (see above)
     )
     store, shards = _stage(cfg, run)
     err, result, _ = _launch(cfg, store, shards, run, "nan:rank=1:step=3:count=3")
