@@ -122,6 +122,8 @@ def test_a_killed_rank_is_restarted_in_place_and_ends_bitwise_like_an_unbroken_r
 
 
 def test_a_permanent_failure_is_not_restarted(tiny_config, tmp_path):
+    """One rank is enough: the rank that failed for good files the marker, and the restart
+    round's rank reads it and ends at once."""
     import os
     import subprocess
     import sys
@@ -129,7 +131,7 @@ def test_a_permanent_failure_is_not_restarted(tiny_config, tmp_path):
     from stoker.launch.torchrun import free_port
     from tests.conftest import ROOT
 
-    cfg = tiny_config(run_name="perm", train={"max_steps": 4})
+    cfg = tiny_config(run_name="perm", train={"max_steps": 4}, launch={"nproc_per_node": 1})
     store, shards = prepare_shards(cfg)
     store.write_bytes("runs/perm/config.json", cfg.to_json().encode())
     marker = tmp_path / "permanent.json"
@@ -144,7 +146,7 @@ def test_a_permanent_failure_is_not_restarted(tiny_config, tmp_path):
             sys.executable,
             "-m",
             "torch.distributed.run",
-            "--nproc-per-node=2",
+            "--nproc-per-node=1",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{free_port()}",
             "--max-restarts=1",  # one restart round shows it: it ends at once, without training
