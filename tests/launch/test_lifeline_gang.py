@@ -16,7 +16,7 @@ from stoker.core.config import load_config
 from stoker.launch import make_launcher
 from stoker.storage.checkpoints import find_latest_valid
 from tests.conftest import ROOT, gang_members, live_processes, prepare_shards, read_proc, tiny_dict, wait_for_none
-from tests.launch.test_multinode import cluster  # noqa: F401  (the netns nodes fixture)
+from tests.launch.conftest import NETNS_GROUP
 
 LAUNCHER = """
 import sys
@@ -139,7 +139,8 @@ def test_a_new_launch_removes_the_folders_of_launchers_that_died_without_removin
 
 
 @pytest.mark.e2e
-def test_agents_in_network_namespaces_and_their_ranks_end_with_a_sigkilled_launcher(cluster, tmp_path):  # noqa: F811  (the fixture)
+@pytest.mark.xdist_group(NETNS_GROUP)  # on the worker that has the netns cluster (tests/launch/conftest.py)
+def test_agents_in_network_namespaces_and_their_ranks_end_with_a_sigkilled_launcher(cluster, tmp_path):
     """Two nodes, each `ip netns exec <ns> torchrun ...` (a network namespace of its own, the
     same kernel and /proc), placed by launch.nodes: the launcher SIGKILLed, both agents get
     the parent-death signal through `ip netns exec` (it execs), the ranks see the launcher's

@@ -1,10 +1,12 @@
 """Two machines, simulated: each node is a torchrun agent (`--nnodes 2 --node-rank i`) in a
 network namespace of its own, with its own address on a veth whose other end is on a bridge
 the test makes. Rendezvous, gloo traffic and S3 (moto_server, bound to the bridge's address)
-cross real interfaces, and each node has its own cache, as separate machines would.
+cross real interfaces, and each node has its own cache, as separate machines would. The
+cluster (tests/launch/conftest.py) is made once per pytest worker; its tests are one xdist group.
 
 - Each node downloads the shard set and the resume checkpoint once for its 2 ranks (moto's
-  request log: one GET per file from each node's address). This one places the nodes through
+  request log: one GET per file from each node's address), and every later launch on the node
+  finds the shards in its cache. This one places the nodes through
   the config (launch.nodes, launch.rdzv_port) and launch.make_launcher, as the flow does; the
   others give `NodeSpec`s in Python.
 - Losing a node (every process in its namespace SIGKILLed) makes the other node's ranks fail
@@ -22,183 +24,17 @@ follows the bucket layout; seen on one host with 4 ranks too).
 
 from __future__ import annotations
 
-import collections
-import itertools
 import os
-import re
 import time
-import uuid
-from dataclasses import dataclass
 
 import pytest
-import torch
 
 from stoker.core import events
-from stoker.core.config import load_config
-from stoker.launch import make_launcher
-from stoker.launch.env import child_env
-from stoker.launch.torchrun import NodeSpec, TorchrunLauncher
 from stoker.storage.checkpoints import find_latest_valid, list_checkpoints, validate_checkpoint
-from stoker.storage.store import Store
-from tests.conftest import (
-    MotoServer,
-    assert_bitwise_equal,
-    event_losses,
-    newest_weights,
-    prepare_shards,
-    run_collecting,
-    tiny_dict,
-)
-from tests.netutil import NetnsNodes
+from tests.conftest import assert_bitwise_equal, event_losses
+from tests.launch.conftest import INTERVAL, MAX_STEPS, NETNS_GROUP
 
-pytestmark = pytest.mark.e2e
-
-NUM_NODES = 2
-MAX_STEPS, INTERVAL = 8, 4
-
-
-@dataclass
-class Cluster:
-    nodes: NetnsNodes
-    moto: MotoServer
-    root: str
-    options: dict
-    caches: list[str]  # each node's STOKER_CACHE
-    shard_key: str  # shards/<cache-key>
-    ports: "itertools.count[int]"  # rendezvous ports (fresh namespaces: every port is free)
-    test_cache: str  # the test's own (its GETs come from the bridge address, no node's)
-
-    @property
-    def store(self) -> Store:
-        return Store(self.root, self.options)
-
-    def specs(self) -> list[NodeSpec]:
-        return [
-            NodeSpec(
-                prefix=self.nodes.exec_prefix(i),
-                address=self.nodes.addresses[i],
-                env={"GLOO_SOCKET_IFNAME": self.nodes.ifnames[i], "STOKER_CACHE": self.caches[i]},
-            )
-            for i in range(NUM_NODES)
-        ]
-
-    def config(
-        self, run: str, nproc: int, max_steps: int = MAX_STEPS, max_restarts: int = 0, nodes_in_config: bool = False
-    ):
-        """The run's config, pinned in the store: (config, its URL). `nodes_in_config`: the
-        nodes and the rendezvous port are in launch.nodes / launch.rdzv_port."""
-        placed = (
-            {
-                "nodes": [{"prefix": list(s.prefix), "address": s.address, "env": s.env} for s in self.specs()],
-                "rdzv_port": next(self.ports),
-            }
-            if nodes_in_config
-            else {}
-        )
-        cfg = load_config(
-            tiny_dict(
-                self.root,
-                run_name=run,
-                train={"max_steps": max_steps},
-                checkpoint={"interval_steps": INTERVAL},
-                eval={"per_checkpoint_enabled": False},
-                storage={"root": self.root, "storage_options": self.options},
-                launch={
-                    "num_nodes": NUM_NODES,
-                    "nproc_per_node": nproc,
-                    "timeout_seconds": 240,
-                    "rdzv_host": self.nodes.addresses[0],
-                    "max_restarts": max_restarts,
-                    **placed,
-                },
-            )
-        )
-        name = f"runs/{run}/config-{max_steps}.json"
-        self.store.write_bytes(name, cfg.to_json().encode())
-        return cfg, self.store.url(name)
-
-    def launch(self, cfg, config_url: str, resume_key: str | None = None, env: dict | None = None, on_event=None):
-        """One launch attempt across the nodes: (launcher, GangResult, events, output lines)."""
-        if cfg.launch.nodes:  # as the flow launches: everything from the config
-            launcher = make_launcher(cfg, config_url, self.shard_key, resume_key)
-            for node_env in launcher.gang.envs:
-                node_env.update(env or {})
-        else:
-            launcher = TorchrunLauncher(
-                cfg,
-                config_url,
-                self.shard_key,
-                resume_key,
-                env={**child_env(cfg), **(env or {})},
-                nodes=self.specs(),
-                rdzv_port=next(self.ports),
-            )
-        return (launcher, *run_collecting(launcher, on_event))
-
-    def completed(self, cfg, config_url: str, resume_key: str | None = None, env: dict | None = None):
-        _, result, seen, lines = self.launch(cfg, config_url, resume_key, env)
-        assert result.reason == "completed" and result.returncodes == [0] * NUM_NODES, "\n".join(lines[-40:])
-        return seen
-
-    def gets(self) -> collections.Counter:
-        """(client address, path) of every GET moto answered with 200, counted."""
-        pattern = re.compile(r'^(\S+) - - \[[^\]]*\] "GET (/[^ ?]+) HTTP/[\d.]+" 200')
-        with open(self.moto.log_path) as f:
-            return collections.Counter(m.groups() for m in map(pattern.match, f) if m)
-
-    def fetched_once_per_node(self, folder: str, names) -> None:
-        """Every file of the folder fetched exactly once from each node's address."""
-        gets = self.gets()
-        bucket, _, prefix = self.root.removeprefix("s3://").partition("/")
-        for name in names:
-            path = f"/{bucket}/{prefix}/{folder}/{name}"
-            assert [gets[(addr, path)] for addr in self.nodes.addresses] == [1] * NUM_NODES, path
-
-    def final_weights(self, run: str) -> dict[str, torch.Tensor]:
-        return newest_weights(self.store, run, MAX_STEPS, self.test_cache)
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    why = NetnsNodes.unavailable()
-    if why:
-        pytest.skip(why)
-    nodes = NetnsNodes(NUM_NODES)
-    try:
-        nodes.up()
-    except OSError as err:  # e.g. a container without CAP_NET_ADMIN
-        pytest.skip(f"cannot make network namespaces here: {err}")
-    tmp = tmp_path_factory.mktemp("multinode")
-    moto = MotoServer(host=nodes.bridge_address, log_path=str(tmp / "moto.log"))
-    try:
-        for k, v in {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }.items():
-            os.environ.setdefault(k, v)
-        moto.start()
-        import s3fs
-
-        options = {"endpoint_url": moto.url, "skip_instance_cache": True}
-        bucket = f"stoker-{uuid.uuid4().hex[:12]}"
-        s3fs.S3FileSystem(**options).mkdir(bucket)
-        root = f"s3://{bucket}/root"
-        _, shards = prepare_shards(load_config(tiny_dict(root, storage={"root": root, "storage_options": options})))
-        yield Cluster(
-            nodes,
-            moto,
-            root,
-            options,
-            [str(tmp / f"cache-node-{i}") for i in range(NUM_NODES)],
-            shards.key,
-            itertools.count(29500),
-            str(tmp / "cache-test"),
-        )
-    finally:
-        moto.stop()
-        nodes.down()
-    assert not nodes.leftovers()
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group(NETNS_GROUP)]
 
 
 @pytest.fixture(scope="module")
@@ -207,24 +43,6 @@ def unbroken(cluster):
     cfg, url = cluster.config("mn-unbroken", nproc=1)
     seen = cluster.completed(cfg, url)
     return event_losses(seen), cluster.final_weights("mn-unbroken")
-
-
-def test_each_node_fetches_the_shards_and_the_resume_checkpoint_once_for_its_ranks(cluster):
-    run = "mn-cache"
-    cfg, url = cluster.config(run, nproc=2, max_steps=INTERVAL, nodes_in_config=True)
-    assert sorted(event_losses(cluster.completed(cfg, url))) == list(range(1, INTERVAL + 1))
-    longer, longer_url = cluster.config(run, nproc=2, max_steps=INTERVAL + 1, nodes_in_config=True)
-    key = list_checkpoints(cluster.store, run)[0].key
-    seen = cluster.completed(longer, longer_url, resume_key=key)
-    assert [e.step for e in seen if isinstance(e, events.Resumed)] == [INTERVAL]
-    assert sorted(event_losses(seen)) == [INTERVAL + 1]
-    # 4 ranks on 2 nodes: each node's lock let one rank read, the other reused its copy; the
-    # second launch found the shards in each node's cache
-    manifest = cluster.store.read_json(f"{cluster.shard_key}/manifest.json")
-    cluster.fetched_once_per_node(cluster.shard_key, manifest["files"])
-    cluster.fetched_once_per_node(key, validate_checkpoint(cluster.store, key).manifest["files"])
-    for cache in cluster.caches:
-        assert os.path.isfile(os.path.join(cache, cluster.shard_key, "manifest.json"))
 
 
 def test_a_lost_node_fails_the_other_fast_and_the_relaunch_ends_bitwise(cluster, unbroken, tmp_path):
@@ -282,3 +100,26 @@ def test_a_killed_rank_is_restarted_in_place_on_both_nodes_and_ends_bitwise(clus
     assert sorted(losses) == list(range(1, MAX_STEPS + 1))
     assert all(losses[s] == whole[s] for s in losses)
     assert_bitwise_equal(whole_weights, cluster.final_weights(run))
+
+
+def test_each_node_fetches_the_shards_and_the_resume_checkpoint_once_for_its_ranks(cluster, unbroken, tmp_path):
+    """The unbroken run, resumed from its step-4 checkpoint on 2 ranks per node (4 ranks: the
+    RNG streams are re-seeded, the weights loaded), with empty node caches: each node's lock
+    let one rank read each file, the other reused its copy. Last in this module: every launch
+    before it (the unbroken run, the lost node's, the restarts) ran on the nodes' own caches,
+    where the shards were fetched once per node and found in the cache by every later launch."""
+    before = cluster.log_offset()
+    manifest = cluster.store.read_json(f"{cluster.shard_key}/manifest.json")
+    cluster.fetched_once_per_node(cluster.shard_key, manifest["files"], until=before)
+    run = "mn-unbroken"  # a checkpoint resumes only in its own run
+    key = next(r.key for r in list_checkpoints(cluster.store, run) if r.step == INTERVAL)
+    files = validate_checkpoint(cluster.store, key).manifest["files"]  # read now: step 5's commit prunes it
+    caches = cluster.fresh_caches(tmp_path)
+    cfg, url = cluster.config(run, nproc=2, max_steps=INTERVAL + 1, nodes_in_config=True, caches=caches)
+    seen = cluster.completed(cfg, url, resume_key=key)
+    assert [e.step for e in seen if isinstance(e, events.Resumed)] == [INTERVAL]
+    assert sorted(event_losses(seen)) == [INTERVAL + 1]
+    cluster.fetched_once_per_node(cluster.shard_key, manifest["files"], since=before)
+    cluster.fetched_once_per_node(key, files, since=before)
+    for cache in caches:
+        assert os.path.isfile(os.path.join(cache, cluster.shard_key, "manifest.json"))
