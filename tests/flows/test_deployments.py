@@ -145,7 +145,15 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
             client.create_deployment_schedules(
                 nightly.id,
                 [(IntervalSchedule(interval=datetime.timedelta(hours=1), anchor_date=soon), True)],
-                parameters={"config": tiny_dict("file://" + str(store), run_name="nightly", train={"max_steps": 4})},
+                # one rank: the schedule and the ledger are the subject, not the gang
+                parameters={
+                    "config": tiny_dict(
+                        "file://" + str(store),
+                        run_name="nightly",
+                        train={"max_steps": 4},
+                        launch={"nproc_per_node": 1},
+                    )
+                },
             )
             fired = wait_for(
                 "the scheduled run to finish",
@@ -323,7 +331,12 @@ def test_serve_runs_the_deployments_from_one_process_without_a_worker(prefect_ap
                     [log],
                 )
                 assert len(client.read_automations_by_name(EVALUATE_AUTOMATION)) == len(automations) == 1
-            params = tiny_dict("file://" + str(tmp_path / "store"), run_name="served", train={"max_steps": 4})
+            params = tiny_dict(  # one rank: serving is the subject, not the gang
+                "file://" + str(tmp_path / "store"),
+                run_name="served",
+                train={"max_steps": 4},
+                launch={"nproc_per_node": 1},
+            )
             flow_run = run_deployment("train-pipeline/train-adhoc", parameters={"config": params}, timeout=0)
             with get_client(sync_client=True) as client:
                 done = wait_for_flow_run(client, flow_run.id, "the served run to finish", [log])
