@@ -32,8 +32,8 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     # no WebGL: the run page's timeline graph (a WebGL canvas, software-rendered by SwiftShader
     # without a GPU) redraws on every frame while a run is Running: ~0.5 CPU s per second there
-    # (17 of 30 s measured), most of this test's CPU. Nothing here is about the graph; the page
-    # shows its "no task runs" text in its place, and the rest of the page is the same.
+    # (17 of 30 s measured), most of this test's CPU. Nothing here is about the graph: its area
+    # stays empty, and the rest of the page is the same.
     "--disable-3d-apis",
 ]
 MAX_STEPS = 24  # the one field the form changes (the recipe says 500); above warmup_steps (20), as it must be
