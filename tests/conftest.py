@@ -142,39 +142,59 @@ def wait_for(what: str, check, seconds: float, logs=()):
     pytest.fail(f"gave up waiting for {what}\n{tails}")
 
 
+class PrefectServer:
+    """A real `prefect server start` on 127.0.0.1 with a fixed port and home, so it can be
+    stopped and started again with its database (the outage a restart or a network cut
+    makes); its scheduler looks for due runs every 2 s. `env`: the environment for processes
+    that talk to it."""
+
+    def __init__(self, home: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.log = os.path.join(home, "server.log")
+        self.env = {
+            **os.environ,
+            "PREFECT_HOME": os.path.join(home, "prefect-home"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "1",
+            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+            "PREFECT_SERVER_LOG_RETRYABLE_ERRORS": "true",  # what a 503 was, in server.log
+            "PREFECT_API_URL": self.url,
+        }
+        self.proc: subprocess.Popen | None = None
+
+    def healthy(self) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def start(self) -> None:
+        with open(self.log, "a") as out:
+            self.proc = start_process(
+                [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                self.env,
+                out,
+            )
+        wait_for("the Prefect server", self.healthy, 180, [self.log])
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        wait_for("the Prefect server to go away", lambda: not self.healthy(), 30)
+
+
 @contextmanager
 def real_prefect_server(home: str):
-    """A real `prefect server start` on 127.0.0.1 with its home in `home`; its scheduler
-    looks for due runs every 2 s. Yields the environment for processes that talk to it."""
-    import httpx
-
-    port = free_port()
-    env = {
-        **os.environ,
-        "PREFECT_HOME": os.path.join(home, "prefect-home"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "DO_NOT_TRACK": "1",
-        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
-        "PREFECT_SERVER_LOG_RETRYABLE_ERRORS": "true",  # what a 503 was, in server.log
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-    }
-    log = os.path.join(home, "server.log")
-    with open(log, "w") as out:
-        server = start_process(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, out
-        )
+    """A real `prefect server start` (PrefectServer) for the block; yields its environment."""
+    server = PrefectServer(home)
     try:
-
-        def healthy():
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for("the Prefect server", healthy, 120, [log])
-        yield env
+        server.start()
+        yield server.env
     finally:
-        stop_process(server)
+        if server.proc is not None:
+            stop_process(server.proc)
 
 
 @pytest.fixture
@@ -190,6 +210,21 @@ def shared_prefect_api(tmp_path_factory):
     add to it: each names its own deployments, automations and runs, so none sees another's."""
     with real_prefect_server(str(tmp_path_factory.mktemp("shared-prefect"))) as env:
         yield env
+
+
+@pytest.fixture(scope="session")
+def restartable_prefect_server(tmp_path_factory):
+    """One PrefectServer (a test may stop and start it) for the session's tests (per xdist
+    worker) that name their runs apart and add no deployments or automations to it: the
+    modules that use it are one xdist group, so `make test` starts it once (a start costs
+    ~10 CPU seconds)."""
+    server = PrefectServer(str(tmp_path_factory.mktemp("restartable-prefect")))
+    try:
+        server.start()
+        yield server
+    finally:
+        if server.proc is not None:
+            stop_process(server.proc)
 
 
 class MotoServer:
@@ -477,6 +512,18 @@ def wait_for_flow_run(client, flow_run_id, what: str, logs=(), seconds: float = 
         return run if run.state.is_final() else None
 
     return wait_for(what, final, seconds, logs)
+
+
+def stoker_events(env: dict, prefix: str, run: str) -> list[dict]:
+    """The events, oldest first, of the server `env` names (PREFECT_API_URL) whose name starts
+    with `prefix` and that name the stoker run `run`."""
+    import httpx
+
+    from stoker.observe import prefect_events as pe
+
+    body = {"filter": {"event": {"prefix": [prefix]}, "any_resource": {"labels": {pe.RUN_LABEL: [run]}}}, "limit": 50}
+    page = httpx.post(env["PREFECT_API_URL"] + "/events/filter", json=body, timeout=30).json()
+    return sorted(page["events"], key=lambda e: e["occurred"])
 
 
 def wait_for_none(left, seconds: float = 15.0, interval: float = 0.1) -> list:

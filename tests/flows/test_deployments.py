@@ -1,24 +1,31 @@
 """Deployments the real way: `prefect server start` on 127.0.0.1, `stoker deploy` (twice: it is
 idempotent), a process worker, a run of the ad-hoc deployment with changed parameters, its
-artifacts read back through the client, and a schedule that fires."""
+artifacts read back through the client, a schedule that fires, the evaluate-checkpoint
+automation that deploy keeps (a committed checkpoint of that same run is evaluated by it), and
+`stoker serve` after deploy on the same server."""
 
 import datetime
 import os
 import sys
 import uuid
+from types import SimpleNamespace
 
+import httpx
 import pytest
 import yaml
 
 from stoker.core.config import RunConfig, load_config
+from stoker.observe import prefect_events as pe
 from stoker.observe.ledger import deployment_ledgers, read_ledgers
 from stoker.storage.store import Store
+from stoker.tasks.prefect_events import EVALUATE_AUTOMATION
 from tests.conftest import (
     ROOT,
     real_prefect_server,
     start_process,
     start_worker,
     stoker_deploy,
+    stoker_events,
     stop_process,
     tiny_dict,
     wait_for,
@@ -30,12 +37,47 @@ PREFECT_YAML = os.path.join(ROOT, "prefect.yaml")
 
 @pytest.fixture(scope="module")
 def prefect_api(tmp_path_factory):
-    """One real `prefect server start` for this module's two tests (a start costs ~11 CPU
+    """One real `prefect server start` for this module's tests (a start costs ~10 CPU
     seconds and, on a loaded machine, up to a minute): `stoker deploy` and the worker first,
     then `stoker serve`, which takes the deployments over from the work pool as it does after
-    any deploy. Both tests are one xdist group, so they share it under `make test` too."""
+    any deploy. The tests are one xdist group, so they share it under `make test` too."""
     with real_prefect_server(str(tmp_path_factory.mktemp("deployments-prefect"))) as env:
         yield env
+
+
+@pytest.fixture(scope="module")
+def deployed(prefect_api, tmp_path_factory):
+    """`stoker deploy` twice on the module's server (the second finds everything by its name),
+    then a process worker on its pool: `env`, `store` (the runs' root), the two deploys'
+    outputs `outs` and the worker's log."""
+    folder = tmp_path_factory.mktemp("deployed")
+    store = folder / "store"
+    env = {**prefect_api, "STOKER_ROOT": str(store), "STOKER_CACHE": str(folder / "cache")}
+    outs = [stoker_deploy(env) for _round in (1, 2)]
+    worker_log = folder / "worker.log"
+    worker = start_worker(env, worker_log)
+    try:
+        yield SimpleNamespace(env=env, store=store, outs=outs, worker_log=worker_log)
+    finally:
+        stop_process(worker)
+
+
+@pytest.fixture(scope="module")
+def adhoc_run(prefect_api, deployed):
+    """One run of the ad-hoc deployment with tiny parameters, run by the worker to its end (as
+    "Custom run" in the UI makes one): checkpoints at steps 4 and 8. Its artifacts, ledger
+    and checkpoint events are read by the deploy test and the evaluate-automation test."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    name = "adhoc-" + uuid.uuid4().hex[:6]
+    params = tiny_dict("file://" + str(deployed.store), run_name=name)
+    with temporary_settings({PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}):
+        flow_run = run_deployment("train-pipeline/train-adhoc", parameters={"config": params}, timeout=0)
+        with get_client(sync_client=True) as client:
+            done = wait_for_flow_run(client, flow_run.id, "the ad-hoc run to finish", [deployed.worker_log])
+    return SimpleNamespace(name=name, id=flow_run.id, done=done)
 
 
 def test_prefect_yaml_train_parameters_are_the_tiny_cpu_recipe():
@@ -54,120 +96,205 @@ def test_prefect_yaml_train_parameters_are_the_tiny_cpu_recipe():
 
 @pytest.mark.e2e
 @pytest.mark.xdist_group("deployments-server")
-def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(prefect_api, tmp_path):
+def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(prefect_api, deployed, adhoc_run):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter
     from prefect.client.schemas.objects import StateType
     from prefect.client.schemas.schedules import IntervalSchedule
-    from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    env = {**prefect_api, "STOKER_ROOT": str(tmp_path / "store"), "STOKER_CACHE": str(tmp_path / "cache")}
-    for round_ in (1, 2):  # idempotent: the second round finds the pool and the limit
-        out = stoker_deploy(env)
+    for round_, out in enumerate(deployed.outs, 1):  # idempotent: the second round finds the pool and the limit
         assert ("already there" in out) == (round_ == 2), out
     assert "deployment train-pipeline/train-adhoc: created or updated" in out
 
-    worker_log = tmp_path / "worker.log"
-    worker = start_worker(env, worker_log)
-    try:
-        with temporary_settings({PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}):
-            with get_client(sync_client=True) as client:
-                deployments = {d.name: d for d in client.read_deployments()}
-                assert set(deployments) == {
-                    "train-adhoc",
-                    "continued-pretraining",
-                    "prepare-data",
-                    "evaluate-checkpoint",
-                }
-                assert client.read_global_concurrency_limit_by_name("stoker-accelerators").limit == 1
-                # the UI's form: every field with its description, choices, bounds
-                schema = deployments["train-adhoc"].parameter_openapi_schema
-                run_config = schema["definitions"]["RunConfig"]["properties"]
-                assert set(run_config) >= {"data", "model", "train", "launch", "engine", "storage"}
-                train = schema["definitions"]["TrainConfig"]["properties"]
-                assert train["max_steps"]["description"] and train["max_steps"]["minimum"] == 1
-                assert schema["definitions"]["EngineConfig"]["properties"]["parallelism"]["enum"] == ["ddp", "fsdp"]
+    worker_log, store = deployed.worker_log, deployed.store
+    with temporary_settings({PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}):
+        with get_client(sync_client=True) as client:
+            deployments = {d.name: d for d in client.read_deployments()}
+            assert set(deployments) == {
+                "train-adhoc",
+                "continued-pretraining",
+                "prepare-data",
+                "evaluate-checkpoint",
+            }
+            assert client.read_global_concurrency_limit_by_name("stoker-accelerators").limit == 1
+            # the UI's form: every field with its description, choices, bounds
+            schema = deployments["train-adhoc"].parameter_openapi_schema
+            run_config = schema["definitions"]["RunConfig"]["properties"]
+            assert set(run_config) >= {"data", "model", "train", "launch", "engine", "storage"}
+            train = schema["definitions"]["TrainConfig"]["properties"]
+            assert train["max_steps"]["description"] and train["max_steps"]["minimum"] == 1
+            assert schema["definitions"]["EngineConfig"]["properties"]["parallelism"]["enum"] == ["ddp", "fsdp"]
 
-            # an ad-hoc run with changed parameters, as "Custom run" in the UI does
-            run_name = "adhoc-" + uuid.uuid4().hex[:6]
-            params = tiny_dict("file://" + str(tmp_path / "store"), run_name=run_name)
-            flow_run = run_deployment("train-pipeline/train-adhoc", parameters={"config": params}, timeout=0)
-            with get_client(sync_client=True) as client:
-                done = wait_for_flow_run(client, flow_run.id, "the ad-hoc run to finish", [worker_log])
-                assert done.state.type == StateType.COMPLETED, done.state.message
-                assert done.name == run_name and f"run:{run_name}" in done.tags
-                artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id={"any_": [flow_run.id]}))
-                keys = {a.key for a in artifacts if a.key}
-                assert any(k.startswith(f"{run_name}-report-") for k in keys), keys
-                assert any(k.startswith(f"{run_name}-checkpoints-") for k in keys), keys
-            assert (tmp_path / "store" / "runs" / run_name / "checkpoints").is_dir()
+            # the ad-hoc run with changed parameters (the module's), run by the worker
+            run_name, done = adhoc_run.name, adhoc_run.done
+            assert done.state.type == StateType.COMPLETED, done.state.message
+            assert done.name == run_name and f"run:{run_name}" in done.tags
+            artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id={"any_": [adhoc_run.id]}))
+            keys = {a.key for a in artifacts if a.key}
+            assert any(k.startswith(f"{run_name}-report-") for k in keys), keys
+            assert any(k.startswith(f"{run_name}-checkpoints-") for k in keys), keys
+            assert (store / "runs" / run_name / "checkpoints").is_dir()
 
             # a schedule fires: the nightly deployment, tiny parameters, due in a few seconds
-            with get_client(sync_client=True) as client:
-                nightly = deployments["continued-pretraining"]
-                client.delete_deployment_schedule(nightly.id, nightly.schedules[0].id)
-                # 20 s ahead: the server's scheduler (a pass every 2 s) must see the schedule before its
-                # first run is due, or that run is an hour later (seen once, with the CI machine loaded)
-                soon = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=20)
-                client.create_deployment_schedules(
-                    nightly.id,
-                    [(IntervalSchedule(interval=datetime.timedelta(hours=1), anchor_date=soon), True)],
-                    parameters={
-                        "config": tiny_dict(
-                            "file://" + str(tmp_path / "store"), run_name="nightly", train={"max_steps": 4}
-                        )
-                    },
-                )
-                fired = wait_for(
-                    "the scheduled run to finish",
-                    lambda: [
-                        r
-                        for r in client.read_flow_runs(
-                            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[nightly.id]))
-                        )
-                        if r.state and r.state.is_final()
-                    ],
-                    420,
-                    [worker_log],
-                )
-                assert fired[0].state.type == StateType.COMPLETED, fired[0].state.message
-                assert fired[0].auto_scheduled
+            nightly = deployments["continued-pretraining"]
+            client.delete_deployment_schedule(nightly.id, nightly.schedules[0].id)
+            # 20 s ahead: the server's scheduler (a pass every 2 s) must see the schedule before its
+            # first run is due, or that run is an hour later (seen once, with the CI machine loaded)
+            soon = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=20)
+            client.create_deployment_schedules(
+                nightly.id,
+                [(IntervalSchedule(interval=datetime.timedelta(hours=1), anchor_date=soon), True)],
+                # one rank: the schedule and the ledger are the subject, not the gang
+                parameters={
+                    "config": tiny_dict(
+                        "file://" + str(store),
+                        run_name="nightly",
+                        train={"max_steps": 4},
+                        launch={"nproc_per_node": 1},
+                    )
+                },
+            )
+            fired = wait_for(
+                "the scheduled run to finish",
+                lambda: [
+                    r
+                    for r in client.read_flow_runs(
+                        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[nightly.id]))
+                    )
+                    if r.state and r.state.is_final()
+                ],
+                420,
+                [worker_log],
+            )
+            assert fired[0].state.type == StateType.COMPLETED, fired[0].state.message
+            assert fired[0].auto_scheduled
 
-            # the ledger summed per deployment: each of the two runs under its own deployment
-            store = Store("file://" + str(tmp_path / "store"))
-            totals = deployment_ledgers(store)
-            assert {name: t["runs"] for name, t in totals.items()} == {
-                "train-adhoc": [run_name],
-                "continued-pretraining": ["nightly"],
-            }
-            for name, run in (("train-adhoc", run_name), ("continued-pretraining", "nightly")):
-                (one,) = read_ledgers(store, run)
-                assert one["deployment"] == name and totals[name]["num_flow_runs"] == 1
-                assert totals[name]["wall_seconds"] == pytest.approx(one["wall_seconds"]) and one["wall_seconds"] > 0
-                assert totals[name]["seconds"] == pytest.approx(
-                    {c: one["seconds"].get(c, 0.0) for c in totals[name]["seconds"]}
-                )
-    finally:
-        stop_process(worker)
+    # the ledger summed per deployment: each of the two runs under its own deployment
+    totals = deployment_ledgers(Store("file://" + str(store)))
+    assert {name: t["runs"] for name, t in totals.items()} == {
+        "train-adhoc": [run_name],
+        "continued-pretraining": ["nightly"],
+    }
+    for name, run in (("train-adhoc", run_name), ("continued-pretraining", "nightly")):
+        (one,) = read_ledgers(Store("file://" + str(store)), run)
+        assert one["deployment"] == name and totals[name]["num_flow_runs"] == 1
+        assert totals[name]["wall_seconds"] == pytest.approx(one["wall_seconds"]) and one["wall_seconds"] > 0
+        assert totals[name]["seconds"] == pytest.approx(
+            {c: one["seconds"].get(c, 0.0) for c in totals[name]["seconds"]}
+        )
 
 
 @pytest.mark.e2e
 @pytest.mark.xdist_group("deployments-server")
-def test_serve_runs_the_deployments_from_one_process_without_a_worker(prefect_api, tmp_path):
-    """`stoker serve`: the four deployments served by a runner in this one process (no work
-    pool, no worker); a run of the ad-hoc one with tiny parameters completes."""
+def test_deploy_keeps_the_evaluate_automation_and_a_committed_checkpoint_is_evaluated_by_it(
+    prefect_api, deployed, adhoc_run
+):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterName,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.events import Event
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    for round_, out in enumerate(deployed.outs, 1):  # idempotent: the second finds the automation by its name
+        said = "created" if round_ == 1 else "already there (updated)"
+        assert f"automation {EVALUATE_AUTOMATION!r}: {said}" in out, out
+
+    # the module's ad-hoc run: checkpoints at steps 4 and 8; the run evaluates step 8 itself
+    # (its last), the automation step 4
+    store, worker_log, run, done = deployed.store, deployed.worker_log, adhoc_run.name, adhoc_run.done
+    step4 = f"file://{store}/runs/{run}/checkpoints/step-00000004"
+    with temporary_settings({PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
+        automations = client.read_automations_by_name(EVALUATE_AUTOMATION)
+        assert len(automations) == 1
+        evaluate = client.read_deployment_by_name("evaluate-checkpoint/evaluate-checkpoint")
+        action = automations[0].actions[0]
+        assert action.type == "run-deployment" and action.deployment_id == evaluate.id
+        assert done.state.type == StateType.COMPLETED, done.state.message
+
+        def evaluations():
+            runs = client.read_flow_runs(
+                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["evaluate-checkpoint"]))
+            )
+            return runs if runs and all(r.state.is_final() for r in runs) else None
+
+        runs = wait_for("the automation's evaluation to finish", evaluations, 300, [worker_log])
+        assert len(runs) == 1, [(r.name, r.parameters) for r in runs]
+        assert runs[0].parameters == {"checkpoint_uri": step4}
+        assert runs[0].state.type == StateType.COMPLETED, runs[0].state.message
+
+        committed = wait_for(
+            "both checkpoint events",
+            lambda: (lambda es: es if len(es) == 2 else None)(stoker_events(prefect_api, pe.CHECKPOINT_COMMITTED, run)),
+            60,
+        )
+        assert [e["resource"]["stoker.checkpoint.step"] for e in committed] == ["4", "8"]
+        first = committed[0]
+        assert first["resource"]["prefect.resource.id"] == f"stoker.checkpoint.{run}.4"
+        assert first["resource"][pe.URI_LABEL] == step4 and len(first["resource"][pe.MANIFEST_LABEL]) == 64
+        assert first["resource"]["stoker.deployment.id"] == str(done.deployment_id)
+        related = {r["prefect.resource.id"] for r in first["related"]}
+        assert {
+            f"prefect.flow-run.{adhoc_run.id}",
+            f"prefect.deployment.{done.deployment_id}",
+            f"stoker.run.{run}",
+        } <= related
+        assert stoker_events(prefect_api, pe.RUN_STEP, run), "no heartbeat"
+        assert not stoker_events(prefect_api, pe.RUN_FAILED, run)
+
+        # the same checkpoint's event a second time (a replayed event, a second trigger): the
+        # automation runs the deployment again, and its evaluation is Cached (keyed by the
+        # checkpoint's manifest): no second evaluation process, the same numbers
+        # (posted to the server's events API: this process's EventsWorker may still be bound
+        # to another server of the session)
+        again_event = Event(event=pe.CHECKPOINT_COMMITTED, resource=first["resource"], related=first["related"])
+        posted = httpx.post(
+            prefect_api["PREFECT_API_URL"] + "/events", json=[again_event.model_dump(mode="json")], timeout=30
+        )
+        assert posted.status_code == 204, posted.text
+        again = wait_for(
+            "the second evaluation to finish",
+            lambda: (lambda rs: rs if len(rs) == 2 else None)(evaluations() or []),
+            300,
+            [worker_log],
+        )
+        second = max(again, key=lambda r: r.expected_start_time)
+        assert second.id != runs[0].id and second.parameters == {"checkpoint_uri": step4}
+        assert second.state.type == StateType.COMPLETED, second.state.message
+
+        def task_states():  # task run states reach the database as events, a little later
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[second.id])))
+            states = {t.name.rsplit("-", 1)[0]: t.state for t in tasks if t.state is not None}
+            done = states.get("evaluate_checkpoint")
+            return states if done is not None and done.is_final() else None
+
+        states = wait_for("the second evaluation's task runs", task_states, 60, [worker_log])
+        assert states["evaluate_checkpoint"].name == "Cached", states
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("deployments-server")
+def test_serve_runs_the_deployments_from_one_process_without_a_worker(prefect_api, deployed, tmp_path):
+    """`stoker serve` after `stoker deploy` on the same server: it takes the four deployments
+    over from the work pool (new ids; served by a runner in this one process: no work pool, no
+    worker needed), points the one evaluate-checkpoint automation at the served
+    evaluate-checkpoint, and a run of the ad-hoc one with tiny parameters completes."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     env = {**prefect_api, "STOKER_ROOT": str(tmp_path / "store"), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
-    # the module's server: the deploy test's pooled deployments (when it ran first) are there
-    # until serve has replaced them with deployments of its own
+    # the module's deploy: its pooled deployments are there until serve has replaced them
     with temporary_settings({PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}):
         with get_client(sync_client=True) as client:
             before = {d.id for d in client.read_deployments()}
+            assert len(before) == 4 and all(d.work_pool_name for d in client.read_deployments())
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         served = start_process([sys.executable, "-m", "stoker.cli", "serve"], env, out)
@@ -191,11 +318,30 @@ def test_serve_runs_the_deployments_from_one_process_without_a_worker(prefect_ap
                 assert all(d.work_pool_name is None for d in deployments)  # served, not pooled
                 nightly = next(d for d in deployments if d.name == "continued-pretraining")
                 assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
-            params = tiny_dict("file://" + str(tmp_path / "store"), run_name="served")
+                # the one automation now runs the served evaluate-checkpoint
+                evaluate = next(d for d in deployments if d.name == "evaluate-checkpoint")
+                automations = wait_for(
+                    "the automation on the served evaluate-checkpoint",
+                    lambda: [
+                        a
+                        for a in client.read_automations_by_name(EVALUATE_AUTOMATION)
+                        if a.actions[0].deployment_id == evaluate.id
+                    ],
+                    60,
+                    [log],
+                )
+                assert len(client.read_automations_by_name(EVALUATE_AUTOMATION)) == len(automations) == 1
+            params = tiny_dict(  # one rank: serving is the subject, not the gang
+                "file://" + str(tmp_path / "store"),
+                run_name="served",
+                train={"max_steps": 4},
+                launch={"nproc_per_node": 1},
+            )
             flow_run = run_deployment("train-pipeline/train-adhoc", parameters={"config": params}, timeout=0)
             with get_client(sync_client=True) as client:
                 done = wait_for_flow_run(client, flow_run.id, "the served run to finish", [log])
-            assert done.state.type == StateType.COMPLETED, done.state.message
+            assert done.state.type == StateType.COMPLETED, done.state.message + log.read_text()[-3000:]
             assert done.name == "served"
+        assert "served from this process now" in log.read_text()
     finally:
         stop_process(served)

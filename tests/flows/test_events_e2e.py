@@ -1,8 +1,8 @@
-"""Prefect events and automations with a real `prefect server start`: `stoker deploy` keeps the
-evaluate-checkpoint automation (twice: idempotent); a run's real stoker.checkpoint.committed
-event makes it run the evaluate-checkpoint deployment on that checkpoint, which a process worker
-runs to Completed; a run whose rank stops stepping is marked Stalled by its launch's automation,
-and Running again by the other one at its next heartbeat; the launch removes both when it ends."""
+"""Prefect events and automations with a real `prefect server start`: a run whose rank stops
+stepping is marked Stalled by its launch's automation, and Running again by the other one at its
+next heartbeat; the launch removes both when it ends. (The evaluate-checkpoint automation that
+`stoker deploy` keeps, and the one run of it on a committed checkpoint: test_deployments, on
+that module's deployments and ad-hoc run.)"""
 
 import os
 import subprocess
@@ -13,147 +13,18 @@ import httpx
 import pytest
 
 from stoker.observe import prefect_events as pe
-from stoker.tasks.prefect_events import (
-    EVALUATE_AUTOMATION,
-    RESUMED_SUFFIX,
-    STALL_AUTOMATION_PREFIX,
-    STALLED_STATE_NAME,
-)
-from tests.conftest import (
-    ROOT,
-    real_prefect_server,
-    start_process,
-    start_worker,
-    stoker_deploy,
-    stop_process,
-    tiny_dict,
-    tiny_sets,
-    wait_for,
-    wait_for_flow_run,
-)
+from stoker.tasks.prefect_events import RESUMED_SUFFIX, STALL_AUTOMATION_PREFIX, STALLED_STATE_NAME
+from tests.conftest import ROOT, stoker_events, tiny_sets, wait_for
 
-# one xdist group: the module's server is started once under `make test` too
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("events-server")]
+# the session's restartable server, shared with test_prefect_away (no deployments, no
+# automations but the launch's own): one xdist group, so `make test` starts it once
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("prefect-away-server")]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """One real server for this module (its tests name their runs apart)."""
-    with real_prefect_server(str(tmp_path_factory.mktemp("events-prefect"))) as env:
-        yield env
-
-
-def stoker_events(env: dict, prefix: str, run: str) -> list[dict]:
-    """The server's events whose name starts with `prefix` and that name the stoker run."""
-    body = {"filter": {"event": {"prefix": [prefix]}, "any_resource": {"labels": {pe.RUN_LABEL: [run]}}}, "limit": 50}
-    page = httpx.post(env["PREFECT_API_URL"] + "/events/filter", json=body, timeout=30).json()
-    return sorted(page["events"], key=lambda e: e["occurred"])
-
-
-def test_deploy_keeps_the_evaluate_automation_and_a_committed_checkpoint_is_evaluated_by_it(server, tmp_path):
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        DeploymentFilter,
-        DeploymentFilterName,
-        FlowRunFilter,
-        FlowRunFilterId,
-    )
-    from prefect.client.schemas.objects import StateType
-    from prefect.deployments import run_deployment
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    store = tmp_path / "store"
-    env = {**server, "STOKER_ROOT": str(store), "STOKER_CACHE": str(tmp_path / "cache")}
-    for round_ in (1, 2):  # idempotent: the second finds the automation by its name
-        said = "created" if round_ == 1 else "already there (updated)"
-        out = stoker_deploy(env)
-        assert f"automation {EVALUATE_AUTOMATION!r}: {said}" in out, out
-
-    worker_log = tmp_path / "worker.log"
-    worker = start_worker(env, worker_log)
-    try:
-        with temporary_settings({PREFECT_API_URL: server["PREFECT_API_URL"]}):
-            with get_client(sync_client=True) as client:
-                automations = client.read_automations_by_name(EVALUATE_AUTOMATION)
-                assert len(automations) == 1
-                evaluate = client.read_deployment_by_name("evaluate-checkpoint/evaluate-checkpoint")
-                action = automations[0].actions[0]
-                assert action.type == "run-deployment" and action.deployment_id == evaluate.id
-
-            # a real run, from the ad-hoc deployment: checkpoints at steps 4 and 8; the run
-            # evaluates step 8 itself (its last), the automation step 4
-            run = "svc-" + uuid.uuid4().hex[:6]
-            params = tiny_dict("file://" + str(store), run_name=run)
-            train = run_deployment("train-pipeline/train-adhoc", parameters={"config": params}, timeout=0)
-            with get_client(sync_client=True) as client:
-                done = wait_for_flow_run(client, train.id, "the training run to finish", [worker_log])
-                assert done.state.type == StateType.COMPLETED, done.state.message
-
-                def evaluations():
-                    runs = client.read_flow_runs(
-                        deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["evaluate-checkpoint"]))
-                    )
-                    return runs if runs and all(r.state.is_final() for r in runs) else None
-
-                runs = wait_for("the automation's evaluation to finish", evaluations, 300, [worker_log])
-            assert len(runs) == 1, [(r.name, r.parameters) for r in runs]
-            step4 = f"file://{store}/runs/{run}/checkpoints/step-00000004"
-            assert runs[0].parameters == {"checkpoint_uri": step4}
-            assert runs[0].state.type == StateType.COMPLETED, runs[0].state.message
-
-        committed = wait_for(
-            "both checkpoint events",
-            lambda: (lambda es: es if len(es) == 2 else None)(stoker_events(server, pe.CHECKPOINT_COMMITTED, run)),
-            60,
-        )
-        assert [e["resource"]["stoker.checkpoint.step"] for e in committed] == ["4", "8"]
-        first = committed[0]
-        assert first["resource"]["prefect.resource.id"] == f"stoker.checkpoint.{run}.4"
-        assert first["resource"][pe.URI_LABEL] == step4 and len(first["resource"][pe.MANIFEST_LABEL]) == 64
-        assert first["resource"]["stoker.deployment.id"] == str(done.deployment_id)
-        related = {r["prefect.resource.id"] for r in first["related"]}
-        assert {
-            f"prefect.flow-run.{train.id}",
-            f"prefect.deployment.{done.deployment_id}",
-            f"stoker.run.{run}",
-        } <= related
-        assert stoker_events(server, pe.RUN_STEP, run), "no heartbeat"
-        assert not stoker_events(server, pe.RUN_FAILED, run)
-
-        # the same checkpoint's event a second time (a replayed event, a second trigger): the
-        # automation runs the deployment again, and its evaluation is Cached (keyed by the
-        # checkpoint's manifest): no second evaluation process, the same numbers
-        # (posted to the server's events API: this process's EventsWorker may still be bound
-        # to another server of the session)
-        from prefect.events import Event
-
-        again_event = Event(event=pe.CHECKPOINT_COMMITTED, resource=first["resource"], related=first["related"])
-        posted = httpx.post(
-            server["PREFECT_API_URL"] + "/events", json=[again_event.model_dump(mode="json")], timeout=30
-        )
-        assert posted.status_code == 204, posted.text
-        with temporary_settings({PREFECT_API_URL: server["PREFECT_API_URL"]}):
-            with get_client(sync_client=True) as client:
-                again = wait_for(
-                    "the second evaluation to finish",
-                    lambda: (lambda rs: rs if len(rs) == 2 else None)(evaluations() or []),
-                    300,
-                    [worker_log],
-                )
-                second = max(again, key=lambda r: r.expected_start_time)
-                assert second.id != runs[0].id and second.parameters == {"checkpoint_uri": step4}
-                assert second.state.type == StateType.COMPLETED, second.state.message
-
-                def task_states():  # task run states reach the database as events, a little later
-                    tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[second.id])))
-                    states = {t.name.rsplit("-", 1)[0]: t.state for t in tasks if t.state is not None}
-                    done = states.get("evaluate_checkpoint")
-                    return states if done is not None and done.is_final() else None
-
-                states = wait_for("the second evaluation's task runs", task_states, 60, [worker_log])
-                assert states["evaluate_checkpoint"].name == "Cached", states
-    finally:
-        stop_process(worker)
+@pytest.fixture
+def server(restartable_prefect_server) -> dict:
+    """The environment for processes that talk to the session's restartable server."""
+    return restartable_prefect_server.env
 
 
 def test_a_run_that_stops_stepping_is_marked_stalled_and_running_again_at_its_next_step(server, tmp_path):
@@ -247,39 +118,3 @@ def test_a_run_that_stops_stepping_is_marked_stalled_and_running_again_at_its_ne
     (failed,) = wait_for("the failed event", lambda: stoker_events(server, pe.RUN_FAILED, run), 60)
     assert failed["payload"]["reason"] == "hang" and failed["payload"]["transient"] is True
     assert os.path.exists(log)
-
-
-def test_serve_points_the_evaluate_automation_at_the_served_deployment(server, tmp_path):
-    """After `stoker deploy` (the first test), `stoker serve` takes the deployments over from
-    the work pool (new ids) and updates the one automation to run the served evaluate-checkpoint."""
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    env = {**server, "STOKER_ROOT": str(tmp_path / "store"), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
-    log = tmp_path / "serve.log"
-    with open(log, "w") as out:
-        served = start_process([sys.executable, "-m", "stoker.cli", "serve"], env, out)
-    try:
-        with temporary_settings({PREFECT_API_URL: server["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
-
-            def served_evaluate():
-                try:
-                    d = client.read_deployment_by_name("evaluate-checkpoint/evaluate-checkpoint")
-                except Exception:
-                    return None
-                return d if d.work_pool_name is None else None
-
-            evaluate = wait_for("the served evaluate-checkpoint deployment", served_evaluate, 180, [log])
-            automations = wait_for(
-                "the automation on it",
-                lambda: [
-                    a
-                    for a in client.read_automations_by_name(EVALUATE_AUTOMATION)
-                    if a.actions[0].deployment_id == evaluate.id
-                ],
-                60,
-                [log],
-            )
-            assert len(client.read_automations_by_name(EVALUATE_AUTOMATION)) == len(automations) == 1
-    finally:
-        stop_process(served)

@@ -1,7 +1,7 @@
 """Prefect is never on the training path: a real `prefect server start` that goes away during
-training and comes back, a PREFECT_API_URL that nothing answers, `stoker serve` after
-`stoker deploy` on the same server, and the flow run of a Python process that was killed.
-The e2e tests share one server (the module's)."""
+training and comes back, a PREFECT_API_URL that nothing answers, and the flow run of a Python
+process that was killed. The e2e tests share one server (the session's restartable one).
+(`stoker serve` after `stoker deploy` on the same server: test_deployments' serve test.)"""
 
 import json
 import os
@@ -14,54 +14,14 @@ import uuid
 import httpx
 import pytest
 
-from tests.conftest import ROOT, descendants, free_port, start_process, stoker_deploy, stop_process, tiny_dict, wait_for
+from tests.conftest import ROOT, descendants, free_port, start_process, stop_process, tiny_dict, wait_for
 
 
-class PrefectServer:
-    """`prefect server start` on a fixed port and home, so it can be stopped and started
-    again with its database (the outage a restart or a network cut makes)."""
-
-    def __init__(self, home):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/api"
-        self.log = os.path.join(home, "server.log")
-        self.env = {
-            **os.environ,
-            "PREFECT_HOME": os.path.join(home, "prefect-home"),
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "DO_NOT_TRACK": "1",
-            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
-            "PREFECT_API_URL": self.url,
-        }
-        self.proc = None
-
-    def healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def start(self) -> None:
-        with open(self.log, "a") as out:
-            self.proc = start_process(
-                [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
-                self.env,
-                out,
-            )
-        wait_for("the Prefect server", self.healthy, 180, [self.log])
-
-    def stop(self) -> None:
-        stop_process(self.proc)
-        wait_for("the Prefect server to go away", lambda: not self.healthy(), 30)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The module's server; its tests are one xdist group, so `make test` starts it once."""
-    srv = PrefectServer(str(tmp_path_factory.mktemp("prefect-away")))
-    srv.start()
-    yield srv
-    stop_process(srv.proc)
+@pytest.fixture
+def server(restartable_prefect_server):
+    """The session's restartable server (tests.conftest), shared with test_events_e2e: one
+    xdist group, so `make test` starts it once; the outage test stops and starts it again."""
+    return restartable_prefect_server
 
 
 # The server is read over its REST API with httpx, not with Prefect's client: an in-process
@@ -98,7 +58,7 @@ def train_steps_logged(store, run_name) -> int:
     return max(steps, default=0)
 
 
-def slow_run_config(tmp_path, run_name, max_steps):
+def slow_run_config(tmp_path, run_name, max_steps, nproc_per_node=2):
     """A tiny run made long by sleeping before each step (training.faults 'slow')."""
     store = str(tmp_path / "store")
     cfg = tiny_dict(
@@ -107,7 +67,7 @@ def slow_run_config(tmp_path, run_name, max_steps):
         train={"max_steps": max_steps, "log_interval": 2},
         checkpoint={"interval_steps": 20},
         eval={"interval_steps": 1000, "per_checkpoint_enabled": False},
-        launch={"hang_timeout_seconds": 60, "timeout_seconds": 900},
+        launch={"hang_timeout_seconds": 60, "timeout_seconds": 900, "nproc_per_node": nproc_per_node},
     )
     path = tmp_path / f"{run_name}.json"
     path.write_text(json.dumps(cfg))
@@ -179,45 +139,6 @@ def test_an_unreachable_prefect_api_url_is_one_line_before_any_compute(monkeypat
     assert not (tmp_path / "store").exists()  # nothing was computed or written
 
 
-# ---- serve after deploy ------------------------------------------------------------------
-@pytest.mark.e2e
-@pytest.mark.xdist_group("prefect-away-server")
-def test_serve_after_deploy_on_the_same_server_runs_a_flow_run_to_completed(server, tmp_path):
-    env = {**server.env, "STOKER_ROOT": str(tmp_path / "store"), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
-    stoker_deploy(env)
-    log = tmp_path / "serve.log"
-    with open(log, "w") as f:
-        served = start_process([sys.executable, "-m", "stoker.cli", "serve"], env, f)
-    try:
-
-        def served_deployment():
-            # 404 between serve's take-over (it deletes the pooled deployment) and its own
-            try:
-                d = api(server.url, "GET", "/deployments/name/train-pipeline/train-adhoc")
-            except httpx.HTTPStatusError as err:
-                if err.response.status_code == 404:
-                    return None
-                raise
-            return d if d["work_pool_name"] is None else None
-
-        deployment = wait_for("the served deployments", served_deployment, 180, [log])
-        params = tiny_dict("file://" + str(tmp_path / "store"), run_name="served-after-deploy", train={"max_steps": 4})
-        flow_run = api(
-            server.url, "POST", f"/deployments/{deployment['id']}/create_flow_run", {"parameters": {"config": params}}
-        )
-        final = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-
-        def finished():
-            run = api(server.url, "GET", f"/flow_runs/{flow_run['id']}")
-            return run if state_of(run)[0] in final else None
-
-        done = wait_for("the served run to finish", finished, 420, [log])
-        assert state_of(done)[0] == "COMPLETED", state_of(done)[1] + log.read_text()[-3000:]
-        assert "served from this process now" in log.read_text()
-    finally:
-        stop_process(served)
-
-
 # ---- a killed Python process (a notebook kernel restart) --------------------------------
 NOTEBOOK = """
 import json, sys
@@ -238,7 +159,8 @@ print("failed:", evaluate_checkpoint_flow(sys.argv[1], return_state=True).is_fai
 @pytest.mark.xdist_group("prefect-away-server")
 def test_the_flow_run_of_a_killed_python_process_ends_crashed(server, tmp_path):
     run_name = "kernel-" + uuid.uuid4().hex[:6]
-    store, cfg = slow_run_config(tmp_path, run_name, max_steps=400)
+    # one rank: the flow run of the killed process is the subject (its launcher and rank die too)
+    store, cfg = slow_run_config(tmp_path, run_name, max_steps=400, nproc_per_node=1)
     log = tmp_path / "kernel.log"
     env = {
         **server.env,
