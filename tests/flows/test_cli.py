@@ -152,9 +152,10 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_running(tmp_path):
     import sqlite3
     import time
 
-    from tests.conftest import live_processes, tiny_sets, wait_until_training
+    from tests.conftest import live_processes, seeded_prefect_home, tiny_sets, wait_until_training
 
     home = tmp_path / "prefect-home"
+    seeded_prefect_home(home)  # the temporary server's database, migrated already
     env = {**os.environ, "STOKER_ROOT": str(tmp_path / "store"), "GLOO_SOCKET_IFNAME": "lo", "PREFECT_HOME": str(home)}
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.Popen(
