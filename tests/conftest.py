@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import pytest
 
@@ -38,6 +39,14 @@ os.environ.update(
     }
 )
 os.environ.pop("PREFECT_API_URL", None)
+
+# the folder of the run's migrated Prefect database (migrated_prefect_db): made by the first
+# process that imports this module (under xdist: the controller, before it starts the workers,
+# which inherit the variable) and removed when that process exits
+_MIGRATED_DB_ENV = "STOKER_TEST_PREFECT_DB_DIR"
+if not os.environ.get(_MIGRATED_DB_ENV):
+    os.environ[_MIGRATED_DB_ENV] = tempfile.mkdtemp(prefix="stoker-prefect-db-")
+    atexit.register(shutil.rmtree, os.environ[_MIGRATED_DB_ENV], ignore_errors=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -64,12 +73,55 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_PREFECT_HOME, ignore_errors=True)
 
 
+def migrated_prefect_db() -> str:
+    """A Prefect database file at this Prefect's schema, made once per test run (all xdist
+    workers share it): a server that starts on a copy skips the migrations of a new database
+    (~4 of its ~12 CPU-s to become healthy). Nothing else is in it; a server registers its
+    block types on start as on any database."""
+    path = os.path.join(os.environ[_MIGRATED_DB_ENV], "prefect.db")
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds it; the others wait for it
+        if not os.path.exists(path):
+            building = path + ".new"
+            out = subprocess.run(
+                [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
+                env={**os.environ, "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{building}"},
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+            for leftover in (building + "-wal", building + "-shm"):  # none after a clean exit
+                assert not os.path.exists(leftover), leftover
+            os.replace(building, path)
+    return path
+
+
+def seeded_prefect_home(home) -> str:
+    """`home` (made if missing) as a PREFECT_HOME whose database is already migrated (see
+    migrated_prefect_db): for a `stoker` process whose temporary server is a test's subject."""
+    os.makedirs(home, exist_ok=True)
+    shutil.copyfile(migrated_prefect_db(), os.path.join(home, "prefect.db"))
+    return str(home)
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
-    """One real Prefect server (prefect_test_harness) for the whole session."""
-    from prefect.testing.utilities import prefect_test_harness
+    """One real Prefect server (prefect_test_harness) for the whole session, on a copy of the
+    migrated database (the harness's own temporary folder, with the copy in it)."""
+    import prefect.testing.utilities as harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    migrated = migrated_prefect_db()
+
+    def seeded_folder() -> str:  # what the harness names its database in: prefect-test.db
+        folder = tempfile.mkdtemp(prefix="stoker-prefect-test-")
+        shutil.copyfile(migrated, os.path.join(folder, "prefect-test.db"))
+        return folder
+
+    with ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(harness, "mkdtemp", seeded_folder)  # called once, as the harness starts
+            stack.enter_context(harness.prefect_test_harness(server_startup_timeout=120))
         yield
 
 
@@ -154,7 +206,7 @@ class PrefectServer:
         self.log = os.path.join(home, "server.log")
         self.env = {
             **os.environ,
-            "PREFECT_HOME": os.path.join(home, "prefect-home"),
+            "PREFECT_HOME": seeded_prefect_home(os.path.join(home, "prefect-home")),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "DO_NOT_TRACK": "1",
             "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",

@@ -115,7 +115,8 @@ def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_ser
             root,
             run_name="cancel",
             train={"max_steps": 100_000},
-            checkpoint={"interval_steps": 200},
+            # the cancel waits for a first committed checkpoint (mid-training): at step 20
+            checkpoint={"interval_steps": 20},
             eval={"interval_steps": 100_000},
             launch={"timeout_seconds": 600},
         )

@@ -1,5 +1,8 @@
 """The CLI answers a user's mistake with one `stoker: ...` line and exit code 2, never a
-traceback, whether it is found before Prefect starts or by a task after it has."""
+traceback, whether it is found before Prefect starts or by a task after it has. What is
+refused before the flow's process would start is asked of `stoker.cli.main` in this process;
+the exit code and stderr of a real `stoker` process are checked where a task finds the mistake
+(and on Ctrl-C)."""
 
 import contextlib
 import io
@@ -23,10 +26,16 @@ def _cli(*args, timeout=300, env=None):
 def stoker_main(monkeypatch):
     """`stoker ARGS` in this process, for what needs no Prefect (a process start is ~2 s of
     CPU; the subprocess tests here keep the real exit code and stderr): returncode, stdout and
-    stderr, as `_cli` gives them. Not capsys: Prefect's console handler would keep its stream."""
+    stderr, as `_cli` gives them. Not capsys: Prefect's console handler would keep its stream.
+    What it runs must end before the flow's process would start (asserted): no server, no flow."""
+    from stoker import cli
     from stoker.cli import main
 
+    def no_flow_process(argv):
+        raise AssertionError(f"`stoker {' '.join(argv)}` got past the checks made before Prefect starts")
+
     monkeypatch.delenv("STOKER_CLI_CHILD", raising=False)
+    monkeypatch.setattr(cli, "_supervise", no_flow_process)
 
     def run(*args):
         out, err = io.StringIO(), io.StringIO()
@@ -118,10 +127,10 @@ def test_a_project_error_fails_the_flow_run_with_the_same_line_and_no_traceback(
 
 
 @pytest.mark.e2e
-def test_a_missing_bucket_is_one_line_and_exit_2_with_nothing_written(s3_server, tmp_path):
+def test_a_missing_bucket_is_one_line_and_exit_2_with_nothing_written(s3_server, tmp_path, stoker_main):
     import boto3
 
-    out = _cli(
+    out = stoker_main(
         "run",
         "--set",
         "storage.root=s3://no-such-bucket-stoker/root",
@@ -152,9 +161,10 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_running(tmp_path):
     import sqlite3
     import time
 
-    from tests.conftest import live_processes, tiny_sets, wait_until_training
+    from tests.conftest import live_processes, seeded_prefect_home, tiny_sets, wait_until_training
 
     home = tmp_path / "prefect-home"
+    seeded_prefect_home(home)  # the temporary server's database, migrated already
     env = {**os.environ, "STOKER_ROOT": str(tmp_path / "store"), "GLOO_SOCKET_IFNAME": "lo", "PREFECT_HOME": str(home)}
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.Popen(
@@ -185,7 +195,7 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_running(tmp_path):
     assert ("ctrlc", "CRASHED") in states, states
 
 
-def test_a_gpu_recipe_on_a_machine_without_gpus_is_one_line_before_prefect_starts(tmp_path):
+def test_a_gpu_recipe_on_a_machine_without_gpus_is_one_line_before_prefect_starts(tmp_path, stoker_main):
     import time
 
     from stoker.launch.devices import visible_gpu_count
@@ -193,7 +203,7 @@ def test_a_gpu_recipe_on_a_machine_without_gpus_is_one_line_before_prefect_start
     if visible_gpu_count():
         pytest.skip("this machine has GPUs")
     t0 = time.monotonic()
-    out = _cli("run", "--recipe", "gpt2-124m", "--set", f"storage.root=file://{tmp_path}/store")
+    out = stoker_main("run", "--recipe", "gpt2-124m", "--set", f"storage.root=file://{tmp_path}/store")
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     ours = [line for line in out.stderr.splitlines() if line.startswith("stoker: ")]
     assert len(ours) == 1 and "launch.backend: 'nccl' needs NVIDIA GPUs" in out.stderr
@@ -246,7 +256,7 @@ def test_runs_checkpoints_verify_and_config_list_read_the_store_without_prefect(
     assert typo.returncode == 2 and "did you mean train.max_steps?" in typo.stderr
 
 
-def test_evaluate_of_a_deleted_checkpoint_is_one_line_and_exit_2(tmp_path):
+def test_evaluate_of_a_deleted_checkpoint_is_one_line_and_exit_2(tmp_path, stoker_main):
     """A checkpoint retention deleted (or never committed): refused before any server starts,
     once, naming why; no retry of what cannot heal."""
     from stoker.storage.checkpoints import commit_checkpoint, new_checkpoint_key
@@ -257,7 +267,7 @@ def test_evaluate_of_a_deleted_checkpoint_is_one_line_and_exit_2(tmp_path):
     store.write_bytes(join(key, ".metadata"), b"meta")
     commit_checkpoint(store, key, {"step": 4, "world_size": 1})
     store.rm(key)
-    out = _cli("evaluate", store.url(key), timeout=120)
+    out = stoker_main("evaluate", store.url(key))
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip().splitlines() == [
         f"stoker: checkpoint {store.url(key)} does not exist (deleted, e.g. by retention "

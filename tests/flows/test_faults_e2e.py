@@ -14,7 +14,7 @@ from stoker.core.config import load_config
 from stoker.core.failures import TrainingFailed
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.store import Store
-from tests.conftest import tiny_dict
+from tests.conftest import prepare_shards, tiny_dict
 
 pytestmark = pytest.mark.e2e
 
@@ -42,23 +42,30 @@ def _cfg(root, name, price=None, **train):
 
 def test_killed_rank_is_retried_and_ends_bitwise_like_an_unbroken_run(prefect_server, tmp_path, monkeypatch):
     from stoker.flows.pipeline import train_pipeline
+    from stoker.storage.runs import pin_run_folder
+    from tests.forked_ranks import run_forked
 
     root = "file://" + str(tmp_path / "store")
-    unbroken = train_pipeline(_cfg(root, "unbroken"))
+    # the unbroken reference: the same training without the flow (its two ranks forked from
+    # warm zygotes, tests.forked_ranks: no agent, no evaluation); the flow is the killed run's
+    unbroken = _cfg(root, "unbroken")
+    prepared, shards = prepare_shards(unbroken)
+    run_forked(pin_run_folder(prepared, unbroken, shards), shards.key, nproc=2)
     monkeypatch.setenv("STOKER_FAULT", "kill:rank=1:step=6")  # SIGKILL before step 6
     monkeypatch.setenv("STOKER_FAULT_ONCE", str(tmp_path / "fault-fired"))
     began = time.time()
     broken = train_pipeline(_cfg(root, "killed", price=3.6))
     wall = time.time() - began
     assert (tmp_path / "fault-fired").exists()
-    assert broken.final_step == unbroken.final_step == 8
+    assert broken.final_step == 8
     assert broken.num_attempts == 2
     first, second = broken.attempts
     assert first["outcome"] == "lost-rank" and first["reached_step"] == 5
     assert second["resumed_from_step"] == 4 and second["outcome"] == "completed"
     assert broken.steps_lost == 1 and 0 < broken.goodput < 1
 
-    store = Store(root)
+    store = Store(root)  # a fresh listing: the runs wrote since the one above
+    assert list_checkpoints(store, "unbroken")[0].step == 8  # the unbroken run's final step
     a, b = _final_tensors(store, "unbroken"), _final_tensors(store, "killed")
     assert a.keys() == b.keys()
     for k in a:

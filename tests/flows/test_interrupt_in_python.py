@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, live_processes, tiny_dict, wait_until_training
+from tests.conftest import ROOT, live_processes, seeded_prefect_home, tiny_dict, wait_until_training
 
 pytestmark = pytest.mark.e2e
 
@@ -36,6 +36,7 @@ except KeyboardInterrupt:
 
 def test_an_interrupted_flow_call_crashes_the_flow_run_records_the_attempt_and_leaves_nothing(tmp_path):
     home = tmp_path / "prefect-home"
+    seeded_prefect_home(home)  # the embedded server's database, migrated already
     env = {
         **os.environ,
         "STOKER_ROOT": str(tmp_path / "store"),

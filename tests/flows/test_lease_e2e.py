@@ -78,7 +78,8 @@ def _cli(*args, env, timeout=900):
 def test_cli_refuses_in_one_line_and_takeover_trains(tmp_path, session_server_env):
     root = f"file://{tmp_path}/store"
     recipe = tmp_path / "tiny.json"
-    recipe.write_text(json.dumps(tiny_dict(root, run_name="leased")))
+    # one rank: the lease is the launcher's, not the gang's
+    recipe.write_text(json.dumps(tiny_dict(root, run_name="leased", launch={"nproc_per_node": 1})))
     holder = _hold(root, {}, "leased")
     try:
         out = _cli("run", "--recipe", str(recipe), env=session_server_env)

@@ -15,7 +15,7 @@ import pytest
 
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.store import Store
-from tests.conftest import ROOT, gang_members, live_processes, read_proc
+from tests.conftest import ROOT, gang_members, live_processes, read_proc, seeded_prefect_home
 
 pytestmark = pytest.mark.e2e
 
@@ -44,7 +44,7 @@ def _env(tmp_path) -> dict:
         **os.environ,
         "STOKER_ROOT": str(tmp_path / "store"),
         "GLOO_SOCKET_IFNAME": "lo",
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_HOME": seeded_prefect_home(tmp_path / "prefect-home"),  # its database migrated already
         "PYTHONPATH": ROOT,
         "TMPDIR": str(tmp_path / "tmp"),
     }

@@ -32,9 +32,10 @@ def _fake_credentials() -> tuple[str, str]:
     return "AKIASTOKER" + uuid.uuid4().hex[:10].upper(), "stoker-fake-secret-" + uuid.uuid4().hex
 
 
-def _run_and_scan(s3_root, key_id: str, secret: str, **storage) -> None:
-    """A whole pipeline on the S3 endpoint, then every object of the bucket, the Prefect
-    database (+ WAL) and the host cache scanned for the credentials: zero hits."""
+def _run_and_scan(s3_root, key_id: str, secret: str, nproc: int = 2, **storage) -> None:
+    """A whole pipeline on the S3 endpoint (`nproc` ranks, one checkpoint, evaluated in a
+    process of its own), then every object of the bucket, the Prefect database (+ WAL) and the
+    host cache scanned for the credentials: zero hits."""
     import s3fs
 
     from stoker.flows.pipeline import train_pipeline
@@ -45,8 +46,9 @@ def _run_and_scan(s3_root, key_id: str, secret: str, **storage) -> None:
             root,
             run_name="secrets",
             train={"max_steps": 4},
-            checkpoint={"interval_steps": 2},
-            eval={"interval_steps": 2, "per_checkpoint_enabled": True},
+            checkpoint={"interval_steps": 4},
+            eval={"interval_steps": 4, "per_checkpoint_enabled": True},
+            launch={"nproc_per_node": nproc},
         )
     )
     cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"storage_options": options, **storage})})
@@ -76,7 +78,8 @@ def test_credentials_from_the_environment_are_written_nowhere(prefect_server, s3
     key_id, secret = _fake_credentials()
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
-    _run_and_scan(s3_root, key_id, secret)
+    # one rank: every process inherits the environment alike (the block test below keeps two)
+    _run_and_scan(s3_root, key_id, secret, nproc=1)
 
 
 def _no_credentials_in_the_environment(monkeypatch):
