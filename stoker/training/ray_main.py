@@ -40,7 +40,10 @@ from stoker.core import events
 # actor's process imports this module for the Relay class alone, and would import torch for
 # nothing (a few CPU seconds, ~300 MB, per launch)
 
-POLL_SECONDS = 0.2
+# how often workers ship their lines and the driver drains them: each drain is a round trip
+# through the head (through its Ray Client server, for a driver off the cluster) for the whole
+# launch; a line shown half a second later costs nobody anything
+POLL_SECONDS = 0.5
 STOP_POLL_SECONDS = 0.5
 # passed to the workers: what a torchrun rank inherits from the launcher (never the node's own
 # cache folder or the gang id: those belong to the host the driver runs on)
