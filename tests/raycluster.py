@@ -18,12 +18,10 @@ GRPC_POLL_STRATEGY=poll.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import socket
 import subprocess
 import sys
-import time
 
 from tests.netutil import NetnsNodes
 
@@ -54,6 +52,24 @@ def ray_unavailable() -> str | None:
     except ImportError:
         return "ray is not installed (pip install 'stoker[ray]')"
     return None
+
+
+_WAIT_FOR_NODES = """
+import sys, time
+from ray._private.state import GlobalState
+from ray._raylet import GcsClientOptions
+address, num_nodes, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+state = GlobalState()
+state._initialize_global_state(GcsClientOptions.create(address, None, allow_cluster_id_nil=True, fetch_cluster_id_if_nil=False))
+deadline = time.monotonic() + timeout
+while True:
+    nodes = state.node_table()
+    if len([n for n in nodes if n["Alive"]]) >= num_nodes:
+        break
+    if time.monotonic() > deadline:
+        sys.exit(f"{num_nodes} nodes not alive after {timeout:.0f} s: {nodes}")
+    time.sleep(0.2)
+"""
 
 
 class RayCluster:
@@ -136,6 +152,9 @@ class RayCluster:
                         f"--port={GCS_PORT}",
                         f"--ray-client-server-port={CLIENT_PORT}",
                         "--include-dashboard=false",
+                        # no autoscaler: the test cluster's nodes are fixed (its monitor would
+                        # poll the GCS every few seconds for the whole session, for nobody)
+                        "--no-monitor",
                         *common,
                     ]
                 else:
@@ -157,16 +176,19 @@ class RayCluster:
         return out
 
     def wait_for_nodes(self, timeout: float = 60) -> None:
-        """Until every node is alive in the head's view."""
-        deadline = time.monotonic() + timeout
-        while True:
-            out = self._ray(0, "status", f"--address={self.gcs_address}", check=False)
-            active = out.stdout.split("Pending:")[0]
-            if len(re.findall(r"^\s*\d+ node_", active, re.M)) >= len(self.nodes.addresses):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the Ray cluster did not come up:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
-            time.sleep(1)
+        """Until every node is alive in the head's view: one process on the head node asks the
+        GCS for its node table every 0.2 s (not `ray status`, a fresh CLI process per look)."""
+        out = subprocess.run(
+            [*self.nodes.exec_prefix(0), sys.executable, "-c", _WAIT_FOR_NODES, self.gcs_address]
+            + [str(len(self.nodes.addresses)), str(timeout)],
+            env=self.node_env(0),
+            capture_output=True,
+            text=True,
+            timeout=timeout + 60,
+            cwd=self.work_dir,
+        )
+        if out.returncode != 0:
+            raise TimeoutError(f"the Ray cluster did not come up:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
 
     def exec_prefix(self, node: int) -> tuple[str, ...]:
         return self.nodes.exec_prefix(node)

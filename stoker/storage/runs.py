@@ -3,6 +3,7 @@ and reading them back from a checkpoint URL."""
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -20,6 +21,13 @@ from stoker.storage.layout import (
     run_key,
 )
 from stoker.storage.store import Store, join
+
+
+def read_config(url: str) -> RunConfig:
+    """Read config.json from any URL the store can reach (storage options from env)."""
+    store_root, _, name = url.rpartition("/")
+    options = json.loads(os.environ.get("STOKER_STORAGE_OPTIONS", "{}"))
+    return RunConfig.model_validate_json(Store(store_root, options).read_bytes(name))
 
 
 def store_problem(store: Store) -> str:

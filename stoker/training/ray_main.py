@@ -40,7 +40,10 @@ from stoker.core import events
 # actor's process imports this module for the Relay class alone, and would import torch for
 # nothing (a few CPU seconds, ~300 MB, per launch)
 
-POLL_SECONDS = 0.2
+# how often workers ship their lines and the driver drains them: each drain is a round trip
+# through the head (through its Ray Client server, for a driver off the cluster) for the whole
+# launch; a line shown half a second later costs nobody anything
+POLL_SECONDS = 0.5
 STOP_POLL_SECONDS = 0.5
 # passed to the workers: what a torchrun rank inherits from the launcher (never the node's own
 # cache folder or the gang id: those belong to the host the driver runs on)
@@ -245,10 +248,10 @@ def drive(args: argparse.Namespace) -> int:
     """Run the workers to the end; write the result file; the exit status of the launch."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
+    from stoker.storage.runs import read_config  # not training.train: the rank code stays out
     from stoker.training.distributed import stop_grace_seconds
-    from stoker.training.train import read_config
 
     stop_asked = threading.Event()
     result = {"failures": [], "running": [], "launcher_errors": [], "completed": False}
@@ -266,7 +269,7 @@ def drive(args: argparse.Namespace) -> int:
         ray_storage = os.path.join(
             tempfile.gettempdir(), "stoker-ray-train", f"stoker-{cfg.resolved_run_name()}-{uuid.uuid4().hex[:8]}"
         )
-        trainer = TorchTrainer(
+        trainer = _trainer_class()(
             train_worker,
             train_loop_config={
                 "relay": relay,
@@ -340,6 +343,28 @@ def drive(args: argparse.Namespace) -> int:
     if result["completed"]:
         return 0
     return 143 if result.get("stopped") else 1
+
+
+# Ray Train's per-launch helper actors that a stoker launch has no use for (a process, and
+# ~2 CPU-seconds of imports, each): the DatasetManager, made on every start of the worker
+# group to hand out Ray Data shards (the workers read stoker's shard sets, no Ray Dataset is
+# passed); the PlacementGroupCleaner, a detached actor polling the controller every second to
+# remove its placement groups should it die while the driver lives on (this driver ends the
+# job when the launch ends, and a job's placement groups end with it)
+_UNNEEDED_CALLBACKS = ("DatasetsCallback", "PlacementGroupCleanerCallback")
+
+
+def _trainer_class():
+    """TorchTrainer without the callbacks of _UNNEEDED_CALLBACKS (a Ray that names them
+    otherwise keeps them: only two processes more)."""
+    from ray.train.torch import TorchTrainer
+
+    class StokerTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            return [cb for cb in callbacks if type(cb).__name__ not in _UNNEEDED_CALLBACKS]
+
+    return StokerTrainer if hasattr(TorchTrainer, "_create_default_callbacks") else TorchTrainer
 
 
 def _fit(trainer, outcome: dict) -> None:

@@ -29,6 +29,7 @@ from stoker.core import events, lifeline
 from stoker.core.config import RunConfig
 from stoker.core.failures import RankAborted, is_transient
 from stoker.storage.checkpoints import find_latest_valid
+from stoker.storage.runs import read_config
 from stoker.storage.shards import materialize
 from stoker.storage.store import Store, default_cache_dir
 from stoker.training.distributed import setup_distributed, stop_already_asked, stop_grace_seconds
@@ -74,13 +75,6 @@ class RankErrorHandler(ErrorHandler):
         if marker and not failure.transient:
             with open(marker, "w") as f:
                 json.dump(failure.to_dict(), f)
-
-
-def read_config(url: str) -> RunConfig:
-    """Read config.json from any URL the store can reach (storage options from env)."""
-    store_root, _, name = url.rpartition("/")
-    options = json.loads(os.environ.get("STOKER_STORAGE_OPTIONS", "{}"))
-    return RunConfig.model_validate_json(Store(store_root, options).read_bytes(name))
 
 
 class FailedBefore(Exception):

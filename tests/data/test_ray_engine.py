@@ -204,51 +204,68 @@ def test_a_store_the_nodes_cannot_reach_is_a_config_error(ray_cluster, tmp_path)
     assert store.walk_files("shards") == {}
 
 
-DRIVER_ON_A_NODE = """
+DRIVERS_ON_A_NODE = """
 import json, logging, sys
 from stoker.core.config import RayConfig
 from stoker.storage.store import Store
 from tests.data.test_ray_engine import _build, _prepared
-root, options, address = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+how = None
 class Nodes(logging.Handler):  # the nodes the engine's tasks ran on
     def emit(self, record):
         if hasattr(record, "ray_nodes"):
-            print("NODES", len(set(record.ray_nodes)), flush=True)
+            print("NODES", how, len(set(record.ray_nodes)), flush=True)
 logging.getLogger("stoker.data").setLevel(logging.INFO)
 logging.getLogger("stoker.data").addHandler(Nodes())
-store = Store(root, options)
-cfg, ds, tk = _prepared(store)  # cache hits: the test made them
-print("SHARDS", _build(store, ds, tk, cfg, "ray", RayConfig(address=address)).cache_key, flush=True)
+for how, root, options, address in json.loads(sys.argv[1]):  # one build after the other
+    store = Store(root, options)
+    cfg, ds, tk = _prepared(store)  # cache hits: the test made them
+    print("SHARDS", how, _build(store, ds, tk, cfg, "ray", RayConfig(address=address)).cache_key, flush=True)
 """
+HOWS = ("HOST:PORT", "auto")
+
+
+@pytest.fixture(scope="module")
+def drivers_on_a_node(ray_cluster, tmp_path_factory):
+    """One process on the head node, as a flow run on a cluster node: it builds a shard set by
+    each ray.address form in turn, each into a bucket of its own (prepared here, with the local
+    engine's shard set built in the first): (its output, the local build, its manifest and
+    files, {form: the store it built into})."""
+    cluster = ray_cluster.cluster
+    stores, builds = {}, []
+    for how in HOWS:
+        root, options = ray_cluster.bucket()
+        stores[how] = store = Store(root, options)
+        cfg, ds, tk = _prepared(store)
+        builds.append((how, root, options, cluster.gcs_address if how == "HOST:PORT" else "auto"))
+        if how == HOWS[0]:
+            local = _build(store, ds, tk, cfg, "local")
+            local_manifest, local_files = _shard_set(store, local)
+            store.rm("shards")
+    work = tmp_path_factory.mktemp("drivers")
+    script = work / "driver.py"
+    script.write_text(DRIVERS_ON_A_NODE)
+    out = subprocess.run(
+        [*cluster.exec_prefix(0), sys.executable, str(script), json.dumps(builds)],
+        env=cluster.node_env(0),
+        cwd=str(work),
+        capture_output=True,
+        text=True,
+        timeout=360,
+    )
+    return out, local, local_manifest, local_files, stores
 
 
 @pytest.mark.e2e  # a Ray instance or the two-node cluster: not in the quick subset
 @needs_ray
-@pytest.mark.parametrize("how", ["HOST:PORT", "auto"])
-def test_a_driver_on_a_node_joins_by_gcs_address_or_auto_with_the_same_bytes(
-    ray_cluster, cluster_bucket, tmp_path, how
-):
+@pytest.mark.parametrize("how", HOWS)
+def test_a_driver_on_a_node_joins_by_gcs_address_or_auto_with_the_same_bytes(ray_cluster, drivers_on_a_node, how):
     """A flow run on a cluster node (no Ray Client): ray.address is the head's GCS HOST:PORT, or
     'auto', which finds the cluster this node runs. The shards equal the local engine's."""
-    cluster = ray_cluster.cluster
-    root, options, store, cfg, ds, tk = cluster_bucket
-    local = _build(store, ds, tk, cfg, "local")
-    local_manifest, local_files = _shard_set(store, local)
-    store.rm("shards")
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER_ON_A_NODE)
-    address = cluster.gcs_address if how == "HOST:PORT" else "auto"
-    out = subprocess.run(
-        [*cluster.exec_prefix(0), sys.executable, str(script), root, json.dumps(options), address],
-        env=cluster.node_env(0),
-        cwd=str(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    out, local, local_manifest, local_files, stores = drivers_on_a_node
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert f"SHARDS {local.cache_key}" in out.stdout
-    assert "NODES 2" in out.stdout.splitlines(), out.stdout[-2000:]  # the cluster's two nodes
+    assert f"SHARDS {how} {local.cache_key}" in out.stdout
+    assert f"NODES {how} 2" in out.stdout.splitlines(), out.stdout[-2000:]  # the cluster's two nodes
+    store = stores[how]
     manifest, files = _shard_set(store, local)
     assert manifest == local_manifest and files == local_files
     assert store.listdir("shards") == [local.cache_key]  # no staging, no pieces left

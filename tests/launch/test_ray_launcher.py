@@ -1,6 +1,7 @@
 """The Ray launcher (launch.launcher: ray) on a real Ray cluster of two nodes, each in a network
 namespace of its own (tests.raycluster, the session's `ray_cluster`): the driver connects with
-Ray Client from this namespace, one worker runs on each node, checkpoints go to S3 (moto on the
+Ray Client from this namespace (or, where a test says so, runs on the head node and joins by
+GCS address or 'auto'), one worker runs on each node, checkpoints go to S3 (moto on the
 bridge address) through the commit protocol. Compared, bit for bit, with the local (torchrun)
 launcher's run of the same world size."""
 
@@ -77,6 +78,10 @@ class Runs:
         """(launcher, GangResult, events, lines) of one launch attempt. `on_node`: the driver
         runs on that node of the cluster (in its namespace, with its environment), as a flow run
         on a cluster machine would, instead of in this namespace."""
+        launcher = self.launcher(cfg, url, resume_key, env, on_node)
+        return (launcher, *run_collecting(launcher, on_event))
+
+    def launcher(self, cfg, url: str, resume_key=None, env: dict | None = None, on_node: int | None = None):
         launcher = make_launcher(cfg, url, self.shard_key, resume_key)
         if on_node is not None:
             node_env = self.cluster.node_env(on_node)
@@ -85,7 +90,7 @@ class Runs:
             launcher.gang.envs = [{**e, **mine} for e in launcher.gang.envs]
         if env:
             launcher.gang.envs = [{**e, **env} for e in launcher.gang.envs]
-        return (launcher, *run_collecting(launcher, on_event))
+        return launcher
 
     def completed(self, cfg, url: str, **kw):
         _, result, seen, lines = self.launch(cfg, url, **kw)
@@ -174,11 +179,13 @@ def test_a_killed_worker_is_recovered_by_ray_and_the_run_ends_bitwise(runs, loca
 @pytest.mark.e2e
 def test_stopping_the_launch_stops_the_ray_job_with_a_checkpoint_and_leaves_no_worker(runs):
     """What a Prefect cancel does to a launch (launcher.stop: SIGTERM to the driver, then the
-    kill): the workers stop at a step boundary, write a stop checkpoint, and Ray ends them."""
-    cfg, url = runs.config("ray-stopped", "ray", max_restarts=2)
+    kill): the workers stop at a step boundary, write a stop checkpoint, and Ray ends them.
+    The driver runs on the head node and joins by the GCS HOST:PORT (no Ray Client: the stop
+    through Ray Client is the SIGKILLed launcher's test, and the Prefect cancel's)."""
+    cfg, url = runs.config("ray-stopped", "ray", max_restarts=2, address=runs.cluster.gcs_address)
     cfg.train.max_steps = 400
     runs.store.write_bytes("runs/ray-stopped/config.json", cfg.to_json().encode())
-    launcher = make_launcher(cfg, url, runs.shard_key, None)
+    launcher = runs.launcher(cfg, url, on_node=0)
     seen, lines, out = [], [], {}
     started = threading.Event()
 
@@ -226,7 +233,8 @@ def test_a_permanent_failure_is_not_retried_by_ray_with_the_driver_on_a_node_by_
 def test_a_local_ray_is_started_when_no_address_is_given(tmp_path):
     """ray.address empty: the driver starts a Ray of its own for the launch and stops it. Run
     in a fresh network namespace where loopback is the only address (a local Ray also binds
-    this machine's outward address otherwise)."""
+    this machine's outward address otherwise). One worker: the subject is the Ray the driver
+    starts, not the world size (two workers are the cluster tests')."""
     script = tmp_path / "local_ray.py"
     script.write_text(f"""
 import os, sys
@@ -235,7 +243,7 @@ from tests.conftest import tiny_dict, prepare_shards
 from stoker.core.config import load_config
 from stoker.launch import make_launcher
 cfg = load_config(tiny_dict("file://{tmp_path}/store", run_name="local-ray",
-                            launch={{"launcher": "ray", "num_nodes": 1, "nproc_per_node": 2}}))
+                            launch={{"launcher": "ray", "num_nodes": 1, "nproc_per_node": 1}}))
 store, shards = prepare_shards(cfg)
 store.write_bytes("runs/local-ray/config.json", cfg.to_json().encode())
 launcher = make_launcher(cfg, store.url("runs/local-ray/config.json"), shards.key, None)
