@@ -13,8 +13,13 @@ from typing import Any
 def start_local(num_cpus: int, **init_kwargs: Any) -> Any:
     """A Ray instance for this job, stopped by ``ray.shutdown()``. Ray turns a loopback node
     address into the host's outward one unless it believes it runs on a laptop; its own switch
-    for that is flipped for the start only, so every Ray server listens on 127.0.0.1 alone."""
+    for that is flipped for the start only, so every Ray server listens on 127.0.0.1 alone.
+    Its workers run at nice 0 (Ray's default is 15, meant for shared cluster nodes): they are
+    this job's own work and share the host as torchrun's ranks do. RAY_worker_niceness set by
+    the caller wins."""
     import ray
+
+    os.environ.setdefault("RAY_worker_niceness", "0")
 
     try:
         from ray._private import ray_constants

@@ -248,8 +248,22 @@ store, shards = prepare_shards(cfg)
 store.write_bytes("runs/local-ray/config.json", cfg.to_json().encode())
 launcher = make_launcher(cfg, store.url("runs/local-ray/config.json"), shards.key, None)
 print("DESCRIPTION", launcher.description)
+import threading, time
+nice, done = set(), threading.Event()
+def watch():  # the niceness the training workers run at
+    while not done.wait(0.3):
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                title = open(f"/proc/{{pid}}/cmdline", "rb").read()
+                if b"RayTrainWorker" in title:
+                    nice.add(os.getpriority(os.PRIO_PROCESS, int(pid)))
+            except OSError:
+                pass
+threading.Thread(target=watch, daemon=True).start()
 result = launcher.run(print, lambda e: print("EVENT", type(e).__name__))
+done.set()
 print("REASON", result.reason)
+print("NICE", sorted(nice))
 """)
     ns = f"stoker-lo-{os.getpid()}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
@@ -269,6 +283,8 @@ print("REASON", result.reason)
     assert "REASON completed" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     assert "a local Ray on 127.0.0.1" in out.stdout
     assert out.stdout.count("EVENT Train") == 8 and "EVENT Done" in out.stdout
+    # the local Ray's workers are this job's own work: nice 0 like torchrun's ranks, not Ray's 15
+    assert "NICE [0]" in out.stdout, out.stdout[-2000:]
 
 
 def test_the_ray_launcher_without_ray_is_one_config_error(monkeypatch, tmp_path):
