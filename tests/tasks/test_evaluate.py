@@ -46,9 +46,11 @@ def test_stoker_evaluate_of_a_missing_checkpoint_says_so_before_any_process(tiny
 
 
 def _evaluation_in_a_thread(cfg, tmp_path):
-    """Start run_evaluation in a thread; returns (thread, the error box, its process). Its
-    config is a FIFO nobody writes: the process waits there until the stop comes (a missing
-    file let it end on its own first once, when a loaded machine was slow to send the stop)."""
+    """Start run_evaluation in a thread; returns (thread, the error box, its process) once the
+    process is reading its config: a FIFO nobody writes, where it waits, past its imports,
+    until the stop comes. (A missing config file let it end on its own first once, when a
+    loaded machine was slow to send the stop; and a SIGINT sent during its start-up, beside
+    three loaded test workers, once did not end it within 60 s: cause not found.)"""
     from stoker.tasks import evaluate
 
     box = []
@@ -69,6 +71,14 @@ def _evaluation_in_a_thread(cfg, tmp_path):
     while not evaluate._LIVE and time.monotonic() < deadline:
         time.sleep(0.01)
     [proc] = list(evaluate._LIVE)
+
+    def waiting_on_the_fifo():  # the kernel's wait for a FIFO's writer
+        with open(f"/proc/{proc.pid}/wchan") as f:
+            return f.read() == "wait_for_partner"
+
+    while not waiting_on_the_fifo():
+        assert thread.is_alive() and time.monotonic() < deadline + 120, box
+        time.sleep(0.05)
     return thread, box, proc
 
 
