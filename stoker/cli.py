@@ -121,7 +121,24 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as err:  # Prefect's TerminationSignal (SIGTERM from the supervisor)
         if type(err).__name__ == "TerminationSignal":
             return 130  # the supervisor says the one line
+        line = project_error_line(err)
+        if line is not None:
+            print(line, file=sys.stderr)
+            return 2
         raise
+
+
+def project_error_line(err: BaseException) -> str | None:
+    """The line (a ConfigError's: lines) of a project error that reached the caller as Prefect's FailedRun: a flow
+    run that a project error ended (flows.fails_in_one_line: Failed, message ``stoker: ...``)
+    whose engine holds the server's copy of that state, which has no data. That happens when
+    the final state's proposal was sent twice (a slow server: the client tried again, and
+    Prefect answers a repeated transition with the state it already has); calling the flow
+    then raises FailedRun(message) instead of the error itself."""
+    from prefect.exceptions import FailedRun
+
+    text = str(err)
+    return text if isinstance(err, FailedRun) and text.startswith("stoker: ") else None
 
 
 INTERRUPTED = (
@@ -230,7 +247,7 @@ def _supervise(argv: list[str]) -> int:
     import signal
     import subprocess
 
-    from stoker.core.lifeline import set_parent_death_signal
+    from stoker.core.lifeline import start_child
 
     me = os.getpid()
     # SIGKILLed (the OOM killer), this process cannot stop the child: the kernel sends it the
@@ -239,7 +256,7 @@ def _supervise(argv: list[str]) -> int:
         [sys.executable, "-m", "stoker.cli", *argv],
         env={**os.environ, _CHILD_ENV: "1"},
         start_new_session=True,
-        preexec_fn=lambda: set_parent_death_signal(parent=me),
+        preexec_fn=lambda: start_child(parent=me),
     )
     stopping = []
 

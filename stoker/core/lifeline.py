@@ -68,6 +68,14 @@ def set_parent_death_signal(sig: int = signal.SIGTERM, parent: int | None = None
         os.kill(os.getpid(), sig)
 
 
+def start_child(parent: int) -> None:
+    """The ``preexec_fn`` of every process stoker starts: no signal blocked (a child inherits
+    the mask of the thread that forks it, and a library may have blocked SIGINT or SIGTERM in
+    that thread: the child could then not be stopped by them), and the parent-death signal."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+    set_parent_death_signal(parent=parent)
+
+
 def process_start(pid: int) -> int | None:
     """The process's start time (clock ticks after boot), or None when it is gone or a zombie."""
     try:

@@ -77,7 +77,7 @@ class Child:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
-            preexec_fn=lambda: lifeline.set_parent_death_signal(parent=me),
+            preexec_fn=lambda: lifeline.start_child(parent=me),
         )
         self._pumps = [
             threading.Thread(target=_collect, args=(stream, lines), daemon=True)

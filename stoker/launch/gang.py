@@ -191,7 +191,7 @@ class ProcessGang(Launcher):
                 text=True,
                 bufsize=1,
                 start_new_session=True,
-                preexec_fn=lambda: lifeline.set_parent_death_signal(parent=me),
+                preexec_fn=lambda: lifeline.start_child(parent=me),
             )
             self.procs.append(p)
             threading.Thread(target=_pump, args=(node, p.stdout, self.lines), daemon=True).start()

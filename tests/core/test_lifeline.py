@@ -119,3 +119,31 @@ def test_a_module_run_under_a_lifeline_ends_with_the_process_it_names(quiet):
     finally:
         served.kill()
         starter.kill()
+
+
+def test_a_child_starts_with_no_signal_blocked_whatever_its_forking_thread_blocks():
+    """A thread that blocked SIGINT and SIGTERM (as a library may, around its own work) passes
+    that mask to what it forks; lifeline.start_child, every stoker child's preexec_fn, clears it."""
+    import signal
+    import threading
+
+    def masks(preexec):
+        out = {}
+
+        def fork_from_a_blocking_thread():
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            p = subprocess.Popen(["sleep", "30"], start_new_session=True, preexec_fn=preexec)
+            with open(f"/proc/{p.pid}/status") as f:
+                out.update(line.split(":\t") for line in f.read().splitlines() if line.startswith("SigBlk"))
+            p.kill()
+            p.wait()
+
+        t = threading.Thread(target=fork_from_a_blocking_thread)
+        t.start()
+        t.join()
+        return int(out["SigBlk"], 16)
+
+    both = 1 << (signal.SIGINT - 1) | 1 << (signal.SIGTERM - 1)
+    assert masks(None) & both == both  # what a plain Popen passes on
+    me = os.getpid()
+    assert masks(lambda: lifeline.start_child(parent=me)) == 0

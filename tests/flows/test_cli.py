@@ -124,6 +124,22 @@ def test_a_project_error_fails_the_flow_run_with_the_same_line_and_no_traceback(
     assert any(expected in r.getMessage() for r in records)
     with pytest.raises(StokerError, match=expected):
         train_pipeline(cfg)
+    # the server's copy of that state has no data: an engine left holding it (a final state
+    # proposed twice by a client that tried again, under load) raises Prefect's FailedRun
+    # with the message instead; the CLI says that line all the same, with exit 2
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import FailedRun
+    from prefect.states import get_state_exception
+
+    from stoker.cli import project_error_line
+
+    with get_client(sync_client=True) as client:
+        server_copy = client.read_flow_run(state.state_details.flow_run_id).state
+    assert server_copy.data is None and server_copy.message == state.message
+    failed = get_state_exception(server_copy)
+    assert isinstance(failed, FailedRun) and project_error_line(failed) == state.message
+    assert project_error_line(get_state_exception(state)) is None  # the error itself: StokerError's path
+    assert project_error_line(FailedRun("Run failed.")) is None  # not a project error: a traceback
 
 
 @pytest.mark.e2e

@@ -93,9 +93,19 @@ def test_an_evaluation_killed_by_the_runs_stop_is_not_retried(tiny_config, tmp_p
     assert "stopped by the end of its training" in str(err)
 
 
+def _signal_masks(pid: int) -> dict[str, int]:
+    """The process's blocked and ignored signals (bit n-1 is signal n), from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        return {k: int(v, 16) for k, _, v in (line.partition(":\t") for line in f) if k in ("SigBlk", "SigIgn")}
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_an_evaluation_ended_by_sigterm_or_sigint_is_not_retried(tiny_config, sig, tmp_path):
     thread, box, proc = _evaluation_in_a_thread(tiny_config(), tmp_path)
+    # the signal reaches it: neither blocked (lifeline.start_child clears the mask a thread of
+    # this process may have passed on) nor ignored
+    masks = _signal_masks(proc.pid)
+    assert not any(bits >> (sig - 1) & 1 for bits in masks.values()), masks
     os.killpg(proc.pid, sig)
     thread.join(60)
     [err] = box
