@@ -621,10 +621,18 @@ class GangWatch:
         procs = live_processes()
         for proc in procs.values():
             if self.marker in proc.cmdline:
-                self.seen.setdefault(proc.pid, proc)
+                self._note(proc)
         for pid in list(self.seen):
             for child in descendants(pid, procs).values():
-                self.seen.setdefault(child.pid, child)
+                self._note(child)
+
+    def _note(self, proc: Proc) -> None:
+        """Keep the newest view of a process (same pid and start time): one first seen between
+        fork and exec has its parent's command line (a rank then looked like its torchrun
+        agent for good, under load). A pid reused by another process keeps the first entry."""
+        was = self.seen.get(proc.pid)
+        if was is None or was.start == proc.start:
+            self.seen[proc.pid] = proc
 
     def groups(self) -> set[int]:
         """Process groups and sessions of the run (never the test's own)."""
