@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def project_error_line(err: BaseException) -> str | None:
-    """The line (a ConfigError's: lines) of a project error that reached the caller as Prefect's FailedRun: a flow
-    run that a project error ended (flows.fails_in_one_line: Failed, message ``stoker: ...``)
+    """The line (a ConfigError's: lines) of a project error that reached the caller as
+    Prefect's FailedRun: a flow run that a project error ended (flows.fails_in_one_line: Failed, message ``stoker: ...``)
     whose engine holds the server's copy of that state, which has no data. That happens when
     the final state's proposal was sent twice (a slow server: the client tried again, and
     Prefect answers a repeated transition with the state it already has); calling the flow
