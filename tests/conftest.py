@@ -830,6 +830,28 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]) or (a[k].isnan().all() and b[k].isnan().all()), k
 
 
+def assert_a_stop_left_a_resume_point(store, run: str) -> None:
+    """What a stop (a cancel, a SIGTERM, a killed launcher) leaves: the ranks logged one stop at
+    a step boundary, and resume has a committed checkpoint to take: the one written on the way
+    out when it fit into the grace period and its upload finished (`saved`), else an older one.
+    A folder newer than it can only be a write the stop cut short (no manifest: a background
+    upload still running when the grace ran out, on a loaded machine), never a committed
+    checkpoint that fails its check."""
+    from stoker.storage.checkpoints import find_latest_valid
+
+    records = [json.loads(line) for line in store.read_bytes(f"runs/{run}/metrics.jsonl").splitlines()]
+    stopped = [r for r in records if r["event"] == "stopped"]
+    assert len(stopped) == 1, records[-5:]
+    choice = find_latest_valid(store, run)
+    assert choice.checkpoint is not None, choice.skipped
+    newer = [(ref.key, reason) for ref, reason in choice.skipped]
+    assert all(reason.startswith("no manifest") for _, reason in newer), newer
+    if stopped[0]["saved"]:
+        assert choice.checkpoint.step == stopped[0]["step"], newer
+    else:
+        assert choice.checkpoint.step < stopped[0]["step"], newer
+
+
 def train_losses(records: list[dict]) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in records if m["event"] == "train"}
 

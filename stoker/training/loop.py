@@ -258,8 +258,10 @@ class Trainer:
         fits = expected * 1.5 + 1 < self.stop.seconds_left()
         if self.step != self.last_saved_step and fits:
             self.save()
-        self.uploader.wait(timeout=max(0.0, self.stop.seconds_left()))
-        self.metrics.log(events.Stopped(step=self.step, saved=self.last_saved_step == self.step))
+        # saved: written here and every upload done in the grace (on rank 0: committed); an
+        # upload still running when the grace runs out is cut short and never committed
+        finished = self.uploader.wait(timeout=max(0.0, self.stop.seconds_left()))
+        self.metrics.log(events.Stopped(step=self.step, saved=finished and self.last_saved_step == self.step))
         self.metrics.flush()
         raise Preempted(f"stopped by SIGTERM at step {self.step}")
 

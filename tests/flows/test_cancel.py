@@ -4,7 +4,6 @@ trains on a real torchrun gang, the test asks the API to cancel it (as the UI or
 `prefect flow-run cancel` do), and then checks that no process of the run is left, that the
 run ends Cancelled, and that the newest checkpoint is valid."""
 
-import json
 import os
 import signal
 import subprocess
@@ -14,9 +13,17 @@ import time
 import pytest
 
 from stoker.core.config import load_config
-from stoker.storage.checkpoints import find_latest_valid, list_checkpoints
+from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.store import Store
-from tests.conftest import ROOT, GangWatch, descendants, read_proc, stop_process, tiny_dict
+from tests.conftest import (
+    ROOT,
+    GangWatch,
+    assert_a_stop_left_a_resume_point,
+    descendants,
+    read_proc,
+    stop_process,
+    tiny_dict,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -180,16 +187,8 @@ def test_cancelled_flow_run_leaves_no_process_and_a_valid_checkpoint(prefect_ser
         ]
         assert under_runner == []
 
-        # the ranks stopped at a step boundary; the newest checkpoint is valid, and it is the
-        # one written on the way out when it fit into the grace period
-        records = [json.loads(line) for line in store.read_bytes("runs/cancel/metrics.jsonl").splitlines()]
-        stopped = [r for r in records if r["event"] == "stopped"]
-        assert len(stopped) == 1, records[-5:]
-        newest = list_checkpoints(store, "cancel")[0]
-        choice = find_latest_valid(store, "cancel")
-        assert choice.checkpoint is not None and choice.checkpoint.key == newest.key
-        if stopped[0]["saved"]:
-            assert newest.step == stopped[0]["step"]
+        # the ranks stopped at a step boundary, and left a checkpoint to resume from
+        assert_a_stop_left_a_resume_point(store, "cancel")
     finally:
         stop_process(server)  # the runner shuts down on SIGTERM
         for proc in watch.leftovers():  # only if the test failed: leave nothing running
@@ -257,14 +256,8 @@ def test_cancelling_a_flow_run_on_ray_stops_the_ray_job_and_leaves_no_worker(pre
         _wait("the Ray workers to end", nothing_left, 120)
         assert any("training.ray_main" in p.cmdline for p in watch.seen.values())
         assert _wait("the driver to end", lambda: watch.leftovers() == [], 60)
-        store = Store(root, options)  # a fresh listing cache: the one above predates the files
-        records = [json.loads(line) for line in store.read_bytes("runs/cancel-ray/metrics.jsonl").splitlines()]
-        stopped = [r for r in records if r["event"] == "stopped"]
-        assert len(stopped) == 1, records[-5:]
-        newest = list_checkpoints(store, "cancel-ray")[0]
-        assert find_latest_valid(store, "cancel-ray").checkpoint.key == newest.key
-        if stopped[0]["saved"]:
-            assert newest.step == stopped[0]["step"]
+        # a fresh listing cache: the one above predates the files
+        assert_a_stop_left_a_resume_point(Store(root, options), "cancel-ray")
     finally:
         stop_process(server)
         for proc in watch.leftovers():

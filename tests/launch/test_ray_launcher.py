@@ -24,6 +24,7 @@ from stoker.storage.checkpoints import find_latest_valid, list_checkpoints
 from stoker.storage.store import Store
 from tests.conftest import (
     ROOT,
+    assert_a_stop_left_a_resume_point,
     assert_bitwise_equal,
     event_losses,
     newest_weights,
@@ -346,7 +347,6 @@ def test_a_sigkilled_launcher_stops_the_ray_job_with_a_checkpoint_and_leaves_no_
     """The process running the Ray launcher SIGKILLed (the OOM killer): its driver gets the
     parent-death SIGTERM, relays the stop to the workers, which write a stop checkpoint, and
     Ray ends them. Before, the driver and its workers trained on with nobody listening."""
-    import json
     import signal
 
     cfg, url = runs.config("ray-orphan", "ray")
@@ -371,21 +371,11 @@ def test_a_sigkilled_launcher_stops_the_ray_job_with_a_checkpoint_and_leaves_no_
         helper.kill()
         helper.wait()
         _no_ray_workers_left(runs.cluster, seconds=150)  # the driver ends the job 45 s after the stop at most
-        # the workers stopped at a step boundary; the newest checkpoint is valid, and it is the
-        # one written on the way out when it fit into the grace period (as a cancel's, in
-        # tests/flows/test_cancel.py). The stop comes right after the first commit here: on a
-        # loaded machine that commit took 6.7 s once, and the estimate (its time x 1.5 + 1 s)
-        # no longer fit into the ranks' 12 s, so they kept the committed one
-        records = [json.loads(line) for line in runs.store.read_bytes("runs/ray-orphan/metrics.jsonl").splitlines()]
-        stopped = [r for r in records if r["event"] == "stopped"]
-        assert len(stopped) == 1, records[-5:]
-        newest = list_checkpoints(runs.store, "ray-orphan")[0]
-        choice = find_latest_valid(runs.store, "ray-orphan")
-        assert choice.checkpoint is not None and choice.checkpoint.key == newest.key
-        if stopped[0]["saved"]:
-            assert newest.step == stopped[0]["step"]
-        else:
-            assert newest.step < stopped[0]["step"]
+        # the workers stopped at a step boundary and left a checkpoint to resume from (as a
+        # cancel's, in tests/flows/test_cancel.py). The stop comes right after the first commit
+        # here: on a loaded machine that commit took 6.7 s once, and the estimate (its time x
+        # 1.5 + 1 s) no longer fit into the ranks' 12 s, so they kept the committed one
+        assert_a_stop_left_a_resume_point(runs.store, "ray-orphan")
     finally:
         for pid in [helper.pid, *_drivers_of("runs/ray-orphan/config.json")]:  # a failed test's
             try:
