@@ -18,7 +18,15 @@ url = json.loads(m.distribution("stoker").read_text("direct_url.json") or "{}").
 sys.exit(0 if url.rstrip("/") == "file://" + sys.argv[1].rstrip("/") else 1)
 PYEOF
 }
+# Bytecode for stoker's own modules (and the tests' helpers that processes import), as a
+# regular install writes it: an editable install leaves none, and where PYTHONDONTWRITEBYTECODE
+# is set (these machines set it) every process compiled them again (a rank: ~0.2 of its ~2.9
+# CPU-s of imports). Quick when up to date: only changed files are compiled.
+compile_bytecode() {
+  "$PY" -m compileall -q -j 0 stoker $([ "${1:-}" = "test" ] && echo tests) >/dev/null
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && installed_here; then
+  compile_bytecode "${1:-}"
   exit 0
 fi
 # torch first, pinned: an unpinned torch pulls several GB of CUDA packages. Any torch>=2.4
@@ -38,4 +46,5 @@ if [ "${1:-}" = "test" ]; then
   fi
 fi
 "$PY" -m pip install -q -e ".${extra}"
+compile_bytecode "${1:-}"
 echo "$want" > "$stamp"
