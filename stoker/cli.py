@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    from stoker.core.failures import StokerError
+    from stoker.core.failures import StokerError, error_line
 
     try:
         if args.command in ("run", "evaluate", "deploy", "serve") and not os.environ.get(_CHILD_ENV):
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             return _supervise(argv if argv is not None else sys.argv[1:])
         return _command(args)
     except StokerError as err:  # the user's mistake or the run's failure: one line, not a traceback
-        print(f"stoker: {err}", file=sys.stderr)
+        print(error_line(err), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the launcher has stopped the ranks on its way out
         print(INTERRUPTED, file=sys.stderr)
@@ -137,8 +137,10 @@ def project_error_line(err: BaseException) -> str | None:
     then raises FailedRun(message) instead of the error itself."""
     from prefect.exceptions import FailedRun
 
+    from stoker.core.failures import ERROR_LINE_PREFIX
+
     text = str(err)
-    return text if isinstance(err, FailedRun) and text.startswith("stoker: ") else None
+    return text if isinstance(err, FailedRun) and text.startswith(ERROR_LINE_PREFIX) else None
 
 
 INTERRUPTED = (

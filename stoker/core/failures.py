@@ -28,6 +28,15 @@ class StokerError(Exception):
     transient = False
 
 
+ERROR_LINE_PREFIX = "stoker: "  # a project error as the user sees it: this, then the error
+
+
+def error_line(err: StokerError) -> str:
+    """A project error as one line (a ConfigError's: lines), as the CLI prints it and as a flow
+    run that it ended says it."""
+    return f"{ERROR_LINE_PREFIX}{err}"
+
+
 class ConfigError(StokerError, ValueError):
     """A user mistake in the run configuration; lists every problem with its fix."""
 

@@ -16,9 +16,11 @@ def start_local(num_cpus: int, **init_kwargs: Any) -> Any:
     for that is flipped for the start only, so every Ray server listens on 127.0.0.1 alone.
     Its workers run at nice 0 (Ray's default is 15, meant for shared cluster nodes): they are
     this job's own work and share the host as torchrun's ranks do. RAY_worker_niceness set by
-    the caller wins."""
+    the caller wins; set here, it is only in the environment of the start (Ray's processes
+    read it then), not in the caller's afterwards (a notebook's)."""
     import ray
 
+    niceness_was_set = "RAY_worker_niceness" in os.environ
     os.environ.setdefault("RAY_worker_niceness", "0")
 
     try:
@@ -35,6 +37,8 @@ def start_local(num_cpus: int, **init_kwargs: Any) -> Any:
     finally:
         if saved is not None:
             ray_constants.ENABLE_RAY_CLUSTER = saved
+        if not niceness_was_set:
+            os.environ.pop("RAY_worker_niceness", None)
 
 
 def connect(address: str, **init_kwargs: Any) -> Any:

@@ -56,12 +56,12 @@ def fails_in_one_line(fn):
     def wrapper(*args, **kwargs):
         from prefect.states import Failed
 
-        from stoker.core.failures import StokerError
+        from stoker.core.failures import StokerError, error_line
 
         try:
             return fn(*args, **kwargs)
         except StokerError as err:
-            return Failed(message=f"stoker: {err}", data=err)
+            return Failed(message=error_line(err), data=err)
 
     return wrapper
 

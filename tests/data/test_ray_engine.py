@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -279,8 +280,12 @@ def test_an_empty_ray_address_runs_a_local_ray_instance_with_the_same_bytes(tmp_
     cfg, ds, tk = _prepared(store, max_bytes=100_000)
     local = _build(store, ds, tk, cfg, "local")
     local_manifest, local_files = _shard_set(store, local)
+    niceness = os.environ.get("RAY_worker_niceness")
     with caplog.at_level(logging.INFO, logger="stoker.data"):
         remote = _build(store, ds, tk, cfg, "ray", RayConfig())
     manifest, files = _shard_set(store, remote)
     assert manifest["files"] == local_manifest["files"] and files == local_files
     assert len(_ray_nodes(caplog)) == 1
+    # the local Ray's workers ran at nice 0 (core.ray_connect.start_local), and that setting
+    # was for its start only: this process's environment is as it was
+    assert os.environ.get("RAY_worker_niceness") == niceness
