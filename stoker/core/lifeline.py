@@ -72,8 +72,15 @@ def set_parent_death_signal(sig: int = signal.SIGTERM, parent: int | None = None
 def start_child(parent: int) -> None:
     """The ``preexec_fn`` of every process stoker starts: no signal blocked (a child inherits
     the mask of the thread that forks it, and a library may have blocked SIGINT or SIGTERM in
-    that thread: the child could then not be stopped by them), and the parent-death signal."""
+    that thread: the child could then not be stopped by them), SIGINT and SIGTERM not ignored
+    (an ignored signal stays ignored across exec: stoker started as a shell's background job,
+    `cmd &`, ignores SIGINT, and so did every evaluation and rank it started, until their own
+    handlers were in place), and the parent-death signal. The children run in sessions of
+    their own, so a terminal's Ctrl-C still reaches only the CLI."""
     signal.pthread_sigmask(signal.SIG_SETMASK, ())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
     set_parent_death_signal(parent=parent)
 
 

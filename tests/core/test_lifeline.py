@@ -147,3 +147,34 @@ def test_a_child_starts_with_no_signal_blocked_whatever_its_forking_thread_block
     assert masks(None) & both == both  # what a plain Popen passes on
     me = os.getpid()
     assert masks(lambda: lifeline.start_child(parent=me)) == 0
+
+
+def test_a_child_does_not_inherit_sigint_or_sigterm_ignored():
+    """A process started as a shell's background job (`make test &`, `nohup stoker run &`)
+    ignores SIGINT, and an ignored signal stays ignored across fork and exec: an evaluation
+    started from it could not be ended by SIGINT while it waited on its config. start_child
+    sets both stop signals back to their default action; other ignored signals stay as they
+    are (SIGHUP under nohup)."""
+    import signal
+
+    def ignored(preexec) -> int:
+        p = subprocess.Popen(["sleep", "30"], start_new_session=True, preexec_fn=preexec)
+        try:
+            with open(f"/proc/{p.pid}/status") as f:
+                return int(next(line for line in f if line.startswith("SigIgn")).split(":\t")[1], 16)
+        finally:
+            p.kill()
+            p.wait()
+
+    bits = {sig: 1 << (sig - 1) for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)}
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in bits}
+    try:
+        plain = ignored(None)
+        me = os.getpid()
+        started = ignored(lambda: lifeline.start_child(parent=me))
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert all(plain & bit for bit in bits.values()), hex(plain)  # what a plain Popen passes on
+    assert not started & (bits[signal.SIGINT] | bits[signal.SIGTERM]), hex(started)
+    assert started & bits[signal.SIGHUP], hex(started)
