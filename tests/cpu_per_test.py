@@ -59,7 +59,7 @@ def pytest_runtest_protocol(item, nextitem):
         "test": item.nodeid,
         "cpu": round(_usage() - cpu0, 2),
         "wall": round(time.monotonic() - wall0, 2),
-        "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "worker": getattr(item.config, "workerinput", {}).get("workerid", "main"),
         "end": round(time.time(), 2),
     }
     with open(_out_path(), "a") as f:
@@ -67,7 +67,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if hasattr(terminalreporter.config, "workerinput"):  # an xdist worker: the controller sums up
         return
     if _state["why_not"]:
         terminalreporter.write_line(f"cpu_per_test: nothing recorded: {_state['why_not']}")
