@@ -175,7 +175,9 @@ class NonFinite(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Stopped(Event):
-    """The ranks agreed to stop early (SIGTERM: a cancel or a preemption)."""
+    """The ranks agreed to stop early (SIGTERM: a cancel or a preemption). `saved`: a stop
+    checkpoint of `step` was written and every upload finished inside the grace period (rank 0:
+    committed); when False, an upload still running may yet commit as the rank leaves."""
 
     kind: ClassVar[str] = "stopped"
     step: int

@@ -183,7 +183,9 @@ class TrainingMonitor:
             )
 
     def _on_stopped(self, e: events.Stopped) -> None:
-        self.logger.warning("ranks stopped at step %d (checkpoint written: %s)", e.step, e.saved)
+        self.logger.warning(
+            "ranks stopped at step %d (stop checkpoint uploaded in the grace period: %s)", e.step, e.saved
+        )
 
     def median_step_seconds(self) -> float | None:
         return statistics.median(self.step_seconds) if self.step_seconds else None
