@@ -8,7 +8,8 @@ Three signals, because no one of them covers every case:
   it dies (``prctl(PR_SET_PDEATHSIG)``, Linux). Used only where the forking thread lives as long
   as the child's purpose does: the launcher's gang (``Launcher.run`` starts, streams and stops
   on one thread) and the CLI's flow process (its main thread), through ``start_child``, the
-  ``preexec_fn`` that also clears the signal mask the forking thread would pass on.
+  ``preexec_fn`` that also clears the signal mask the forking thread would pass on and an
+  inherited ignore of SIGINT or SIGTERM.
 - A launcher token, ``STOKER_LAUNCHER`` = ``<boot id>/<pid namespace>/<pid>/<start time>``: on
   the same kernel and pid namespace (the tests' network-namespace nodes share both) a watcher
   reads the launcher's ``/proc/<pid>/stat``; the start time tells a reused pid from the
