@@ -20,8 +20,9 @@ PYEOF
 }
 # Bytecode for stoker's own modules (and the tests' helpers that processes import), as a
 # regular install writes it: an editable install leaves none, and where PYTHONDONTWRITEBYTECODE
-# is set (these machines set it) every process compiled them again (a rank: ~0.2 of its ~2.9
-# CPU-s of imports). Quick when up to date: only changed files are compiled.
+# is set (these machines set it) every process compiled them again. That is little (compiling
+# all of stoker takes ~0.1 CPU-s; benchmarks/bench_startup.py measures what a rank saves), and
+# quick when up to date: only changed files are compiled.
 compile_bytecode() {
   "$PY" -m compileall -q -j 0 stoker $([ "${1:-}" = "test" ] && echo tests) >/dev/null
 }

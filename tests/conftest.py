@@ -257,14 +257,6 @@ def prefect_api(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def shared_prefect_api(tmp_path_factory):
-    """One real `prefect server start` for the session's tests (per xdist worker) that only
-    add to it: each names its own deployments, automations and runs, so none sees another's."""
-    with real_prefect_server(str(tmp_path_factory.mktemp("shared-prefect"))) as env:
-        yield env
-
-
-@pytest.fixture(scope="session")
 def restartable_prefect_server(tmp_path_factory):
     """One PrefectServer (a test may stop and start it) for the session's tests (per xdist
     worker) that name their runs apart and add no deployments or automations to it: the

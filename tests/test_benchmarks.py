@@ -73,3 +73,14 @@ def test_bench_data_hit_smoke_run_reads_only_manifests_on_a_hit(capsys):
     new = int(re.search(r"\(new\): .* (\d+) bytes read", out).group(1))
     old = float(re.search(r"\(old\): .*?([\d.]+) MiB read", out).group(1))
     assert old >= 2.0 and new < 64 * 1024, out
+
+
+def test_bench_startup_compares_the_same_copy_of_stoker_with_and_without_bytecode(capsys):
+    """A smoke run on a small module: both sides import the benchmark's copy (asserted inside),
+    and the ratio line is printed; its figure means nothing at this size."""
+    from benchmarks import bench_startup
+
+    bench_startup.main(["--module", "stoker.core.failures", "--reps", "1", "--reference", ""])
+    out = capsys.readouterr().out
+    assert "import stoker.core.failures:" in out and "compiled (medians of 1)" in out
+    assert "RATIO compiled / from source CPU-s = " in out
