@@ -40,11 +40,12 @@ KINDS = [
     (r"exec\(eval\(sys\.stdin", "pytest-xdist worker"),
     (r"pytest", "pytest"),
     (r"moto_server|moto\.server|keyed_moto", "moto (S3)"),
-    (r"raylet", "Ray raylet"),
-    (r"gcs_server", "Ray GCS"),
-    (r"dashboard|runtime_env", "Ray dashboard or agents"),
+    # a Ray worker's command line names the raylet (--raylet-ip-address): workers first
     (r"ray::|default_worker", "Ray worker or actor"),
     (r"ray/util/client|ray\.util\.client", "Ray Client server"),
+    (r"(^|/)raylet( |$)", "Ray raylet"),
+    (r"gcs_server", "Ray GCS"),
+    (r"dashboard|runtime_env", "Ray dashboard or agents"),
     (r"chrom", "Chromium"),
     (r"ipykernel|jupyter|nbclient", "notebook kernel"),
     (r"pip install|-m pip", "pip"),
@@ -107,12 +108,14 @@ def main() -> int:
 
     cpu: collections.Counter = collections.Counter()
     count: collections.Counter = collections.Counter()
+    processes = []  # (CPU-s, command line), for --out: to classify again, or look closer
     me = os.getpid()
-    for (pid, _start), (seconds, cmdline) in seen.items():
-        used = seconds - before.get((pid, _start), 0.0)
+    for (pid, start_time), (seconds, cmdline) in seen.items():
+        used = seconds - before.get((pid, start_time), 0.0)
         if pid != me and used > 0:
             cpu[kind(cmdline)] += used
             count[kind(cmdline)] += 1
+            processes.append((round(used, 2), cmdline[:500]))
     total = sum(cpu.values())
     print(f"\ncpu_by_process: {total:.0f} CPU-s in {wall:.0f} s ({total / wall:.2f} cores on average)")
     print(f"{'CPU-s':>8} {'share':>6} {'procs':>6}  kind")
@@ -121,7 +124,11 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(
-                {"wall": wall, "kinds": [{"kind": k, "cpu": v, "processes": count[k]} for k, v in cpu.most_common()]},
+                {
+                    "wall": wall,
+                    "kinds": [{"kind": k, "cpu": v, "processes": count[k]} for k, v in cpu.most_common()],
+                    "processes": [{"cpu": c, "cmdline": line} for c, line in sorted(processes, reverse=True)],
+                },
                 f,
                 indent=1,
             )
