@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> None:
                 os.path.join(folder, "stoker"),
                 ignore=shutil.ignore_patterns("__pycache__"),
             )
-            if side == "compiled":
-                assert compileall.compile_dir(os.path.join(folder, "stoker"), quiet=1, workers=0)
+            if side == "compiled" and not compileall.compile_dir(os.path.join(folder, "stoker"), quiet=1, workers=0):
+                raise SystemExit("compileall failed on the benchmark's copy of stoker")
             env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
             env["PYTHONPATH"] = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)
             sides[side] = env

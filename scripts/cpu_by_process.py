@@ -30,7 +30,7 @@ KINDS = [
     (r"stoker\.training\.ray_main", "Ray driver (stoker.training.ray_main)"),
     (r"stoker\.training\.train", "rank (stoker.training.train)"),
     (r"-m tests\.forked_ranks", "forked rank or its zygote (tests.forked_ranks)"),
-    (r"stoker\.training\.evaluate|stoker\.tasks\.evaluate|evaluate", "evaluation"),
+    (r"stoker\.training\.evaluate", "evaluation"),
     (r"prefect\.engine", "Prefect flow-run process"),
     (r"_workspace_supervisor", "Prefect runner's workspace supervisor"),
     (r"prefect server start|uvicorn", "Prefect server"),
@@ -113,8 +113,9 @@ def main() -> int:
     for (pid, start_time), (seconds, cmdline) in seen.items():
         used = seconds - before.get((pid, start_time), 0.0)
         if pid != me and used > 0:
-            cpu[kind(cmdline)] += used
-            count[kind(cmdline)] += 1
+            name = kind(cmdline)
+            cpu[name] += used
+            count[name] += 1
             processes.append((round(used, 2), cmdline[:500]))
     total = sum(cpu.values())
     print(f"\ncpu_by_process: {total:.0f} CPU-s in {wall:.0f} s ({total / wall:.2f} cores on average)")

@@ -132,10 +132,10 @@ def project_error_line(err: BaseException) -> str | None:
     """The line (a ConfigError's: lines) of a project error that reached the caller as
     Prefect's FailedRun: a flow run that a project error ended (flows.fails_in_one_line:
     Failed, message ``core.failures.error_line``) whose engine holds the server's copy of that
-    state, which has no data. That happens when
-    the final state's proposal was sent twice (a slow server: the client tried again, and
-    Prefect answers a repeated transition with the state it already has); calling the flow
-    then raises FailedRun(message) instead of the error itself."""
+    state, which has no data. That happens when the final state's proposal was sent twice (a
+    slow server: the client tried again, and Prefect answers a repeated transition with the
+    state it already has); calling the flow then raises FailedRun(message) instead of the error
+    itself."""
     from prefect.exceptions import FailedRun
 
     from stoker.core.failures import ERROR_LINE_PREFIX
