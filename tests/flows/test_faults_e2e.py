@@ -55,7 +55,7 @@ def test_killed_rank_is_retried_and_ends_bitwise_like_an_unbroken_run(prefect_se
     monkeypatch.setenv("STOKER_FAULT_ONCE", str(tmp_path / "fault-fired"))
     began = time.time()
     broken = train_pipeline(_cfg(root, "killed", price=3.6))
-    wall = time.time() - began
+    ended = time.time()
     assert (tmp_path / "fault-fired").exists()
     assert broken.final_step == 8
     assert broken.num_attempts == 2
@@ -75,7 +75,7 @@ def test_killed_rank_is_retried_and_ends_bitwise_like_an_unbroken_run(prefect_se
         rows = [json.loads(x) for x in store.read_bytes(f"runs/{run}/metrics.jsonl").splitlines()]
         losses[run] = {r["step"]: r["loss"] for r in rows if r["event"] == "train"}
     assert losses["killed"] == losses["unbroken"]  # same per-step losses, exactly
-    _check_ledger(broken.ledger, wall, root)
+    _check_ledger(broken.ledger, (began, ended), root)
 
 
 def _cli_out(*args) -> str:
@@ -89,25 +89,37 @@ def _cli_out(*args) -> str:
     return out.getvalue()
 
 
-def _check_ledger(ledger, wall, root):
-    """The killed run's ledger: its causes add up to the flow run's wall-clock as the Prefect
-    server recorded it (due -> end) within 2%, and to no more than the stopwatch around the
-    call (which adds the client's own start and end); little is left unattributed; the killed
-    launch shows as restart and lost work; it is priced (3.6 per accelerator-hour x 2 ranks);
-    `stoker runs` shows its goodput and cost."""
+def _check_ledger(ledger, stopwatch, root):
+    """The killed run's ledger: it spans the flow run from when the Prefect server says it was
+    due to the ledger's own report (after every launch ended, before the run ended), its causes
+    close the sum with little left unattributed, the killed launch shows as restart and lost
+    work; it is priced (3.6 per accelerator-hour x 2 ranks); `stoker runs` shows its goodput
+    and cost.
+
+    Checked against the server's record and the launches' own times, not as a share of a
+    stopwatch: the stopwatch around the call also holds the Prefect client's work before the
+    flow run exists, and the record holds the report's last artifacts and the run's end after
+    the ledger was taken, both longer on a loaded machine (CI, main at 3d53d43: 21.97 s
+    attributed of 22.28 s recorded and of 23.46 s on the stopwatch, under the 95% the test
+    asked of the stopwatch)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter
 
     with get_client(sync_client=True) as client:
         flow_run = client.read_flow_run(ledger["flow_run_id"])
         artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id={"any_": [ledger["flow_run_id"]]}))
-    recorded = flow_run.end_time.timestamp() - flow_run.expected_start_time.timestamp()
+    due, end = flow_run.expected_start_time.timestamp(), flow_run.end_time.timestamp()
+    began, ended = stopwatch
+    launches = [json.loads(x) for x in Store(root).read_bytes("runs/killed/attempts.jsonl").splitlines()]
+    last_launch_ended = max(float(a["ended_at"]) for a in launches)
+    timings = {"stopwatch": stopwatch, "due": due, "end": end, "last launch ended": last_launch_ended, "ledger": ledger}
+    assert began <= due < end <= ended, timings  # the server's record of the run, inside the call
+    assert ledger["from"] == pytest.approx(due, abs=1e-3), timings  # from when the run was due
+    assert last_launch_ended < ledger["to"] <= end, timings  # to its report, after every launch
     s = ledger["seconds"]
-    attributed = sum(v for cause, v in s.items() if cause != "unattributed")
-    timings = {"stopwatch": wall, "recorded": recorded, "attributed": attributed, "ledger": ledger}
-    assert attributed == pytest.approx(recorded, rel=0.02), timings
-    assert 0.95 * wall < attributed < wall, timings
-    assert abs(s["unattributed"]) < 0.01 * wall, ledger
+    assert sum(s.values()) == pytest.approx(ledger["wall_seconds"], abs=1e-3)
+    assert ledger["wall_seconds"] == pytest.approx(ledger["to"] - ledger["from"], abs=1e-3), timings
+    assert abs(s["unattributed"]) < 0.01 * ledger["wall_seconds"], ledger
     assert min(s["productive"], s["startup"], s["evaluation"], s["checkpoint"], s["restart"]) > 0, ledger
     assert ledger["lost_steps"] == 1 and 0 < ledger["lost_seconds"] < s["restart"], ledger
     assert 0 < ledger["goodput"] < 1 and ledger["num_attempts"] == 2
