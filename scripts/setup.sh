@@ -38,7 +38,7 @@ fi
 extra=""
 if [ "${1:-}" = "test" ]; then
   extra="[test]"
-  # The browser test (tests/flows/test_ui_browser.py) drives Debian's Chromium with Python
+  # The UI test (in tests/flows/test_deployments.py) drives Debian's Chromium with Python
   # playwright (the [test] extra). Installed from apt when missing and we are root; never a
   # browser download (`playwright install`). Without it that one test is skipped.
   if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

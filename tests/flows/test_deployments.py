@@ -1,11 +1,15 @@
 """Deployments the real way: `prefect server start` on 127.0.0.1, `stoker deploy` (twice: it is
 idempotent), a process worker, a run of the ad-hoc deployment with changed parameters, its
 artifacts read back through the client, a schedule that fires, the evaluate-checkpoint
-automation that deploy keeps (a committed checkpoint of that same run is evaluated by it), and
-`stoker serve` after deploy on the same server."""
+automation that deploy keeps (a committed checkpoint of that same run is evaluated by it), a
+custom run started from the UI's form in a real browser, and `stoker serve` after deploy on the
+same server. One server, one deploy and one worker for all of them (the module is one xdist
+group; its tests run in this order)."""
 
+import base64
 import datetime
 import os
+import re
 import sys
 import uuid
 from types import SimpleNamespace
@@ -31,8 +35,12 @@ from tests.conftest import (
     wait_for,
     wait_for_flow_run,
 )
+from tests.flows import browser
 
 PREFECT_YAML = os.path.join(ROOT, "prefect.yaml")
+# the one field the UI test's form changes (the recipe says 500); above warmup_steps (20), as it must be
+UI_MAX_STEPS = 24
+FINAL_STATES = ("Completed", "Failed", "Crashed", "Cancelled")
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +283,159 @@ def test_deploy_keeps_the_evaluate_automation_and_a_committed_checkpoint_is_eval
 
         states = wait_for("the second evaluation's task runs", task_states, 60, [worker_log])
         assert states["evaluate_checkpoint"].name == "Cached", states
+
+
+# after the ad-hoc run's tests (its run would add to their ledger and evaluations) and before
+# `stoker serve` (which takes the deployments over from the worker)
+@pytest.mark.e2e
+@pytest.mark.xdist_group("deployments-server")
+def test_custom_run_from_the_ui_form_completes_and_its_page_shows_report_and_loss_curve(
+    prefect_api, deployed, tmp_path
+):
+    """The Prefect UI in a real browser: Debian's Chromium driven by Playwright opens the UI of
+    the module's server, starts a custom run of `train-pipeline/train-adhoc` from the
+    deployment's form with one field changed (train.max_steps), which the module's worker
+    runs; it waits on the run page until the run is Completed, and checks that the run's
+    artifacts show the report with its loss curve (the data-URI image decoded by the browser,
+    the very PNG of the run folder) and the checkpoint table. Screenshots of every step are
+    kept under the test's tmp_path."""
+    sync_api = browser.playwright()
+    store, worker_log = deployed.store, deployed.worker_log
+    base = prefect_api["PREFECT_API_URL"].removesuffix("/api")
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    recipe = load_config("tiny-cpu").model_dump(mode="json")
+    expected = load_config("tiny-cpu", train__max_steps=UI_MAX_STEPS)
+    run = expected.resolved_run_name()
+    taken: list[str] = []
+
+    def shot(page, name, **kw):
+        path = str(shots / f"{len(taken) + 1:02d}-{name}.png")
+        (kw.pop("element", None) or page).screenshot(path=path, **kw)
+        taken.append(path)
+
+    with sync_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=browser.CHROMIUM, args=browser.CHROMIUM_ARGS)
+        page = chromium.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(90_000)  # pages can take 20-40 s headless on 2 cores
+        try:
+            # the deployment, from the list of deployments
+            page.goto(base + "/deployments")
+            page.get_by_role("link", name="train-adhoc").first.click()
+            page.get_by_text("Entrypoint").wait_for()
+            shot(page, "deployment")
+
+            # Run > Custom run: the form, with the recipe's values
+            page.get_by_role("button", name="Run", exact=True).click()
+            page.get_by_text("Custom run").click()
+            page.get_by_role("button", name="Submit").wait_for()
+            max_steps = browser.form_input(page, "Max Steps (Optional)")
+            assert max_steps.count() == 1
+            assert max_steps.input_value() == str(recipe["train"]["max_steps"])
+            assert page.get_by_text("Optimizer steps to train in total (across resumes).").count() == 1
+            max_steps.fill(str(UI_MAX_STEPS))
+            max_steps.scroll_into_view_if_needed()
+            shot(page, "custom-run-form")
+
+            # Submit: the browser's own request creates the flow run. A 503 is the
+            # server's "try again" (its SQLite was busy: seen once under load, the cause in
+            # server.log); the form stays, and a user presses Submit again, as the test does
+            for attempt in range(3):
+                with page.expect_response(
+                    lambda r: r.url.endswith("/create_flow_run") and r.request.method == "POST"
+                ) as created:
+                    page.get_by_role("button", name="Submit").click()
+                if created.value.status != 503:
+                    break
+                shot(page, f"submit-answered-503-{attempt}")
+                browser.dismiss_toasts(page, appear_within_ms=10_000)
+            assert created.value.ok, created.value.text()
+            flow_run = created.value.json()
+            submitted = RunConfig.model_validate(flow_run["parameters"]["config"])
+            # exactly one field differs from the recipe
+            assert submitted.model_dump(mode="json") == expected.model_dump(mode="json")
+            run_id = flow_run["id"]
+
+            # the toast's "View run" (two toast layers: the top one takes the click); the
+            # toast lasts 5 s, so on a slow page go to the run's address instead
+            try:
+                page.get_by_role("button", name="View run").last.click(timeout=4_000)
+            except sync_api.TimeoutError:
+                page.goto(f"{base}/runs/flow-run/{run_id}")
+            page.wait_for_url(re.compile(f"/runs/flow-run/{run_id}"))
+            badge = page.locator("header.page-heading-flow-run .state-badge")
+            badge.wait_for()
+            shot(page, "run-started")
+
+            # the run page follows the run until it ends
+            page.wait_for_function(
+                "states => { const b = document.querySelector("
+                "'header.page-heading-flow-run .state-badge');"
+                " return b && states.includes(b.innerText.trim()); }",
+                arg=list(FINAL_STATES),
+                timeout=360_000,
+                polling=1000,
+            )
+            state = badge.inner_text().strip()
+            shot(page, "run-finished")
+            assert state == "Completed", (state, open(worker_log).read()[-4000:])
+            heading = page.locator("header.page-heading-flow-run")
+            sync_api.expect(heading.locator(".p-bread-crumbs__crumb").last).to_have_text(run)
+            sync_api.expect(heading.get_by_text(f"run:{run}", exact=True)).to_be_visible()
+
+            # its Artifacts tab: the report, the checkpoint table, the progress
+            browser.dismiss_toasts(page)  # an error toast (a 503 under load) stays and covers cards
+            page.locator("li.p-tab#artifacts").click()
+            titles = page.locator(".artifact-card__title")
+            report_key, table_key = f"{run}-report-{run_id[:8]}", f"{run}-checkpoints-{run_id[:8]}"
+            for key in (report_key, table_key, f"{run}-progress-{run_id[:8]}"):
+                sync_api.expect(titles.filter(has_text=key)).to_have_count(1)
+            shot(page, "run-artifacts")
+
+            # the report, rendered: its text and the loss curve as a decoded image
+            titles.filter(has_text=report_key).click()
+            page.wait_for_url(re.compile("/artifacts/artifact/"))
+            report = page.locator("article.markdown-renderer").filter(has=page.get_by_role("heading", name="Loss"))
+            sync_api.expect(report.get_by_role("heading", name=run, exact=True)).to_be_visible()
+            sync_api.expect(report.get_by_text(f"steps 0 -> {UI_MAX_STEPS}", exact=True)).to_be_visible()
+            sync_api.expect(report.get_by_text("the final checkpoint's evaluation")).to_be_visible()
+            sync_api.expect(report.locator("table").filter(has_text="validation loss during training")).to_have_count(1)
+            # the goodput and cost ledger's table: where the run's time went
+            sync_api.expect(report.locator("table").filter(has_text="productive steps")).to_have_count(1)
+            curve = report.locator(f"img[alt='loss curve of {run}']")
+            curve.wait_for()
+            page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=curve.element_handle())
+            src, width, height = curve.evaluate("img => [img.src, img.naturalWidth, img.naturalHeight]")
+            png = (store / "runs" / run / "loss-curve.png").read_bytes()
+            assert src == "data:image/png;base64," + base64.b64encode(png).decode()
+            assert (width, height) == browser.png_size(png)
+            box = curve.bounding_box()
+            assert box and box["width"] > 100 and box["height"] > 50, box
+            shot(page, "report", full_page=True)
+            curve.scroll_into_view_if_needed()
+            shot(page, "loss-curve", element=curve)
+
+            # the checkpoint table: the final checkpoint, retained, with its loss
+            page.goto(f"{base}/runs/flow-run/{run_id}")
+            browser.dismiss_toasts(page)
+            page.locator("li.p-tab#artifacts").click()
+            page.locator(".artifact-card__title").filter(has_text=table_key).click()
+            page.wait_for_url(re.compile("/artifacts/artifact/"))
+            row = page.locator("tr").filter(has_text=f"step-{UI_MAX_STEPS:08d}")
+            sync_api.expect(row).to_have_count(1)
+            sync_api.expect(row).to_contain_text("yes")
+            shot(page, "checkpoints", full_page=True)
+        except BaseException:
+            try:
+                print(f"failed at {page.url}")
+                shot(page, "failure", full_page=True)
+            except Exception:  # the page or browser is gone: nothing to show
+                pass
+            print("--- worker log:\n" + open(worker_log).read()[-4000:])
+            raise
+        finally:
+            chromium.close()
+            print("screenshots:\n" + "\n".join(taken))
 
 
 @pytest.mark.e2e
