@@ -38,7 +38,7 @@ def test_a_run_that_stops_stepping_is_marked_stalled_and_running_again_at_its_ne
     env = {
         **server,
         "STOKER_CACHE": str(tmp_path / "cache"),
-        "STOKER_FAULT": "hang:rank=0:step=40",  # rank 0 sleeps before step 40; rank 1 waits on it
+        "STOKER_FAULT": "hang:rank=0:step=40",  # the rank sleeps before step 40
     }
     args = tiny_sets(
         train={"max_steps": 60, "log_interval": 1},
@@ -46,7 +46,9 @@ def test_a_run_that_stops_stepping_is_marked_stalled_and_running_again_at_its_ne
         eval={"interval_steps": 100},
         # waited out after the mark and the take-back (~11 s window, then the server's trigger
         # passes): 60 s leaves those half a minute more even on a loaded machine
-        launch={"hang_timeout_seconds": 60, "max_attempts": 1},
+        # one rank: the heartbeats and the server's marks are the subject, not the gang (a hung
+        # gang's watchdog kill: tests/launch/test_watchdog.py, the lifeline tests)
+        launch={"hang_timeout_seconds": 60, "max_attempts": 1, "nproc_per_node": 1},
         events={"step_interval_seconds": 1, "stall_min_seconds": 10, "stall_factor": 2},
     )
     cmd = [sys.executable, "-m", "stoker.cli", "run", *args, "--set", f"run_name={run}"]

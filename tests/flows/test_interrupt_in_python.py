@@ -44,7 +44,14 @@ def test_an_interrupted_flow_call_crashes_the_flow_run_records_the_attempt_and_l
         "PREFECT_HOME": str(home),
         "PYTHONPATH": ROOT,
         "KERNEL_CONFIG": json.dumps(
-            tiny_dict(f"file://{tmp_path}/store", run_name="kernel", train={"max_steps": 100000})
+            # one rank: the interrupted call is the subject; a gang stopped on Ctrl-C is
+            # tests/launch/test_lifeline_gang.py's
+            tiny_dict(
+                f"file://{tmp_path}/store",
+                run_name="kernel",
+                train={"max_steps": 100000},
+                launch={"nproc_per_node": 1},
+            )
         ),
     }
     env.pop("PREFECT_API_URL", None)
