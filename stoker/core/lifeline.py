@@ -123,6 +123,14 @@ def token_alive(value: str) -> bool | None:
     return str(process_start(int(pid))) == rest
 
 
+def token_gone(value: str) -> bool:
+    """True only when this host can tell that the process of a token is gone (same kernel and
+    pid namespace, and no process of that pid and start time): what a lock or lease held by a
+    process that was killed outright is freed by, without waiting for its expiry. A token of
+    another machine or pid namespace, an empty or a malformed one, is never gone here."""
+    return bool(value) and token_alive(value) is False
+
+
 class Heartbeat:
     """The launcher's side: touches `path` every HEARTBEAT_SECONDS until `stop()`."""
 

@@ -25,6 +25,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from stoker.core import lifeline
 from stoker.core.failures import StokerError
 from stoker.storage.layout import LEASE_FILE, run_file_key
 from stoker.storage.store import Store
@@ -53,6 +54,7 @@ class LeaseRecord:
     acquired_at: float
     heartbeat_at: float
     expires_at: float
+    process: str = ""  # the owner process's core.lifeline token ("" in leases written before it)
 
     def describe(self, now: float | None = None) -> str:
         now = time.time() if now is None else now
@@ -83,7 +85,11 @@ def read_lease(store: Store, run_name: str) -> tuple[LeaseRecord, str] | tuple[N
 
 
 def _owner_is_gone(record: LeaseRecord) -> bool:
-    """The owner is a process of this host that no longer exists."""
+    """The owner is a process of this host that no longer exists: told by its lifeline token
+    (kernel, pid namespace, pid and start time: a reused pid or a process of another container
+    with the same host name is not taken for the owner); a lease without one, by its pid."""
+    if record.process:
+        return lifeline.token_gone(record.process)
     if record.host != socket.gethostname() or record.pid <= 0:
         return False
     try:
@@ -237,7 +243,16 @@ def acquire_lease(
     for _ in range(5):
         now = time.time()
         record = LeaseRecord(
-            run_name, owner, uuid.uuid4().hex, socket.gethostname(), os.getpid(), flow_run_id, now, now, now + ttl
+            run_name,
+            owner,
+            uuid.uuid4().hex,
+            socket.gethostname(),
+            os.getpid(),
+            flow_run_id,
+            now,
+            now,
+            now + ttl,
+            lifeline.token(),
         )
         current, version = read_lease(store, run_name)
         if current is not None and not why_takeable(current, owner, takeover, now):

@@ -9,8 +9,10 @@ managers are a process's memory or a local folder; this one keeps
 ``{root}/prefect-results/.locks/{task}/{key}`` in the task run's own store (its StorageConfig
 parameter, as ``tasks.caching.StoreResults``), taken the way the run lease is
 (``storage.lease``): a create-only write, a replace-if-unchanged of an expired one, read back
-after writing. The holder renews it every ``ttl / 3`` seconds from a thread of its own; a holder
-that died leaves a lock that expires ``ttl`` seconds after its last renewal.
+after writing. The holder renews it every ``ttl / 3`` seconds from a thread of its own. A lock
+whose holder process is gone is free at once where that can be told (on its host: the
+``core.lifeline`` token it records, as the run lease does), so a rerun on the host of a killed
+flow process does not wait; elsewhere it expires ``ttl`` seconds after its last renewal.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Callable
 
 from prefect.locking.protocol import LockManager
 
+from stoker.core import lifeline
 from stoker.storage.lease import claim
 from stoker.storage.store import Store, join
 
@@ -47,9 +50,12 @@ class LockRecord:
     pid: int
     expires_at: float  # renewed by the holder
     until: float | None = None  # hold_timeout: the lock ends then, renewed or not
+    process: str = ""  # the holding process's core.lifeline token ("" in locks written before it)
 
     def live(self, now: float) -> bool:
-        return self.expires_at > now and (self.until is None or self.until > now)
+        """Held: not expired, not past its hold_timeout, and its holder process not known gone."""
+        in_time = self.expires_at > now and (self.until is None or self.until > now)
+        return in_time and not lifeline.token_gone(self.process)
 
 
 def lock_key(key: str) -> str:
@@ -147,12 +153,21 @@ class StoreLockManager(LockManager):
         where = lock_key(key)
         now = time.time()
         until = now + hold_timeout if hold_timeout is not None else None
-        mine = LockRecord(holder, uuid.uuid4().hex, socket.gethostname(), os.getpid(), now + self.ttl, until)
+        mine = LockRecord(
+            holder, uuid.uuid4().hex, socket.gethostname(), os.getpid(), now + self.ttl, until, lifeline.token()
+        )
         current, version = _read(store, where)
         if current is not None and current.live(now):
             return None if current.holder == holder else current  # already this holder's, or in the way
-        # free, or expired (its holder died or stopped renewing)
+        # free, expired (its holder stopped renewing), or its holder process is gone
         if claim(store, where, _encode(mine), mine.token, version) is not None:
+            if current is not None and current.expires_at > now and lifeline.token_gone(current.process):
+                _logger().info(
+                    "%s: the lock of a task run whose process is gone (host %s, pid %s) was taken over",
+                    key,
+                    current.host,
+                    current.pid,
+                )
             return None
         back, _ = _read(store, where)
         return back if back is not None else current or mine

@@ -30,10 +30,14 @@ def test_a_token_tells_a_live_process_from_a_dead_one_and_a_reused_pid():
         where, _, start = token.rpartition("/")
         assert lifeline.token_alive(f"{where}/{int(start) + 1}") is False  # same pid, another process
         assert lifeline.token_alive("another-boot/pid:[1]/1/5") is None  # another machine: cannot tell
+        assert not lifeline.token_gone(token)
+        assert lifeline.token_gone(f"{where}/{int(start) + 1}")
+        # gone only where this host can tell: never for another machine's, an empty or a bad token
+        assert not any(lifeline.token_gone(t) for t in ("another-boot/pid:[1]/1/5", "", "junk"))
     finally:
         child.kill()
         child.wait()
-    assert lifeline.token_alive(token) is False
+    assert lifeline.token_alive(token) is False and lifeline.token_gone(token)
 
 
 # the middle process starts a grandchild in a session of its own (as torchrun starts ranks),

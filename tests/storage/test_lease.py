@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+from stoker.core import lifeline
 from stoker.core.failures import classify
 from stoker.storage.lease import LeaseHeld, acquire_lease, lease_key, read_lease
 from stoker.storage.store import Store
@@ -90,16 +91,41 @@ def test_heartbeat_keeps_a_short_lease_alive(store):
         holder.release()
 
 
+def _dead_process() -> tuple[int, str]:
+    """The pid and lifeline token of a process that lived and is gone."""
+    child = subprocess.Popen(["sleep", "30"])
+    token = lifeline.token(child.pid)
+    child.kill()
+    child.wait()
+    return child.pid, token
+
+
 def test_lease_of_a_dead_process_on_this_host_is_taken(store):
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
-    )
+    pid, token = _dead_process()
     record = read_lease(store, "r")[0]
     assert record is None
     acquire_lease(store, "r", flow_run_id="flow-1", ttl=3600)
     data = json.loads(store.read_bytes(lease_key("r")))
-    store.write_bytes(lease_key("r"), json.dumps({**data, "pid": int(dead.stdout)}).encode())
+    assert data["process"] == lifeline.token()  # the owner process, as lifeline names it
+    store.write_bytes(lease_key("r"), json.dumps({**data, "pid": pid, "process": token}).encode())
     acquire_lease(store, "r", flow_run_id="flow-2", ttl=60)  # no wait for the hour
+    # a lease written before leases named their process: its pid alone tells
+    data = json.loads(store.read_bytes(lease_key("r")))
+    legacy = {k: v for k, v in data.items() if k != "process"}
+    store.write_bytes(lease_key("r"), json.dumps({**legacy, "owner": "old", "pid": pid}).encode())
+    acquire_lease(store, "r", flow_run_id="flow-3", ttl=60)
+
+
+def test_lease_of_a_process_this_host_cannot_see_waits_for_its_expiry(store):
+    """Same host name, but another kernel or pid namespace (a container): a pid that is free
+    here says nothing of the owner, so the lease holds until it expires."""
+    pid, _ = _dead_process()
+    acquire_lease(store, "r", flow_run_id="flow-1", ttl=3600)
+    data = json.loads(store.read_bytes(lease_key("r")))
+    elsewhere = {**data, "pid": pid, "process": f"another-boot/pid:[4026531836]/{pid}/12345"}
+    store.write_bytes(lease_key("r"), json.dumps(elsewhere).encode())
+    with pytest.raises(LeaseHeld, match=f"pid {pid}"):
+        acquire_lease(store, "r", flow_run_id="flow-2", ttl=60)
 
 
 _RACER = """

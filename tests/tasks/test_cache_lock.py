@@ -81,3 +81,55 @@ def test_the_lock_holds_across_processes(tmp_path):
         locks.release_lock(KEY, "here")
     finally:
         assert other.wait(60) == 0
+
+
+HOLD_UNTIL_KILLED = """
+import sys, time
+from stoker.storage.store import Store
+from stoker.tasks.cache_lock import StoreLockManager
+locks = StoreLockManager(Store(sys.argv[1]), poll=0.05)  # the default ttl: 60 s
+assert locks.acquire_lock(sys.argv[2], "killed-process", acquire_timeout=0)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_lock_of_a_process_killed_outright_is_free_at_once_on_its_host(tmp_path):
+    """A flow process SIGKILLed while it held an evaluation's lock: the next task run on this
+    host takes the lock at once (its recorded lifeline token names a process that is gone),
+    not after the lock's 60 s expiry."""
+    root = "file://" + str(tmp_path)
+    other = subprocess.Popen(
+        [sys.executable, "-c", HOLD_UNTIL_KILLED, root, KEY], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert other.stdout.readline().strip() == "held"
+        locks = StoreLockManager(Store(root), poll=0.05)
+        assert locks.is_locked(KEY) and not locks.acquire_lock(KEY, "here", acquire_timeout=0)
+        held = json.loads(Store(root).read_bytes(lock_key(KEY)))
+        assert held["pid"] == other.pid and held["expires_at"] > time.time() + 30
+    finally:
+        other.kill()
+        other.wait()
+    assert not locks.is_locked(KEY) and locks.wait_for_lock(KEY, timeout=0)
+    assert locks.acquire_lock(KEY, "here", acquire_timeout=0)
+    assert locks.is_lock_holder(KEY, "here")
+    locks.release_lock(KEY, "here")
+
+
+def test_a_lock_whose_holder_this_host_cannot_see_holds_until_it_expires(tmp_path):
+    """A holder of another machine or pid namespace: its pid says nothing here."""
+    store = Store("file://" + str(tmp_path))
+    elsewhere = {
+        "holder": "there",
+        "token": "t",
+        "host": "elsewhere",
+        "pid": 1,
+        "expires_at": time.time() + 1.5,
+        "process": "another-boot/pid:[4026531836]/1/5",
+    }
+    store.write_bytes(lock_key(KEY), json.dumps(elsewhere).encode())
+    locks = StoreLockManager(store, poll=0.05)
+    assert locks.is_locked(KEY) and not locks.acquire_lock(KEY, "here", acquire_timeout=0)
+    assert locks.acquire_lock(KEY, "here", acquire_timeout=30)  # once it expired
+    locks.release_lock(KEY, "here")
