@@ -31,6 +31,7 @@ from tests.conftest import (
     stoker_deploy,
     stoker_events,
     stop_process,
+    stop_worker,
     tiny_dict,
     wait_for,
     wait_for_flow_run,
@@ -67,7 +68,7 @@ def deployed(prefect_api, tmp_path_factory):
     try:
         yield SimpleNamespace(env=env, store=store, outs=outs, worker_log=worker_log)
     finally:
-        stop_process(worker)
+        stop_worker(worker)
 
 
 @pytest.fixture(scope="module")
