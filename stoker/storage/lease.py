@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Callable
 
 from stoker.core import lifeline
@@ -73,14 +73,15 @@ def lease_key(run_name: str) -> str:
 
 def read_lease(store: Store, run_name: str) -> tuple[LeaseRecord, str] | tuple[None, None]:
     """(the lease, its version) or (None, None) when nobody holds the run. A damaged file
-    counts as an expired lease, so it can be replaced."""
+    counts as an expired lease, so it can be replaced; fields this version does not know (a
+    newer stoker's) are ignored, not taken for damage."""
     found = store.read_versioned(lease_key(run_name))
     if found is None:
         return None, None
     data, version = found
     try:
-        return LeaseRecord(**json.loads(data)), version
-    except (ValueError, TypeError):
+        return LeaseRecord(**known_fields(LeaseRecord, json.loads(data))), version
+    except (ValueError, TypeError, AttributeError):
         return LeaseRecord(run_name, "?", "?", "?", 0, "", 0.0, 0.0, 0.0), version
 
 
@@ -196,6 +197,13 @@ class RunLease:
 
 def _encode(record: LeaseRecord) -> bytes:
     return json.dumps(asdict(record), indent=2, sort_keys=True).encode()
+
+
+def known_fields(record_type: type, raw: dict) -> dict:
+    """The entries of `raw` that are fields of the dataclass `record_type`: a record written by
+    a newer version, with fields added, still reads (its missing ones take their defaults)."""
+    names = {f.name for f in fields(record_type)}
+    return {k: v for k, v in raw.items() if k in names}
 
 
 def _token(data: bytes) -> str:

@@ -30,7 +30,7 @@ from typing import Callable
 from prefect.locking.protocol import LockManager
 
 from stoker.core import lifeline
-from stoker.storage.lease import claim
+from stoker.storage.lease import claim, known_fields
 from stoker.storage.store import Store, join
 
 LOCKS_DIR = "prefect-results/.locks"  # beside tasks.caching's records
@@ -63,13 +63,14 @@ def lock_key(key: str) -> str:
 
 
 def _read(store: Store, where: str) -> tuple[LockRecord | None, str | None]:
-    """(the lock, its version); a damaged record reads as an expired lock, so it can be replaced."""
+    """(the lock, its version); a damaged record reads as an expired lock, so it can be replaced
+    (fields this version does not know are ignored)."""
     found = store.read_versioned(where)
     if found is None:
         return None, None
     try:
-        return LockRecord(**json.loads(found[0])), found[1]
-    except (ValueError, TypeError):
+        return LockRecord(**known_fields(LockRecord, json.loads(found[0]))), found[1]
+    except (ValueError, TypeError, AttributeError):
         return LockRecord("?", "?", "?", 0, 0.0), found[1]
 
 

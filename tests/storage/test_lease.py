@@ -201,3 +201,14 @@ def test_threads_race_on_a_store_without_conditional_writes():
     for t in threads:
         t.join(60)
     assert sorted(results) == ["HELD", "HELD", "HELD", "WON"], results
+
+
+def test_a_lease_written_by_a_newer_stoker_with_more_fields_still_holds(store):
+    """A field this version does not know is ignored, not taken for a damaged (expired) lease
+    that anyone may replace."""
+    acquire_lease(store, "r", flow_run_id="flow-1", ttl=3600)
+    data = json.loads(store.read_bytes(lease_key("r")))
+    store.write_bytes(lease_key("r"), json.dumps({**data, "added_later": {"x": 1}}).encode())
+    assert read_lease(store, "r")[0].owner == "flow-1"
+    with pytest.raises(LeaseHeld, match="flow run flow-1"):
+        acquire_lease(store, "r", flow_run_id="flow-2", ttl=60)

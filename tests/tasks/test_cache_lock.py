@@ -128,7 +128,8 @@ def test_a_lock_whose_holder_this_host_cannot_see_holds_until_it_expires(tmp_pat
         "expires_at": time.time() + 1.5,
         "process": "another-boot/pid:[4026531836]/1/5",
     }
-    store.write_bytes(lock_key(KEY), json.dumps(elsewhere).encode())
+    # (with a field this version does not know: ignored, not taken for a damaged lock)
+    store.write_bytes(lock_key(KEY), json.dumps({**elsewhere, "added_later": 1}).encode())
     locks = StoreLockManager(store, poll=0.05)
     assert locks.is_locked(KEY) and not locks.acquire_lock(KEY, "here", acquire_timeout=0)
     assert locks.acquire_lock(KEY, "here", acquire_timeout=30)  # once it expired
