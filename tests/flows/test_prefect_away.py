@@ -20,8 +20,11 @@ from tests.conftest import ROOT, descendants, free_port, start_process, stop_pro
 @pytest.fixture
 def server(restartable_prefect_server):
     """The session's restartable server (tests.conftest), shared with test_events_e2e: one
-    xdist group, so `make test` starts it once; the outage test stops and starts it again."""
-    return restartable_prefect_server
+    xdist group, so `make test` starts it once; the outage test stops and starts it again (and
+    when it failed in between, this starts it again for the group's next tests)."""
+    yield restartable_prefect_server
+    if not restartable_prefect_server.healthy():
+        restartable_prefect_server.start()
 
 
 # The server is read over its REST API with httpx, not with Prefect's client: an in-process
@@ -83,8 +86,7 @@ def test_training_outlives_a_prefect_server_outage_and_the_ui_catches_up(server,
     watchdog go on, the run ends Completed and its artifacts show the end of training."""
 
     run_name = "outage-" + uuid.uuid4().hex[:6]
-    # one rank: the flow and its ranks outliving the server are the subject, not the gang
-    store, cfg = slow_run_config(tmp_path, run_name, max_steps=140, nproc_per_node=1)
+    store, cfg = slow_run_config(tmp_path, run_name, max_steps=160)
     log = tmp_path / "run.log"
     env = {
         **server.env,
@@ -99,7 +101,7 @@ def test_training_outlives_a_prefect_server_outage_and_the_ui_catches_up(server,
         wait_for("training to start", lambda: train_steps_logged(store, run_name) >= 10, 300, [log])
         server.stop()
         at_stop, lines_at_stop = train_steps_logged(store, run_name), log.read_text().count(" loss ")
-        time.sleep(15)  # 2.5x the client's retries (~6 s): every Prefect call of the run fails
+        time.sleep(25)  # well past the client's retries: every Prefect call of the run fails
         assert run.poll() is None, log.read_text()[-3000:]  # the run is not ended by the outage
         during = log.read_text().count(" loss ") - lines_at_stop
         assert train_steps_logged(store, run_name) > at_stop  # the ranks trained on
@@ -119,7 +121,7 @@ def test_training_outlives_a_prefect_server_outage_and_the_ui_catches_up(server,
     # the live table (the report's final one is written after the outage in any case)
     tables = [a for a in artifacts if (a["key"] or "").startswith(f"{run_name}-checkpoints-live-")]
     steps = {row["step"] for a in tables for row in json.loads(a["data"])}
-    assert {40, 80, 120, 140} <= steps, steps  # every checkpoint, those committed while away too
+    assert {40, 80, 120, 160} <= steps, steps  # every checkpoint, those committed while away too
 
 
 # ---- one line for a server that is not there ------------------------------------------------
