@@ -170,8 +170,8 @@ def start_worker(env: dict, log_path) -> subprocess.Popen:
 def stop_worker(proc: subprocess.Popen) -> None:
     """Stop a Prefect worker (start_worker) once its runs have ended, with a 3 s grace: `prefect
     worker start` (3.9.1) sometimes answers SIGTERM with "Sending SIGINT to the process worker"
-    and never stops (a full `.ci/run`: the deployments module's teardown waited out the whole
-    20 s; run alone, the same worker stopped within a second)."""
+    and is still running 20 s later (a full `.ci/run`: the deployments module's teardown waited
+    out the whole grace; run alone, the same worker stopped within a second)."""
     stop_process(proc, grace=3)
 
 

@@ -186,11 +186,9 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_running(tmp_path):
     proc = subprocess.Popen(
         # one rank: the CLI's answer to Ctrl-C is the subject; a gang stopped on a signal is
         # tests/launch/test_lifeline_gang.py's
-        [
-            *[sys.executable, "-m", "stoker.cli", "run"],
-            *tiny_sets(train={"max_steps": 100000}, launch={"nproc_per_node": 1}),
-            *["--set", "run_name=ctrlc"],
-        ],
+        [sys.executable, "-m", "stoker.cli", "run"]
+        + tiny_sets(train={"max_steps": 100000}, launch={"nproc_per_node": 1})
+        + ["--set", "run_name=ctrlc"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
