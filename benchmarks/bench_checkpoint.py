@@ -20,14 +20,15 @@ import torch
 
 from benchmarks import _servers
 from benchmarks._servers import moto_s3
-from stoker.core.config import ModelConfig
+from stoker.core.config import GPT2Config
 from stoker.storage.store import Store
 from stoker.storage.uploader import CheckpointUploader
 from stoker.training.checkpoint import Checkpointer, flat_state, rng_state_tensors
-from stoker.training.model import GPT, param_groups
+from stoker.training.models import param_groups
+from stoker.training.models.gpt2 import GPT
 
 STEPS, INTERVAL = 24, 8
-MODEL = ModelConfig(n_layer=4, n_head=8, n_embd=512, block_size=128)  # ~17M params, ~200 MB with AdamW
+MODEL = GPT2Config(n_layer=4, n_head=8, n_embd=512, block_size=128)  # ~17M params, ~200 MB with AdamW
 
 
 def _setup():

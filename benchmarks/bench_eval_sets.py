@@ -40,7 +40,7 @@ def _tokenizer(vocab: int):
 
 def main(argv: list[str] | None = None) -> None:
     from stoker.core.config import load_config
-    from stoker.training.model import GPT
+    from stoker.training.models.gpt2 import GPT
     from stoker.training.scoring import (
         HeldOut,
         add_window_scores,

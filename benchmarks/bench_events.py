@@ -40,7 +40,7 @@ def step_seconds(cfg) -> float:
 
     import torch
 
-    from stoker.training.model import GPT
+    from stoker.training.models.gpt2 import GPT
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.launch.nproc_per_node))
 

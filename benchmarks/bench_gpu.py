@@ -192,7 +192,8 @@ class BareLoop:
 
     def __init__(self, cfg, shard_dir: str, attention: str = "default"):
         from stoker.training.data import TokenStream
-        from stoker.training.model import GPT, param_groups
+        from stoker.training.models import param_groups
+        from stoker.training.models.gpt2 import GPT
 
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -77,7 +77,7 @@ def _step_seconds(repeats: int = 10) -> float:
     import torch
 
     from stoker.core.config import load_config
-    from stoker.training.model import GPT
+    from stoker.training.models.gpt2 import GPT
 
     cfg = load_config("tiny-cpu")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.launch.nproc_per_node))

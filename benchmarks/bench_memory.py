@@ -27,14 +27,15 @@ VARIANTS = ("none", "selective", "full", "chunked")
 
 
 def _model(args, variant: str, device: torch.device):
-    from stoker.core.config import ModelConfig
-    from stoker.training.model import GPT
+    from stoker.core.config import GPT2Config
+    from stoker.training.models.gpt2 import GPT
+    from stoker.training.models.layers import checkpoint_blocks
 
-    cfg = ModelConfig(
+    cfg = GPT2Config(
         n_layer=args.layers, n_head=args.width // 64, n_embd=args.width, block_size=args.block, dropout=0.0
     )
     model = GPT(cfg, args.vocab, seed=0).to(device)
-    model.activation_checkpointing = "none" if variant == "chunked" else variant
+    checkpoint_blocks(model.blocks, "none" if variant == "chunked" else variant)
     model.loss_chunk = args.chunk if variant == "chunked" else 0
     step = torch.compile(model) if args.compile else model
     return step, model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")

@@ -42,13 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("checkpoint_uri")
     ex = sub.add_parser(
         "export",
-        help="write a checkpoint as a Hugging Face GPT-2 folder (model.safetensors, config.json, the run's tokenizer)",
+        help="write a checkpoint as a Hugging Face folder (safetensors, config.json, the run's tokenizer) for AutoModelForCausalLM",
     )
     ex.add_argument("checkpoint_uri", help="{root}/runs/{run}/checkpoints/step-NNNNNNNN")
     ex.add_argument("folder", help="a new or empty local folder")
     hv = sub.add_parser(
         "harness",
-        help="lm-evaluation-harness tasks (the 'harness' extra) on a checkpoint exported as GPT-2: "
+        help="lm-evaluation-harness tasks (the 'harness' extra) on an exported checkpoint: "
         "local-file tasks (stoker_mc: the vendored multiple-choice set), nothing downloaded",
     )
     hv.add_argument(
@@ -362,8 +362,9 @@ def _inspect(args) -> int:
         return _print_ledger(inspect, _root(args.root), args.ledger)
     if args.command == "runs":
         rows = inspect.list_runs(_root(args.root))
+        columns = ["run", "newest_valid_step", "max_steps", "checkpoints", "ended", "goodput", "cost", "model"]
         print(
-            _table(rows, ["run", "newest_valid_step", "max_steps", "checkpoints", "ended", "goodput", "cost", "model"])
+            _table(rows, columns + (["base"] if any(r.get("base") for r in rows) else []))
             if rows
             else f"no runs under {_root(args.root)}"
         )
@@ -448,7 +449,7 @@ def _command(args) -> int:
         print(
             f"exported step {done.step} ({done.num_params:,} parameters, vocabulary "
             f"{done.vocab_size}) of {done.checkpoint}\nto {done.folder}: {', '.join(done.files)}\n"
-            f"load it with transformers.GPT2LMHeadModel.from_pretrained({done.folder!r})"
+            f"load it with transformers.AutoModelForCausalLM.from_pretrained({done.folder!r})"
         )
         return 0
     if args.command == "harness":

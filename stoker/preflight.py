@@ -16,7 +16,10 @@ before any work. It gathers:
 - the credentials block named in ``storage.credentials_block``, when a loader is given (it
   needs a Prefect server: the flow's task passes one, the CLI does when a server is up);
 - whether the store root can be written (a probe object, written and removed);
-- whether the MLflow tracking URI can be used (its experiment found or created).
+- whether the MLflow tracking URI can be used (its experiment found or created);
+- the base model of ``model.init_from``: there, complete, of an architecture a family expresses
+  exactly, not contradicted by an explicit field (``storage.bases.resolve_base``; ``check``
+  returns the config with the base's architecture, tokenizer and content hash filled in).
 
 A check that needs what another found broken is left out (a store with bad storage fields, a
 sink whose package is missing), so each problem is told once. A store or tracking server that
@@ -37,6 +40,7 @@ from stoker.core.failures import ConfigError, is_transient
 from stoker.core.harness import harness_problems
 from stoker.launch.devices import device_problems
 from stoker.observe.sinks import sink_problems
+from stoker.storage.bases import resolve_base
 from stoker.storage.runs import store_problem
 from stoker.storage.store import Store
 
@@ -65,17 +69,28 @@ def problems(config: RunConfig, load_credentials: LoadCredentials | None = None)
         found += _store_problems(config.storage, unreachable)
     if _valid(config.metrics) and not missing_sink_packages(config.metrics):
         found += _unreachable_as(lambda: sink_problems(config), unreachable)
+    if getattr(config.model, "init_from", None) and not found:  # the base's files, read once the rest holds
+        found += _unreachable_as(lambda: _base_problems(config), unreachable)
     if unreachable and not found:
         raise unreachable[0]  # transient: a retry may find it back
     return found
 
 
 def check(config: RunConfig, load_credentials: LoadCredentials | None = None) -> RunConfig:
-    """`config` when ``problems`` finds none, else one ConfigError listing them all."""
+    """`config` when ``problems`` finds none (with its base read in: ``resolve_base``), else
+    one ConfigError listing them all."""
     found = problems(config, load_credentials)
     if found:
         raise ConfigError(found)
-    return config
+    return resolve_base(config)
+
+
+def _base_problems(config: RunConfig) -> list[str]:
+    try:
+        resolve_base(config)
+    except ConfigError as err:
+        return list(err.problems)
+    return []
 
 
 def _valid(section: BaseModel) -> bool:

@@ -103,3 +103,30 @@ def test_no_import_cycle_between_project_modules():
     for m in graph:
         if not state.get(m):
             visit(m, [])
+
+
+def test_nothing_outside_the_models_package_names_a_model_family():
+    """The engine, evaluation, export, the harness and the CLI ask the family's spec
+    (training.models.spec_of); a family's module, class or name appears only in
+    stoker/training/models/ and in its config section (core/config/models.py)."""
+    import re
+
+    from stoker.core.config import FAMILIES
+
+    names = "|".join(FAMILIES)
+    pattern = re.compile(
+        rf"stoker\.training\.models\.({names})\b|\b(GPT|Llama)\(|(==|!=|in) ?\(?[\"']({names})[\"']|family == "
+    )
+    allowed = (
+        os.path.join("stoker", "training", "models") + os.sep,
+        os.path.join("stoker", "core", "config", "models.py"),
+    )
+    found = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "stoker")):
+        for name in files:
+            path = os.path.relpath(os.path.join(folder, name), ROOT)
+            if name.endswith(".py") and not path.startswith(allowed):
+                for i, line in enumerate(open(os.path.join(ROOT, path)), 1):
+                    if pattern.search(line):
+                        found.append(f"{path}:{i}: {line.strip()}")
+    assert not found, "\n".join(found)

@@ -149,6 +149,19 @@ class Resumed(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class BaseLoaded(Event):
+    """The run had no valid checkpoint and started from its base model's weights (model only:
+    a fresh optimizer and schedule). `bytes_read`: what each rank read of the base's tensors
+    (its own slices), by rank."""
+
+    kind: ClassVar[str] = "base_loaded"
+    base: str
+    sha256: str
+    bytes_read: list[int]
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class Failure(Event):
     """A rank raised; `transient` is core.failures.classify's verdict on the exception."""
 
@@ -268,6 +281,7 @@ TYPES: dict[str, type[Event]] = {
         CheckpointFailed,
         CheckpointDropped,
         Resumed,
+        BaseLoaded,
         Failure,
         NonFinite,
         Stopped,

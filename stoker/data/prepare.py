@@ -150,9 +150,11 @@ def _train_bpe(store: Store, dataset: DatasetInfo, cfg: TokenizerConfig, local: 
     tok.save(local)
 
 
-def _fetch_tokenizer(path: str, local: str) -> None:
+def _fetch_tokenizer(path: str, local: str, storage_options: dict) -> None:
+    """A tokenizer.json by path or URL (a URL with the store's options: a base's tokenizer in
+    the same object store as the run)."""
     if "://" in path:
-        with_retries(path, lambda: fetch_url(path, local), field_name="tokenizer.path")
+        with_retries(path, lambda: fetch_url(path, local, **storage_options), field_name="tokenizer.path")
     else:
         shutil.copyfile(os.path.expanduser(path), local)
 
@@ -164,7 +166,7 @@ def train_tokenizer(dataset: DatasetInfo, cfg: TokenizerConfig, store: Store) ->
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, TOKENIZER_FILE)
         if cfg.path:
-            _fetch_tokenizer(cfg.path, local)
+            _fetch_tokenizer(cfg.path, local, store.storage_options)
             cache_hit = False
         else:
             recipe = hashlib.sha256(

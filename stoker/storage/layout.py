@@ -2,6 +2,7 @@
 that knows where a run's files live:
 
     {root}/runs/{run}/config.json, tokenizer.json, shards.json
+    {root}/runs/{run}/base/config.json, tokenizer_config.json ... (a run started from a base)
     {root}/runs/{run}/checkpoints/step-00001200/
     {root}/runs/{run}/metrics.jsonl, attempts.jsonl
     {root}/runs/{run}/lease.json (while a launch trains the run)
@@ -20,6 +21,7 @@ RUNS = "runs"
 CONFIG_FILE = "config.json"
 SHARDS_FILE = "shards.json"
 TOKENIZER_FILE = "tokenizer.json"
+BASE_DIR = "base"  # a base model's config.json and tokenizer configs, pinned with the run (model.init_from)
 METRICS_FILE = "metrics.jsonl"
 ATTEMPTS_FILE = "attempts.jsonl"
 LEASE_FILE = "lease.json"  # the run lease: which launch trains the run (stoker/storage/lease.py)

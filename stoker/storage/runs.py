@@ -12,6 +12,7 @@ from stoker.core.config import RunConfig
 from stoker.core.failures import CheckpointUnavailable, ConfigError, ExportError
 from stoker.core.results import ShardInfo
 from stoker.storage.layout import (
+    BASE_DIR,
     CONFIG_FILE,
     SHARDS_FILE,
     TOKENIZER_FILE,
@@ -71,6 +72,14 @@ def pin_run_folder(store: Store, config: RunConfig, shards: ShardInfo) -> str:
     key = run_file_key(run, CONFIG_FILE)
     if store.exists(key):
         old = RunConfig.model_validate_json(store.read_bytes(key))
+        was, now = getattr(old.model, "base_sha256", None), getattr(config.model, "base_sha256", None)
+        if was != now:
+            raise ConfigError(
+                [
+                    f"model.init_from: run {run!r} started from base {_base_name(old)} and this config names "
+                    f"{_base_name(config)}; a run keeps the base it started from: choose a new run_name."
+                ]
+            )
         if old.model_hash() != config.model_hash():
             raise ConfigError(
                 [
@@ -93,7 +102,27 @@ def pin_run_folder(store: Store, config: RunConfig, shards: ShardInfo) -> str:
     store.write_bytes(key, config.to_json().encode())
     store.copy(join(shards.key, TOKENIZER_FILE), run_file_key(run, TOKENIZER_FILE))
     store.write_json(run_file_key(run, SHARDS_FILE), shards.as_dict())
+    if getattr(config.model, "init_from", None):  # what an export needs of the base, kept with the run
+        pin_base_files(store, run, config.model.init_from, config.storage.storage_options)
     return store.url(key)
+
+
+def pin_base_files(store: Store, run: str, init_from: str, options: dict) -> None:
+    """Copy the base's config.json and tokenizer configs into the run folder's base/: the
+    run's export writes the base's own tokenizer files and ids even after the base is gone."""
+    from stoker.storage.bases import SIDE_FILES, base_store
+
+    base = base_store(init_from, options)
+    for name in SIDE_FILES:
+        if name.endswith(".json") and name != "model.safetensors.index.json" and base.exists(name):
+            store.write_bytes(run_file_key(run, f"{BASE_DIR}/{name}"), base.read_bytes(name))
+
+
+def _base_name(config: RunConfig) -> str:
+    model = config.model
+    if not getattr(model, "init_from", None):
+        return "none (random weights)"
+    return f"{model.init_from} (sha256 {(model.base_sha256 or '?')[:12]})"
 
 
 def checkpoint_inputs(checkpoint_url: str, storage_options: dict) -> tuple[RunConfig, str, str, str]:

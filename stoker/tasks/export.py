@@ -1,4 +1,4 @@
-"""Export a committed checkpoint as a Hugging Face GPT-2 folder, in a process of its own
+"""Export a committed checkpoint as a Hugging Face folder, in a process of its own
 (stoker/training/export.py, started by launch.child: the orchestrator's rooms never import
 torch). ``stoker export`` calls ``export_checkpoint``; a deployment can wrap it in a task the
 same way."""
@@ -21,7 +21,7 @@ def export_checkpoint(
     checkpoint_uri: str, folder: str, storage_options: dict | None = None, timeout: float = EXPORT_TIMEOUT_SECONDS
 ) -> events.Exported:
     """Write the checkpoint at `checkpoint_uri` into `folder` (new or empty) as
-    ``model.safetensors`` + ``config.json`` (transformers' GPT-2) and the run's tokenizer.
+    the weights as safetensors + ``config.json`` (the model family's transformers class) and the run's tokenizer.
 
     Checked here first, without torch and without reading a tensor, so a mistake is one line
     at once: the URI's form, the run folder, the commit manifest and listed files, the

@@ -10,6 +10,7 @@ import re
 from stoker.core.config import RunConfig
 from stoker.core.failures import ConfigError
 from stoker.observe.ledger import deployment_ledgers, duration, ledger_line, ledger_rows, run_ledgers, sum_ledgers
+from stoker.storage.bases import base_summary
 from stoker.storage.checkpoints import first_nonfinite_step, list_checkpoints, numerics_problem, validate_checkpoint
 from stoker.storage.layout import CONFIG_FILE, METRICS_FILE, parse_checkpoint_url, run_file_key
 from stoker.storage.manifest import Verdict
@@ -82,17 +83,14 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
             "checkpoints": len(verdicts),
             "max_steps": None,
             "model": None,
+            "base": None,
             "metrics": store.exists(run_file_key(run, METRICS_FILE)),
             "ended": run_ending(store, run),
             **_ledger_columns(store, run),
         }
         try:
             cfg = RunConfig.model_validate_json(store.read_bytes(run_file_key(run, CONFIG_FILE)))
-            m = cfg.model
-            row.update(
-                max_steps=cfg.train.max_steps,
-                model=f"{m.n_layer} layers x {m.n_embd}, {m.n_head} heads, block {m.block_size}",
-            )
+            row.update(max_steps=cfg.train.max_steps, model=cfg.model.describe(), base=base_summary(cfg) or None)
         except Exception:  # a run folder without a readable config is listed all the same
             pass
         rows.append(row)

@@ -18,7 +18,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from stoker.core.config import RunConfig
 from stoker.core.failures import ConfigError
-from stoker.training.model import GPT, init_weights, logits_and_loss, param_groups
+from stoker.training.models import build_model as build_family_model
+from stoker.training.models import param_groups, spec_of
+from stoker.training.models.layers import checkpoint_blocks, logits_and_loss
 
 # dense bf16 tensor-core peak per device (no sparsity: half NVIDIA's datasheet figure "with
 # sparsity"), by a substring of the device name; the first match wins, so the PCIe and NVL
@@ -143,16 +145,19 @@ def compile_options(tuning: str) -> dict:
     return {"mode": "max-autotune-no-cudagraphs"} if tuning == "max-autotune" else {}
 
 
-def _build_fsdp(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int) -> GPT:
-    """FSDP2 in torchtitan's order: activation checkpointing (inside each block's forward),
-    then compile (each block, and the output layer with the loss), then fully_shard (each
-    block, then the root); built on the meta device and materialized after sharding."""
+def _build_fsdp(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int) -> torch.nn.Module:
+    """FSDP2 in torchtitan's order: activation checkpointing (each block's forward wrapped),
+    then compile (each block the family's spec names, and the output layer with the loss),
+    then fully_shard (each block, then the root); built on the meta device and materialized
+    after sharding."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    spec = spec_of(cfg.model)
     with torch.device("meta"):
-        raw = GPT(cfg.model, vocab_size, seed=None)
-    raw.activation_checkpointing, raw.loss_chunk = engine.activation_checkpointing, engine.loss_chunk
+        raw = spec.build(cfg.model, vocab_size, None)
+    raw.loss_chunk = engine.loss_chunk
+    checkpoint_blocks(spec.blocks(raw), engine.activation_checkpointing)
     mesh = init_device_mesh(engine.device.type, (world_size,))
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -160,7 +165,7 @@ def _build_fsdp(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
         else MixedPrecisionPolicy()
     )
     options = compile_options(engine.compile_tuning) if engine.compile else {}
-    for block in raw.blocks:
+    for block in spec.blocks(raw):
         if engine.compile:  # per block, as torchtitan does under FSDP2
             block.compile(**options)
         fully_shard(block, mesh=mesh, mp_policy=mp)
@@ -168,7 +173,7 @@ def _build_fsdp(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
         raw.output_loss = torch.compile(logits_and_loss, **options)
     fully_shard(raw, mesh=mesh, mp_policy=mp)
     raw.to_empty(device=engine.device)
-    init_weights(raw, cfg.train.seed)
+    spec.init_weights(raw, cfg.train.seed)
     return raw
 
 
@@ -180,8 +185,9 @@ def build_model(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
         raw = _build_fsdp(cfg, vocab_size, engine, world_size)
         return raw, raw
     device = engine.device
-    raw = GPT(cfg.model, vocab_size, seed=cfg.train.seed).to(device)
-    raw.activation_checkpointing, raw.loss_chunk = engine.activation_checkpointing, engine.loss_chunk
+    raw = build_family_model(cfg.model, vocab_size, seed=cfg.train.seed).to(device)
+    raw.loss_chunk = engine.loss_chunk
+    checkpoint_blocks(spec_of(cfg.model).blocks(raw), engine.activation_checkpointing)
     model = torch.compile(raw, **compile_options(engine.compile_tuning)) if engine.compile else raw
     # alone (torchrun --nproc-per-node=1 included) there is nothing to all-reduce: no DDP,
     # whose wrapper would split the compiled graph at its bucket boundaries for nothing

@@ -27,7 +27,7 @@ from stoker.storage.store import Store, default_cache_dir
 from stoker.training.checkpoint import load_checkpoint
 from stoker.training.data import TokenStream, eval_offsets, get_batch
 from stoker.training.engine import Engine
-from stoker.training.model import GPT
+from stoker.training.models import build_model
 from stoker.training.scoring import (
     ChoiceScores,
     HeldOut,
@@ -65,7 +65,7 @@ def evaluate_checkpoint(
     val = TokenStream(shard_dir, "val")
     device = device or default_device()
     engine = Engine.resolve(cfg, device, training=False)  # for its precision
-    model = GPT(cfg.model, val.vocab_size, seed=None).to(device)  # every weight is loaded
+    model = build_model(cfg.model, val.vocab_size, seed=None).to(device)  # every weight is loaded
     load_checkpoint(folder, model=model)
     model.eval()
     sets = set(cfg.eval.sets)
@@ -91,12 +91,18 @@ def evaluate_checkpoint(
 
 @torch.no_grad()
 def held_out_scores(
-    model: GPT, val: TokenStream, block_size: int, max_windows: int, batch_size: int, engine: Engine, tokenizer=None
+    model: torch.nn.Module,
+    val: TokenStream,
+    block_size: int,
+    max_windows: int,
+    batch_size: int,
+    engine: Engine,
+    tokenizer=None,
 ) -> HeldOut:
     """The loss of the validation split's fixed windows (eval_offsets: evenly spaced, at most
     max_windows), over the tokenizer's ids; with a tokenizer, also their bits per byte: the
     nats of every predicted token that decodes to bytes / (ln 2 x those bytes), the bytes
-    counted exactly per id (scoring.token_byte_counts); a window's first token is never
+    counted exactly per id, less a SentencePiece dummy prefix after a bos (scoring.token_byte_counts); a window's first token is never
     predicted, and the end-of-text (no bytes) is left out of both sums."""
     T, device = block_size, engine.device
     byte_counts = None
@@ -107,11 +113,13 @@ def held_out_scores(
     for i in range(0, len(offsets), batch_size):
         x, y = get_batch(val, T, offsets[i : i + batch_size])
         x, y = x.to(device), y.to(device)
-        add_window_scores(held, token_nll(model, x, y, engine.autocast), y, byte_counts)
+        add_window_scores(held, token_nll(model, x, y, engine.autocast), y, byte_counts, x)
     return held
 
 
-def multiple_choice_scores(model: GPT, tokenizer, block_size: int, num_items: int, engine: Engine) -> ChoiceScores:
+def multiple_choice_scores(
+    model: torch.nn.Module, tokenizer, block_size: int, num_items: int, engine: Engine
+) -> ChoiceScores:
     """The vendored multiple-choice set's first num_items items (its sha256 checked), scored."""
     items = encode_items(tokenizer, load_multiple_choice(limit=num_items), block_size)
     return score_choices(model, items, engine.device, engine.autocast)

@@ -1,4 +1,4 @@
-"""lm-evaluation-harness on a checkpoint exported as GPT-2: ``python -m stoker.training.harness``.
+"""lm-evaluation-harness on an exported checkpoint: ``python -m stoker.training.harness``.
 
     python -m stoker.training.harness <exported folder | checkpoint URI> --tasks stoker_mc \\
         [--include DIR ...] [--limit N] [--out results.json]
@@ -9,9 +9,10 @@ The tasks are local-file tasks only: stoker's own (stoker/evalsets/harness: ``st
 vendored multiple-choice set) and those of the --include folders; their names are checked
 before anything is exported or loaded. Nothing comes from the Hugging Face Hub (the offline
 variables are set before lm_eval is imported). The model runs as transformers'
-``GPT2LMHeadModel`` in float32, behind ``ExportedGPT2``: an lm-eval ``TemplateLM`` (lm-eval's own
-pairing of context and continuation) that scores as lm-eval's "hf" model does. Not "hf" itself:
-that model imports ``accelerate`` (lm_eval's [hf] extra), which a one-device GPT-2 never needs.
+``AutoModelForCausalLM`` (any family's export) in float32, behind ``ExportedModel``: an lm-eval
+``TemplateLM`` (lm-eval's own pairing of context and continuation) that scores as lm-eval's "hf"
+model does. Not "hf" itself: that model imports ``accelerate`` (lm_eval's [hf] extra), which a
+one-device model never needs.
 
 Prints a HarnessEvaluated event (a failure: a Failure event) and, with --out, writes the
 metrics (and with --samples each item's log-likelihoods and verdicts) as JSON. It runs in a
@@ -87,26 +88,26 @@ def samples_of(results: dict) -> dict[str, list[dict]]:
 
 
 def _lm_class():
-    """ExportedGPT2, built on first use (lm_eval and transformers are imported only here)."""
+    """ExportedModel, built on first use (lm_eval and transformers are imported only here)."""
     import torch
     import torch.nn.functional as F
     from lm_eval.api.model import TemplateLM
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-    from transformers import AutoTokenizer, GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    class ExportedGPT2(TemplateLM):
-        """An exported stoker checkpoint (a GPT-2 folder) as an lm-eval model, one device, float32.
-        Scores as lm-eval's HFLM does: context + continuation kept to the model's last
-        n_positions + 1 ids (the context cut from the left), the continuation's log-probabilities
+    class ExportedModel(TemplateLM):
+        """An exported stoker checkpoint (a Hugging Face folder of any family) as an lm-eval
+        model, one device, float32. Scores as lm-eval's HFLM does: context + continuation kept
+        to the model's last max_position_embeddings + 1 ids (the context cut from the left), the continuation's log-probabilities
         summed; greedy generation for generate_until tasks."""
 
         def __init__(self, folder: str, device: str = "cpu", batch_size: int = 8):
             super().__init__()
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
-            self.model = GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+            self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
             self.where = torch.device(device)
             self.batch_size = batch_size
-            self.max_length = int(self.model.config.n_positions)
+            self.max_length = int(self.model.config.max_position_embeddings)  # GPT-2's n_positions
 
         @property
         def eot_token_id(self) -> int:
@@ -171,7 +172,7 @@ def _lm_class():
                 out.append(text)
             return out
 
-    return ExportedGPT2
+    return ExportedModel
 
 
 def evaluate_folder(
@@ -183,7 +184,7 @@ def evaluate_folder(
     device: str = "cpu",
     log_samples: bool = False,
 ) -> dict:
-    """simple_evaluate on the exported GPT-2 `folder`: {"metrics", "num_items", "versions",
+    """simple_evaluate on the exported `folder`: {"metrics", "num_items", "versions",
     ["samples"]}."""
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -267,7 +268,7 @@ def run(args: argparse.Namespace) -> events.HarnessEvaluated:
 def main(argv: list[str] | None = None) -> int:
     from stoker.storage.store import default_cache_dir
 
-    p = argparse.ArgumentParser(description="lm-evaluation-harness tasks on a stoker checkpoint exported as GPT-2.")
+    p = argparse.ArgumentParser(description="lm-evaluation-harness tasks on an exported stoker checkpoint.")
     p.add_argument("source", help="an exported folder (stoker export) or {root}/runs/{run}/checkpoints/step-NNNNNNNN")
     p.add_argument("--tasks", required=True, help="task names, comma-separated, e.g. stoker_mc")
     p.add_argument("--include", action="append", default=[], help="a folder of lm-eval task YAML files (repeatable)")

@@ -178,6 +178,31 @@ class Trainer:
             )
         )
 
+    def start_from_base(self) -> None:
+        """The run's first start (no valid checkpoint): the base's weights (model.init_from),
+        each rank reading only its own slices; the optimizer and schedule start fresh."""
+        from stoker.storage.bases import materialize_base
+        from stoker.training.base import load_base
+
+        model = self.cfg.model
+        began = time.monotonic()
+        folder = materialize_base(
+            model.init_from, model.base_sha256, self.store, self.cache_dir, self.cfg.storage.storage_options
+        )
+        mine = load_base(self.raw_model, model, folder)
+        read = [mine]
+        if dist.is_initialized():  # group: world; once, at start: what each rank read, for rank 0's log
+            read = [None] * self.ranks.world_size
+            dist.all_gather_object(read, mine)
+        self.metrics.log(
+            events.BaseLoaded(
+                base=model.init_from,
+                sha256=model.base_sha256,
+                bytes_read=read,
+                seconds=round(time.monotonic() - began, 3),
+            )
+        )
+
     def _load(self, folder: str):
         r = self.ranks
         return load_checkpoint(
@@ -210,6 +235,8 @@ class Trainer:
             "numerics": FINITE,  # checked just above: storage trusts only this field
             "config_hash": self.cfg.identity_hash(),
             "model_hash": self.cfg.model_hash(),
+            "model_family": self.cfg.model.family,
+            "base_sha256": self.cfg.model.base_sha256,  # the base the run started from (None: random)
             "shard_key": self.shard_key,
             "run_name": self.run_name,
             "tokens_seen": self.tokens_seen,

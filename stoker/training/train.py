@@ -125,8 +125,10 @@ def run_rank(config_url: str, shards: str, resume_from: str | None, cache_dir: s
     store = Store(cfg.storage.root, cfg.storage.storage_options)
     trainer = Trainer(cfg, ranks, materialize(store, shard_key, cache_dir), store, shard_key, cache_dir=cache_dir)
     resume = newest_checkpoint(store, cfg) if restarted else resume_from
-    if resume:
+    if resume:  # resume owns the weights once any checkpoint is committed
         trainer.resume(resume)
+    elif cfg.model.init_from:  # no valid checkpoint (a restart before the first one included)
+        trainer.start_from_base()
     return trainer.fit()
 
 

@@ -9,7 +9,7 @@ from stoker.core.config import ConfigError, load_config
 from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
 from stoker.storage.store import Store
 from stoker.training.checkpoint import load_checkpoint
-from stoker.training.model import GPT
+from stoker.training.models.gpt2 import GPT
 from tests.conftest import tiny_dict
 
 pytestmark = pytest.mark.e2e

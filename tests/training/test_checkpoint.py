@@ -7,12 +7,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from stoker.core.config import ModelConfig
+from stoker.core.config import GPT2Config
 from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
 from stoker.storage.store import Store
 from stoker.storage.uploader import CheckpointUploader
 from stoker.training.checkpoint import Checkpointer, load_checkpoint
-from stoker.training.model import GPT, param_groups
+from stoker.training.models import param_groups
+from stoker.training.models.gpt2 import GPT
 
 
 def save_checkpoint(
@@ -75,7 +76,7 @@ def save_and_commit(store, run_name, **kw):
 def _build(seed=0):
     torch.manual_seed(seed)
     model = GPT(
-        ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_pad_multiple=1), vocab_size=50, seed=seed
+        GPT2Config(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_pad_multiple=1), vocab_size=50, seed=seed
     )
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
@@ -231,7 +232,7 @@ def test_a_checkpoint_of_another_world_size_loads_with_fresh_rng_streams(tmp_pat
 
 
 def test_init_is_a_function_of_the_seed_and_names_only():
-    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=8)
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=16, block_size=8)
     torch.manual_seed(1)
     a = GPT(cfg, 50, seed=4)
     torch.manual_seed(2)  # the global RNG plays no part

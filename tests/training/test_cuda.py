@@ -192,16 +192,18 @@ def test_bf16_and_compile_are_faster_than_fp32(gpu_shards, tmp_path):
 def _bf16_steps_on_cuda(variants: dict, compiled: bool, vocab: int = 8192) -> dict:
     """variant -> (loss, output-matrix gradient, allocator peak above the model) of a bf16
     training step of one GPT, the variant's (activation checkpointing, loss chunk) set."""
-    from stoker.core.config import ModelConfig
-    from stoker.training.model import GPT
+    from stoker.core.config import GPT2Config
+    from stoker.training.models.gpt2 import GPT
+    from stoker.training.models.layers import checkpoint_blocks
 
     dev = torch.device("cuda", 0)
-    cfg = ModelConfig(n_layer=4, n_head=8, n_embd=512, block_size=512, dropout=0.0)
+    cfg = GPT2Config(n_layer=4, n_head=8, n_embd=512, block_size=512, dropout=0.0)
     x = torch.randint(0, vocab, (8, 512), device=dev, generator=torch.Generator(dev).manual_seed(0))
     out = {}
     for name, (ac, chunk) in variants.items():
         model = GPT(cfg, vocab, seed=0).to(dev)
-        model.activation_checkpointing, model.loss_chunk = ac, chunk
+        model.loss_chunk = chunk
+        checkpoint_blocks(model.blocks, ac)
         step = torch.compile(model) if compiled else model
         for _ in range(2):  # the first compiles
             model.zero_grad(set_to_none=True)
@@ -253,13 +255,14 @@ def test_chunked_cross_entropy_on_cuda_keeps_the_loss_and_holds_less(compiled):
 def test_async_checkpoint_copy_on_cuda_writes_the_state_of_its_step(tmp_path):
     """The copy to pinned buffers is non-blocking: what lands must still be the state at
     save time although the next steps start at once; the buffers are reused."""
-    from stoker.core.config import ModelConfig
+    from stoker.core.config import GPT2Config
     from stoker.storage.uploader import CheckpointUploader
     from stoker.training.checkpoint import Checkpointer, load_checkpoint
-    from stoker.training.model import GPT, param_groups
+    from stoker.training.models import param_groups
+    from stoker.training.models.gpt2 import GPT
 
     dev = torch.device("cuda", 0)
-    model = GPT(ModelConfig(n_layer=2, n_head=4, n_embd=256, block_size=64), 1000, seed=1).to(dev)
+    model = GPT(GPT2Config(n_layer=2, n_head=4, n_embd=256, block_size=64), 1000, seed=1).to(dev)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 
@@ -297,7 +300,7 @@ def test_async_checkpoint_copy_on_cuda_writes_the_state_of_its_step(tmp_path):
     uploader.wait()
     assert {k: v.data_ptr() for k, v in ckpt.buffers.items()} == buffers  # reused
     key = [e.key for e in events if e.kind == "checkpoint"][-1]
-    fresh = GPT(ModelConfig(n_layer=2, n_head=4, n_embd=256, block_size=64), 1000, seed=2).to(dev)
+    fresh = GPT(GPT2Config(n_layer=2, n_head=4, n_embd=256, block_size=64), 1000, seed=2).to(dev)
     load_checkpoint(store.local_path(key), model=fresh)
     for n, p in fresh.named_parameters():
         assert torch.equal(p, at_save[n]), n

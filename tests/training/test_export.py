@@ -1,5 +1,6 @@
-"""`stoker export`: a checkpoint trained by a real (forked) rank, written as a Hugging Face GPT-2
-folder, loaded by transformers, gives our model's logits on the same tokens."""
+"""`stoker export`: a checkpoint trained by a real (forked) rank, written as a Hugging Face
+folder (GPT-2 here; the llama family's export in tests/training/test_base.py), loaded by
+transformers, gives our model's logits on the same tokens."""
 
 import json
 import os
@@ -10,10 +11,11 @@ import sys
 import pytest
 import torch
 
-from stoker.core.config import ModelConfig
+from stoker.core.config import GPT2Config
 from stoker.training.checkpoint import load_checkpoint
-from stoker.training.export import gpt2_config, gpt2_state_dict
-from stoker.training.model import GPT, padded_vocab
+from stoker.training.export import hf_config, hf_state_dict, shard_tensors
+from stoker.training.models.gpt2 import GPT
+from stoker.training.models.layers import padded_vocab
 from tests.conftest import ROOT, one_rank_run
 
 CHECKPOINT = "runs/export/checkpoints/step-00000004"
@@ -85,24 +87,43 @@ def test_an_exported_checkpoint_loads_in_transformers_with_our_logits(trained, t
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_gpt2_mapping_is_exact_with_biases_and_a_padded_vocabulary(bias):
     """Every parameter set to random values (trained biases and LayerNorm gains included),
-    50 real ids padded to 64 rows, 3 layers: transformers' GPT-2 computes the same logits."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    50 real ids padded to 64 rows, 3 layers: transformers' GPT-2 computes the same logits,
+    and the adapter's two directions are exact inverses."""
+    from transformers import GPT2Config as HFGPT2Config
+    from transformers import GPT2LMHeadModel
 
-    model = GPT(
-        ModelConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, bias=bias, vocab_pad_multiple=64),
-        vocab_size=50,
-        seed=0,
-    )
+    from stoker.training.models.gpt2 import SPEC
+
+    cfg = GPT2Config(n_layer=3, n_head=2, n_embd=16, block_size=8, bias=bias, vocab_pad_multiple=64)
+    model = GPT(cfg, vocab_size=50, seed=0)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(p.numel()))
     model.eval()
-    hf = GPT2LMHeadModel(GPT2Config(**gpt2_config(model, eot_id=49))).eval()
-    missing, unexpected = hf.load_state_dict(gpt2_state_dict(model), strict=False)
+    hf = GPT2LMHeadModel(HFGPT2Config(**hf_config(cfg, 50, 49, 49))).eval()
+    tensors = hf_state_dict(model, cfg, 50)
+    missing, unexpected = hf.load_state_dict(tensors, strict=False)
     assert missing == ["lm_head.weight"] and not unexpected  # tied to wte
     tokens = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens)[0], rtol=1e-6, atol=1e-6)
+    # from_hf(to_hf(x)): our tensors back, the padded rows as zeros
+    back = SPEC.from_hf(cfg, tensors, 50)
+    ours = model.state_dict()
+    assert set(back) == set(ours)
+    for name, t in ours.items():
+        expected = torch.cat([t[:50], torch.zeros_like(t[50:])]) if name in ("wte.weight", "lm_head.weight") else t
+        assert torch.equal(back[name], expected), name
+    assert SPEC.to_hf(cfg, back, 50).keys() == tensors.keys()
+    assert all(torch.equal(SPEC.to_hf(cfg, back, 50)[k], tensors[k]) for k in tensors)
+
+
+def test_weights_above_the_shard_size_are_split_in_order():
+    tensors = {f"t{i}": torch.zeros(10) for i in range(5)}  # 40 bytes each
+    assert list(shard_tensors(tensors, 1000)) == ["model.safetensors"]
+    shards = shard_tensors(tensors, 100)
+    assert list(shards) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert [list(g) for g in shards.values()] == [["t0", "t1"], ["t2", "t3"], ["t4"]]
 
 
 def _copy_store(store, tmp_path):

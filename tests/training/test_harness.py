@@ -17,7 +17,7 @@ from stoker import preflight
 from stoker.core import events
 from stoker.core.harness import OFFLINE_ENV, harness_problems, local_tasks
 from stoker.training.checkpoint import load_checkpoint
-from stoker.training.model import GPT
+from stoker.training.models.gpt2 import GPT
 from stoker.training.scoring import ChoiceRows, encode_items, load_multiple_choice, score_choices
 from tests.conftest import ROOT, one_rank_run
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from stoker.core.config import ModelConfig
+from stoker.core.config import GPT2Config
 from stoker.training.checkpoint import load_checkpoint
-from stoker.training.model import GPT
+from stoker.training.models.gpt2 import GPT
 from stoker.training.untrusted import SafeReader, UnsafeCheckpoint
 
 
@@ -25,7 +25,7 @@ class _Payload:
 
 
 def _model():
-    return GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8), 50, seed=0)
+    return GPT(GPT2Config(n_layer=1, n_head=2, n_embd=16, block_size=8), 50, seed=0)
 
 
 def test_a_pickle_payload_planted_as_checkpoint_metadata_is_refused_not_run(tmp_path):
@@ -53,6 +53,6 @@ def test_real_checkpoint_metadata_passes_the_allowlist(tmp_path):
     )
     meta = SafeReader(str(tmp_path)).read_metadata()
     assert "model.wte.weight" in meta.state_dict_metadata
-    fresh = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8), 50, seed=1)
+    fresh = GPT(GPT2Config(n_layer=1, n_head=2, n_embd=16, block_size=8), 50, seed=1)
     load_checkpoint(str(tmp_path), model=fresh)
     assert torch.equal(fresh.wte.weight, model.wte.weight)

@@ -30,6 +30,14 @@ from stoker.core.config.load import (
     missing_ray,
     missing_sink_packages,
 )
+from stoker.core.config.models import (
+    FAMILIES,
+    GPT2Config,
+    LlamaConfig,
+    ModelConfig,
+    UnsupportedArchitecture,
+    family_of_model_type,
+)
 from stoker.core.config.run import RunConfig
 from stoker.core.config.sections import (
     BUILTIN_SOURCE,
@@ -43,7 +51,6 @@ from stoker.core.config.sections import (
     EventsConfig,
     LaunchConfig,
     MetricsConfig,
-    ModelConfig,
     NodeConfig,
     NonBlank,
     RayConfig,
@@ -55,6 +62,11 @@ from stoker.core.config.sections import (
 from stoker.core.failures import ConfigError
 
 __all__ = [
+    "FAMILIES",
+    "GPT2Config",
+    "LlamaConfig",
+    "UnsupportedArchitecture",
+    "family_of_model_type",
     "BUILTIN_SOURCE",
     "CREDENTIALS_FIX",
     "FSDP2_TORCH",

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from stoker.core.config.problems import field_range, problem_line
 from stoker.core.config.run import RunConfig, _overlaps, _read
@@ -35,10 +35,12 @@ def field_table() -> list[dict]:
         text = getattr(ann, "__name__", None) or str(ann)
         return text.replace("typing.", "").replace(f"{DataConfig.__module__}.", "")  # the sections' module
 
+    from stoker.core.config.problems import _models_in
+
     rows = []
     for section, sfield in RunConfig.model_fields.items():
-        model = sfield.annotation
-        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        models = _models_in(sfield.annotation)
+        if not models:
             rows.append(
                 {
                     "key": section,
@@ -48,16 +50,30 @@ def field_table() -> list[dict]:
                 }
             )
             continue
-        for name, f in model.model_fields.items():
-            bounds = field_range(f)
-            rows.append(
-                {
+        seen: dict[str, dict] = {}
+        for model in models:  # a union of sections (model: one per family): each field once
+            family = model.model_fields["family"].default if len(models) > 1 else None
+            for name, f in model.model_fields.items():
+                if name in seen:
+                    if family and seen[name].get("families") is not None:
+                        seen[name]["families"].append(family)
+                    continue
+                bounds = field_range(f)
+                seen[name] = {
                     "key": f"{section}.{name}",
                     "type": type_name(f.annotation) + (f" ({bounds})" if bounds else ""),
                     "default": f.get_default(call_default_factory=True),
                     "description": f.description or "",
+                    "families": [family] if family and name != "family" else None,
                 }
-            )
+        if "family" in seen and len(models) > 1:  # the union's tag first, with every family
+            seen["family"]["type"] = " | ".join(repr(m.model_fields["family"].default) for m in models)
+            seen = {"family": seen.pop("family"), **seen}
+        for row in seen.values():
+            families = row.pop("families")
+            if families and len(families) < len(models):
+                row["description"] = f"[{', '.join(families)}] " + row["description"]
+            rows.append(row)
     return rows
 
 

@@ -29,30 +29,58 @@ def _model_in(ann: Any) -> Any:
     return None
 
 
-def _field_at(loc: tuple, root: type[BaseModel]) -> Any:
-    """The FieldInfo an error location names (the deepest one that is a field), or None."""
+def _models_in(ann: Any) -> list:
+    """Every section model an annotation holds (the members of a union of sections)."""
+    import typing
+
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return [ann]
+    return [m for arg in typing.get_args(ann) for m in _models_in(arg)]
+
+
+def _member(ann: Any, tag: Any) -> Any:
+    """The member of a tagged union of sections (``model``: one per ``family``) named by the
+    tag pydantic puts in an error's location, or None."""
+    for model in _models_in(ann):
+        family = model.model_fields.get("family")
+        if family is not None and family.default == tag:
+            return model
+    return None
+
+
+def _walk(loc: tuple, root: type[BaseModel]) -> tuple[Any, Any, tuple]:
+    """(the FieldInfo the location names, the section model it leads to, the location as a
+    person writes it: without the union tags pydantic adds)."""
     model: Any = root
-    field = None
-    for part in loc:
+    field, ann, shown = None, None, []
+    for i, part in enumerate(loc):
         if isinstance(part, int) and field is not None:  # an item of a list of sections
+            shown.append(part)
+            continue
+        tagged = _member(ann, part) if ann is not None else None
+        if tagged is not None:  # the family tag of a union: not a field of its own
+            model = tagged
             continue
         if model is None or part not in model.model_fields:
-            break
+            return field, None, tuple(shown) + tuple(loc[i:])
         field = model.model_fields[part]
-        model = _model_in(field.annotation)
-    return field
+        ann = field.annotation
+        model = _model_in(ann)
+        shown.append(part)
+    return field, model, tuple(shown)
+
+
+def _field_at(loc: tuple, root: type[BaseModel]) -> Any:
+    """The FieldInfo an error location names (the deepest one that is a field), or None."""
+    return _walk(loc, root)[0]
 
 
 def _did_you_mean(loc: tuple, root: type[BaseModel]) -> str:
     """The fix for an unknown key: the closest field of its section, or the section's fields."""
     import difflib
 
-    model: Any = root
-    for part in loc[:-1]:
-        if isinstance(part, int):  # an item of a list of sections
-            continue
-        field = model.model_fields.get(part) if model is not None else None
-        model = _model_in(field.annotation) if field is not None else None
+    _, model, shown = _walk(loc[:-1], root)
+    loc = shown + loc[-1:]
     if model is None:
         return "remove it or check its spelling"
     names = list(model.model_fields)
@@ -76,8 +104,7 @@ def field_range(field: Any) -> str:
 def problem_line(e: Any, root: type[BaseModel]) -> str:
     """One line per problem: '<dotted field>: <what> (got <value>); <fix>.' ``e`` is one of
     ``ValidationError.errors()``, whose location starts at the model ``root``."""
-    loc = tuple(e["loc"])
-    field = _field_at(loc, root)
+    field, _, loc = _walk(tuple(e["loc"]), root)
     extra = field.json_schema_extra if field is not None else None
     fix = (e.get("ctx") or {}).get("fix") or (extra.get("fix") if isinstance(extra, dict) else None)
     if e["type"] in _BOUNDS and field is not None:
@@ -85,7 +112,10 @@ def problem_line(e: Any, root: type[BaseModel]) -> str:
     elif e["type"] in ("blank", "string_too_short"):
         what = "is empty"
     elif e["type"] == "extra_forbidden":
-        what, fix = "is not a field of the config", _did_you_mean(loc, root)
+        what, fix = "is not a field of the config", _did_you_mean(tuple(e["loc"]), root)
+    elif e["type"] == "union_tag_invalid":
+        what = f"names no model family ({e['ctx']['tag']!r})"
+        fix = f"set model.family to one of {e['ctx']['expected_tags']}"
     else:
         what = e["msg"]
     got = repr(e["input"]) if e["type"] != "secret_in_config" else "<not shown>"

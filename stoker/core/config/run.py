@@ -15,6 +15,7 @@ from typing import Any, Callable
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from stoker.core.config.models import GPT2Config, ModelConfig
 from stoker.core.config.problems import problem_lines
 from stoker.core.config.sections import (
     CheckpointConfig,
@@ -25,7 +26,6 @@ from stoker.core.config.sections import (
     EventsConfig,
     LaunchConfig,
     MetricsConfig,
-    ModelConfig,
     RayConfig,
     StorageConfig,
     TokenizerConfig,
@@ -114,7 +114,10 @@ class RunConfig(_Section):
     )
     data: DataConfig = Field(default_factory=DataConfig, description="Raw data source and split.")
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer.")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="GPT model size.")
+    model: ModelConfig = Field(
+        default_factory=lambda: GPT2Config(),
+        description="The model: its family, its size, and the base it starts from.",
+    )
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimization.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation during training.")

@@ -299,41 +299,6 @@ class TokenizerConfig(_Section):
     )
 
 
-class ModelConfig(_Section):
-    n_layer: int = _field(4, "Number of transformer blocks.", fix="e.g. 4 (tiny) or 12 (GPT-2 small)", ge=1)
-    n_head: int = _field(4, "Attention heads per block; must divide n_embd.", fix="e.g. 4", ge=1)
-    n_embd: int = _field(128, "Embedding width.", fix="pick a multiple of n_head", ge=1)
-    block_size: int = _field(128, "Context length in tokens.", fix="e.g. 128 or 1024", ge=1)
-    dropout: float = _field(
-        0.0,
-        "Dropout probability (0 for pretraining from scratch).",
-        fix="use 0 for pretraining from scratch",
-        ge=0,
-        lt=1,
-    )
-    bias: bool = Field(False, description="Use bias in Linear and LayerNorm layers.")
-    vocab_pad_multiple: int = _field(
-        128,
-        "Pad the embedding and output rows up to a multiple of this (GPU matmuls run "
-        "fastest on multiples of 64-128); token ids are unchanged, the extra rows are never "
-        "a target. 1 turns padding off.",
-        fix="e.g. 128, or 1 for no padding",
-        ge=1,
-        le=4096,
-    )
-
-    @field_validator("n_embd")
-    @classmethod
-    def _heads_divide_width(cls, n_embd: int, info: ValidationInfo) -> int:
-        n_head = info.data.get("n_head")
-        if n_head and n_embd % n_head:
-            raise _rule(
-                f"is not divisible by n_head={n_head}",
-                f"pick a multiple of {n_head}, e.g. {n_head * max(1, round(n_embd / n_head))}",
-            )
-        return n_embd
-
-
 class TrainConfig(_Section):
     seed: int = Field(1337, description="Seed of the model init and of the data order.")
     max_steps: int = _field(500, "Optimizer steps to train in total (across resumes).", ge=1)
@@ -502,7 +467,7 @@ class EvalConfig(_Section):
     harness_tasks: list[NonBlank] = Field(
         default_factory=list,
         description="lm-evaluation-harness tasks (the 'harness' extra: pip install 'stoker[harness]') "
-        "that `stoker harness` runs on a checkpoint exported as GPT-2: local-file tasks only, "
+        "that `stoker harness` runs on an exported checkpoint: local-file tasks only, "
         "nothing is downloaded. 'stoker_mc' is stoker's vendored multiple-choice set as an "
         "lm-eval task; eval.harness_include adds your own. Empty: none.",
         json_schema_extra={"fix": "give task names, e.g. ['stoker_mc'], or an empty list"},

@@ -1,0 +1,79 @@
+"""The spec every model family fills in (see ``stoker.training.models``), the Hugging Face
+conversion derived from a family's name map, and what every family shares (parameter groups)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    build: Callable[[Any, int, "int | None"], nn.Module]  # (cfg, tokenizer vocab_size, seed)
+    blocks: Callable[[nn.Module], list[nn.Module]]
+    init_weights: Callable[[nn.Module, int], None]
+    flops_per_token: Callable[[nn.Module], float]
+    vocab_rows: Callable[[Any, int], int]
+    hf_map: Callable[[Any], list[tuple[str, str, bool]]]
+    # HF tensors with no counterpart here, made from the config (GPT-2's biases under
+    # model.bias: false are zeros): (cfg, our state dict) -> {hf name: tensor}
+    hf_extra_to: Callable[[Any, dict], dict] = lambda cfg, sd: {}
+    # our tensors that HF does not store (a tied output matrix): ours -> the HF name it equals
+    hf_tied: Callable[[Any], dict[str, str]] = lambda cfg: {}
+
+    def to_hf(self, cfg: Any, state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+        """Hugging Face tensors (names, layout) from our state dict; the embedding and output
+        rows cut to the tokenizer's ``vocab_size`` when ours are padded beyond it."""
+        keep = hf_rows(cfg, vocab_size)
+        out = {}
+        for ours, theirs, transpose in self.hf_map(cfg):
+            t = state[ours]
+            if is_vocab(ours):  # only our padding is cut: the rows of a base stay
+                t = t[:keep]
+            out[theirs] = (t.t() if transpose else t).contiguous()
+        out.update(self.hf_extra_to(cfg, state))
+        return out
+
+    def from_hf(self, cfg: Any, hf: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+        """Our state dict from Hugging Face tensors: the exact inverse of ``to_hf`` (padded
+        vocabulary rows come back as zeros; tied tensors are the same tensor)."""
+        rows = self.vocab_rows(cfg, vocab_size)
+        out = {}
+        for ours, theirs, transpose in self.hf_map(cfg):
+            t = hf[theirs]
+            t = (t.t() if transpose else t).contiguous()
+            if ours.endswith("wpe.weight"):  # a base's longer position table: the first rows
+                t = t[: cfg.block_size]
+            if is_vocab(ours) and t.shape[0] < rows:
+                t = torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+            out[ours] = t
+        for ours, theirs in self.hf_tied(cfg).items():
+            out[ours] = out[next(o for o, h, _ in self.hf_map(cfg) if h == theirs)]
+        return out
+
+
+VOCAB_PARAMS = ("wte.weight", "lm_head.weight", "tok_embeddings.weight", "output.weight", "embed_tokens.weight")
+
+
+def is_vocab(name: str) -> bool:
+    return name.endswith(VOCAB_PARAMS)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay 2-D weights (matmuls, embeddings); never biases or LayerNorm gains."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def hf_rows(model_cfg: Any, vocab_size: int) -> int:
+    """The embedding rows of a Hugging Face model of this config: the base's own count
+    (``model.vocab_size``, where the family has it), else the tokenizer's."""
+    return getattr(model_cfg, "vocab_size", None) or vocab_size

@@ -1,0 +1,37 @@
+"""Tiny random Hugging Face base models for the tests, made locally by the repo's own script
+(scripts/make_tiny_base.py: transformers' save_pretrained, a tokenizer trained here; never the
+Hub). One of each style per pytest worker: `tiny_base(tmp_path_factory, "llama")`."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+from tests.conftest import ROOT
+
+_MADE: dict[tuple, str] = {}
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("make_tiny_base", os.path.join(ROOT, "scripts", "make_tiny_base.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_base(tmp_path_factory, style: str = "llama", seed: int = 0, max_shard_size: str = "100KB") -> str:
+    """The folder of a tiny base of `style` (sharded into several safetensors files at the
+    default size), made once per worker; callers that change it copy it first (`copy_base`)."""
+    key = (style, seed, max_shard_size)
+    if key not in _MADE or not os.path.isdir(_MADE[key]):
+        folder = str(tmp_path_factory.mktemp(f"base-{style}-{seed}") / "base")
+        _script().make_base(folder, style=style, seed=seed, max_shard_size=max_shard_size)
+        _MADE[key] = folder
+    return _MADE[key]
+
+
+def copy_base(folder: str, dest) -> str:
+    dest = str(dest)
+    shutil.copytree(folder, dest)
+    return dest

@@ -1,0 +1,224 @@
+"""A run that starts from a base model (model.init_from), with real gloo ranks: the base's
+weights only while the run has no valid checkpoint, read slice by slice under FSDP2; resume
+owns the weights after the first commit (the base may be gone); a crash before the first
+commit restarts from the base; the export loads in transformers with our logits.
+
+One module run (`based`: 2 FSDP2 ranks, 8 steps, checkpoints at 4 and 8, a sharded
+Llama-3.2-style base made by scripts/make_tiny_base.py) serves every test here."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from stoker.core.config import load_config
+from stoker.storage.bases import resolve_base
+from stoker.storage.checkpoints import list_checkpoints
+from stoker.storage.runs import pin_run_folder
+from tests.bases import tiny_base
+from tests.conftest import ROOT, prepare_shards, run_ranks, tiny_dict, train_losses
+from tests.forked_ranks import run_forked
+
+
+def _tensors(path):
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items()}
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return sd
+
+
+def _equal_states(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]) or (a[k].isnan().all() and b[k].isnan().all()), k
+
+
+@pytest.fixture(scope="module")
+def based(tmp_path_factory):
+    """(cfg, store, shards, config URL, records, base folder) of the module's unbroken run."""
+    base = shutil.copytree(tiny_base(tmp_path_factory, "llama"), tmp_path_factory.mktemp("based") / "base")
+    root = "file://" + str(tmp_path_factory.mktemp("based-store") / "store")
+    sections = tiny_dict(root, run_name="based", engine={"parallelism": "fsdp"})
+    sections["model"] = {"family": "llama", "init_from": str(base), "block_size": 32}  # the rest: the base's
+    del sections["tokenizer"]  # the base's
+    cfg = resolve_base(load_config(sections))
+    store, shards = prepare_shards(cfg)
+    url = pin_run_folder(store, cfg, shards)
+    records = run_forked(url, shards.key, nproc=2)
+    return cfg, store, shards, url, records, str(base)
+
+
+def test_the_run_starts_from_its_base_with_its_tokenizer(based):
+    cfg, store, shards, _, records, base = based
+    [loaded] = [r for r in records if r["event"] == "base_loaded"]
+    assert loaded["sha256"] == cfg.model.base_sha256
+    # each rank read its own half of the base (FSDP2 shards), never the whole; together, all of it
+    total = sum(os.path.getsize(os.path.join(base, n)) for n in os.listdir(base) if n.endswith(".safetensors"))
+    assert len(loaded["bytes_read"]) == 2 and all(n < 0.6 * total for n in loaded["bytes_read"])
+    assert 0.95 * total <= sum(loaded["bytes_read"]) <= total
+    assert sorted(train_losses(records)) == list(range(1, 9))
+    # the shards hold the base's ids: each document begun by its bos and ended by its eos
+    manifest = store.read_json(f"{shards.key}/manifest.json")
+    tokens = torch.from_numpy(
+        __import__("numpy").fromfile(store.local_path(f"{shards.key}/{manifest['splits']['train'][0]}"), "<u2")
+    ).long()
+    bos, eos = 0, 1  # make_tiny_base's <|begin_of_text|>, <|end_of_text|>
+    assert manifest["eot_id"] == eos and tokens[0] == bos
+    ends = (tokens == eos).nonzero().flatten()
+    assert len(ends) > 3 and all(tokens[int(e) + 1] == bos for e in ends[:-1])
+
+
+def test_the_first_loss_is_the_base_models_own(based):
+    """Step 1's loss is the base's loss on step 1's batch: the run trained the base, not random weights."""
+    from transformers import AutoModelForCausalLM
+
+    from stoker.training.data import Batches, TokenStream
+
+    cfg, store, shards, _, records, base = based
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    stream = TokenStream(store.local_path(shards.key), "train")
+    losses = []
+    for rank in (0, 1):
+        batches = Batches(
+            stream,
+            block_size=32,
+            micro_batch=2,
+            seed=cfg.train.seed,
+            rank=rank,
+            accum=2,
+            world_size=2,
+            device=torch.device("cpu"),
+            prefetch=False,
+        )
+        for micro in range(2):
+            x, y = batches.get(0, micro)
+            with torch.no_grad():
+                logits = hf(x).logits
+            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+    assert train_losses(records)[1] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-4)
+
+
+def test_resume_owns_the_weights_once_a_checkpoint_is_committed_even_with_the_base_gone(based, tmp_path):
+    cfg, store, shards, url, records, base = based
+    shutil.move(base, tmp_path / "moved")
+    try:
+        resumed = run_forked(url, shards.key, resume="runs/based/checkpoints/step-00000004", nproc=2)
+    finally:
+        shutil.move(tmp_path / "moved", base)
+    assert not [r for r in resumed if r["event"] == "base_loaded"]
+    whole = train_losses(records)
+    assert all(loss == whole[step] for step, loss in train_losses(resumed).items())
+    _equal_states(
+        _tensors(store.local_path("runs/based/checkpoints/step-00000008")),
+        _tensors(store.local_path("runs/based/checkpoints/step-00000008.a1")),
+    )
+
+
+def test_a_crash_before_the_first_checkpoint_restarts_from_the_base(based, tmp_path):
+    """torchrun restarts the ranks after rank 1 dies at step 2, before any commit: they start
+    from the base again (never random weights) and end bit for bit where the unbroken run does."""
+    cfg, store, shards, url, records, base = based
+    other = cfg.model_copy(update={"run_name": "based-crash"})
+    store.write_bytes("runs/based-crash/config.json", other.to_json().encode())
+    fault = {"STOKER_FAULT": "kill:rank=1:step=2", "STOKER_FAULT_ONCE": str(tmp_path / "fired")}
+    crashed = run_ranks(store.url("runs/based-crash/config.json"), shards.key, max_restarts=1, env=fault)
+    assert (tmp_path / "fired").exists()
+    assert len([r for r in crashed if r["event"] == "base_loaded"]) == 2  # the first round, and the restart
+    _equal_states(
+        _tensors(store.local_path("runs/based/checkpoints/step-00000008")),
+        _tensors(store.local_path(list_checkpoints(store, "based-crash")[0].key)),
+    )
+
+
+def test_the_export_loads_in_transformers_with_our_logits_and_the_bases_tokenizer(based, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stoker.training.checkpoint import load_checkpoint
+    from stoker.training.models import build_model
+
+    cfg, store, shards, _, _, base = based
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stoker.cli",
+            "export",
+            store.url("runs/based/checkpoints/step-00000008"),
+            str(tmp_path / "hf"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    exported = json.load(open(tmp_path / "hf" / "config.json"))
+    assert (
+        exported["architectures"] == ["LlamaForCausalLM"] and exported["stoker"]["base_sha256"] == cfg.model.base_sha256
+    )
+    hf, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    ours = build_model(cfg.model, shards.vocab_size, seed=None)
+    load_checkpoint(store.local_path("runs/based/checkpoints/step-00000008"), model=ours)
+    ids = torch.randint(0, shards.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(ids).logits[..., : shards.vocab_size], ours.eval()(ids)[0])
+    # the base's own tokenizer: the same ids as the base's, its bos and eos
+    text = "def resume(run):\n    return run.newest_valid()"
+    assert (
+        AutoTokenizer.from_pretrained(str(tmp_path / "hf"))(text)["input_ids"]
+        == AutoTokenizer.from_pretrained(base)(text)["input_ids"]
+    )
+    assert (hf.config.bos_token_id, hf.config.eos_token_id) == (0, 1)
+
+
+def _load_on_rank(rank: int, world: int, init: str, config_json: str, folder: str, vocab: int, out: str) -> None:
+    """One rank of the sharded load: an FSDP2 model built as the engine builds it (meta device,
+    sharded, materialized), the base's slices read into it, the full state gathered to rank 0."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from stoker.core.config import RunConfig
+    from stoker.training.base import load_base
+    from stoker.training.engine import Engine, build_model
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        cfg = RunConfig.model_validate_json(config_json)
+        engine = Engine.resolve(cfg, torch.device("cpu"))
+        raw, _ = build_model(cfg, vocab, engine, world)
+        read = load_base(raw, cfg.model, folder)
+        full = get_model_state_dict(raw, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save({"state": full, "read": read}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_2_rank_fsdp2_load_equals_a_1_rank_load_tensor_for_tensor(based, tmp_path):
+    import torch.multiprocessing as mp
+
+    from stoker.training.base import load_base
+    from stoker.training.models import build_model
+
+    cfg, _, shards, _, _, base = based
+    init = f"file://{tmp_path}/rendezvous"
+    mp.start_processes(
+        _load_on_rank,
+        args=(2, init, cfg.to_json(), base, shards.vocab_size, str(tmp_path / "full.pt")),
+        nprocs=2,
+        start_method="spawn",
+    )
+    sharded = torch.load(tmp_path / "full.pt")
+    whole = build_model(cfg.model, shards.vocab_size, seed=None)
+    read = load_base(whole, cfg.model, base)
+    assert 0 < sharded["read"] < 0.6 * read  # rank 0 read about half of what one rank alone reads
+    ours = whole.state_dict()
+    assert sharded["state"].keys() == ours.keys()
+    for name, t in ours.items():
+        assert torch.equal(sharded["state"][name], t), name
