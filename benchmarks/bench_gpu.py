@@ -19,7 +19,12 @@ checkpoint stall. Skipped (exit 0, a line saying so) without CUDA.
    and each variant's step time over 'ddp:none' (fsdp:none <= 1.15, ddp:selective <= 1.12;
    ddp:none:ce4096: the chunked loss's cost). Parameter count, vocabulary (padded),
    micro-batch, torch and device are recorded in the JSON.
-4. With --profile: where our trainer's step spends the GPU's time, by kind of kernel
+4. With --llama-1b: a Llama-3.2-1B-shaped model (random init; GQA 32/8 heads, SwiGLU 8192,
+   llama3 RoPE, tied 128,256-row vocabulary) with the llama-3.2-1b recipe's settings on one GPU
+   (bf16, compile, selective activation checkpointing, chunked loss; micro-batch from
+   --llama-micro-batch): tokens/s and MFU of stoker's trainer, beside GPT-2 124M's above.
+                                                                  goal MFU >= 45% on an H100
+5. With --profile: where our trainer's step spends the GPU's time, by kind of kernel
    (matmuls, attention, inductor's fused kernels, optimizer, copies) and the top kernels.
 --cross-entropy-chunk N runs the trainer and the bare loop with the chunked cross-entropy;
 --explore times bare-loop variants (micro-batch, attention kernel, chunked loss) first.
@@ -240,6 +245,89 @@ def _tokens_per_second(step, steps: int, tokens_per_step: int) -> float:
         loss = step()
     float(loss)  # one sync at the end, as a log step would
     return steps * tokens_per_step / (time.perf_counter() - t0)
+
+
+# the Llama-3.2-1B shape (its config.json), for --llama-1b; --smoke shrinks it
+LLAMA_1B = {
+    "model.family": "llama",
+    "model.n_layer": 16,
+    "model.n_head": 32,
+    "model.n_kv_head": 8,
+    "model.n_embd": 2048,
+    "model.intermediate_size": 8192,
+    "model.head_dim": 64,
+    "model.vocab_size": 128256,
+    "model.rope_theta": 500000.0,
+    "model.rope_type": "llama3",
+    "model.rope_factor": 32.0,
+    "model.rope_low_freq_factor": 1.0,
+    "model.rope_high_freq_factor": 4.0,
+    "model.rope_original_context": 8192,
+    "model.norm_eps": 1e-5,
+    "model.tie_embeddings": True,
+    "model.max_position_embeddings": 131072,
+}
+LLAMA_SMOKE = {
+    **LLAMA_1B,
+    "model.n_layer": 2,
+    "model.n_head": 4,
+    "model.n_kv_head": 2,
+    "model.n_embd": 64,
+    "model.intermediate_size": 96,
+    "model.head_dim": 16,
+    "model.vocab_size": 512,
+    "model.block_size": 64,
+}
+
+
+def bench_llama(store_root: str, store, key: str, cache_dir: str, micro: int, steps: int) -> dict:
+    """tokens/s and MFU of stoker's trainer on the Llama-3.2-1B shape, the recipe's engine."""
+    from stoker.core.config import load_config
+
+    shape = LLAMA_1B if _cuda() else LLAMA_SMOKE
+    over = {
+        "storage.root": store_root,
+        "run_name": f"bench-gpu-llama-{micro}",
+        "model.init_from": None,
+        "train.micro_batch_size": micro,
+        "train.global_batch_size": micro * 4,
+        "train.deterministic": False,
+        "eval.per_checkpoint_enabled": False,
+        "launch.nproc_per_node": 1,
+        "engine.parallelism": "ddp",  # one GPU: nothing to shard
+        **({"model.block_size": 2048} if _cuda() else {"engine.compile": "off"}),
+        **shape,
+    }
+    cfg = load_config("llama-3.2-1b", **over)
+    ours = _trainer(cfg, store, key, cache_dir)
+    tokens = cfg.train.global_batch_size * cfg.model.block_size
+    t0 = time.perf_counter()
+    for _ in range(2):  # compile and warm
+        ours.train_step()
+    _sync()
+    warm = time.perf_counter() - t0
+    tps = statistics.median(_tokens_per_second(ours.train_step, steps, tokens) for _ in range(3))
+    mfu = ours.flops_per_token * tps / ours.peak_flops if ours.peak_flops else None
+    out = {
+        "model": "llama-3.2-1b shape" if _cuda() else "llama (smoke shape)",
+        "model_params": sum(p.numel() for p in ours.raw_model.parameters()),
+        "micro_batch": micro,
+        "block_size": cfg.model.block_size,
+        "engine": ours.engine.describe(),
+        "warmup_seconds": round(warm, 1),
+        "tokens_per_second": round(tps),
+        "mfu": None if mfu is None else round(mfu, 4),
+        "peak_memory_gb": _peak_gb(),
+    }
+    print(
+        f"  llama: {out['model_params'] / 1e6:.1f}M parameters, micro-batch {micro} x {cfg.model.block_size}: "
+        f"{tps:,.0f} tok/s, MFU {100 * (mfu or 0):.1f}% (goal >= 45%), peak {out['peak_memory_gb']} GB",
+        flush=True,
+    )
+    ours.batches.close()
+    del ours
+    _free()
+    return out
 
 
 def bench_throughput(cfg, store, shard_key, cache_dir, rounds: int, steps: int) -> dict:
@@ -523,6 +611,8 @@ def main(argv: list[str] | None = None) -> None:
         "--real-global-batch", type=int, default=0, help="sequences a step of the real runs (default: the recipe's 480)"
     )
     p.add_argument("--real-timeout", type=float, default=540, help="seconds each real run may take")
+    p.add_argument("--llama-1b", action="store_true", help="also the Llama-3.2-1B shape with its recipe's engine")
+    p.add_argument("--llama-micro-batch", type=int, default=4, help="micro-batch of the Llama-1B shape")
     p.add_argument(
         "--smoke",
         action="store_true",
@@ -560,6 +650,8 @@ def main(argv: list[str] | None = None) -> None:
     first = int(args.micro_batch.split(",")[0]) if args.micro_batch else 0
     if args.real_variants:
         result.update(bench_real_runs(args, store, key, first, result["throughput"]))
+    if args.llama_1b:
+        result["llama"] = bench_llama(args.store, store, key, cache_dir, args.llama_micro_batch, args.steps)
     if args.profile and first:
         result["profile"] = bench_profile(_config(args.store, first, **engine), store, key, cache_dir)
     if not args.skip_stall and first:

@@ -41,6 +41,9 @@ def test_bench_gpu_runs_every_part_in_a_cpu_smoke_run(tiny_config, capsys):
                 "2",
                 "--real-timeout",
                 "300",
+                "--llama-1b",
+                "--llama-micro-batch",
+                "2",
             ]
         )
     finally:
@@ -51,6 +54,7 @@ def test_bench_gpu_runs_every_part_in_a_cpu_smoke_run(tiny_config, capsys):
     assert "kernel time per step" in out and "matmul" in out
     assert "RATIO async/sync" in out
     assert '"device": "cpu (smoke run)"' in out
+    assert "llama: " in out and '"model": "llama (smoke shape)"' in out
     # the real runs: torchrun of the 1-GPU recipe, timed from its events, beside the benchmark
     assert "real run ddp:none (torchrun, gpt2-124m-1gpu" in out and "real run fsdp:selective" in out
     assert "RATIO real run / benchmark trainer" in out and "step time fsdp:selective / ddp:none" in out

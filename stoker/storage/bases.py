@@ -23,7 +23,10 @@ import logging
 import os
 from typing import Any
 
+from pydantic import ValidationError
+
 from stoker.core.config import FAMILIES, ConfigError, RunConfig, UnsupportedArchitecture, family_of_model_type
+from stoker.core.config.problems import problem_lines
 from stoker.storage.cache import checked_in_place, host_lock, verified_copy
 from stoker.storage.store import Store, expand_url, join
 
@@ -90,9 +93,10 @@ def base_store(init_from: str, options: dict) -> Store:
     return Store(_url(init_from), options)
 
 
-def base_record(init_from: str, options: dict, store: Store) -> dict:
-    """{"sha256", "files": {name: {"size", "sha256"}}, "source"} of the base at init_from,
-    hashed once per change of its files and kept in `store`."""
+def base_record(init_from: str, options: dict, store: Store, keep: bool = True) -> dict:
+    """{"sha256", "files": {name: {"size", "sha256"}}, "source", "key"} of the base at
+    init_from, hashed once per change of its files and kept in `store` at "key" (keep=False:
+    not yet; ``keep_record`` writes it once the config that names the base is accepted)."""
     files = _listing(init_from, options)
     stamp = hashlib.sha256(
         json.dumps([_url(init_from), sorted(_stamp(n, i) for n, i in files.items())]).encode()
@@ -105,9 +109,15 @@ def base_record(init_from: str, options: dict, store: Store) -> dict:
             pass  # a damaged record: hash again
     base = base_store(init_from, options)
     entries = {name: {"size": base.size(name), "sha256": base.sha256(name)} for name in sorted(files)}
-    record = {"sha256": combined_sha256(entries), "files": entries, "source": init_from}
-    store.write_json(key, record)
+    record = {"sha256": combined_sha256(entries), "files": entries, "source": init_from, "key": key}
+    if keep:
+        keep_record(store, record)
     return record
+
+
+def keep_record(store: Store, record: dict) -> None:
+    if not store.exists(record["key"]):
+        store.write_json(record["key"], record)
 
 
 def combined_sha256(entries: dict[str, dict]) -> str:
@@ -156,7 +166,7 @@ def resolve_base(cfg: RunConfig) -> RunConfig:
         return cfg
     options = cfg.storage.storage_options
     store = Store(cfg.storage.root, options)
-    record = base_record(model.init_from, options, store)
+    record = base_record(model.init_from, options, store, keep=False)  # kept once the config holds
     hf = read_base_json(model.init_from, CONFIG, options)
     problems: list[str] = []
     family_name = family_of_model_type(hf.get("model_type"))
@@ -197,7 +207,7 @@ def resolve_base(cfg: RunConfig) -> RunConfig:
         if name in _OVERRIDDEN or given is None or given == value:
             continue
         problems.append(
-            f"model.{name}: {given!r} contradicts the base's config.json ({value!r}); leave it out to take "
+            f"model.{name}: {given!r} contradicts the base's config.json ({value!r}); leave it out (or null) to take "
             "the base's value, or start from another base"
         )
     block, most = section.get("block_size"), limits.get("max_positions")
@@ -226,15 +236,11 @@ def resolve_base(cfg: RunConfig) -> RunConfig:
     data = cfg.model_dump()
     data["model"], data["tokenizer"] = section, tokenizer
     try:
-        return RunConfig.model_validate(data)
-    except Exception as err:  # the filled section broke a rule: told as the config's problems
-        from pydantic import ValidationError
-
-        from stoker.core.config.problems import problem_lines
-
-        if isinstance(err, ValidationError):
-            raise ConfigError(problem_lines(err, RunConfig)) from None
-        raise
+        resolved = RunConfig.model_validate(data)
+    except ValidationError as err:  # the filled section broke a rule: told as the config's problems
+        raise ConfigError(problem_lines(err, RunConfig)) from None
+    keep_record(store, record)
+    return resolved
 
 
 _SHARED = ("init_from", "base_sha256", "block_size", "dropout", "vocab_pad_multiple")

@@ -294,3 +294,31 @@ def test_evaluate_of_a_deleted_checkpoint_is_one_line_and_exit_2(tmp_path, stoke
         "(checkpoint.keep_latest_k), or never written); name one that `stoker checkpoints RUN` lists"
     ]
     assert "Starting temporary server" not in out.stdout + out.stderr
+
+
+def test_a_field_that_contradicts_the_base_is_one_line_exit_2_and_nothing_written(
+    tmp_path, tmp_path_factory, stoker_main
+):
+    """model.init_from's config.json says 2 layers; --set model.n_layer=3 is refused, naming
+    both values, before Prefect starts; the store holds nothing of it."""
+    from tests.bases import tiny_base
+
+    base = tiny_base(tmp_path_factory, "llama")
+    out = stoker_main(
+        "run",
+        "--recipe",
+        "tiny-llama-cpu",
+        "--set",
+        f"storage.root=file://{tmp_path}/store",
+        "--set",
+        f"model.init_from={base}",
+        "--set",
+        "model.n_layer=3",
+    )
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr.splitlines() == [
+        "stoker: 1 problem(s) in the run config:",
+        "  - model.n_layer: 3 contradicts the base's config.json (2); leave it out (or null) to take the "
+        "base's value, or start from another base",
+    ]
+    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*.*"))

@@ -69,7 +69,7 @@ def test_an_explicit_field_that_contradicts_the_base_is_one_problem_naming_both_
     with pytest.raises(ConfigError) as err:
         resolve_base(_cfg(tmp_path, base, **{"model.family": "llama", "model.n_kv_head": 4, "model.norm_eps": 1e-5}))
     assert err.value.problems == [
-        "model.n_kv_head: 4 contradicts the base's config.json (2); leave it out to take the base's value, "
+        "model.n_kv_head: 4 contradicts the base's config.json (2); leave it out (or null) to take the base's value, "
         "or start from another base"
     ]  # an explicit value equal to the base's is no problem
     with pytest.raises(ConfigError) as err:

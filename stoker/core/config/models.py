@@ -461,9 +461,23 @@ def _known_family(value: Any) -> Any:
     return value
 
 
+class _AnyFamily:
+    """The union's JSON schema as anyOf, not oneOf: a section that leaves model.family out (a
+    gpt2 config older than the families) fits both members' schemas, and the Prefect server
+    validates a deployment's parameters with that schema (oneOf would refuse it; pydantic's
+    discriminator still picks exactly one family)."""
+
+    def __get_pydantic_json_schema__(self, core_schema, handler):
+        schema = handler(core_schema)
+        if "oneOf" in schema:
+            schema["anyOf"] = schema.pop("oneOf")
+        return schema
+
+
 # the model section: a union on model.family (the UI form and `config --list` show each
 # family's fields)
 ModelConfig = Annotated[
     Union[Annotated[GPT2Config, Tag("gpt2")], Annotated[LlamaConfig, Tag("llama")]],
     Discriminator(_family_of),
+    _AnyFamily(),
 ]
