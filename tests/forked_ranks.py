@@ -269,7 +269,8 @@ class Ranks:
             "ROLE_WORLD_SIZE": str(nproc),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()),
-            "TORCHELASTIC_RESTART_COUNT": "0",
+            # a restart round, as torchrun's agent numbers it, where a test says so
+            "TORCHELASTIC_RESTART_COUNT": env.get("TORCHELASTIC_RESTART_COUNT", "0"),
             "TORCHELASTIC_MAX_RESTARTS": "0",
             "TORCHELASTIC_RUN_ID": "forked-" + os.path.basename(self.out),
             "TORCHELASTIC_USE_AGENT_STORE": "False",

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from stoker.core.config import FAMILIES, ConfigError, RunConfig, UnsupportedArchitecture, family_of_model_type
 from stoker.core.config.problems import problem_lines
+from stoker.core.config.run import base_location
 from stoker.storage.cache import checked_in_place, host_lock, verified_copy
 from stoker.storage.store import Store, expand_url, join
 
@@ -43,9 +44,7 @@ BY_SOURCE = "bases/by-source"
 
 
 def _url(init_from: str) -> str:
-    if "://" in init_from:
-        return init_from.rstrip("/")
-    return "file://" + os.path.abspath(os.path.expanduser(init_from))
+    return base_location(init_from)
 
 
 def _listing(init_from: str, options: dict) -> dict[str, dict]:
@@ -267,8 +266,27 @@ def _tokenizer_of(cfg: RunConfig, hf: dict, vocab_rows: int, problems: list[str]
             "eos_token or config.json's eos_token_id); add one to its tokenizer_config.json"
         )
         return tok
+    ids = tokenizer_size(tokenizer_json)
+    if ids > vocab_rows:
+        problems.append(
+            f"model.init_from: the base's tokenizer has {ids} ids and its embedding {vocab_rows} rows; a base "
+            "whose tokenizer does not fit its model cannot be trained"
+        )
+    elif ids != vocab_rows and type(model).ROWS_ARE_THE_TOKENIZERS:
+        problems.append(
+            f"model.init_from: the base's embedding has {vocab_rows} rows for its tokenizer's {ids} ids, and the "
+            f"{model.family} family keeps one row per id; use a base whose vocab_size is its tokenizer's"
+        )
     tok.update(path=path, eot_token=eos, vocab_size=vocab_rows)
     return tok
+
+
+def tokenizer_size(tokenizer_json: dict) -> int:
+    """The ids of a tokenizer.json: its model's vocabulary and its added tokens (the largest id + 1)."""
+    vocab = (tokenizer_json.get("model") or {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+    ids += [t.get("id", -1) for t in tokenizer_json.get("added_tokens", [])]
+    return max(ids, default=-1) + 1
 
 
 def materialize_base(init_from: str, base_sha256: str, store: Store, cache_dir: str, options: dict) -> str:

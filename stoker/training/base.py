@@ -14,6 +14,7 @@ whole model, on the host or the device. Nothing is unpickled: safetensors holds 
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -50,11 +51,13 @@ def _rows_of(param: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
 @torch.no_grad()
 def load_base(model: torch.nn.Module, model_cfg, folder: str) -> int:
     """Copy the base's weights at `folder` into `model` (plain or FSDP2-sharded), reading only
-    this rank's slices, one safetensors file at a time (a file's mapping is closed before the
-    next is opened, so the pages read stay bounded by one file); returns the bytes read.
-    ValueError naming a tensor that is missing or of another shape."""
-    from safetensors import safe_open
-
+    this rank's slices; returns the bytes read. A slice of rows (every tensor but GPT-2's
+    transposed Conv1D weights) is one contiguous byte range of its file, read straight into
+    the parameter's own memory (through a buffer of the slice's size when the dtypes differ);
+    a transposed one goes through safetensors' lazy get_slice, one file mapped at a time.
+    Every parameter must be written: ValueError naming a tensor that is missing, of another
+    shape, or a parameter the base does not cover (the model is built without initial values
+    when a base is loaded)."""
     spec = spec_of(model_cfg)
     where = weight_files(folder)
     tied = set(spec.hf_tied(model_cfg))
@@ -65,30 +68,100 @@ def load_base(model: torch.nn.Module, model_cfg, folder: str) -> int:
         if theirs not in where:
             raise ValueError(f"the base has no tensor {theirs!r} (for {ours}); is it a {spec.family} model?")
         by_file.setdefault(where[theirs], []).append((ours, theirs, transpose))
+    written = {ours for entries in by_file.values() for ours, _, _ in entries} | tied
+    missing = [name for name, _ in model.named_parameters() if name not in written]
+    if missing:
+        raise ValueError(f"the {spec.family} adapter maps no tensor of the base to {', '.join(missing)}")
     read = 0
     for path, entries in by_file.items():
-        with safe_open(path, framework="pt") as f:
+        header, data_start = safetensors_header(path)
+        with open(path, "rb") as raw:
             for ours, theirs, transpose in entries:
-                read += _copy_slice(model.get_parameter(ours), ours, f.get_slice(theirs), theirs, transpose)
+                param = model.get_parameter(ours)
+                if transpose:
+                    read += _copy_transposed(param, ours, path, theirs)
+                else:
+                    read += _read_rows(param, ours, raw, header[theirs], data_start, theirs)
     return read
 
 
-def _copy_slice(param: torch.Tensor, ours: str, sl, theirs: str, transpose: bool) -> int:
-    """This rank's rows of `param` from the lazy slice `sl` of the base's tensor; the bytes read."""
-    start, rows, _ = _rows_of(param)
-    full = list(sl.get_shape())
-    full = full[::-1] if transpose else full
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def safetensors_header(path: str) -> tuple[dict, int]:
+    """(the header {name: {dtype, shape, data_offsets}}, where the data starts) of a
+    safetensors file: an 8-byte little-endian length, then that much JSON."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(size)), 8 + size
+
+
+def _check_shape(param: torch.Tensor, ours: str, full: list[int], theirs: str) -> None:
     expected = list(param.shape)
     # a padded vocabulary may hold more rows than the base (zeros, never a target); a base's
-    # longer position table gives its first rows
-    if full[1:] != expected[1:] or (full[0] < expected[0] and not is_vocab(ours)):
-        raise ValueError(f"the base's {theirs} has shape {sl.get_shape()}, the model's {ours} {expected}")
+    # longer position table gives its first rows; any other difference is refused
+    shorter_ok, longer_ok = is_vocab(ours), ours.endswith("wpe.weight")
+    if (
+        full[1:] != expected[1:]
+        or (full[0] < expected[0] and not shorter_ok)
+        or (full[0] > expected[0] and not longer_ok)
+    ):
+        raise ValueError(f"the base's {theirs} has shape {full}, the model's {ours} {expected}")
+
+
+def _read_rows(param: torch.Tensor, ours: str, f, entry: dict, data_start: int, theirs: str) -> int:
+    """This rank's rows of `param` read from the file `f`: rows [start, stop) of a row-major
+    tensor are bytes [begin + start*row, begin + stop*row)."""
+    full = list(entry["shape"])
+    _check_shape(param, ours, full, theirs)
+    dtype = _DTYPES[entry["dtype"]]
+    start, rows, _ = _rows_of(param)
     stop = min(start + rows, full[0])
-    part = (sl[:, start:stop].t() if transpose else sl[start:stop]) if stop > start else None
     local = param.to_local() if hasattr(param, "to_local") else param
-    if part is None or part.shape[0] < rows:
+    if stop - start < rows:  # padded vocabulary rows, beyond the base's
         local.zero_()
-    if part is None:
+    if stop <= start:
         return 0
-    local[: part.shape[0]].copy_(part.to(local.dtype))
-    return part.numel() * part.element_size()
+    row_bytes = dtype.itemsize * (math.prod(full[1:]) if len(full) > 1 else 1)
+    f.seek(data_start + entry["data_offsets"][0] + start * row_bytes)
+    target = local[: stop - start]
+    same = local.dtype == dtype and target.is_contiguous() and target.device.type == "cpu"
+    buf = target if same else torch.empty(target.shape, dtype=dtype)
+    view = memoryview(buf.view(torch.uint8).numpy()).cast("B") if buf.numel() else memoryview(b"")
+    if f.readinto(view) != len(view):
+        raise ValueError(f"the base's file for {theirs} ends before the tensor does")
+    if not same:
+        target.copy_(buf.to(local.dtype))
+    return len(view)
+
+
+def _copy_transposed(param: torch.Tensor, ours: str, path: str, theirs: str) -> int:
+    """This rank's rows of `param` from the columns of the base's (in, out) tensor (GPT-2's
+    Conv1D weights), through safetensors' lazy slice."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        sl = f.get_slice(theirs)
+        full = list(sl.get_shape())[::-1]
+        _check_shape(param, ours, full, theirs)
+        start, rows, _ = _rows_of(param)
+        stop = min(start + rows, full[0])
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if stop - start < rows:
+            local.zero_()
+        if stop <= start:
+            return 0
+        part = sl[:, start:stop].t()
+        local[: part.shape[0]].copy_(part.to(local.dtype))
+        return part.numel() * part.element_size()

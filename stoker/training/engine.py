@@ -145,7 +145,7 @@ def compile_options(tuning: str) -> dict:
     return {"mode": "max-autotune-no-cudagraphs"} if tuning == "max-autotune" else {}
 
 
-def _build_fsdp(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int) -> torch.nn.Module:
+def _build_fsdp(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int, init: bool) -> torch.nn.Module:
     """FSDP2 in torchtitan's order: activation checkpointing (each block's forward wrapped),
     then compile (each block the family's spec names, and the output layer with the loss),
     then fully_shard (each block, then the root); built on the meta device and materialized
@@ -173,19 +173,21 @@ def _build_fsdp(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
         raw.output_loss = torch.compile(logits_and_loss, **options)
     fully_shard(raw, mesh=mesh, mp_policy=mp)
     raw.to_empty(device=engine.device)
-    spec.init_weights(raw, cfg.train.seed)
+    if init:  # else every weight is loaded next (a base): no full tensor is ever made here
+        spec.init_weights(raw, cfg.train.seed)
     return raw
 
 
-def build_model(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int):
+def build_model(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int, init: bool = True):
     """(raw_model, model): the module whose parameters the optimizer and checkpoints see,
     and the one the step calls (compiled and/or DDP-wrapped). Initial weights are the same
-    under DDP and FSDP2 (a function of the seed and the parameter names)."""
+    under DDP and FSDP2 (a function of the seed and the parameter names); init=False leaves
+    them to the caller, who loads every one (a base model's)."""
     if engine.fsdp:
-        raw = _build_fsdp(cfg, vocab_size, engine, world_size)
+        raw = _build_fsdp(cfg, vocab_size, engine, world_size, init)
         return raw, raw
     device = engine.device
-    raw = build_family_model(cfg.model, vocab_size, seed=cfg.train.seed).to(device)
+    raw = build_family_model(cfg.model, vocab_size, seed=cfg.train.seed if init else None).to(device)
     raw.loss_chunk = engine.loss_chunk
     checkpoint_blocks(spec_of(cfg.model).blocks(raw), engine.activation_checkpointing)
     model = torch.compile(raw, **compile_options(engine.compile_tuning)) if engine.compile else raw

@@ -68,7 +68,10 @@ class Trainer:
         store: Store,
         shard_key: str = "",
         cache_dir: str = "/tmp/stoker-cache",
+        from_base: bool = False,
     ):
+        """from_base: the run starts from its base model (start_from_base follows), so the
+        model is built without random initial values."""
         self.cfg, self.ranks, self.store, self.shard_key = cfg, ranks, store, shard_key
         self.cache_dir = cache_dir
         self.run_name = cfg.resolved_run_name()
@@ -76,7 +79,9 @@ class Trainer:
         self.engine = Engine.resolve(cfg, ranks.device)
         self.train_data = TokenStream(shard_dir, "train")
         self.val_data = TokenStream(shard_dir, "val")
-        self.raw_model, self.model = build_model(cfg, self.train_data.vocab_size, self.engine, ranks.world_size)
+        self.raw_model, self.model = build_model(
+            cfg, self.train_data.vocab_size, self.engine, ranks.world_size, init=not from_base
+        )
         self.optimizer = build_optimizer(cfg, self.raw_model, self.engine)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_multiplier(s, cfg))
         # per-rank streams (dropout, anything drawing from numpy or random): every RNG is

@@ -123,11 +123,16 @@ def run_rank(config_url: str, shards: str, resume_from: str | None, cache_dir: s
     ranks = setup_distributed(cfg)
     restarted = any_rank_restarted(restarted)
     store = Store(cfg.storage.root, cfg.storage.storage_options)
-    trainer = Trainer(cfg, ranks, materialize(store, shard_key, cache_dir), store, shard_key, cache_dir=cache_dir)
     resume = newest_checkpoint(store, cfg) if restarted else resume_from
-    if resume:  # resume owns the weights once any checkpoint is committed
+    # resume owns the weights once any checkpoint is committed; with none (a restart before
+    # the first one included), a run with a base starts from the base, never from random weights
+    from_base = not resume and bool(cfg.model.init_from)
+    trainer = Trainer(
+        cfg, ranks, materialize(store, shard_key, cache_dir), store, shard_key, cache_dir=cache_dir, from_base=from_base
+    )
+    if resume:
         trainer.resume(resume)
-    elif cfg.model.init_from:  # no valid checkpoint (a restart before the first one included)
+    elif from_base:
         trainer.start_from_base()
     return trainer.fit()
 

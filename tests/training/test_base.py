@@ -21,8 +21,8 @@ from stoker.storage.bases import resolve_base
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.runs import pin_run_folder
 from tests.bases import tiny_base
-from tests.conftest import ROOT, prepare_shards, run_ranks, tiny_dict, train_losses
-from tests.forked_ranks import run_forked
+from tests.conftest import ROOT, prepare_shards, tiny_dict, train_losses
+from tests.forked_ranks import run_forked, start_ranks, train_argv
 
 
 def _tensors(path):
@@ -120,15 +120,25 @@ def test_resume_owns_the_weights_once_a_checkpoint_is_committed_even_with_the_ba
 
 
 def test_a_crash_before_the_first_checkpoint_restarts_from_the_base(based, tmp_path):
-    """torchrun restarts the ranks after rank 1 dies at step 2, before any commit: they start
-    from the base again (never random weights) and end bit for bit where the unbroken run does."""
+    """Rank 1 dies at step 2, before any commit. The restart round (TORCHELASTIC_RESTART_COUNT=1,
+    as torchrun's agent gives it; its in-place restart itself is tested in
+    test_torchrun_resume.py) finds no valid checkpoint and starts from the base again, never
+    from random weights, and ends bit for bit where the unbroken run does."""
     cfg, store, shards, url, records, base = based
     other = cfg.model_copy(update={"run_name": "based-crash"})
     store.write_bytes("runs/based-crash/config.json", other.to_json().encode())
-    fault = {"STOKER_FAULT": "kill:rank=1:step=2", "STOKER_FAULT_ONCE": str(tmp_path / "fired")}
-    crashed = run_ranks(store.url("runs/based-crash/config.json"), shards.key, max_restarts=1, env=fault)
-    assert (tmp_path / "fired").exists()
-    assert len([r for r in crashed if r["event"] == "base_loaded"]) == 2  # the first round, and the restart
+    crash_url = store.url("runs/based-crash/config.json")
+    killed = start_ranks(train_argv(crash_url, shards.key), 2, env={"STOKER_FAULT": "kill:rank=1:step=2"})
+    try:
+        first = [line for line in killed.lines(240) if "STOKER_METRIC " in line]
+        assert killed.returncode != 0
+    finally:
+        killed.close()
+        killed.remove()
+    assert any('"base_loaded"' in line for line in first) and not list_checkpoints(store, "based-crash")
+    again = run_forked(crash_url, shards.key, env={"TORCHELASTIC_RESTART_COUNT": "1"})
+    assert [r["event"] for r in again].count("base_loaded") == 1
+    assert train_losses(again) == train_losses(records)
     _equal_states(
         _tensors(store.local_path("runs/based/checkpoints/step-00000008")),
         _tensors(store.local_path(list_checkpoints(store, "based-crash")[0].key)),
@@ -191,7 +201,7 @@ def _load_on_rank(rank: int, world: int, init: str, config_json: str, folder: st
     try:
         cfg = RunConfig.model_validate_json(config_json)
         engine = Engine.resolve(cfg, torch.device("cpu"))
-        raw, _ = build_model(cfg, vocab, engine, world)
+        raw, _ = build_model(cfg, vocab, engine, world, init=False)  # as the trainer builds it for a base
         read = load_base(raw, cfg.model, folder)
         full = get_model_state_dict(raw, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
@@ -222,3 +232,33 @@ def test_a_2_rank_fsdp2_load_equals_a_1_rank_load_tensor_for_tensor(based, tmp_p
     assert sharded["state"].keys() == ours.keys()
     for name, t in ours.items():
         assert torch.equal(sharded["state"][name], t), name
+
+
+def test_a_gpt2_base_loads_with_transformers_logits(tmp_path_factory, tmp_path):
+    """The gpt2 family from a GPT-2 base (Conv1D weights read column-wise, gelu_new as
+    'gelu_tanh', the base's longer position table cut to block_size): transformers' logits."""
+    from transformers import AutoModelForCausalLM
+
+    from stoker.core.config import build_config
+    from stoker.training.base import load_base
+    from stoker.training.models import build_model
+
+    base = tiny_base(tmp_path_factory, "gpt2")
+    cfg = resolve_base(
+        build_config(
+            None, **{"storage.root": f"file://{tmp_path}/store", "model.init_from": base, "model.block_size": 32}
+        )
+    )
+    assert (cfg.model.family, cfg.model.activation, cfg.model.bias, cfg.model.vocab_pad_multiple) == (
+        "gpt2",
+        "gelu_tanh",
+        True,
+        1,
+    )
+    vocab = cfg.tokenizer.vocab_size
+    ours = build_model(cfg.model, vocab, seed=None)
+    load_base(ours, cfg.model, base)
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    ids = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(ids)[0], hf(ids).logits)

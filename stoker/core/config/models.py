@@ -48,6 +48,8 @@ class _ModelSection(_Section):
     FROM_BASE: ClassVar[tuple[str, ...]] = ()
     # the config.json model_type values this family reads
     HF_MODEL_TYPES: ClassVar[tuple[str, ...]] = ()
+    # the embedding has exactly one row per tokenizer id (no vocab_size field of its own)
+    ROWS_ARE_THE_TOKENIZERS: ClassVar[bool] = False
 
     init_from: str | None = Field(
         None,
@@ -129,6 +131,7 @@ class GPT2Config(_ModelSection):
     DEFAULTS: ClassVar[dict[str, Any]] = {"n_layer": 4, "n_head": 4, "n_embd": 128, "bias": False, "activation": "gelu"}
     FROM_BASE: ClassVar[tuple[str, ...]] = ("n_layer", "n_head", "n_embd", "bias", "activation")
     HF_MODEL_TYPES: ClassVar[tuple[str, ...]] = ("gpt2",)
+    ROWS_ARE_THE_TOKENIZERS: ClassVar[bool] = True
 
     family: Literal["gpt2"] = Field("gpt2", description="Model family: 'gpt2' or 'llama'.")
     n_layer: int | None = _opt("Number of transformer blocks (default 4).", fix="e.g. 4 or 12", ge=1)

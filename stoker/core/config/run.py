@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Any, Callable
 
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
@@ -35,6 +36,13 @@ from stoker.core.config.sections import (
     _Section,
 )
 from stoker.core.failures import ConfigError
+
+
+def base_location(init_from: str) -> str:
+    """A base's location as one string: a local folder as its absolute file:// URL."""
+    if "://" in init_from:
+        return init_from.rstrip("/")
+    return "file://" + os.path.abspath(os.path.expanduser(init_from))
 
 
 # ---- rules that span sections --------------------------------------------------------------
@@ -149,7 +157,10 @@ class RunConfig(_Section):
         """Hash of what determines the run's trajectory: not where it is stored, how it is
         launched or computed, nor how the global batch is split (world size, micro-batch),
         since every step trains on the same sequences at any split. A run may resume with
-        any of those changed."""
+        any of those changed. With a base (model.init_from), what its files fix (the
+        architecture, the tokenizer, their hash) is named by the base's location alone, so a
+        config names the same run before and after its base is read in; another base's bytes
+        at that location are refused by the run folder (storage.runs.pin_run_folder)."""
         payload = self.model_dump(
             mode="json",
             exclude={
@@ -167,6 +178,13 @@ class RunConfig(_Section):
                 "eval": {"sets", "multiple_choice_items"},  # what a checkpoint's evaluation measures
             },
         )
+        if getattr(self.model, "init_from", None):
+            model = payload["model"]
+            for name in (*type(self.model).FROM_BASE, "base_sha256", "family", "vocab_pad_multiple"):
+                model.pop(name, None)
+            model["init_from"] = base_location(model["init_from"])
+            for name in ("path", "eot_token", "vocab_size"):
+                payload["tokenizer"].pop(name, None)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
     def model_hash(self) -> str:
