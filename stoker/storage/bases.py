@@ -183,8 +183,9 @@ def resolve_base(cfg: RunConfig) -> RunConfig:
             raise ConfigError(
                 [
                     f"model.family: {model.family!r} contradicts the base's config.json (model_type "
-                    f"{hf.get('model_type')!r} is family {family_name!r}); set model.family: {family_name} or leave "
-                    "it out"
+                    f"{hf.get('model_type')!r} is family {family_name!r}), and the config sets "
+                    f"{', '.join('model.' + n for n in explicit)} of its own; set model.family: {family_name} "
+                    "and leave the model's size to the base (a recipe without one, e.g. tiny-llama-cpu)"
                 ]
             )
         section = {k: v for k, v in section.items() if k not in type(model).model_fields or k in _SHARED}
@@ -226,7 +227,7 @@ def resolve_base(cfg: RunConfig) -> RunConfig:
             f"model.base_sha256: the base at {model.init_from!r} now hashes to {record['sha256'][:16]}..., not "
             f"{section['base_sha256'][:16]}... (its files changed); start a new run_name for the new base"
         )
-    tokenizer = _tokenizer_of(cfg, hf, limits["vocab_rows"], problems)
+    tokenizer = _tokenizer_of(cfg, family, hf, limits["vocab_rows"], problems)
     if problems:
         raise ConfigError(problems)
     # a local folder as an absolute file:// URL: the ranks (another working directory, another
@@ -246,7 +247,7 @@ _SHARED = ("init_from", "base_sha256", "block_size", "dropout", "vocab_pad_multi
 _OVERRIDDEN = ("vocab_pad_multiple",)  # a base keeps its own rows, whatever the padding
 
 
-def _tokenizer_of(cfg: RunConfig, hf: dict, vocab_rows: int, problems: list[str]) -> dict:
+def _tokenizer_of(cfg: RunConfig, family: type, hf: dict, vocab_rows: int, problems: list[str]) -> dict:
     """The tokenizer section of a run on a base: the base's tokenizer.json, its own eos token,
     and the model's rows as the vocabulary's size."""
     model, tok = cfg.model, cfg.tokenizer.model_dump()
@@ -272,10 +273,11 @@ def _tokenizer_of(cfg: RunConfig, hf: dict, vocab_rows: int, problems: list[str]
             f"model.init_from: the base's tokenizer has {ids} ids and its embedding {vocab_rows} rows; a base "
             "whose tokenizer does not fit its model cannot be trained"
         )
-    elif ids != vocab_rows and type(model).ROWS_ARE_THE_TOKENIZERS:
+    elif ids != vocab_rows and family.ROWS_ARE_THE_TOKENIZERS:
         problems.append(
             f"model.init_from: the base's embedding has {vocab_rows} rows for its tokenizer's {ids} ids, and the "
-            f"{model.family} family keeps one row per id; use a base whose vocab_size is its tokenizer's"
+            f"{family.model_fields['family'].default} family keeps one row per id; use a base whose vocab_size is "
+            "its tokenizer's"
         )
     tok.update(path=path, eot_token=eos, vocab_size=vocab_rows)
     return tok

@@ -11,16 +11,18 @@ from prefect.runtime import flow_run, task_run
 
 from stoker import preflight
 from stoker.core import events
-from stoker.core.config import RunConfig, StorageConfig
+from stoker.core.config import ConfigError, RunConfig, StorageConfig
 from stoker.core.results import ResumePoint, ShardInfo, TrainingResult
+from stoker.core.token_bytes import bits_per_byte_problem
 from stoker.launch import make_launcher
 from stoker.launch.attempts import launch_attempt
 from stoker.launch.monitor import TrainingMonitor
 from stoker.observe.report import rounded
 from stoker.observe.sinks import open_sinks
 from stoker.storage.checkpoints import find_latest_valid
+from stoker.storage.layout import TOKENIZER_FILE
 from stoker.storage.runs import pin_run_folder
-from stoker.storage.store import Store
+from stoker.storage.store import Store, join
 from stoker.tasks.credentials import use_store_credentials
 from stoker.tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
 from stoker.tasks.lease import held_lease, on_lease_lost
@@ -76,8 +78,15 @@ def validate_config(config: RunConfig) -> RunConfig:
 
 @stoker_task(name="write_run_config", retries=3, timeout_seconds=600)
 def write_run_config(config: RunConfig, shards: ShardInfo) -> str:
-    """Pin config.json, the tokenizer and the shard set in the run folder; return the config URL."""
-    return pin_run_folder(_store(config.storage), config, shards)
+    """Pin config.json, the tokenizer and the shard set in the run folder; return the config
+    URL. First, what needs the shards' tokenizer: with 'bpb' in eval.sets, that its tokens can
+    be counted in bytes exactly (a base's tokenizer may not), else one ConfigError before launch."""
+    store = _store(config.storage)
+    if "bpb" in config.eval.sets:
+        problem = bits_per_byte_problem(store.read_bytes(join(shards.key, TOKENIZER_FILE)), shards.vocab_size)
+        if problem:
+            raise ConfigError([problem])
+    return pin_run_folder(store, config, shards)
 
 
 @stoker_task(name="find_resume_checkpoint", retries=3, timeout_seconds=3600)

@@ -1,8 +1,8 @@
 """Continued pretraining of an open model through the whole flow: a sharded Llama-3.2-style
 base (scripts/make_tiny_base.py, save_pretrained locally), 2 gloo ranks under FSDP2, a rank
-killed after the first checkpoint, the retried launch resuming from it bit for bit, every
+killed after the first checkpoint, the retried launch resuming from it bit for bit, the final
 checkpoint evaluated with the base's tokenizer, `stoker runs` naming the base, and the export
-loaded by transformers with our logits."""
+loaded by transformers with our logits and the base's own tokenizer."""
 
 import contextlib
 import io
@@ -28,7 +28,6 @@ def _cfg(root, run, base):
         root,
         run_name=run,
         engine={"parallelism": "fsdp"},
-        eval={"per_checkpoint_enabled": True},
         launch={"max_attempts": 2, "max_restarts": 0},  # the flow relaunches from the newest checkpoint
     )
     sections["model"] = {"family": "llama", "init_from": base, "block_size": 32}
@@ -47,7 +46,7 @@ def _final_tensors(store, run):
 def test_a_base_is_trained_further_through_the_flow_resumed_bitwise_and_exported(
     prefect_server, tmp_path, tmp_path_factory, monkeypatch
 ):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from stoker.cli import main
     from stoker.flows.pipeline import train_pipeline
@@ -93,3 +92,12 @@ def test_a_base_is_trained_further_through_the_flow_resumed_bitwise_and_exported
     ids = torch.randint(0, shards.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits[..., : shards.vocab_size], ours.eval()(ids)[0])
+    # the base's own tokenizer files: the same ids as the base's, its bos and eos
+    exported = json.load(open(tmp_path / "hf" / "config.json"))
+    assert exported["architectures"] == ["LlamaForCausalLM"] and exported["stoker"]["base_sha256"] == (
+        unbroken.model.base_sha256
+    )
+    text = "def resume(run):\n    return run.newest_valid()"
+    theirs, mine = AutoTokenizer.from_pretrained(base), AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert mine(text)["input_ids"] == theirs(text)["input_ids"] and mine.eos_token == "<|end_of_text|>"
+    assert (hf.config.bos_token_id, hf.config.eos_token_id) == (0, 1)

@@ -313,3 +313,27 @@ def test_a_tokenizer_whose_bytes_cannot_be_counted_exactly_is_refused_with_the_r
         token_byte_counts(tok, tok.get_vocab_size())
     assert str(err.value).startswith("eval.sets: bits per byte is exact only for byte-level BPE and SentencePiece")
     assert str(err.value).endswith("remove 'bpb' from eval.sets") and isinstance(err.value, ValueError)
+
+
+def test_the_flow_refuses_such_a_tokenizer_before_launch_unless_bpb_is_left_out(tmp_path):
+    """write_run_config (the flow's last step before the launch) asks the shards' tokenizer
+    when eval.sets holds 'bpb': one ConfigError with the reason, nothing pinned; without 'bpb'
+    the run is pinned."""
+    from stoker.core.config import ConfigError, RunConfig
+    from stoker.core.results import ShardInfo
+    from stoker.storage.store import Store
+    from stoker.tasks.training import write_run_config
+
+    root = f"file://{tmp_path}/store"
+    store = Store(root)
+    tok = _wordpiece()
+    store.write_bytes("shards/k/tokenizer.json", tok.to_str().encode())
+    shards = ShardInfo("k", "shards/k", store.url("shards/k"), 1, 1, tok.get_vocab_size(), "<u2", False)
+    cfg = RunConfig.model_validate({"run_name": "wp", "storage": {"root": root}})
+    with pytest.raises(ConfigError) as err:
+        write_run_config.fn(cfg, shards)
+    [line] = err.value.problems
+    assert line.startswith("eval.sets: bits per byte is exact only") and "decoder is WordPiece" in line
+    assert not store.exists("runs/wp/config.json")
+    without = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"sets": ["loss"]})})
+    assert write_run_config.fn(without, shards) == store.url("runs/wp/config.json")
