@@ -6,9 +6,11 @@ weights (``train.run_rank`` decides, and says which one ran).
 
 Each rank reads only its own slices: for every parameter, the family's adapter names the
 Hugging Face tensor it comes from (``ModelSpec.hf_map``); under FSDP2 the parameter is a
-DTensor sharded on its first dimension, and the rank reads just the rows of its shard through
-safetensors' lazy ``get_slice`` (columns, for a transposed tensor), so no rank ever holds the
-whole model, on the host or the device. Nothing is unpickled: safetensors holds tensors only.
+DTensor sharded on its first dimension, and the rank reads just the rows of its shard, one
+contiguous byte range of the safetensors file read straight into the parameter's memory
+(GPT-2's transposed Conv1D weights: their columns, through safetensors' lazy ``get_slice``), so
+no rank ever holds the whole model, on the host or the device. Nothing is unpickled:
+safetensors holds tensors only.
 """
 
 from __future__ import annotations
@@ -37,15 +39,15 @@ def weight_files(folder: str) -> dict[str, str]:
         return {name: single for name in f.keys()}
 
 
-def _rows_of(param: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
-    """(first row, rows, local shape) of this rank's part of a parameter: a DTensor's shard of
-    dim 0, or the whole of a plain tensor."""
+def _rows_of(param: torch.Tensor) -> tuple[int, int]:
+    """(first row, rows) of this rank's part of a parameter: a DTensor's shard of dim 0, or the
+    whole of a plain tensor."""
     if hasattr(param, "device_mesh"):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        return (offset[0] if shape else 0), (shape[0] if shape else 0), tuple(shape)
-    return 0, (param.shape[0] if param.dim() else 0), tuple(param.shape)
+        return (offset[0] if shape else 0), (shape[0] if shape else 0)
+    return 0, (param.shape[0] if param.dim() else 0)
 
 
 @torch.no_grad()
@@ -126,7 +128,7 @@ def _read_rows(param: torch.Tensor, ours: str, f, entry: dict, data_start: int, 
     full = list(entry["shape"])
     _check_shape(param, ours, full, theirs)
     dtype = _DTYPES[entry["dtype"]]
-    start, rows, _ = _rows_of(param)
+    start, rows = _rows_of(param)
     stop = min(start + rows, full[0])
     local = param.to_local() if hasattr(param, "to_local") else param
     if stop - start < rows:  # padded vocabulary rows, beyond the base's
@@ -155,7 +157,7 @@ def _copy_transposed(param: torch.Tensor, ours: str, path: str, theirs: str) -> 
         sl = f.get_slice(theirs)
         full = list(sl.get_shape())[::-1]
         _check_shape(param, ours, full, theirs)
-        start, rows, _ = _rows_of(param)
+        start, rows = _rows_of(param)
         stop = min(start + rows, full[0])
         local = param.to_local() if hasattr(param, "to_local") else param
         if stop - start < rows:
