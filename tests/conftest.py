@@ -495,14 +495,12 @@ def tiny_config(tmp_path):
 
 
 def prepare_shards(cfg):
-    """Run the data stage with the plain functions (no Prefect); return (store, ShardInfo)."""
+    """Run the data stage with the plain functions (no Prefect); return (store, DataShards)."""
     from stoker.data import prepare as data_prep
     from stoker.storage.store import Store
 
     store = Store(cfg.storage.root, cfg.storage.storage_options)
-    dataset = data_prep.download_dataset(cfg.data, store)
-    tokenizer = data_prep.train_tokenizer(dataset, cfg.tokenizer, store)
-    return store, data_prep.tokenize_and_shard(dataset, tokenizer, cfg.data, store)
+    return store, data_prep.prepare_all(cfg.data, cfg.tokenizer, store, run=cfg.resolved_run_name())
 
 
 # ---- process scans (Linux /proc), for tests that check nothing of a run is left --------

@@ -88,3 +88,13 @@ def test_bench_startup_compares_the_same_copy_of_stoker_with_and_without_bytecod
     out = capsys.readouterr().out
     assert "import stoker.core.failures:" in out and "compiled (medians of 1)" in out
     assert "RATIO compiled / from source CPU-s = " in out
+
+
+def test_bench_mixture_smoke_run_prints_its_ratio(capsys):
+    """benchmarks/bench_mixture.py at a tiny size: three sources against one, both read."""
+    from benchmarks import bench_mixture
+
+    result = bench_mixture.main(["--smoke"])
+    assert result["one_source_ms_per_step"] > 0 and result["three_sources_ms_per_step"] > 0
+    assert "(exact)" in result["mixture"][0]
+    assert "RATIO three sources / one source" in capsys.readouterr().out

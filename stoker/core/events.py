@@ -74,6 +74,8 @@ class Train(Event):
     since_step: int | None = None
     eval_seconds: float | None = None
     checkpoint_seconds: float | None = None
+    # a mixture (data.sources): per source, {"tokens": trained on so far, "epochs": taken}
+    sources: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +85,8 @@ class Eval(Event):
     val_loss: float
     val_ppl: float
     seconds: float | None = None  # how long this evaluation took (the ledger's evaluation time)
+    # a mixture: per source, its validation loss (val_loss is their mean)
+    sources: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,6 +191,19 @@ class NonFinite(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class EpochLimit(Event):
+    """A source of the mixture reaches its data.sources max_epochs: the run ends at this step
+    ('stop'), or goes on past it ('warn', said once per launch)."""
+
+    kind: ClassVar[str] = "epoch_limit"
+    step: int
+    source: str
+    epochs: float  # taken by the end of this step (stop) or of the step after (warn)
+    max_epochs: float
+    action: str  # "stop" | "warn"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Stopped(Event):
     """The ranks agreed to stop early (SIGTERM: a cancel or a preemption). `saved`: a stop
     checkpoint of `step` was written and every upload finished inside the grace period (rank 0:
@@ -227,6 +244,8 @@ class Evaluated(Event):
     mc_accuracy: float | None = None  # multiple choice: the highest summed log-likelihood (acc)
     mc_accuracy_norm: float | None = None  # the lowest mean per-token loss (acc_norm)
     num_mc_items: int | None = None
+    # a mixture: per source, {"val_loss", "bits_per_byte", "windows"} of its own validation split
+    sources: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -284,6 +303,7 @@ TYPES: dict[str, type[Event]] = {
         BaseLoaded,
         Failure,
         NonFinite,
+        EpochLimit,
         Stopped,
         Done,
         Evaluated,

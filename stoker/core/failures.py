@@ -53,6 +53,12 @@ class DataError(StokerError, ValueError):
     """Bad data input (empty source, undecodable file, missing field); never retried."""
 
 
+class ShardsDamaged(DataError):
+    """A shard set whose bytes did not match its manifest where they landed (it is marked
+    invalid in the store, so the data stage rebuilds it); the flow rebuilds it and relaunches
+    once by itself."""
+
+
 class ExportError(StokerError, ValueError):
     """A checkpoint that cannot be exported as asked (not a committed checkpoint of its run and
     model, a model GPT-2 cannot express, an output folder already in use); never retried."""
@@ -88,6 +94,9 @@ class SourceUnreachable(StokerError, ConnectionError):
     """A source still failing after the in-task retries; transient, so the task retries."""
 
     transient = True
+
+
+SHARDS_DAMAGED = "damaged-shards"  # TrainingFailed.reason of a launch that met a damaged shard set
 
 
 class TrainingFailed(StokerError, RuntimeError):

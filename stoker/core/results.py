@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass
 
 from pydantic import BaseModel, Field
 
+from stoker.core.config.sections import DEFAULT_SOURCE_NAME
+
 
 @dataclass
 class DatasetInfo:
@@ -36,9 +38,83 @@ class ShardInfo:
     vocab_size: int
     dtype: str
     cache_hit: bool
+    name: str = DEFAULT_SOURCE_NAME  # the source of data.sources it holds ("main": data.source)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class DataShards:
+    """A run's data: one shard set per source, all made with the run's one tokenizer.
+
+    ``key`` is what the ranks and evaluations are given (``--shards``): the shard set's key for
+    one source, else ``name=key`` per source, comma-separated (names hold no ',' or '=')."""
+
+    sets: list[ShardInfo]
+    mixture: bool = False  # data.sources (even of one source), not data.source
+
+    @property
+    def is_mixture(self) -> bool:
+        return self.mixture
+
+    @property
+    def key(self) -> str:
+        return self.sets[0].key if not self.is_mixture else ",".join(f"{s.name}={s.key}" for s in self.sets)
+
+    @property
+    def cache_key(self) -> str:
+        if not self.is_mixture:
+            return self.sets[0].cache_key
+        import hashlib
+
+        joined = ",".join(f"{s.name}={s.cache_key}" for s in self.sets)
+        return "mix-" + hashlib.sha256(joined.encode()).hexdigest()[:24]
+
+    @property
+    def url(self) -> str:
+        return self.sets[0].url if not self.is_mixture else ", ".join(f"{s.name}={s.url}" for s in self.sets)
+
+    @property
+    def num_train_tokens(self) -> int:
+        return sum(s.num_train_tokens for s in self.sets)
+
+    @property
+    def num_val_tokens(self) -> int:
+        return sum(s.num_val_tokens for s in self.sets)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sets[0].vocab_size
+
+    @property
+    def dtype(self) -> str:
+        return self.sets[0].dtype
+
+    @property
+    def cache_hit(self) -> bool:
+        return all(s.cache_hit for s in self.sets)
+
+    def as_dict(self) -> dict:
+        """shards.json of the run folder: the one set's fields (as before mixtures), plus every set."""
+        return {
+            "cache_key": self.cache_key,
+            "key": self.key,
+            "url": self.url,
+            "num_train_tokens": self.num_train_tokens,
+            "num_val_tokens": self.num_val_tokens,
+            "vocab_size": self.vocab_size,
+            "dtype": self.dtype,
+            "cache_hit": self.cache_hit,
+            "sources": [s.as_dict() for s in self.sets],
+        }
+
+
+def parse_shards_arg(arg: str) -> list[tuple[str, str]]:
+    """(name, shard-set key) per source of a ``--shards`` value (DataShards.key)."""
+    if "=" not in arg:
+        return [(DEFAULT_SOURCE_NAME, arg)]
+    return [tuple(part.split("=", 1)) for part in arg.split(",")]  # type: ignore[misc]
 
 
 class ResumePoint(BaseModel):
@@ -48,6 +124,20 @@ class ResumePoint(BaseModel):
     checkpoint_uri: str | None = None
     step: int = 0
     skipped: list[str] = Field(default_factory=list, description="'<uri>: <reason>' per invalid one")
+
+
+# the fields an Evaluated event and an EvalResult share (the event's checkpoint is checkpoint_uri)
+_EVALUATED = (
+    "step",
+    "val_loss",
+    "val_ppl",
+    "windows",
+    "bits_per_byte",
+    "mc_accuracy",
+    "mc_accuracy_norm",
+    "num_mc_items",
+    "sources",
+)
 
 
 class EvalResult(BaseModel):
@@ -67,6 +157,24 @@ class EvalResult(BaseModel):
         None, description="multiple choice: share picked by the lowest mean per-token loss (acc_norm)"
     )
     num_mc_items: int | None = Field(None, description="multiple-choice items scored")
+    sources: dict | None = Field(
+        None,
+        description="a mixture (data.sources): per source, val_loss, bits_per_byte and windows of its own "
+        "validation split (val_loss and bits_per_byte above are their means)",
+    )
+
+    @classmethod
+    def of_event(cls, e, seconds: float) -> "EvalResult":
+        """The result of an evaluation process's Evaluated event."""
+        shared = {k: getattr(e, k) for k in _EVALUATED}
+        return cls(checkpoint_uri=e.checkpoint, seconds=seconds, **shared)
+
+    def to_event(self):
+        """The Evaluated event of this result (for the metric sinks)."""
+        from stoker.core import events
+
+        shared = {k: getattr(self, k) for k in _EVALUATED}
+        return events.Evaluated(checkpoint=self.checkpoint_uri, **shared)
 
 
 class TrainingResult(BaseModel):
@@ -90,6 +198,16 @@ class TrainingResult(BaseModel):
     skipped_steps: list[int] = Field(
         default_factory=list,
         description="steps whose update was dropped for a NaN/inf loss or gradient norm (train.nonfinite=skip)",
+    )
+    source_val_losses: list[dict] = Field(
+        default_factory=list, description="a mixture: per in-loop evaluation, {'step', 'losses': {source: loss}}"
+    )
+    mix: list[dict] = Field(
+        default_factory=list,
+        description="a mixture: per log step, {'step', 'sources': {source: {'tokens', 'epochs'}}} seen so far",
+    )
+    epoch_limits: list[dict] = Field(
+        default_factory=list, description="sources that reached max_epochs: step, source, epochs, action"
     )
 
 
@@ -119,6 +237,11 @@ class PipelineResult(BaseModel):
     tokens_per_second: float | None = Field(None, description="median over the log steps after the first")
     mfu: float | None = Field(None, description="median model FLOPs utilization (0-1) after the first log step")
     peak_memory_gb: float | None = Field(None, description="peak GPU memory of rank 0")
+    sources: list[dict] = Field(
+        default_factory=list,
+        description="a mixture: per source, its name, shard set, tokens and epochs trained on, and its "
+        "last validation loss (in-loop) and final evaluation",
+    )
     ledger: dict | None = Field(
         None,
         description="the flow run's goodput and cost ledger (observe.ledger): seconds, share and "

@@ -8,6 +8,7 @@ engine (data.engine 'ray') in stoker/data/ray_engine.py.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -20,7 +21,7 @@ import numpy as np
 
 from stoker.core.config import DataConfig, RayConfig, TokenizerConfig
 from stoker.core.failures import DataError
-from stoker.core.results import DatasetInfo, ShardInfo, TokenizerInfo
+from stoker.core.results import DatasetInfo, DataShards, ShardInfo, TokenizerInfo
 from stoker.data.sharding import PARTITION_BYTES, SPLITS, available_cores, build_shards, corpus_text, partition_jobs
 from stoker.data.sources import resolve_source, with_retries, write_corpus
 from stoker.storage.datasets import (
@@ -32,6 +33,7 @@ from stoker.storage.datasets import (
     link_source,
     publish_dataset,
 )
+from stoker.storage.layout import run_file_key
 from stoker.storage.shards import (
     FORMAT_VERSION,
     TOKENIZER_FILE,
@@ -133,7 +135,18 @@ def _corpus_batches(store: Store, dataset: DatasetInfo) -> Iterator[list[str]]:
 
 
 # ---- tokenizer ---------------------------------------------------------------------
-def _train_bpe(store: Store, dataset: DatasetInfo, cfg: TokenizerConfig, local: str) -> None:
+def tokenizer_recipe(datasets: list[DatasetInfo], cfg: TokenizerConfig) -> str:
+    """The folder name of a tokenizer trained on these datasets (tokenizers/{recipe}/): one
+    dataset's fingerprint, or a mixture's in sorted order (the order of data.sources and their
+    weights do not change what it is trained on)."""
+    prints = sorted(d.fingerprint for d in datasets)
+    what = prints[0] if len(prints) == 1 else prints
+    return hashlib.sha256(json.dumps([what, cfg.vocab_size, cfg.min_frequency, cfg.eot_token]).encode()).hexdigest()[
+        :24
+    ]
+
+
+def _train_bpe(store: Store, datasets: list[DatasetInfo], cfg: TokenizerConfig, local: str) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -146,7 +159,9 @@ def _train_bpe(store: Store, dataset: DatasetInfo, cfg: TokenizerConfig, local: 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus_batches(store, dataset), trainer=trainer, length=dataset.num_docs)
+    ordered = sorted(datasets, key=lambda d: d.fingerprint)
+    batches = (batch for d in ordered for batch in _corpus_batches(store, d))
+    tok.train_from_iterator(batches, trainer=trainer, length=sum(d.num_docs for d in ordered))
     tok.save(local)
 
 
@@ -159,25 +174,50 @@ def _fetch_tokenizer(path: str, local: str, storage_options: dict) -> None:
         shutil.copyfile(os.path.expanduser(path), local)
 
 
-def train_tokenizer(dataset: DatasetInfo, cfg: TokenizerConfig, store: Store) -> TokenizerInfo:
-    """Train a byte-level BPE on the corpus (or load cfg.path); stored under tokenizers/."""
+def kept_tokenizer(store: Store, run: str | None, datasets: list[DatasetInfo], cfg: TokenizerConfig) -> str | None:
+    """The run's own tokenizer (runs/{run}/tokenizer.json) when it trained one and the data
+    would now train another (a source added, removed or changed): a run's tokenizer never
+    changes under it. None: no run folder yet, a given tokenizer (tokenizer.path, a base), or
+    the data's recipe gives the same tokenizer."""
+    if not run or cfg.path:
+        return None
+    key = run_file_key(run, TOKENIZER_FILE)
+    try:
+        mine = store.read_bytes(key)
+    except FileNotFoundError:
+        return None
+    try:
+        recipe = store.read_bytes(join("tokenizers", tokenizer_recipe(datasets, cfg), TOKENIZER_FILE))
+    except FileNotFoundError:
+        recipe = None
+    return None if recipe == mine else key
+
+
+def train_tokenizer(
+    datasets: DatasetInfo | list[DatasetInfo], cfg: TokenizerConfig, store: Store, run: str | None = None
+) -> TokenizerInfo:
+    """Train a byte-level BPE on the corpus, or on every corpus of a mixture (or load
+    cfg.path); stored under tokenizers/. A run that trained its own keeps it (kept_tokenizer)."""
     from tokenizers import Tokenizer
 
+    datasets = [datasets] if isinstance(datasets, DatasetInfo) else list(datasets)
+    kept = kept_tokenizer(store, run, datasets, cfg)
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, TOKENIZER_FILE)
-        if cfg.path:
+        if kept:
+            log.info("run %s keeps the tokenizer it trained (%s); its data changed since", run, store.url(kept))
+            store.get_file(kept, local)
+            cache_hit = True
+        elif cfg.path:
             _fetch_tokenizer(cfg.path, local, store.storage_options)
             cache_hit = False
         else:
-            recipe = hashlib.sha256(
-                json.dumps([dataset.fingerprint, cfg.vocab_size, cfg.min_frequency, cfg.eot_token]).encode()
-            ).hexdigest()[:24]
-            cached = join("tokenizers", recipe, TOKENIZER_FILE)
+            cached = join("tokenizers", tokenizer_recipe(datasets, cfg), TOKENIZER_FILE)
             cache_hit = store.exists(cached)
             if cache_hit:
                 store.get_file(cached, local)
             else:
-                _train_bpe(store, dataset, cfg, local)
+                _train_bpe(store, datasets, cfg, local)
                 store.put_file(local, cached)
         try:
             tok = Tokenizer.from_file(local)
@@ -201,6 +241,22 @@ def train_tokenizer(dataset: DatasetInfo, cfg: TokenizerConfig, store: Store) ->
         if not store.exists(key):
             store.put_file(local, key)
         return TokenizerInfo(digest, key, vocab_size, eot_id, cache_hit)
+
+
+def prepare_all(
+    data: DataConfig, tokenizer: TokenizerConfig, store: Store, run: str | None = None, ray: RayConfig | None = None
+) -> DataShards:
+    """The whole data stage as plain calls, one source after another (the flow's prepare_data
+    runs the same steps as tasks, the sources concurrently): each source downloaded, one
+    tokenizer for all of them, each source tokenized into its own shard set."""
+    sources = data.source_configs()
+    datasets = [download_dataset(cfg, store) for _, _, cfg in sources]
+    tok = train_tokenizer(datasets, tokenizer, store, run=run)
+    sets = [
+        dataclasses.replace(tokenize_and_shard(ds, tok, cfg, store, ray=ray), name=name)
+        for ds, (name, _, cfg) in zip(datasets, sources)
+    ]
+    return DataShards(sets, mixture=data.is_mixture())
 
 
 # ---- tokenize and shard --------------------------------------------------------------

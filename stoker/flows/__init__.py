@@ -66,6 +66,15 @@ def fails_in_one_line(fn):
     return wrapper
 
 
+def results_of(futures: list) -> list:
+    """The results of submitted task runs, in order, once every one has ended: the first
+    failure is raised only then, so no task of the flow is left running when it fails."""
+    from prefect.futures import wait
+
+    wait(futures)
+    return [f.result() for f in futures]
+
+
 def tag_flow_run(*tags: str) -> None:
     """Add tags to the current flow run (a run started from a deployment or a notebook gets
     its stoker tags alike, so the UI can filter a run's flow runs)."""

@@ -6,15 +6,17 @@ result = train_pipeline(config)   # a PipelineResult
 
 # no `from __future__ import annotations`: a served flow resolves its parameter types at
 # run time, and string annotations of the nested prepare_data flow would not resolve
-from prefect import flow
+from prefect import flow, get_run_logger
 
 from stoker.core.config import DataConfig, RayConfig, RunConfig, StorageConfig, TokenizerConfig
-from stoker.core.results import PipelineResult, ShardInfo
-from stoker.flows import claim_flow_run, fails_in_one_line, flow_runs_tagged, tag_flow_run
+from stoker.core.failures import SHARDS_DAMAGED, TrainingFailed
+from stoker.core.results import DataShards, PipelineResult
+from stoker.flows import claim_flow_run, fails_in_one_line, flow_runs_tagged, results_of, tag_flow_run
 from stoker.tasks.credentials import use_store_credentials
 from stoker.tasks.data import download_dataset, tokenize_and_shard, train_tokenizer
 from stoker.tasks.evaluate import evaluate_checkpoint
 from stoker.tasks.lease import run_lease
+from stoker.tasks.policy import with_run_name
 from stoker.tasks.prefect_events import flow_run_failed
 from stoker.tasks.report import report
 from stoker.tasks.training import (
@@ -43,16 +45,44 @@ def _run_name() -> str:
 @flow(name="prepare-data", log_prints=True)
 @fails_in_one_line
 def prepare_data(
-    data: DataConfig, tokenizer: TokenizerConfig, storage: StorageConfig, ray: RayConfig | None = None
-) -> ShardInfo:
-    """Download -> tokenizer -> tokenize and shard; each step is a no-op when its output exists
-    (its task run shows Cached, and its result says cache_hit).
-    `ray`: the cluster of data.engine 'ray' (empty: a local Ray instance)."""
+    data: DataConfig,
+    tokenizer: TokenizerConfig,
+    storage: StorageConfig,
+    ray: RayConfig | None = None,
+    run: str | None = None,
+) -> DataShards:
+    """Download each source -> one tokenizer -> tokenize and shard each source; each task is a
+    no-op when its output exists (its task run shows Cached, and its result says cache_hit).
+    The sources' downloads run concurrently, then their tokenizations (one task per source).
+    `ray`: the cluster of data.engine 'ray' (empty: a local Ray instance). `run`: the run whose
+    own trained tokenizer is kept when its data changed."""
     claim_flow_run()  # its owner process, so a dead one's run ends Crashed, not Running
     use_store_credentials(storage)  # a credentials block named in storage, when run on its own
-    dataset = download_dataset(data, storage)
-    tok = train_tokenizer(dataset, tokenizer, storage)
-    return tokenize_and_shard(dataset, tok, data, storage, ray)
+    sources, mixture = data.source_configs(), data.is_mixture()
+    downloads = [per_source(download_dataset, name, mixture).submit(cfg, storage, name) for name, _, cfg in sources]
+    datasets = results_of(downloads)
+    tok = train_tokenizer(datasets, tokenizer, storage, run)
+    shards = [
+        per_source(tokenize_and_shard, name, mixture).submit(dataset, tok, cfg, storage, ray, name)
+        for dataset, (name, _, cfg) in zip(datasets, sources)
+    ]
+    return DataShards(results_of(shards), mixture=mixture)
+
+
+def per_source(task, name: str, mixture: bool):
+    """A data task's run for one source of a mixture, named for it in the UI ('tokenize_and_shard[web]')."""
+    return with_run_name(task, f"{task.name}[{name}]") if mixture else task
+
+
+def _prepare(config: RunConfig) -> tuple[DataShards, str]:
+    shards = prepare_data(config.data, config.tokenizer, config.storage, config.ray, run=config.resolved_run_name())
+    return shards, write_run_config(config, shards)
+
+
+def _train(config: RunConfig, config_url: str, shards: DataShards):
+    resume = find_resume_checkpoint(config)
+    launch = launch_training.with_options(retries=config.launch.max_attempts - 1)
+    return resume, launch(config, config_url, shards, resume)
 
 
 # any failure (data, tokenizer, resume search, lease, training) sends stoker.run.failed, once
@@ -69,11 +99,18 @@ def train_pipeline(config: RunConfig | None = None) -> PipelineResult:
         f"world:{config.launch.num_nodes}x{config.launch.nproc_per_node}",
     )
     with run_lease(config):  # one writer per run: a second launch refuses here, before any work
-        shards = prepare_data(config.data, config.tokenizer, config.storage, config.ray)
-        config_url = write_run_config(config, shards)
-        resume = find_resume_checkpoint(config)
-        training = launch_training.with_options(retries=config.launch.max_attempts - 1)(
-            config, config_url, shards, resume
-        )
+        shards, config_url = _prepare(config)
+        try:
+            resume, training = _train(config, config_url, shards)
+        except TrainingFailed as err:
+            if err.reason != SHARDS_DAMAGED:
+                raise
+            # the ranks marked the set invalid in the store: the data stage rebuilds it alone
+            # (the other sources' tasks are Cached); a second damage fails the run
+            get_run_logger().warning(
+                "%s. The flow rebuilds that shard set now and launches again, once.", str(err).split("\n", 1)[0]
+            )
+            shards, config_url = _prepare(config)
+            resume, training = _train(config, config_url, shards)
         evaluation = evaluate_checkpoint(config, config_url, training.final_checkpoint_key, shards.key)
     return report(config, shards, resume, training, evaluation)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from stoker.core.events import Event, Failure
-from stoker.core.failures import PERMANENT, TrainingFailed, classify_reported
+from stoker.core.failures import PERMANENT, SHARDS_DAMAGED, TrainingFailed, classify_reported
 
 OnLine = Callable[[str], None]
 OnEvent = Callable[[Event], None]
@@ -88,6 +88,17 @@ def classify_end(result: GangResult) -> TrainingFailed:
     permanent = [f for f in result.failures if not f.transient]
     if permanent:
         first = permanent[0]
+        # the rank that found the damage says which file; the others found its marker
+        damaged = sorted(
+            (f for f in permanent if f.type == "ShardsDamaged"), key=lambda f: "marked invalid by" in f.message
+        )
+        damaged = damaged[0] if damaged else None
+        if damaged is not None:  # the flow rebuilds the set and relaunches once
+            return TrainingFailed(
+                f"rank {damaged.rank} found a shard set damaged: {damaged.message}",
+                transient=False,
+                reason=SHARDS_DAMAGED,
+            )
         return TrainingFailed(
             f"rank {first.rank} raised {first.type}: {first.message} "
             "(not retried: it would fail the same way)\n" + tail,

@@ -26,6 +26,19 @@ def throughput_text(e: events.Train) -> str:
     return ("  " + ", ".join(parts)) if parts else ""
 
 
+def mix_text(sources: dict) -> str:
+    """Tokens and epochs per source of a mixture: 'web 1.2M tok (0.31 ep), docs ...'."""
+    return ", ".join(f"{name} {_count(v['tokens'])} tokens ({v['epochs']:.3g} epochs)" for name, v in sources.items())
+
+
+def _count(n: float) -> str:
+    """1234 -> '1.23k', 4.5e9 -> '4.5G'."""
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(int(n))
+
+
 def eta_text(steps_left: int, step_seconds: list[float]) -> str:
     """'  ETA 12m30s' from the median of the recent step times (empty when unknown)."""
     recent = sorted(step_seconds[-20:])
@@ -67,6 +80,7 @@ class TrainingMonitor:
             events.Resumed: self._on_resumed,
             events.Stopped: self._on_stopped,
             events.NonFinite: self._on_nonfinite,
+            events.EpochLimit: self._on_epoch_limit,
         }
 
     def __call__(self, event: events.Event) -> None:
@@ -91,6 +105,9 @@ class TrainingMonitor:
         )
         if e.tokens_per_second is not None:
             self.result.throughput.append({k: getattr(e, k) for k in THROUGHPUT_FIELDS})
+        if e.sources:
+            self.result.mix.append({"step": e.step, "sources": e.sources})
+            self.logger.info("step %d  data seen: %s", e.step, mix_text(e.sources))
         pct = int(100 * e.step / self.max_steps)
         if pct != self.last_pct:
             self.on_progress(float(pct))
@@ -99,6 +116,35 @@ class TrainingMonitor:
     def _on_eval(self, e: events.Eval) -> None:
         self.result.val_losses.append((e.step, e.val_loss))
         self.logger.info("step %d  validation loss %.4f  (perplexity %.1f)", e.step, e.val_loss, e.val_ppl)
+        if e.sources:
+            self.result.source_val_losses.append({"step": e.step, "losses": e.sources})
+            self.logger.info(
+                "step %d  validation loss per source: %s",
+                e.step,
+                ", ".join(f"{name} {loss:.4f}" for name, loss in e.sources.items()),
+            )
+
+    def _on_epoch_limit(self, e: events.EpochLimit) -> None:
+        self.result.epoch_limits.append({"step": e.step, "source": e.source, "epochs": e.epochs, "action": e.action})
+        if e.action == "stop":
+            self.logger.warning(
+                "source %r reaches its max_epochs=%g at step %d (%.3f epochs): the run ends there, "
+                "short of train.max_steps=%d",
+                e.source,
+                e.max_epochs,
+                e.step,
+                e.epochs,
+                self.max_steps,
+            )
+        else:
+            self.logger.warning(
+                "source %r goes past its max_epochs=%g at step %d (%.3f epochs); training goes on "
+                "(at_max_epochs: warn), repeating its windows in a new order",
+                e.source,
+                e.max_epochs,
+                e.step,
+                e.epochs,
+            )
 
     def _on_checkpoint(self, e: events.CheckpointCommitted) -> None:
         key = e.key
@@ -197,19 +243,7 @@ class TrainingMonitor:
                 ev: EvalResult = future.result(timeout=timeout)
                 self.result.evaluations.append(ev)
                 if self.sink is not None:
-                    self.sink(
-                        events.Evaluated(
-                            checkpoint=ev.checkpoint_uri,
-                            step=ev.step,
-                            val_loss=ev.val_loss,
-                            val_ppl=ev.val_ppl,
-                            windows=ev.windows,
-                            bits_per_byte=ev.bits_per_byte,
-                            mc_accuracy=ev.mc_accuracy,
-                            mc_accuracy_norm=ev.mc_accuracy_norm,
-                            num_mc_items=ev.num_mc_items,
-                        )
-                    )
+                    self.sink(ev.to_event())
             except Exception as err:  # an evaluation failing must not fail the training task
                 self.logger.warning("evaluation of step %d failed: %s", step, err)
         self.evaluations = []

@@ -8,12 +8,14 @@ import io
 import json
 import statistics
 
+from stoker.core.mixture import Mixture, windows_of
 from stoker.core.results import EvalResult, TrainingResult
 from stoker.observe.ledger import duration, ledger_line, ledger_rows
 from stoker.storage.layout import METRICS_FILE, checkpoints_key, run_file_key
 from stoker.storage.store import Store
 
 LOSS_CURVE_FILE = "loss-curve.png"
+MIX_PLOT_FILE = "data-mix.png"
 
 
 def vocabulary_note(got: int, asked: int) -> str:
@@ -48,6 +50,172 @@ def run_history(store: Store, run: str) -> tuple[list[tuple[int, float]], list[t
         elif record.get("event") == "eval":
             val[int(record["step"])] = float(record["val_loss"])
     return sorted(train.items()), sorted(val.items())
+
+
+def mix_history(store: Store, run: str) -> dict:
+    """A mixture's history from metrics.jsonl over every attempt (a step logged twice keeps
+    its last value): per source, [(step, tokens)], [(step, epochs)] and [(step, val loss)].
+    Empty for a run of one source."""
+    seen: dict[int, dict] = {}
+    val: dict[int, dict] = {}
+    key = run_file_key(run, METRICS_FILE)
+    if not store.exists(key):
+        return {}
+    for line in store.read_bytes(key).decode("utf-8", "replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("sources") and record.get("event") == "train":
+            seen[int(record["step"])] = record["sources"]
+        elif record.get("sources") and record.get("event") == "eval":
+            val[int(record["step"])] = record["sources"]
+    if not seen and not val:
+        return {}
+    names = sorted({n for s in [*seen.values(), *val.values()] for n in s})
+    return {
+        name: {
+            "tokens": [(step, s[name]["tokens"]) for step, s in sorted(seen.items()) if name in s],
+            "epochs": [(step, s[name]["epochs"]) for step, s in sorted(seen.items()) if name in s],
+            "val_loss": [(step, s[name]) for step, s in sorted(val.items()) if name in s],
+        }
+        for name in names
+    }
+
+
+def train_windows(store: Store, shards, block_size: int) -> dict[str, int]:
+    """Each source's training windows (core.mixture.windows_of), from its shard manifest."""
+    out = {}
+    for s in shards.sets:
+        manifest = store.read_json(f"{s.key}/manifest.json")
+        out[s.name] = windows_of([manifest["files"][n]["tokens"] for n in manifest["splits"]["train"]], block_size)
+    return out
+
+
+def mixture_plan(config, shards, store: Store) -> list[str]:
+    """What the mixture will do, before any compute: each schedule segment's exact quotas and
+    K (core.mixture), and per source the epochs it will have given by train.max_steps."""
+    windows = train_windows(store, shards, config.model.block_size)
+    mixture = Mixture.of_config(config.data, config.train.seed, config.train.global_batch_size, windows)
+    lines = mixture.describe()
+    epochs = mixture.epochs_after(config.train.max_steps)
+    limits = {s.name: s for s in config.data.sources}
+    for i, name in enumerate(mixture.names):
+        line = f"{name}: {windows[name]:,} training windows; {epochs[i]:.3f} epochs by step {config.train.max_steps}"
+        src = limits.get(name)
+        if src is not None and src.max_epochs is not None and epochs[i] > src.max_epochs:
+            last = mixture.last_step_within(i, src.max_epochs, config.train.max_steps)
+            line += f", past its max_epochs={src.max_epochs:g} after step {last}" + (
+                ": the run stops there" if src.at_max_epochs == "stop" else " (at_max_epochs: warn)"
+            )
+        lines.append(line)
+    return lines
+
+
+def mix_summary(history: dict) -> str:
+    """One line of a mixture: per source its tokens and epochs so far and last validation loss."""
+    parts = []
+    for name, h in history.items():
+        text = name
+        if h["tokens"]:
+            text += f" {h['tokens'][-1][1] / 1e6:.3g}M tok {h['epochs'][-1][1]:.3g} ep"
+        if h["val_loss"]:
+            text += f" val {h['val_loss'][-1][1]:.3f}"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def mix_png(history: dict, title: str) -> bytes:
+    """The mixture over steps: each source's share of the tokens of each log interval (the
+    schedule's changes show as steps), and each source's validation loss (forgetting on the
+    general data shows as its curve rising)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4), dpi=100)
+    share, losses = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    steps = sorted({step for h in history.values() for step, _ in h["tokens"]})
+    if steps:
+        per = {name: dict(h["tokens"]) for name, h in history.items()}
+        rows = []
+        for i, step in enumerate(steps):
+            before = steps[i - 1] if i else None
+            rows.append([per[n].get(step, 0) - (per[n].get(before, 0) if before is not None else 0) for n in per])
+        totals = [max(1, sum(r)) for r in rows]
+        shares = [[r[j] / t for r, t in zip(rows, totals)] for j in range(len(per))]
+        share.stackplot(steps, shares, labels=list(per), step="post")
+        share.set_ylim(0, 1)
+        share.set_xlabel("step")
+        share.set_ylabel("share of the interval's tokens")
+        share.legend(fontsize=8, loc="upper left")
+        share.grid(alpha=0.3)
+    for name, h in history.items():
+        if h["val_loss"]:
+            losses.plot(*zip(*h["val_loss"]), "o-", label=name)
+    losses.set_xlabel("step")
+    losses.set_ylabel("validation loss per source")
+    losses.grid(alpha=0.3)
+    if any(h["val_loss"] for h in history.values()):
+        losses.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def source_rows(shards, history: dict, final: EvalResult | None) -> list[dict]:
+    """Per source of a mixture: its shard set, its train tokens, what the run trained on of it
+    (tokens, epochs), its last in-loop validation loss and its final evaluation."""
+    rows = []
+    for s in shards.sets:
+        h = history.get(s.name, {})
+        f = (final.sources or {}).get(s.name, {}) if final is not None else {}
+        rows.append(
+            {
+                "source": s.name,
+                "shards": s.url,
+                "train_tokens": s.num_train_tokens,
+                "tokens_trained": h["tokens"][-1][1] if h.get("tokens") else None,
+                "epochs": h["epochs"][-1][1] if h.get("epochs") else None,
+                "val_loss": h["val_loss"][-1][1] if h.get("val_loss") else None,
+                "final_val_loss": f.get("val_loss"),
+                "final_bits_per_byte": f.get("bits_per_byte"),
+            }
+        )
+    return rows
+
+
+def rounded_sources(rows: list[dict]) -> list[dict]:
+    digits = {"epochs": 4, "val_loss": 4, "final_val_loss": 4, "final_bits_per_byte": 4}
+    return [{k: _round(v, digits[k]) if k in digits else v for k, v in row.items()} for row in rows]
+
+
+def mix_markdown(rows: list[dict], plot: str, schedule: list[str]) -> str:
+    """The report's section on a mixture."""
+    if not rows:
+        return ""
+
+    def cell(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    table = "\n".join(
+        f"| {r['source']} | {r['train_tokens']:,} | {cell(r['tokens_trained'], ',')} | {cell(r['epochs'], '.3f')} "
+        f"| {cell(r['val_loss'], '.4f')} | {cell(r['final_val_loss'], '.4f')} | {cell(r['final_bits_per_byte'], '.4f')} |"
+        for r in rows
+    )
+    order = "\n".join(f"- {line}" for line in schedule)
+    return f"""
+## Data mixture
+{order}
+
+| source | train tokens in its shards | tokens trained on | epochs | validation loss (last, in training) | final evaluation loss | final bits per byte |
+|---|---|---|---|---|---|---|
+{table}
+
+{plot}"""
 
 
 def loss_curve_png(
@@ -99,6 +267,7 @@ def report_markdown(
     config_vocab,
     ledger: dict | None = None,
     deployment_total: dict | None = None,
+    mix: str = "",
 ) -> str:
     final = (
         f"**{evaluation.val_loss:.4f}** (perplexity {evaluation.val_ppl:.1f}) at step "
@@ -138,7 +307,7 @@ Two validation losses, measured differently:
 | step | validation loss during training |
 |---|---|
 {evals}
-{ledger_markdown(ledger, deployment_total)}"""
+{mix}{ledger_markdown(ledger, deployment_total)}"""
 
 
 def _money(value: float | None) -> str:

@@ -52,8 +52,12 @@ def scalars(event: events.Event) -> dict[str, float]:
             "train/peak_memory_gb": event.peak_memory_gb,
             "train/data_wait_share": event.data_wait_share,
         }
+        for name, seen in (event.sources or {}).items():  # a mixture: what each source gave so far
+            values[f"data/{name}/tokens"] = seen.get("tokens")
+            values[f"data/{name}/epochs"] = seen.get("epochs")
     elif isinstance(event, events.Eval):
         values = {"val/loss": event.val_loss, "val/perplexity": event.val_ppl}
+        values.update({f"val/{name}/loss": loss for name, loss in (event.sources or {}).items()})
     elif isinstance(event, events.CheckpointCommitted):
         values = {
             "checkpoint/bytes": event.bytes,
@@ -68,6 +72,9 @@ def scalars(event: events.Event) -> dict[str, float]:
             "checkpoint/mc_accuracy": event.mc_accuracy,
             "checkpoint/mc_accuracy_norm": event.mc_accuracy_norm,
         }
+        for name, scores in (event.sources or {}).items():
+            values[f"checkpoint/{name}/val_loss"] = scores.get("val_loss")
+            values[f"checkpoint/{name}/bits_per_byte"] = scores.get("bits_per_byte")
     else:
         return {}
     return {name: float(v) for name, v in values.items() if v is not None}

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from stoker.core.config import RunConfig
 from stoker.core.failures import CheckpointUnavailable, ConfigError, ExportError
-from stoker.core.results import ShardInfo
+from stoker.core.results import DataShards
 from stoker.storage.layout import (
     BASE_DIR,
     CONFIG_FILE,
@@ -64,12 +64,13 @@ def _nearest_folder(root: str) -> str:
     return path if os.path.isdir(path) else root
 
 
-def pin_run_folder(store: Store, config: RunConfig, shards: ShardInfo) -> str:
+def pin_run_folder(store: Store, config: RunConfig, shards: DataShards) -> str:
     """Write config.json, the tokenizer and shards.json into the run folder; return the
     config URL. A run folder that already holds another model is refused: resuming from it
     could not load, and overwriting it would lose work."""
     run = config.resolved_run_name()
     key = run_file_key(run, CONFIG_FILE)
+    seen: dict[str, str] = {}  # every source the run has trained on: its shard set
     if store.exists(key):
         old = RunConfig.model_validate_json(store.read_bytes(key))
         was, now = getattr(old.model, "base_sha256", None), getattr(config.model, "base_sha256", None)
@@ -89,22 +90,37 @@ def pin_run_folder(store: Store, config: RunConfig, shards: ShardInfo) -> str:
             )
         pinned = run_file_key(run, SHARDS_FILE)
         if store.exists(pinned):
-            before = store.read_json(pinned).get("cache_key")
-            if before and before != shards.cache_key:
-                raise ConfigError(
-                    [
-                        f"run_name: run {run!r} was trained on shard set {before}, and this "
-                        f"config makes {shards.cache_key} (the data, tokenizer or "
-                        "sharding changed); resuming would change the data under the "
-                        "run: choose a new run_name."
-                    ]
-                )
+            seen = _same_data_per_source(run, store.read_json(pinned), shards)
     store.write_bytes(key, config.to_json().encode())
-    store.copy(join(shards.key, TOKENIZER_FILE), run_file_key(run, TOKENIZER_FILE))
-    store.write_json(run_file_key(run, SHARDS_FILE), shards.as_dict())
+    store.copy(join(shards.sets[0].key, TOKENIZER_FILE), run_file_key(run, TOKENIZER_FILE))
+    seen.update({s.name: s.cache_key for s in shards.sets})
+    store.write_json(run_file_key(run, SHARDS_FILE), {**shards.as_dict(), "seen": seen})
     if getattr(config.model, "init_from", None):  # what an export needs of the base, kept with the run
         pin_base_files(store, run, config.model.init_from, config.storage.storage_options)
     return store.url(key)
+
+
+def _same_data_per_source(run: str, before: dict, shards: DataShards) -> dict[str, str]:
+    """A run's mixture may change between its flow runs (sources added, removed or reweighted),
+    but a source it trained on keeps its shard set: the same name with other shards (its data,
+    the tokenizer or the sharding changed) would change the data under the run. Returns the
+    shard set of every source the run has trained on."""
+    was = dict(before.get("seen") or {})
+    if not was and before.get("cache_key"):  # pinned before mixtures: one source
+        was = {"main": before["cache_key"]}
+    for now in shards.sets:
+        if was.get(now.name, now.cache_key) != now.cache_key:
+            what = "run_name" if now.name == "main" else f"data.sources[{now.name}]"
+            raise ConfigError(
+                [
+                    f"{what}: run {run!r} was trained on shard set {was[now.name]}"
+                    f"{'' if now.name == 'main' else f' for source {now.name!r}'}, and this config makes "
+                    f"{now.cache_key} (the data, tokenizer or sharding changed); resuming would change "
+                    "the data under the run: choose a new run_name"
+                    f"{'' if now.name == 'main' else ', or give the changed source a new name'}."
+                ]
+            )
+    return was
 
 
 def pin_base_files(store: Store, run: str, init_from: str, options: dict) -> None:

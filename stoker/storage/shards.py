@@ -20,7 +20,7 @@ import json
 import os
 import uuid
 
-from stoker.core.failures import DataError
+from stoker.core.failures import DataError, ShardsDamaged
 from stoker.storage.cache import checked_in_place, host_lock, verified_copy
 from stoker.storage.manifest import (
     INVALID_MARKER,
@@ -54,6 +54,11 @@ def shard_cache_key(dataset_fingerprint: str, tokenizer_sha256: str, params: dic
 
 def shard_set_key(cache_key: str) -> str:
     return join("shards", cache_key)
+
+
+def shard_set_name(key: str) -> str:
+    """The cache key of a shard set's key (shards/{cache key})."""
+    return key.rstrip("/").rsplit("/", 1)[-1]
 
 
 def validate_shard_set(store: Store, cache_key: str, deep: bool = False) -> Verdict:
@@ -126,7 +131,7 @@ def materialize(store: Store, cache_key: str, cache_dir: str) -> str:
             )
         why = invalid_reason(store, folder)
         if why is not None:
-            raise DataError(
+            raise ShardsDamaged(
                 f"shard set {store.url(folder)} is marked invalid by a host that read "
                 f"it ({why}); run the data stage again to rebuild it"
             )
@@ -146,7 +151,7 @@ def materialize(store: Store, cache_key: str, cache_dir: str) -> str:
 
 def _damaged(store: Store, folder: str, problem: str):
     mark_invalid(store, folder, problem)
-    raise DataError(
+    raise ShardsDamaged(
         f"shard set {store.url(folder)} is damaged: {problem}; it is marked invalid "
         f"({INVALID_MARKER}), so running the data stage again rebuilds it"
     )

@@ -258,20 +258,15 @@ def holds_dataset(store: Store, info: DatasetInfo) -> bool:
     return committed_dataset(store, info.fingerprint) is not None
 
 
-def tokenizer_recipe(dataset_fingerprint: str, cfg) -> str:
-    """The folder name of a trained tokenizer (as data.prepare.train_tokenizer names it)."""
-    return hashlib.sha256(
-        json.dumps([dataset_fingerprint, cfg.vocab_size, cfg.min_frequency, cfg.eot_token]).encode()
-    ).hexdigest()[:24]
-
-
 def tokenizer_key(store: Store, parameters: dict) -> str | None:
-    """train_tokenizer: the trained tokenizer's recipe (tokenizers/{recipe}/). A tokenizer.path
-    is loaded each time (no key)."""
-    dataset, cfg = parameters["dataset"], parameters["tokenizer"]
-    if cfg.path:
+    """train_tokenizer: the trained tokenizer's recipe (tokenizers/{recipe}/, as
+    data.prepare.tokenizer_recipe names it). A tokenizer.path is loaded each time (no key)."""
+    from stoker.data.prepare import kept_tokenizer, tokenizer_recipe
+
+    datasets, cfg = parameters["datasets"], parameters["tokenizer"]
+    if cfg.path or kept_tokenizer(store, parameters.get("run"), datasets, cfg):
         return None
-    return f"{tokenizer_recipe(dataset.fingerprint, cfg)}-{digest(result_shape(TokenizerInfo))}"
+    return f"{tokenizer_recipe(datasets, cfg)}-{digest(result_shape(TokenizerInfo))}"
 
 
 def holds_tokenizer(store: Store, info: TokenizerInfo) -> bool:

@@ -8,9 +8,13 @@ returns the stored result with cache_hit=True; from a deleted store, the task bu
 
 from __future__ import annotations
 
+import dataclasses
+
 from prefect import get_run_logger
 
 from stoker.core.config import DataConfig, RayConfig, StorageConfig, TokenizerConfig
+from stoker.core.config.sections import DEFAULT_SOURCE_NAME
+from stoker.core.failures import DataError
 from stoker.core.results import DatasetInfo, ShardInfo, TokenizerInfo
 from stoker.data import prepare
 from stoker.observe.report import vocabulary_note
@@ -37,15 +41,22 @@ def _store(storage: StorageConfig) -> Store:
     timeout_seconds=3600,
     cache=StoreCache(content_key=dataset_key, holds=holds_dataset),
 )
-def download_dataset(data: DataConfig, storage: StorageConfig) -> DatasetInfo:
+def download_dataset(data: DataConfig, storage: StorageConfig, name: str = DEFAULT_SOURCE_NAME) -> DatasetInfo:
     """Copy the raw source into {root}/datasets/{fingerprint}/ (no copy when present).
 
     Transient network failures are retried inside (with backoff) and then by this task;
-    a missing object, a wrong field or undecodable data fails at once (DataError)."""
-    info = prepare.download_dataset(data, _store(storage))
+    a missing object, a wrong field or undecodable data fails at once (DataError), naming
+    the source of data.sources it is about (`name`)."""
+    try:
+        info = prepare.download_dataset(data, _store(storage))
+    except DataError as err:
+        if name == DEFAULT_SOURCE_NAME:
+            raise
+        raise DataError(str(err).replace("data.", f"data.sources[{name}].", 1)) from None
     logger = get_run_logger()
     logger.info(
-        "dataset %s: %d documents, %.1f MB (%s)",
+        "dataset%s %s: %d documents, %.1f MB (%s)",
+        "" if name == DEFAULT_SOURCE_NAME else f" of source {name!r}",
         info.fingerprint,
         info.num_docs,
         info.num_bytes / 1e6,
@@ -64,9 +75,12 @@ def download_dataset(data: DataConfig, storage: StorageConfig) -> DatasetInfo:
     timeout_seconds=3600,
     cache=StoreCache(content_key=tokenizer_key, holds=holds_tokenizer),
 )
-def train_tokenizer(dataset: DatasetInfo, tokenizer: TokenizerConfig, storage: StorageConfig) -> TokenizerInfo:
-    """Train a byte-level BPE on the corpus, or load the given tokenizer.json."""
-    info = prepare.train_tokenizer(dataset, tokenizer, _store(storage))
+def train_tokenizer(
+    datasets: list[DatasetInfo], tokenizer: TokenizerConfig, storage: StorageConfig, run: str | None = None
+) -> TokenizerInfo:
+    """Train a byte-level BPE on the corpus (every source's, for a mixture), or load the given
+    tokenizer.json; a run that trained its own keeps it when its data changes (`run`)."""
+    info = prepare.train_tokenizer(datasets, tokenizer, _store(storage), run=run)
     logger = get_run_logger()
     logger.info(
         "tokenizer %s: vocab %d (%s)",
@@ -91,6 +105,7 @@ def tokenize_and_shard(
     data: DataConfig,
     storage: StorageConfig,
     ray: RayConfig | None = None,
+    name: str = DEFAULT_SOURCE_NAME,
 ) -> ShardInfo:
     """Tokenize once into shards keyed by content; a valid shard set is reused as is.
     data.num_workers worker processes share the work, or with data.engine 'ray' Ray tasks on
@@ -101,11 +116,12 @@ def tokenize_and_shard(
     else:
         where = f"up to {data.resolved_workers()} worker process(es)"
     get_run_logger().info(
-        "shards %s: %d train / %d val tokens, %s (%s)",
+        "shards%s %s: %d train / %d val tokens, %s (%s)",
+        "" if name == DEFAULT_SOURCE_NAME else f" of source {name!r}",
         info.cache_key,
         info.num_train_tokens,
         info.num_val_tokens,
         info.dtype,
         "cache hit, no tokenization" if info.cache_hit else f"tokenized, {where}",
     )
-    return info
+    return dataclasses.replace(info, name=name)

@@ -80,19 +80,7 @@ def run_evaluation(
             transient=transient,
             reason="evaluation",
         )
-    e = done[-1]
-    return EvalResult(
-        checkpoint_uri=e.checkpoint,
-        step=e.step,
-        val_loss=e.val_loss,
-        val_ppl=e.val_ppl,
-        windows=e.windows,
-        seconds=time.monotonic() - t0,
-        bits_per_byte=e.bits_per_byte,
-        mc_accuracy=e.mc_accuracy,
-        mc_accuracy_norm=e.mc_accuracy_norm,
-        num_mc_items=e.num_mc_items,
-    )
+    return EvalResult.of_event(done[-1], seconds=time.monotonic() - t0)
 
 
 def _unpin_cached(parameters: dict) -> None:

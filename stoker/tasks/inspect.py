@@ -10,6 +10,7 @@ import re
 from stoker.core.config import RunConfig
 from stoker.core.failures import ConfigError
 from stoker.observe.ledger import deployment_ledgers, duration, ledger_line, ledger_rows, run_ledgers, sum_ledgers
+from stoker.observe.report import mix_history, mix_summary
 from stoker.storage.bases import base_summary
 from stoker.storage.checkpoints import first_nonfinite_step, list_checkpoints, numerics_problem, validate_checkpoint
 from stoker.storage.layout import CONFIG_FILE, METRICS_FILE, parse_checkpoint_url, run_file_key
@@ -87,6 +88,7 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
             "metrics": store.exists(run_file_key(run, METRICS_FILE)),
             "ended": run_ending(store, run),
             **_ledger_columns(store, run),
+            "data": mix_summary(mix_history(store, run)) or None,
         }
         try:
             cfg = RunConfig.model_validate_json(store.read_bytes(run_file_key(run, CONFIG_FILE)))

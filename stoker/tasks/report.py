@@ -10,7 +10,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from stoker.core.config import RunConfig
-from stoker.core.results import EvalResult, PipelineResult, ResumePoint, ShardInfo, TrainingResult
+from stoker.core.results import DataShards, EvalResult, PipelineResult, ResumePoint, TrainingResult
 from stoker.observe.ledger import (
     FlowTimes,
     compute_ledger,
@@ -22,12 +22,19 @@ from stoker.observe.ledger import (
 )
 from stoker.observe.report import (
     LOSS_CURVE_FILE,
+    MIX_PLOT_FILE,
     checkpoint_rows,
     loss_curve_png,
+    mix_history,
+    mix_markdown,
+    mix_png,
+    mixture_plan,
     report_markdown,
     rounded,
+    rounded_sources,
     run_history,
     slug,
+    source_rows,
     throughput_summary,
 )
 from stoker.storage.checkpoints import list_checkpoints
@@ -46,7 +53,7 @@ def artifact_key(run: str, what: str) -> str:
 
 @stoker_task(name="report")
 def report(
-    config: RunConfig, shards: ShardInfo, resume: ResumePoint, training: TrainingResult, evaluation: EvalResult | None
+    config: RunConfig, shards: DataShards, resume: ResumePoint, training: TrainingResult, evaluation: EvalResult | None
 ) -> PipelineResult:
     """Summarize the run for the UI (artifacts) and for the caller (PipelineResult)."""
     started = time.time()
@@ -92,6 +99,25 @@ def report(
             f"![loss curve of {run}](data:image/png;base64,{base64.b64encode(png).decode()})\n\n"
             f"(also `{store.url(run_file_key(run, LOSS_CURVE_FILE))}`)\n"
         )
+    mix = ""
+    if shards.is_mixture:
+        history = mix_history(store, run)
+        sources = source_rows(shards, history, evaluation)
+        result.sources = sources
+        plot = ""
+        if history:
+            png = mix_png(history, f"{run}: data mixture")
+            store.write_bytes(run_file_key(run, MIX_PLOT_FILE), png)
+            plot = (
+                f"![data mixture of {run}](data:image/png;base64,{base64.b64encode(png).decode()})\n\n"
+                f"(also `{store.url(run_file_key(run, MIX_PLOT_FILE))}`)\n"
+            )
+        mix = mix_markdown(sources, plot, mixture_plan(config, shards, store))
+        create_table_artifact(
+            rounded_sources(sources),
+            key=artifact_key(run, "sources"),
+            description=f"the data mixture of {run}: per source, what it trained on and its validation losses",
+        )
     ledger, deployment_total = flow_run_ledger(config, store, started, evaluation)
     result.ledger = ledger
     nothing_trained = training.final_step == resume.step
@@ -112,6 +138,7 @@ def report(
             config.tokenizer.vocab_size,
             ledger=ledger,
             deployment_total=deployment_total,
+            mix=mix,
         ),
     )
     return result

@@ -12,12 +12,12 @@ from prefect.runtime import flow_run, task_run
 from stoker import preflight
 from stoker.core import events
 from stoker.core.config import ConfigError, RunConfig, StorageConfig
-from stoker.core.results import ResumePoint, ShardInfo, TrainingResult
+from stoker.core.results import DataShards, ResumePoint, TrainingResult
 from stoker.core.token_bytes import bits_per_byte_problem
 from stoker.launch import make_launcher
 from stoker.launch.attempts import launch_attempt
 from stoker.launch.monitor import TrainingMonitor
-from stoker.observe.report import rounded
+from stoker.observe.report import mixture_plan, rounded
 from stoker.observe.sinks import open_sinks
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.layout import TOKENIZER_FILE
@@ -77,16 +77,21 @@ def validate_config(config: RunConfig) -> RunConfig:
 
 
 @stoker_task(name="write_run_config", retries=3, timeout_seconds=600)
-def write_run_config(config: RunConfig, shards: ShardInfo) -> str:
+def write_run_config(config: RunConfig, shards: DataShards) -> str:
     """Pin config.json, the tokenizer and the shard set in the run folder; return the config
     URL. First, what needs the shards' tokenizer: with 'bpb' in eval.sets, that its tokens can
     be counted in bytes exactly (a base's tokenizer may not), else one ConfigError before launch."""
     store = _store(config.storage)
     if "bpb" in config.eval.sets:
-        problem = bits_per_byte_problem(store.read_bytes(join(shards.key, TOKENIZER_FILE)), shards.vocab_size)
+        problem = bits_per_byte_problem(store.read_bytes(join(shards.sets[0].key, TOKENIZER_FILE)), shards.vocab_size)
         if problem:
             raise ConfigError([problem])
-    return pin_run_folder(store, config, shards)
+    url = pin_run_folder(store, config, shards)
+    if shards.is_mixture:
+        logger = get_run_logger()
+        for line in mixture_plan(config, shards, store):
+            logger.info("data mixture: %s", line)
+    return url
 
 
 @stoker_task(name="find_resume_checkpoint", retries=3, timeout_seconds=3600)
@@ -115,7 +120,7 @@ def _resume_point(config: RunConfig) -> ResumePoint:
 
 
 @stoker_task(name="launch_training", retry_delay_seconds=5)
-def launch_training(config: RunConfig, config_url: str, shards: ShardInfo, resume: ResumePoint) -> TrainingResult:
+def launch_training(config: RunConfig, config_url: str, shards: DataShards, resume: ResumePoint) -> TrainingResult:
     """Launch the gang (launch.launcher), stream every rank's log, stop it on any exit path.
     Retries (launch.max_attempts, set by the flow from the config) first look again for the
     newest valid checkpoint; the time limit is launch.timeout_seconds, kept by the launcher."""

@@ -21,8 +21,10 @@ from tokenizers import Tokenizer
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from stoker.core import events
+from stoker.core.config.sections import DEFAULT_SOURCE_NAME
+from stoker.core.results import parse_shards_arg
 from stoker.storage.checkpoints import COMMIT_FILE, rehydrate
-from stoker.storage.shards import TOKENIZER_FILE, materialize
+from stoker.storage.shards import TOKENIZER_FILE, materialize, shard_set_name
 from stoker.storage.store import Store, default_cache_dir
 from stoker.training.checkpoint import load_checkpoint
 from stoker.training.data import TokenStream, eval_offsets, get_batch
@@ -46,14 +48,17 @@ def evaluate_checkpoint(
     cfg,
     store: Store,
     checkpoint_key: str,
-    shard_dir: str,
+    shard_dirs: dict[str, str] | str,
     cache_dir: str,
     max_windows: int = 256,
     batch_size: int = 16,
     device: torch.device | None = None,
 ) -> events.Evaluated:
     """Evaluate one checkpoint on the sets of cfg.eval.sets (see held_out_scores and
-    multiple_choice_scores)."""
+    multiple_choice_scores). A mixture's sources (shard_dirs: one folder per source) are
+    scored each on its own validation split; val_loss and bits_per_byte are their means."""
+    if isinstance(shard_dirs, str):
+        shard_dirs = {DEFAULT_SOURCE_NAME: shard_dirs}
     folder = rehydrate(
         store,
         checkpoint_key,
@@ -62,30 +67,50 @@ def evaluate_checkpoint(
     )
     with open(os.path.join(folder, COMMIT_FILE)) as f:
         manifest = json.load(f)
-    val = TokenStream(shard_dir, "val")
+    vals = {name: TokenStream(d, "val") for name, d in shard_dirs.items()}
+    first = next(iter(shard_dirs.values()))
     device = device or default_device()
     engine = Engine.resolve(cfg, device, training=False)  # for its precision
-    model = build_model(cfg.model, val.vocab_size, seed=None).to(device)  # every weight is loaded
+    vocab_size = next(iter(vals.values())).vocab_size
+    model = build_model(cfg.model, vocab_size, seed=None).to(device)  # every weight is loaded
     load_checkpoint(folder, model=model)
     model.eval()
     sets = set(cfg.eval.sets)
-    tokenizer = Tokenizer.from_file(os.path.join(shard_dir, TOKENIZER_FILE)) if sets - {"loss"} else None
-    held = held_out_scores(
-        model, val, cfg.model.block_size, max_windows, batch_size, engine, tokenizer if "bpb" in sets else None
-    )
+    tokenizer = Tokenizer.from_file(os.path.join(first, TOKENIZER_FILE)) if sets - {"loss"} else None
+    scored = {
+        name: held_out_scores(
+            model, val, cfg.model.block_size, max_windows, batch_size, engine, tokenizer if "bpb" in sets else None
+        )
+        for name, val in vals.items()
+    }
+    loss = sum(h.loss for h in scored.values()) / len(scored)
+    bpbs = [h.bits_per_byte for h in scored.values()]
+    bpb = None if any(b is None for b in bpbs) else sum(bpbs) / len(bpbs)
+    windows = sum(h.num_tokens for h in scored.values()) // cfg.model.block_size
+    per_source = None
+    if cfg.data.is_mixture():
+        per_source = {
+            name: {
+                "val_loss": round(h.loss, 6),
+                "bits_per_byte": None if h.bits_per_byte is None else round(h.bits_per_byte, 6),
+                "windows": h.num_tokens // cfg.model.block_size,
+            }
+            for name, h in scored.items()
+        }
     mc = None
     if "multiple_choice" in sets:
         mc = multiple_choice_scores(model, tokenizer, cfg.model.block_size, cfg.eval.multiple_choice_items, engine)
     return events.Evaluated(
         checkpoint=store.url(checkpoint_key),
         step=manifest["step"],
-        val_loss=held.loss,
-        val_ppl=math.exp(min(held.loss, 50)),
-        windows=held.num_tokens // cfg.model.block_size,
-        bits_per_byte=held.bits_per_byte,
+        val_loss=loss,
+        val_ppl=math.exp(min(loss, 50)),
+        windows=windows,
+        bits_per_byte=bpb,
         mc_accuracy=mc.accuracy if mc else None,
         mc_accuracy_norm=mc.accuracy_norm if mc else None,
         num_mc_items=len(mc.labels) if mc else None,
+        sources=per_source,
     )
 
 
@@ -141,12 +166,14 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     cfg = read_config(args.config)
     store = Store(cfg.storage.root, cfg.storage.storage_options)
-    shard_dir = materialize(store, args.shards.rsplit("/", 1)[-1], args.cache_dir)
+    shard_dirs = {
+        name: materialize(store, shard_set_name(key), args.cache_dir) for name, key in parse_shards_arg(args.shards)
+    }
     result = evaluate_checkpoint(
         cfg,
         store,
         args.checkpoint,
-        shard_dir,
+        shard_dirs,
         args.cache_dir,
         args.max_windows,
         device=torch.device(args.device) if args.device else None,

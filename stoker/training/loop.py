@@ -26,12 +26,13 @@ import torch.distributed as dist
 
 from stoker.core import events
 from stoker.core.config import RunConfig
+from stoker.core.config.sections import DEFAULT_SOURCE_NAME
 from stoker.core.failures import CheckpointInvalid
 from stoker.storage.checkpoints import find_latest_valid, mark_invalid, rehydrate
 from stoker.storage.store import Store
 from stoker.storage.uploader import CheckpointUploader
 from stoker.training.checkpoint import Checkpointer, agree_on_checkpoint, load_checkpoint, seed_rank_rngs
-from stoker.training.data import Batches, TokenStream, eval_offsets, get_batch
+from stoker.training.data import Batches, TokenStream, TrainWindows, eval_offsets, get_batch
 from stoker.training.distributed import Preempted, RankInfo, StopRequest, all_ranks_agree, mean_over_ranks
 from stoker.training.engine import (
     Engine,
@@ -64,23 +65,28 @@ class Trainer:
         self,
         cfg: RunConfig,
         ranks: RankInfo,
-        shard_dir: str,
+        shard_dirs: dict[str, str] | str,
         store: Store,
         shard_key: str = "",
         cache_dir: str = "/tmp/stoker-cache",
         from_base: bool = False,
     ):
-        """from_base: the run starts from its base model (start_from_base follows), so the
-        model is built without random initial values."""
+        """shard_dirs: each source's local shard folder (one folder: data.source). from_base:
+        the run starts from its base model (start_from_base follows), so the model is built
+        without random initial values."""
         self.cfg, self.ranks, self.store, self.shard_key = cfg, ranks, store, shard_key
         self.cache_dir = cache_dir
         self.run_name = cfg.resolved_run_name()
         configure_backends(cfg, ranks.device)
         self.engine = Engine.resolve(cfg, ranks.device)
-        self.train_data = TokenStream(shard_dir, "train")
-        self.val_data = TokenStream(shard_dir, "val")
+        if isinstance(shard_dirs, str):
+            shard_dirs = {DEFAULT_SOURCE_NAME: shard_dirs}
+        self.windows = TrainWindows.of_run(cfg, {n: TokenStream(d, "train") for n, d in shard_dirs.items()})
+        self.val_data = {n: TokenStream(shard_dirs[n], "val") for n in self.windows.names}
+        self.mixture = cfg.data.is_mixture()
+        self.end_step, self.warn_at = self._epoch_limits()
         self.raw_model, self.model = build_model(
-            cfg, self.train_data.vocab_size, self.engine, ranks.world_size, init=not from_base
+            cfg, self.windows.streams[0].vocab_size, self.engine, ranks.world_size, init=not from_base
         )
         self.optimizer = build_optimizer(cfg, self.raw_model, self.engine)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_multiplier(s, cfg))
@@ -128,13 +134,10 @@ class Trainer:
             group=ckpt_group,
         )
         self.batches = Batches(
-            self.train_data,
-            block_size=cfg.model.block_size,
+            self.windows,
             micro_batch=cfg.train.micro_batch_size,
-            seed=cfg.train.seed,
             rank=ranks.rank,
             accum=cfg.grad_accum_steps,
-            world_size=ranks.world_size,
             device=ranks.device,
             prefetch=self.engine.prefetch,
         )
@@ -143,6 +146,23 @@ class Trainer:
         self.throughput = Throughput(
             cfg, ranks, self.flops_per_token, self.peak_flops, lambda: self.batches.wait_seconds
         )
+
+    def _epoch_limits(self) -> tuple[int, dict[int, list[tuple[str, float]]]]:
+        """The step the run ends at (train.max_steps, or sooner where a source's max_epochs
+        says 'stop') and the steps at which a 'warn' source goes past its limit."""
+        max_steps, end, warn = self.cfg.train.max_steps, self.cfg.train.max_steps, {}
+        self.stops_for: tuple[str, float] | None = None
+        for i, source in enumerate(self.cfg.data.sources):
+            if source.max_epochs is None:
+                continue
+            last = self.windows.mixture.last_step_within(i, source.max_epochs, max_steps)
+            if last >= max_steps:
+                continue
+            if source.at_max_epochs == "stop" and last < end:
+                end, self.stops_for = last, (source.name, source.max_epochs)
+            elif source.at_max_epochs == "warn":
+                warn.setdefault(last + 1, []).append((source.name, source.max_epochs))
+        return end, warn
 
     # ---- state ---------------------------------------------------------------------
     def resume(self, checkpoint_key: str) -> None:
@@ -298,16 +318,22 @@ class Trainer:
         raise Preempted(f"stopped by SIGTERM at step {self.step}")
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean validation loss over fixed windows, split across ranks."""
+    def evaluate(self) -> tuple[float, dict[str, float] | None]:
+        """Mean validation loss over fixed windows of each source's validation split, split
+        across ranks: (the mean over sources, each source's loss, or None for one source)."""
+        losses = {name: self._evaluate(val) for name, val in self.val_data.items()}
+        mean = sum(losses.values()) / len(losses)
+        return mean, (losses if self.mixture else None)
+
+    def _evaluate(self, val: TokenStream) -> float:
         cfg, r = self.cfg, self.ranks
         micro, T = cfg.train.micro_batch_size, cfg.model.block_size
-        offsets = eval_offsets(self.val_data.num_tokens, T, cfg.eval.num_batches * micro * r.world_size)
+        offsets = eval_offsets(val.num_tokens, T, cfg.eval.num_batches * micro * r.world_size)
         mine = offsets[r.rank :: r.world_size]
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=r.device)
         for i in range(0, len(mine), micro):
-            x, y = get_batch(self.val_data, T, mine[i : i + micro])
+            x, y = get_batch(val, T, mine[i : i + micro])
             with self.engine.autocast():
                 # the step's module: under FSDP2 only it gathers the sharded parameters
                 _, loss = self.model(x.to(r.device), y.to(r.device))
@@ -316,6 +342,17 @@ class Trainer:
         if r.is_dist:
             dist.all_reduce(sums)  # group: world; sum loss and window counts over ranks
         return float(sums[0] / sums[1])
+
+    def _log_eval(self, step: int, val: float, sources: dict | None, seconds: float) -> None:
+        self.metrics.log(
+            events.Eval(
+                step=step,
+                val_loss=val,
+                val_ppl=math.exp(min(val, 50)),
+                seconds=round(seconds, 4),
+                sources={n: round(v, 6) for n, v in sources.items()} if sources else None,
+            )
+        )
 
     def fit(self) -> dict:
         failed = True
@@ -338,14 +375,18 @@ class Trainer:
     def _fit(self) -> dict:
         cfg = self.cfg
         t_start = time.time()
+        end = self.end_step
         if self.step == 0:
             t_eval = time.perf_counter()
-            val = self.evaluate()
-            seconds = round(time.perf_counter() - t_eval, 4)
-            self.metrics.log(events.Eval(step=0, val_loss=val, val_ppl=math.exp(min(val, 50)), seconds=seconds))
+            val, sources = self.evaluate()
+            self._log_eval(0, val, sources, time.perf_counter() - t_eval)
         last_val = None
         self.throughput.restart(self.step)
-        while self.step < cfg.train.max_steps:
+        if self.step < end < cfg.train.max_steps:
+            name, limit = self.stops_for
+            epochs = self.windows.seen(end)[name]["epochs"]
+            self.metrics.log(events.EpochLimit(step=end, source=name, epochs=epochs, max_epochs=limit, action="stop"))
+        while self.step < end:
             if self.stop.agreed():
                 self._stop_early()
             if settles_before(self.step + 1):
@@ -354,7 +395,10 @@ class Trainer:
             loss = self.train_step()
             s = self.step
             self.metrics.log(events.Step(step=s))  # the launcher's hang watchdog
-            log_step = s % cfg.train.log_interval == 0 or s == 1 or s == cfg.train.max_steps
+            for name, limit in self.warn_at.get(s, []):
+                epochs = self.windows.seen(s)[name]["epochs"]
+                self.metrics.log(events.EpochLimit(step=s, source=name, epochs=epochs, max_epochs=limit, action="warn"))
+            log_step = s % cfg.train.log_interval == 0 or s == 1 or s == end
             if log_step and not self.skipped_last:  # a skipped step's NaN is told by its NonFinite
                 mean = mean_over_ranks(loss, self.ranks)  # the one host sync of a log step
                 self.numerics.raise_if_bad(s)  # before a NaN loss is logged as if all were well
@@ -364,23 +408,20 @@ class Trainer:
                         loss=mean,
                         lr=self.scheduler.get_last_lr()[0],
                         tokens_seen=self.tokens_seen,
+                        sources=self.windows.seen(s) if self.mixture else None,
                         **self.throughput.since_mark(s),
                     )
                 )
                 self.throughput.restart(s)
-            if s % cfg.eval.interval_steps == 0 or s == cfg.train.max_steps:
+            if s % cfg.eval.interval_steps == 0 or s == end:
                 self.numerics.raise_if_bad(s)  # evaluation syncs anyway: no NaN val loss reported
                 t_eval = time.perf_counter()
-                last_val = self.evaluate()
+                last_val, sources = self.evaluate()
                 seconds = time.perf_counter() - t_eval
-                self.metrics.log(
-                    events.Eval(
-                        step=s, val_loss=last_val, val_ppl=math.exp(min(last_val, 50)), seconds=round(seconds, 4)
-                    )
-                )
+                self._log_eval(s, last_val, sources, seconds)
                 # throughput is of training: the evaluation's time is left out of the interval
                 self.throughput.leave_out(seconds)
-            if s % cfg.checkpoint.interval_steps == 0 or s == cfg.train.max_steps:
+            if s % cfg.checkpoint.interval_steps == 0 or s == end:
                 t_save = time.perf_counter()
                 self.save()
                 self.throughput.checkpoint(time.perf_counter() - t_save)  # the ledger's checkpoint stall

@@ -28,9 +28,10 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from stoker.core import events, lifeline
 from stoker.core.config import RunConfig
 from stoker.core.failures import RankAborted, is_transient
+from stoker.core.results import parse_shards_arg
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.runs import read_config
-from stoker.storage.shards import materialize
+from stoker.storage.shards import materialize, shard_set_name
 from stoker.storage.store import Store, default_cache_dir
 from stoker.training.distributed import setup_distributed, stop_already_asked, stop_grace_seconds
 from stoker.training.loop import Trainer
@@ -118,7 +119,6 @@ def run_rank(config_url: str, shards: str, resume_from: str | None, cache_dir: s
     """One rank's whole run, under any launcher: join the process group (torchrun's or Ray's),
     load the shards once per host, resume (a restart round from the newest valid checkpoint,
     else from `resume_from`), train."""
-    shard_key = shards.rstrip("/").rsplit("/", 1)[-1]
     cfg = read_config(config_url)
     ranks = setup_distributed(cfg)
     restarted = any_rank_restarted(restarted)
@@ -127,9 +127,11 @@ def run_rank(config_url: str, shards: str, resume_from: str | None, cache_dir: s
     # resume owns the weights once any checkpoint is committed; with none (a restart before
     # the first one included), a run with a base starts from the base, never from random weights
     from_base = not resume and bool(cfg.model.init_from)
-    trainer = Trainer(
-        cfg, ranks, materialize(store, shard_key, cache_dir), store, shard_key, cache_dir=cache_dir, from_base=from_base
-    )
+    named = [(name, shard_set_name(key)) for name, key in parse_shards_arg(shards)]
+    shard_dirs = {name: materialize(store, cache_key, cache_dir) for name, cache_key in named}
+    # the checkpoints name the data: the shard set's cache key, or name=cache key per source
+    shard_key = named[0][1] if "=" not in shards else ",".join(f"{n}={k}" for n, k in named)
+    trainer = Trainer(cfg, ranks, shard_dirs, store, shard_key, cache_dir=cache_dir, from_base=from_base)
     if resume:
         trainer.resume(resume)
     elif from_base:
@@ -191,7 +193,11 @@ def _same_gang(pid: int) -> bool:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train one rank of a stoker run.")
     p.add_argument("--config", required=True, help="URL or path of the run's config.json")
-    p.add_argument("--shards", required=True, help="shard-set key under the store root (shards/<key>)")
+    p.add_argument(
+        "--shards",
+        required=True,
+        help="shard-set key under the store root (shards/<key>), or name=key,... per source of a mixture",
+    )
     p.add_argument("--resume-from", default=None, help="checkpoint key under the store root")
     p.add_argument("--cache-dir", default=default_cache_dir())
     return p.parse_args(argv)

@@ -243,7 +243,7 @@ def test_a_run_refuses_other_data_or_another_model_before_launch(tmp_path):
     """Resuming may change the world size, parallelism or micro-batch, never the tensor
     shapes or the data: the run folder refuses both with a clear error before anything runs."""
     from stoker.core.config import load_config
-    from stoker.core.results import ShardInfo
+    from stoker.core.results import DataShards, ShardInfo
     from stoker.storage.runs import pin_run_folder
     from tests.conftest import tiny_dict
 
@@ -251,7 +251,7 @@ def test_a_run_refuses_other_data_or_another_model_before_launch(tmp_path):
     store.write_bytes("shards/aaa/tokenizer.json", b"{}")
     store.write_bytes("shards/bbb/tokenizer.json", b"{}")
 
-    def shards(key):
+    def one(key, name="main"):
         return ShardInfo(
             cache_key=key,
             key=f"shards/{key}",
@@ -261,7 +261,11 @@ def test_a_run_refuses_other_data_or_another_model_before_launch(tmp_path):
             num_val_tokens=1,
             vocab_size=384,
             dtype="uint16",
+            name=name,
         )
+
+    def shards(key):
+        return DataShards([one(key)])
 
     cfg = load_config(tiny_dict(store.root, run_name="pinned"))
     pin_run_folder(store, cfg, shards("aaa"))
@@ -280,6 +284,12 @@ def test_a_run_refuses_other_data_or_another_model_before_launch(tmp_path):
     wider = load_config(tiny_dict(store.root, run_name="pinned", model={"n_embd": 64}))
     with pytest.raises(ConfigError, match="already holds a different model"):
         pin_run_folder(store, wider, shards("aaa"))
+    # a mixture's run: sources may be added or dropped; a source keeps its shard set
+    mixed = load_config(tiny_dict(store.root, run_name="mixed"))
+    pin_run_folder(store, mixed, DataShards([one("aaa", "web"), one("ccc", "docs")], mixture=True))
+    pin_run_folder(store, mixed, DataShards([one("aaa", "web"), one("ddd", "code")], mixture=True))
+    with pytest.raises(ConfigError, match=r"data.sources\[docs\]: run 'mixed' was trained on shard set ccc"):
+        pin_run_folder(store, mixed, DataShards([one("aaa", "web"), one("eee", "docs")], mixture=True))
 
 
 def test_a_damaged_host_cache_copy_of_a_checkpoint_is_dropped_and_fetched_again(s3_root, tmp_path, caplog):

@@ -39,16 +39,17 @@ def test_content_keys_are_the_stores_and_a_record_counts_only_with_its_output(ti
     store, shards = prepare_shards(cfg)
     dataset = prepare.download_dataset(cfg.data, store)
     tok = prepare.train_tokenizer(dataset, cfg.tokenizer, store)
-    params = {"data": cfg.data, "storage": cfg.storage, "dataset": dataset, "tokenizer": tok}
+    params = {"data": cfg.data, "storage": cfg.storage, "dataset": dataset, "datasets": [dataset], "tokenizer": tok}
     [link] = store.walk_files("datasets/by-source")
     assert caching.dataset_key(store, params).startswith(link.removesuffix(".json") + "-")
     recipe = caching.tokenizer_key(store, {**params, "tokenizer": cfg.tokenizer}).split("-")[0]
     assert store.exists(f"tokenizers/{recipe}/tokenizer.json")
     assert caching.shards_key(store, params).startswith(shards.cache_key + "-")
     assert caching.holds_dataset(store, dataset) and caching.holds_tokenizer(store, tok)
-    assert caching.holds_shards(store, shards)
-    store.rm(f"{shards.key}/manifest.json")
-    assert not caching.holds_shards(store, shards)
+    [one] = shards.sets
+    assert caching.holds_shards(store, one)
+    store.rm(f"{one.key}/manifest.json")
+    assert not caching.holds_shards(store, one)
     store.rm("tokenizers")
     assert not caching.holds_tokenizer(store, tok)
     store.rm("datasets")

@@ -80,24 +80,15 @@ def test_the_first_loss_is_the_base_models_own(based):
     """Step 1's loss is the base's loss on step 1's batch: the run trained the base, not random weights."""
     from transformers import AutoModelForCausalLM
 
-    from stoker.training.data import Batches, TokenStream
+    from stoker.training.data import Batches, TokenStream, TrainWindows
 
     cfg, store, shards, _, records, base = based
     hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     stream = TokenStream(store.local_path(shards.key), "train")
+    windows = TrainWindows.one(stream, 32, seed=cfg.train.seed, global_batch=cfg.train.global_batch_size)
     losses = []
     for rank in (0, 1):
-        batches = Batches(
-            stream,
-            block_size=32,
-            micro_batch=2,
-            seed=cfg.train.seed,
-            rank=rank,
-            accum=2,
-            world_size=2,
-            device=torch.device("cpu"),
-            prefetch=False,
-        )
+        batches = Batches(windows, micro_batch=2, rank=rank, accum=2, device=torch.device("cpu"), prefetch=False)
         for micro in range(2):
             x, y = batches.get(0, micro)
             with torch.no_grad():

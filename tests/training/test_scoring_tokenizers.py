@@ -320,7 +320,7 @@ def test_the_flow_refuses_such_a_tokenizer_before_launch_unless_bpb_is_left_out(
     when eval.sets holds 'bpb': one ConfigError with the reason, nothing pinned; without 'bpb'
     the run is pinned."""
     from stoker.core.config import ConfigError, RunConfig
-    from stoker.core.results import ShardInfo
+    from stoker.core.results import DataShards, ShardInfo
     from stoker.storage.store import Store
     from stoker.tasks.training import write_run_config
 
@@ -328,7 +328,7 @@ def test_the_flow_refuses_such_a_tokenizer_before_launch_unless_bpb_is_left_out(
     store = Store(root)
     tok = _wordpiece()
     store.write_bytes("shards/k/tokenizer.json", tok.to_str().encode())
-    shards = ShardInfo("k", "shards/k", store.url("shards/k"), 1, 1, tok.get_vocab_size(), "<u2", False)
+    shards = DataShards([ShardInfo("k", "shards/k", store.url("shards/k"), 1, 1, tok.get_vocab_size(), "<u2", False)])
     cfg = RunConfig.model_validate({"run_name": "wp", "storage": {"root": root}})
     with pytest.raises(ConfigError) as err:
         write_run_config.fn(cfg, shards)

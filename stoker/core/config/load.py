@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from stoker.core.config.problems import field_range, problem_line
 from stoker.core.config.run import RunConfig, _overlaps, _read
@@ -65,6 +65,7 @@ def field_table() -> list[dict]:
                     "default": f.get_default(call_default_factory=True),
                     "description": f.description or "",
                     "families": [family] if family and name != "family" else None,
+                    "annotation": f.annotation,
                 }
         if "family" in seen and len(models) > 1:  # the union's tag first, with every family
             seen["family"]["type"] = " | ".join(repr(m.model_fields["family"].default) for m in models)
@@ -74,7 +75,29 @@ def field_table() -> list[dict]:
             if families and len(families) < len(models):
                 row["description"] = f"[{', '.join(families)}] " + row["description"]
             rows.append(row)
+            rows += _item_rows(row["key"], row.pop("annotation"), type_name)
     return rows
+
+
+def _item_rows(key: str, annotation: Any, type_name) -> list[dict]:
+    """The fields of a list of sections (data.sources[].weight, data.schedule[].at_step)."""
+    import typing
+
+    args = typing.get_args(annotation) if typing.get_origin(annotation) is list else ()
+    if not args or not (isinstance(args[0], type) and issubclass(args[0], BaseModel)):
+        return []
+    out = []
+    for name, f in args[0].model_fields.items():
+        bounds = field_range(f)
+        out.append(
+            {
+                "key": f"{key}[].{name}",
+                "type": type_name(f.annotation) + (f" ({bounds})" if bounds else ""),
+                "default": "(required)" if f.is_required() else f.get_default(call_default_factory=True),
+                "description": f.description or "",
+            }
+        )
+    return out
 
 
 # ---- what only this host can check ---------------------------------------------------------

@@ -59,6 +59,16 @@ def _batch_divides(
     return None
 
 
+def _schedule_within_the_run(schedule: list, max_steps: int) -> PydanticCustomError | None:
+    late = [e.at_step for e in schedule if (e.at_step if hasattr(e, "at_step") else e.get("at_step", 0)) >= max_steps]
+    if late:
+        return _rule(
+            f"changes the weights at step {late[0]}, but the run ends at train.max_steps={max_steps}",
+            f"use at_step below {max_steps}, or raise train.max_steps",
+        )
+    return None
+
+
 def _ids_fit_dtype(token_dtype: str, vocab_size: int) -> PydanticCustomError | None:
     if token_dtype == "uint16" and vocab_size > 65536:
         return _rule(
@@ -82,6 +92,7 @@ _CROSS_SECTION_RULES: list[tuple[_Loc, tuple[_Loc, ...], Callable[..., Any]]] = 
         _batch_divides,
     ),
     (("data", "token_dtype"), (("data", "token_dtype"), ("tokenizer", "vocab_size")), _ids_fit_dtype),
+    (("data", "schedule"), (("data", "schedule"), ("train", "max_steps")), _schedule_within_the_run),
 ]
 
 

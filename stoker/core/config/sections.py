@@ -21,6 +21,7 @@ from pydantic import (
     Field,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -125,6 +126,135 @@ def _no_credentials(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# the one-source shorthand's name (data.source): a run of one source has no per-source metrics
+DEFAULT_SOURCE_NAME = "main"
+# what a source of data.sources may set for itself; unset, it takes the data section's value
+SOURCE_OPTIONS = (
+    "storage_options",
+    "text_field",
+    "hf_name",
+    "hf_split",
+    "hf_revision",
+    "on_decode_error",
+    "max_bytes",
+)
+
+
+def _source_form(source: str) -> str:
+    s = source.strip()
+    if s.startswith("hf:") and not s[3:].strip():
+        raise _rule("'hf:' needs a dataset", "e.g. 'hf:wikitext' or 'hf:/path/to/folder'")
+    if s.startswith("builtin:") and s != BUILTIN_SOURCE:
+        raise _rule("is an unknown built-in corpus", f"use {BUILTIN_SOURCE!r}")
+    problem = _url_problem(s, "the source")
+    if problem is not None:
+        raise problem
+    return source
+
+
+def _options_need_a_url(options: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+    if options is None:
+        return options
+    _no_credentials(options)
+    source = info.data.get("source")
+    if options and source is not None and not _is_url_or_hf(source):
+        raise _rule(f"only used with a URL source, and {source!r} is not one")
+    return options
+
+
+def _only_for_hf(value: str | None, info: ValidationInfo) -> str | None:
+    source = info.data.get("source")
+    if value and source is not None and not source.strip().startswith("hf:"):
+        raise _rule("only applies to 'hf:' sources")
+    return value
+
+
+class SourceConfig(_Section):
+    """One named source of a mixture (data.sources). Its options left unset take the data
+    section's values (data.text_field, data.max_bytes, ...)."""
+
+    name: str = _field(
+        ...,
+        "The source's name: in the metrics (val/NAME/loss, data/NAME/tokens), the schedule and the report.",
+        fix="letters, digits, '_', '.' or '-' (max 64), starting with a letter or digit, e.g. 'web'",
+        pattern=SOURCE_NAME.pattern,
+    )
+    source: NonBlank = _field(
+        ...,
+        "Where this source's raw text comes from: any form data.source takes (a path, glob, "
+        "fsspec URL, 'hf:NAME' or 'builtin:stdlib').",
+        fix="use 'builtin:stdlib', a path or URL to text data, or 'hf:NAME'",
+    )
+    weight: float = _field(
+        1.0,
+        "Its share of the training windows, relative to the other sources' weights (until data.schedule changes it).",
+        fix="a positive number, e.g. 0.7",
+        gt=0,
+        allow_inf_nan=False,
+    )
+    storage_options: dict[str, Any] | None = Field(
+        None,
+        description="fsspec options for a URL source (default: data.storage_options). Never credentials.",
+        json_schema_extra={"fix": "remove them or give the source as a URL"},
+    )
+    text_field: NonBlank | None = _field(None, "Field or column holding the text (default: data.text_field).")
+    hf_name: str | None = _field(None, "Hugging Face configuration name.", fix="remove it or use an 'hf:' source")
+    hf_split: NonBlank | None = _field(None, "Hugging Face split (default: data.hf_split).")
+    hf_revision: str | None = _field(None, "Hub revision of an 'hf:' source.", fix="remove it or use an 'hf:' source")
+    on_decode_error: Literal["fail", "skip"] | None = Field(
+        None, description="A file that is not UTF-8 text (default: data.on_decode_error)."
+    )
+    max_bytes: int | None = _field(
+        None, "Cap on raw bytes taken from this source (0 = no cap; default: data.max_bytes).", ge=0
+    )
+    max_epochs: float | None = _field(
+        None,
+        "Epochs of this source's training windows the run may take (default: no limit; a "
+        "source that runs out starts a new epoch in a new order).",
+        fix="a positive number, e.g. 1, or leave it out",
+        gt=0,
+        allow_inf_nan=False,
+    )
+    at_max_epochs: Literal["stop", "warn"] = Field(
+        "stop",
+        description="When the run would go past max_epochs: 'stop' ends the run (completed, with a "
+        "checkpoint) at the last step within the limit; 'warn' says so once and goes on.",
+    )
+
+    _source_form = field_validator("source")(classmethod(lambda cls, v: _source_form(v)))
+    _options_need_a_url = field_validator("storage_options")(
+        classmethod(lambda cls, v, info: _options_need_a_url(v, info))
+    )
+    _only_for_hf = field_validator("hf_name", "hf_revision")(classmethod(lambda cls, v, info: _only_for_hf(v, info)))
+
+
+class ScheduleEntry(_Section):
+    """From a step on, other weights (data.schedule)."""
+
+    at_step: int = _field(
+        ...,
+        "The weights apply to the steps after this one (0: from the start); below train.max_steps.",
+        fix="a step below train.max_steps, each entry later than the one before",
+        ge=0,
+    )
+    weights: dict[str, float] = Field(
+        ...,
+        description="A weight per source name; a source left out keeps its weight from before.",
+        json_schema_extra={"fix": "name sources of data.sources with positive weights, e.g. {'web': 0.2}"},
+    )
+
+    @field_validator("weights")
+    @classmethod
+    def _positive(cls, weights: dict[str, float]) -> dict[str, float]:
+        if not weights:
+            raise _rule("is empty")
+        for name, w in weights.items():
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not (w > 0 and w < float("inf")):
+                raise _rule(f"gives {name!r} the weight {w!r}, which is not a positive number")
+        return weights
+
+
 class DataConfig(_Section):
     source: NonBlank = _field(
         BUILTIN_SOURCE,
@@ -224,35 +354,85 @@ class DataConfig(_Section):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return 1 if cores <= 2 else cores
 
-    @field_validator("source")
-    @classmethod
-    def _source_form(cls, source: str) -> str:
-        s = source.strip()
-        if s.startswith("hf:") and not s[3:].strip():
-            raise _rule("'hf:' needs a dataset", "e.g. 'hf:wikitext' or 'hf:/path/to/folder'")
-        if s.startswith("builtin:") and s != BUILTIN_SOURCE:
-            raise _rule("is an unknown built-in corpus", f"use {BUILTIN_SOURCE!r}")
-        problem = _url_problem(s, "the source")
-        if problem is not None:
-            raise problem
-        return source
+    sources: list[SourceConfig] = Field(
+        default_factory=list,
+        description="A mixture: named sources, each with its weight and options, e.g. [{name: "
+        "domain, source: ./docs, weight: 0.7}, {name: web, source: 's3://b/web/*.jsonl', weight: "
+        "0.3}]. Each is tokenized into its own cached shard set with the run's one tokenizer. "
+        "Empty: the one source of data.source.",
+        json_schema_extra={"fix": "give each source a name and a source, or use data.source alone"},
+    )
+    schedule: list[ScheduleEntry] = Field(
+        default_factory=list,
+        description="Weight changes of data.sources at given steps, e.g. [{at_step: 900, "
+        "weights: {domain: 0.8, web: 0.2}}] (annealing on the domain for the last 10%).",
+        json_schema_extra={"fix": "entries in step order, each naming sources of data.sources"},
+    )
 
-    @field_validator("storage_options")
-    @classmethod
-    def _options_need_a_url(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        _no_credentials(options)
-        source = info.data.get("source")
-        if options and source is not None and not _is_url_or_hf(source):
-            raise _rule(f"only used with a URL source, and {source!r} is not one")
-        return options
+    _source_form = field_validator("source")(classmethod(lambda cls, v: _source_form(v)))
+    _options_need_a_url = field_validator("storage_options")(
+        classmethod(lambda cls, v, info: _options_need_a_url(v, info))
+    )
+    _only_for_hf = field_validator("hf_name", "hf_revision")(classmethod(lambda cls, v, info: _only_for_hf(v, info)))
 
-    @field_validator("hf_name", "hf_revision")
+    @model_validator(mode="before")
     @classmethod
-    def _only_for_hf(cls, value: str | None, info: ValidationInfo) -> str | None:
-        source = info.data.get("source")
-        if value and source is not None and not source.strip().startswith("hf:"):
-            raise _rule("only applies to 'hf:' sources")
-        return value
+    def _one_form(cls, data: Any) -> Any:
+        # data.source holds its default in any dumped config: only another value contradicts
+        if isinstance(data, dict) and data.get("sources") and data.get("source", BUILTIN_SOURCE) != BUILTIN_SOURCE:
+            raise _rule(
+                "sets both data.source and data.sources",
+                "give data.sources alone (data.source is the one-source shorthand), or data.source alone",
+            )
+        return data
+
+    @field_validator("sources")
+    @classmethod
+    def _names_once(cls, sources: list[SourceConfig], info: ValidationInfo) -> list[SourceConfig]:
+        seen: set[str] = set()
+        for s in sources:
+            if s.name in seen:
+                raise _rule(f"names {s.name!r} twice", "give each source its own name")
+            seen.add(s.name)
+        return sources
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule_names_sources(cls, schedule: list[ScheduleEntry], info: ValidationInfo) -> list[ScheduleEntry]:
+        if schedule and "sources" in info.data and not info.data["sources"]:
+            raise _rule("needs data.sources (a schedule changes the weights of named sources)")
+        names = [s.name for s in info.data.get("sources") or []]
+        last = -1
+        for entry in schedule:
+            if entry.at_step <= last:
+                raise _rule(
+                    f"has at_step {entry.at_step} after at_step {last}",
+                    "list the entries in increasing at_step order, each step once",
+                )
+            last = entry.at_step
+            unknown = sorted(set(entry.weights) - set(names))
+            if names and unknown:
+                raise _rule(
+                    f"at_step {entry.at_step} names {', '.join(map(repr, unknown))}, not a source of data.sources",
+                    f"use the names of data.sources: {', '.join(names)}",
+                )
+        return schedule
+
+    def is_mixture(self) -> bool:
+        return bool(self.sources)
+
+    def source_configs(self) -> list[tuple[str, float, "DataConfig"]]:
+        """(name, weight, the one-source DataConfig that downloads and shards it) per source: the
+        data section's options, each overridden by what the source sets. data.source alone is
+        one source named 'main' of weight 1."""
+        if not self.sources:
+            return [(DEFAULT_SOURCE_NAME, 1.0, self)]
+        out = []
+        for s in self.sources:
+            update = {"source": s.source, "sources": [], "schedule": []}
+            update.update({k: getattr(s, k) for k in SOURCE_OPTIONS if getattr(s, k) is not None})
+            out.append((s.name, s.weight, self.model_copy(update=update)))
+        return out
 
 
 _OBJECT_STORES = ("s3", "gs", "gcs", "az", "abfs", "abfss", "r2")
