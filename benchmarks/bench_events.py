@@ -5,7 +5,7 @@ recipe's model measured in the same run.
 
 Measured, on a real Prefect server (``prefect_test_harness``'s, a subprocess):
 - the stream loop's share: feeding one ``Step`` record to the launch's event sink
-  (``tasks.prefect_events.LaunchEvents.sink``), which most of the time only checks the rate bound;
+  (``orchestration.prefect_events.LaunchEvents.sink``), which most of the time only checks the rate bound;
 - one event's whole cost in the launching process: the process CPU time (every thread: the
   sender thread, ``prefect.events.emit_event``, Prefect's EventsWorker serializing and sending
   it over its websocket) of N events, until Prefect's worker queue is empty, over N;
@@ -64,7 +64,7 @@ def step_seconds(cfg) -> float:
 
 def _launch_events(cfg, root: str, interval: float):
     from stoker.storage.store import Store
-    from stoker.tasks.prefect_events import LaunchEvents
+    from stoker.orchestration.prefect_events import LaunchEvents
 
     cfg = cfg.model_copy(update={"events": cfg.events.model_copy(update={"step_interval_seconds": interval})})
     return LaunchEvents(cfg, 1, Store(root), logging.getLogger("bench"))

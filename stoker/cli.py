@@ -214,7 +214,7 @@ def checked_config(recipe: str, sets: list[str]):
     config = build_config(recipe, **_overrides(sets))
     load = None
     if config.storage.credentials_block and _api_url():
-        from stoker.tasks.credentials import use_store_credentials as load
+        from stoker.orchestration.credentials import use_store_credentials as load
 
         check_api_reachable()
     return preflight.check(config, load_credentials=load)
@@ -443,7 +443,7 @@ def _command(args) -> int:
         serve()
         return 0
     if args.command == "export":  # no flow run: one process that reads the store, writes a folder
-        from stoker.tasks.export import export_checkpoint
+        from stoker.launch.export import export_checkpoint
 
         done = export_checkpoint(args.checkpoint_uri, args.folder)
         print(
@@ -471,7 +471,7 @@ def _command(args) -> int:
 
 def _harness(args) -> int:
     """`stoker harness`: no flow run; one process exports the checkpoint and runs lm-eval."""
-    from stoker.tasks.harness import harness_line, latest_checkpoint_uri, run_harness
+    from stoker.launch.harness import harness_line, latest_checkpoint_uri, run_harness
 
     config = config_from_args(args.recipe, args.set)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks is not None else None
@@ -508,7 +508,7 @@ def print_summary(result) -> None:
     if result.num_attempts > 1:
         print(f"attempts: {result.num_attempts}, steps lost to failures: {result.steps_lost}")
     if result.ledger is not None:
-        from stoker.tasks.inspect import ledger_line
+        from stoker.observe.inspect import ledger_line
 
         print(f"{ledger_line(result.ledger)} (`stoker runs --ledger {result.run_name}`: where it went)")
     elif result.goodput is not None:

@@ -45,7 +45,7 @@ from stoker.storage.runs import store_problem
 from stoker.storage.store import Store
 
 # loads the credentials block a StorageConfig names and puts them in use in this process
-# (tasks.credentials.use_store_credentials); ConfigError naming the field when it cannot
+# (orchestration.credentials.use_store_credentials); ConfigError naming the field when it cannot
 LoadCredentials = Callable[[StorageConfig], None]
 
 
@@ -117,7 +117,7 @@ def _credentials_in_use(storage: StorageConfig, load: LoadCredentials | None, fo
 
 
 def _store_problems(storage: StorageConfig, unreachable: list[Exception]) -> list[str]:
-    store = Store(storage.root, storage.storage_options)
+    store = Store.of(storage)
     return _unreachable_as(lambda: [p for p in [store_problem(store)] if p], unreachable)
 
 

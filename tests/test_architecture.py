@@ -9,9 +9,22 @@ import pytest
 
 from tests.conftest import ROOT
 
-ROOMS = ("core", "storage", "data", "launch", "training", "observe", "preflight", "tasks", "flows", "cli")
+ROOMS = (
+    "core",
+    "storage",
+    "data",
+    "launch",
+    "training",
+    "observe",
+    "preflight",
+    "orchestration",
+    "tasks",
+    "flows",
+    "cli",
+)
 MAY_IMPORT = {
-    "cli": {"core", "preflight", "observe", "tasks", "flows", "cli"},  # observe: how results read
+    # observe: how results read; launch: the export and harness children
+    "cli": {"core", "preflight", "launch", "observe", "orchestration", "tasks", "flows", "cli"},
     "core": {"core"},
     "storage": {"core", "storage"},
     "data": {"core", "storage", "data"},
@@ -20,13 +33,16 @@ MAY_IMPORT = {
     "observe": {"core", "storage", "observe"},
     # the one preflight (stoker/preflight.py): every check of the host, gathered from the rooms below
     "preflight": {"core", "storage", "data", "launch", "observe", "preflight"},
-    "tasks": {"core", "data", "launch", "observe", "storage", "preflight", "tasks"},
-    "flows": {"core", "preflight", "tasks", "flows"},
+    # the Prefect integration: result cache policy and its locks, events, publisher, credentials blocks
+    "orchestration": {"core", "storage", "observe", "orchestration"},
+    "tasks": {"core", "data", "launch", "observe", "storage", "preflight", "orchestration", "tasks"},
+    "flows": {"core", "preflight", "orchestration", "tasks", "flows"},
 }
 NEVER = {
     "cli": {"torch"},
     "observe": {"torch", "prefect"},
     "preflight": {"torch", "prefect"},
+    "orchestration": {"torch"},
     "launch": {"torch"},
     "tasks": {"torch"},
     "flows": {"torch"},
@@ -130,3 +146,22 @@ def test_nothing_outside_the_models_package_names_a_model_family():
                     if pattern.search(line):
                         found.append(f"{path}:{i}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "module", sorted(m for m, r in ROOMED.items() if r == "tasks" and m not in ("stoker.tasks", "stoker.tasks.policy"))
+)
+def test_every_module_of_tasks_defines_a_prefect_task(module):
+    """tasks/ holds Prefect tasks, each with its policy (tasks.policy: the one decorator); what
+    is not a task lives in the room named for it (orchestration, launch, observe)."""
+    path = os.path.join(ROOT, *module.split(".")) + ".py"
+    decorated = [
+        node.name
+        for node in ast.walk(ast.parse(open(path).read()))
+        if isinstance(node, ast.FunctionDef)
+        and any(
+            isinstance(d, ast.Call) and getattr(d.func, "id", getattr(d.func, "attr", "")) == "stoker_task"
+            for d in node.decorator_list
+        )
+    ]
+    assert decorated, f"{module} defines no @stoker_task: move it to the room its job belongs to"

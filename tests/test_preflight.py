@@ -108,7 +108,7 @@ def test_a_config_built_in_code_gets_the_models_rules_with_the_hosts(tmp_path):
 
 
 def test_a_named_credentials_block_is_loaded_with_the_other_checks(prefect_server, tmp_path):
-    from stoker.tasks.credentials import use_store_credentials
+    from stoker.orchestration.credentials import use_store_credentials
 
     over = {
         "storage.root": _file_in_the_way(tmp_path),

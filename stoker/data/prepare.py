@@ -272,6 +272,22 @@ def token_dtype(choice: str, vocab_size: int) -> np.dtype:
     return np.dtype("<u2" if choice == "uint16" else "<u4")
 
 
+def shard_params(cfg: DataConfig, tokenizer: TokenizerInfo) -> dict:
+    """Every preprocessing parameter that shapes a shard set's bytes (part of its cache key)."""
+    return {
+        "val_fraction": cfg.val_fraction,
+        "shard_tokens": cfg.shard_tokens,
+        "dtype": token_dtype(cfg.token_dtype, tokenizer.vocab_size).str,
+        "eot_id": tokenizer.eot_id,
+    }
+
+
+def shard_key_of(dataset: DatasetInfo, tokenizer: TokenizerInfo, cfg: DataConfig) -> str:
+    """The cache key of the shard set of this dataset, tokenizer and data section: the one
+    tokenize_and_shard builds and the data task's cache policy looks up."""
+    return shard_cache_key(dataset.fingerprint, tokenizer.sha256, shard_params(cfg, tokenizer))
+
+
 def tokenize_and_shard(
     dataset: DatasetInfo,
     tokenizer: TokenizerInfo,
@@ -289,13 +305,8 @@ def tokenize_and_shard(
     `ray` (default: a local Ray instance). The key and the bytes do not depend on the
     engine, cfg.num_workers or partition_bytes."""
     dtype = token_dtype(cfg.token_dtype, tokenizer.vocab_size)  # before any work
-    params = {
-        "val_fraction": cfg.val_fraction,
-        "shard_tokens": cfg.shard_tokens,
-        "dtype": dtype.str,
-        "eot_id": tokenizer.eot_id,
-    }
-    cache_key = shard_cache_key(dataset.fingerprint, tokenizer.sha256, params)
+    params = shard_params(cfg, tokenizer)
+    cache_key = shard_key_of(dataset, tokenizer, cfg)
     existing = validate_shard_set(store, cache_key)  # cheap: the bytes are hashed where they land
     if existing:
         return _shard_info(store, cache_key, existing.manifest, cache_hit=True)

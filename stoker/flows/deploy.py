@@ -5,7 +5,7 @@ work pool, the global concurrency limit that a launch holds while its ranks run 
 two runs never take the same accelerators), then `prefect deploy --all` from the project
 root (prefect.yaml is the one definition of the deployments), and the automation that runs the
 evaluate-checkpoint deployment on each ``stoker.checkpoint.committed`` event that its run does
-not evaluate itself (tasks.prefect_events). Run it again at will: each is found by its name.
+not evaluate itself (orchestration.prefect_events). Run it again at will: each is found by its name.
 
 serve: the same deployments served from this process by a Prefect runner, with their
 schedules: a laptop needs no worker and no work pool. The evaluate-checkpoint automation is
@@ -21,7 +21,7 @@ import sys
 import yaml
 
 from stoker.core.failures import ConfigError
-from stoker.tasks.prefect_events import ensure_evaluate_automation
+from stoker.orchestration.prefect_events import ensure_evaluate_automation
 
 # prefect.yaml sits beside the stoker package in a checkout, and its entrypoints
 # (stoker/flows/...) are paths from that folder, which Prefect records as the runs' working folder

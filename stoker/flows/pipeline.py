@@ -12,12 +12,12 @@ from stoker.core.config import DataConfig, RayConfig, RunConfig, StorageConfig, 
 from stoker.core.failures import SHARDS_DAMAGED, TrainingFailed
 from stoker.core.results import DataShards, PipelineResult
 from stoker.flows import claim_flow_run, fails_in_one_line, flow_runs_tagged, results_of, tag_flow_run
-from stoker.tasks.credentials import use_store_credentials
+from stoker.orchestration.credentials import use_store_credentials
+from stoker.orchestration.prefect_events import flow_run_failed
 from stoker.tasks.data import download_dataset, tokenize_and_shard, train_tokenizer
 from stoker.tasks.evaluate import evaluate_checkpoint
 from stoker.tasks.lease import run_lease
 from stoker.tasks.policy import with_run_name
-from stoker.tasks.prefect_events import flow_run_failed
 from stoker.tasks.report import report
 from stoker.tasks.training import (
     find_resume_checkpoint,

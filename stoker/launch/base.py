@@ -84,10 +84,11 @@ def classify_end(result: GangResult) -> TrainingFailed:
     without raising (killed by a signal), or reported only transient failures, or an agent
     lost its rendezvous. What is left (an agent that failed with nothing to show) is not
     retried."""
-    tail = "\n".join(result.tail[-30:])
+    # the reason alone: every line the ranks printed is in the log already, prefixed [rank N]
     permanent = [f for f in result.failures if not f.transient]
     if permanent:
-        first = permanent[0]
+        # the rank that failed first says why; a restarted one only repeats it (FailedBefore)
+        first = sorted(permanent, key=lambda f: f.type == "FailedBefore")[0]
         # the rank that found the damage says which file; the others found its marker
         damaged = sorted(
             (f for f in permanent if f.type == "ShardsDamaged"), key=lambda f: "marked invalid by" in f.message
@@ -100,8 +101,8 @@ def classify_end(result: GangResult) -> TrainingFailed:
                 reason=SHARDS_DAMAGED,
             )
         return TrainingFailed(
-            f"rank {first.rank} raised {first.type}: {first.message} "
-            "(not retried: it would fail the same way)\n" + tail,
+            f"rank {first.rank} raised {first.type}: {_first_line(first.message)} "
+            f"(not retried: it would fail the same way){LOG_HINT}",
             transient=False,
             reason="error",
         )
@@ -113,8 +114,7 @@ def classify_end(result: GangResult) -> TrainingFailed:
         return TrainingFailed(
             f"training did not start: no report from rank 0 within launch.startup_timeout_seconds "
             f"({result.seconds:.0f}s: rendezvous, loading the shards and the checkpoint, the first "
-            "evaluation); the gang was killed. Retrying from the newest valid checkpoint.\n"
-            + "\n".join(result.tail[-15:]),
+            f"evaluation); the gang was killed. Retrying from the newest valid checkpoint.{LOG_HINT}",
             transient=True,
             reason="startup",
         )
@@ -123,7 +123,7 @@ def classify_end(result: GangResult) -> TrainingFailed:
         return TrainingFailed(
             f"training hung: no step finished for {result.hang_timeout:.0f}s (last step seen: "
             f"{seen}); the gang was killed (a stuck collective or a frozen rank). Retrying from "
-            "the newest valid checkpoint.\n" + "\n".join(result.tail[-15:]),
+            f"the newest valid checkpoint.{LOG_HINT}",
             transient=True,
             reason="hang",
         )
@@ -137,13 +137,22 @@ def classify_end(result: GangResult) -> TrainingFailed:
         else:
             what = "a rank or node was lost (signal, network or storage)"
         return TrainingFailed(
-            f"{what}; retrying from the newest valid checkpoint.\n" + "\n".join(result.tail[-15:]),
+            f"{what}; retrying from the newest valid checkpoint.{LOG_HINT}",
             transient=True,
             reason="lost-rank",
         )
-    errors = "; ".join(f"{k}: {m}" for k, m in result.launcher_errors)
+    errors = "; ".join(f"{k}: {_first_line(m)}" for k, m in result.launcher_errors)
+    last = next((line.strip() for line in reversed(result.tail) if line.strip()), "")
+    said = errors or (f"its last line: {last[:300]}" if last else "")
     return TrainingFailed(
-        f"training exited with an error (not retried){': ' + errors if errors else ''}:\n" + tail,
+        f"training exited with an error (not retried){': ' + said if said else ''}.{LOG_HINT}",
         transient=False,
         reason="error",
     )
+
+
+LOG_HINT = " The ranks' whole output is in the log above (lines [rank N])."
+
+
+def _first_line(message: str) -> str:
+    return message.strip().split("\n", 1)[0][:500]

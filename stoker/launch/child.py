@@ -49,6 +49,35 @@ class ChildResult:
         return _STOP_SIGNALS.get(self.returncode)
 
 
+@dataclass
+class Outcome:
+    """What a one-process child said, read once: its result (the last event of the type it
+    was started for), or why not. `why` is the failure it reported (its type and message), a
+    time limit, or the tail of its standard error."""
+
+    ended: ChildResult
+    result: object | None
+    failure: object | None  # its events.Failure, when it reported one
+    why: str
+
+
+def outcome(ended: ChildResult, result_type: type, timeout: float, err_words: int = 60) -> Outcome:
+    """The outcome of a child started with `Child(...)` that prints `result_type` on success."""
+    from stoker.core import events
+
+    said = [e for e in map(events.decode, ended.out.splitlines()) if e is not None]
+    done = [e for e in said if isinstance(e, result_type)]
+    failure = next((e for e in said if isinstance(e, events.Failure)), None)
+    result = done[-1] if ended.returncode == 0 and done else None
+    if ended.timed_out:
+        why = f"no answer within {timeout:.0f}s"
+    elif failure is not None:
+        why = f"{failure.type}: {failure.message}"
+    else:
+        why = " ".join(ended.err.split()[-err_words:])
+    return Outcome(ended, result, failure, why)
+
+
 class Child:
     """``python -m <module> <args...>`` with `env` (plus its gang id and lifeline token).
     `run(timeout)` starts it and waits; or `with Child(...) as child:` starts it, then

@@ -11,7 +11,7 @@ Four events, each about a resource that names the run (Prefect's resource-id for
 - ``stoker.run.stalled`` when stoker's own hang watchdog killed the gang;
 - ``stoker.run.failed`` with the launch's classified end (reason, transient, attempt), and,
   for a flow run that failed anywhere else (the data stage, the tokenizer, the resume search,
-  a refused lease), from the pipeline's on_failure hook (``tasks.prefect_events``): once per
+  a refused lease), from the pipeline's on_failure hook (``orchestration.prefect_events``): once per
   failure.
 
 Every event relates the run (``stoker.run.<run>``), and the flow run and deployment in
@@ -19,7 +19,7 @@ Prefect's own form (``prefect.flow-run.<id>``, ``prefect.deployment.<id>``), so 
 automation's flow-run action finds the flow run from the event alone.
 
 This module is plain Python (no Prefect): the function that emits one event is given
-(``tasks.prefect_events`` gives ``prefect.events.emit_event``). The stream loop only puts a
+(``orchestration.prefect_events`` gives ``prefect.events.emit_event``). The stream loop only puts a
 small record on a bounded queue (``EventSender.call``); one thread of its own makes the calls
 (Prefect's own EventsWorker then sends them over its websocket). A full queue drops the event
 and counts it; a failing call is logged once and counted; nothing here ever raises into the

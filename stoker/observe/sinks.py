@@ -225,7 +225,7 @@ class MetricSinks:
 def open_sinks(cfg: RunConfig, logger) -> MetricSinks | None:
     """The sinks cfg.metrics asks for, opened; None when it asks for none. ConfigError naming
     the field when one cannot be opened (a transient error is raised as it is, to be retried)."""
-    store = Store(cfg.storage.root, cfg.storage.storage_options)
+    store = Store.of(cfg.storage)
     opened: list[Sink] = []
     wanted = (
         [("tensorboard_enabled", lambda: TensorBoardSink(store, cfg.resolved_run_name()))]

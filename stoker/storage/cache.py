@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 from stoker.storage.manifest import same_json_file, write_json_file
 from stoker.storage.store import sha256_file
 
-log = logging.getLogger("stoker.cache")
+log = logging.getLogger("stoker.host_cache")
 
 
 @contextlib.contextmanager

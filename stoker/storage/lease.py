@@ -220,7 +220,7 @@ def claim(
     (`version` None) or it is unchanged since `version`, then read it back (on a store without
     conditional writes, after `settle_seconds`: a racing plain write lands within them). The
     version now there when the read-back carries `token` (this writer holds `key`), else None.
-    The run lease and the evaluation locks (tasks.cache_lock) are taken with it."""
+    The run lease and the evaluation locks (orchestration.cache_lock) are taken with it."""
     if version is None:
         written = store.write_bytes_if_absent(key, data)
     else:

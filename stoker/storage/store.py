@@ -42,6 +42,12 @@ class Store:
     Paths given to the methods are relative keys under the root or full URLs.
     """
 
+    @classmethod
+    def of(cls, storage) -> "Store":
+        """The store of a StorageConfig (a run config's `storage` section): the one way a run's
+        store is opened."""
+        return cls(storage.root, storage.storage_options)
+
     def __init__(self, root: str, storage_options: dict[str, Any] | None = None):
         self.root = normalize_root(root)
         self.storage_options = dict(storage_options or {})  # as given: never with credentials

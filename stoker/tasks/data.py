@@ -1,7 +1,8 @@
 """Prefect tasks of the data stage: one job each, policy on the decorator.
 
 Caching is by content in the object store (the manifests are the truth). Each task's Prefect
-cache key is the store's content key of its output (tasks.caching), and its record counts only
+cache key is the store's content key of its output (below, each computed by the same data.prepare
+function that names the output; orchestration.caching is the policy), and its record counts only
 while the store holds that output with a valid manifest: then the task run shows Cached and
 returns the stored result with cache_hit=True; from a deleted store, the task builds again.
 """
@@ -9,6 +10,8 @@ returns the stored result with cache_hit=True; from a deleted store, the task bu
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import tempfile
 
 from prefect import get_run_logger
 
@@ -17,22 +20,55 @@ from stoker.core.config.sections import DEFAULT_SOURCE_NAME
 from stoker.core.failures import DataError
 from stoker.core.results import DatasetInfo, ShardInfo, TokenizerInfo
 from stoker.data import prepare
+from stoker.data.sources import resolve_source
 from stoker.observe.report import vocabulary_note
+from stoker.orchestration.caching import StoreCache, digest, result_shape
+from stoker.storage.datasets import committed_dataset
+from stoker.storage.shards import validate_shard_set
 from stoker.storage.store import Store
-from stoker.tasks.caching import (
-    StoreCache,
-    dataset_key,
-    holds_dataset,
-    holds_shards,
-    holds_tokenizer,
-    shards_key,
-    tokenizer_key,
-)
 from stoker.tasks.policy import stoker_task
 
 
-def _store(storage: StorageConfig) -> Store:
-    return Store(storage.root, storage.storage_options)
+# ---- each task's content key, and what its record's output needs in the store ----------------
+def dataset_key(store: Store, parameters: dict) -> str:
+    """download_dataset: the source's fingerprint (datasets/by-source/), taken as the task
+    takes it (content hashes of local files, ETags, revisions): on a miss, twice."""
+    with tempfile.TemporaryDirectory(prefix="stoker-cache-key-") as work:
+        source = resolve_source(parameters["data"], work)
+    return f"{source.fingerprint}-{digest(result_shape(DatasetInfo))}"
+
+
+def holds_dataset(store: Store, info: DatasetInfo) -> bool:
+    """The dataset is committed: info.json, its corpus at the listed size."""
+    return committed_dataset(store, info.fingerprint) is not None
+
+
+def tokenizer_key(store: Store, parameters: dict) -> str | None:
+    """train_tokenizer: the trained tokenizer's recipe (tokenizers/{recipe}/, as
+    data.prepare.tokenizer_recipe names it). A tokenizer.path is loaded each time (no key)."""
+    datasets, cfg = parameters["datasets"], parameters["tokenizer"]
+    if cfg.path or prepare.kept_tokenizer(store, parameters.get("run"), datasets, cfg):
+        return None
+    return f"{prepare.tokenizer_recipe(datasets, cfg)}-{digest(result_shape(TokenizerInfo))}"
+
+
+def holds_tokenizer(store: Store, info: TokenizerInfo) -> bool:
+    """The tokenizer file is there by its hash, with that hash."""
+    try:
+        return hashlib.sha256(store.read_bytes(info.key)).hexdigest() == info.sha256
+    except FileNotFoundError:
+        return False
+
+
+def shards_key(store: Store, parameters: dict) -> str:
+    """tokenize_and_shard: the shard set's cache key (shards/{cache key}/)."""
+    cache_key = prepare.shard_key_of(parameters["dataset"], parameters["tokenizer"], parameters["data"])
+    return f"{cache_key}-{digest(result_shape(ShardInfo))}"
+
+
+def holds_shards(store: Store, info: ShardInfo) -> bool:
+    """The shard set is valid: its manifest, every file at its size, no invalid marker."""
+    return bool(validate_shard_set(store, info.cache_key))
 
 
 @stoker_task(
@@ -48,7 +84,7 @@ def download_dataset(data: DataConfig, storage: StorageConfig, name: str = DEFAU
     a missing object, a wrong field or undecodable data fails at once (DataError), naming
     the source of data.sources it is about (`name`)."""
     try:
-        info = prepare.download_dataset(data, _store(storage))
+        info = prepare.download_dataset(data, Store.of(storage))
     except DataError as err:
         if name == DEFAULT_SOURCE_NAME:
             raise
@@ -80,7 +116,7 @@ def train_tokenizer(
 ) -> TokenizerInfo:
     """Train a byte-level BPE on the corpus (every source's, for a mixture), or load the given
     tokenizer.json; a run that trained its own keeps it when its data changes (`run`)."""
-    info = prepare.train_tokenizer(datasets, tokenizer, _store(storage), run=run)
+    info = prepare.train_tokenizer(datasets, tokenizer, Store.of(storage), run=run)
     logger = get_run_logger()
     logger.info(
         "tokenizer %s: vocab %d (%s)",
@@ -110,7 +146,7 @@ def tokenize_and_shard(
     """Tokenize once into shards keyed by content; a valid shard set is reused as is.
     data.num_workers worker processes share the work, or with data.engine 'ray' Ray tasks on
     the cluster of `ray`; the bytes depend on neither."""
-    info = prepare.tokenize_and_shard(dataset, tokenizer, data, _store(storage), ray=ray)
+    info = prepare.tokenize_and_shard(dataset, tokenizer, data, Store.of(storage), ray=ray)
     if data.engine == "ray":
         where = f"Ray tasks on {ray.address}" if ray and ray.address else "Ray tasks on a local Ray instance"
     else:

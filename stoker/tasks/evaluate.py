@@ -2,24 +2,43 @@
 
 from __future__ import annotations
 
-import time
-
 from prefect import get_run_logger
 
-from stoker.core import events
 from stoker.core.config import RunConfig
-from stoker.core.failures import CheckpointUnavailable, EvaluationStopped, TrainingFailed, is_transient
+from stoker.core.failures import CheckpointUnavailable, is_transient
 from stoker.core.results import EvalResult
-from stoker.launch.child import Child
-from stoker.launch.env import child_env
+from stoker.launch.evaluate import run_evaluation
 from stoker.observe.report import evaluation_line
+from stoker.orchestration.caching import StoreCache, digest, result_shape
 from stoker.storage import runs
-from stoker.tasks.caching import StoreCache, evaluation_key
+from stoker.storage.checkpoints import validate_checkpoint
+from stoker.storage.store import Store
 from stoker.tasks.policy import stoker_task
 
-EVAL_TIMEOUT_SECONDS = 1800
-_LIVE: set[Child] = set()  # evaluation processes running now, in this process
-_STOPPED_BY_TRAINING = "the end of its training (Ctrl-C, a cancel, a failed launch)"
+# bump when what an evaluation computes changes without a change of its settings or result type
+EVALUATION_VERSION = 1
+
+
+def evaluation_key(store: Store, parameters: dict) -> str | None:
+    """evaluate_checkpoint: the checkpoint's commit-manifest hash, when the checkpoint is
+    committed and its files are there at their sizes (else no key: the evaluation says what is
+    wrong), plus what the evaluation depends on besides (the validation shards, the eval
+    settings, the precision, the result type). A deleted or replaced checkpoint has another
+    manifest, so another key."""
+    config, checkpoint_key = parameters["config"], parameters["checkpoint_key"]
+    if not checkpoint_key:
+        return None
+    verdict = validate_checkpoint(store, checkpoint_key)
+    if not verdict:
+        return None
+    settings = {
+        "version": EVALUATION_VERSION,
+        "shards": parameters["shard_key"],
+        "eval": config.eval.model_dump(mode="json"),
+        "precision": config.engine.precision,
+        "result": result_shape(EvalResult),
+    }
+    return f"{digest(verdict.manifest)}-{digest(settings)}"
 
 
 def check_checkpoint_uri(uri: str) -> None:
@@ -37,52 +56,6 @@ def check_checkpoint_uri(uri: str) -> None:
         raise CheckpointUnavailable(unavailable_message(store, where.key, "no commit manifest"))
 
 
-def kill_running_evaluations() -> int:
-    """Kill every evaluation process this process started (on cancel); returns how many.
-    Their tasks must not retry what the stop just ended: EvaluationStopped."""
-    children = list(_LIVE)
-    for child in children:
-        child.kill()
-    return len(children)
-
-
-def run_evaluation(
-    config: RunConfig, config_url: str, checkpoint_key: str, shard_key: str, timeout: float = EVAL_TIMEOUT_SECONDS
-) -> EvalResult:
-    """Run `python -m stoker.training.evaluate` in a process of its own (launch.child); parse
-    its JSON line."""
-    t0 = time.monotonic()
-    args = ["--config", config_url, "--checkpoint", checkpoint_key, "--shards", shard_key]
-    with Child("stoker.training.evaluate", args, child_env(config)) as child:
-        _LIVE.add(child)
-        try:
-            ended = child.wait(timeout)
-        finally:
-            _LIVE.discard(child)
-    stopped = _STOPPED_BY_TRAINING if ended.killed else ended.stop_signal
-    if stopped and ended.returncode != 0:  # (one that finished just before the kill counts)
-        raise EvaluationStopped(f"evaluation of {checkpoint_key} was stopped by {stopped}; not retried")
-    if ended.timed_out:
-        raise TrainingFailed(
-            f"evaluation of {checkpoint_key} gave no answer within {timeout:.0f}s; it was killed (not retried)",
-            transient=False,
-            reason="evaluation",
-        )
-    said = [e for e in map(events.decode, ended.out.splitlines()) if e is not None]
-    done = [e for e in said if isinstance(e, events.Evaluated)]
-    if ended.returncode != 0 or not done:
-        failure = next((e for e in said if isinstance(e, events.Failure)), None)
-        why = f"{failure.type}: {failure.message}" if failure else ended.err.strip()[-3000:]
-        # a killed process (negative exit code) or a transient error (storage) may heal on retry
-        transient = failure.transient if failure else (ended.returncode or 0) < 0
-        raise TrainingFailed(
-            f"evaluation of {checkpoint_key} failed (exit {ended.returncode}): {why}",
-            transient=transient,
-            reason="evaluation",
-        )
-    return EvalResult.of_event(done[-1], seconds=time.monotonic() - t0)
-
-
 def _unpin_cached(parameters: dict) -> None:
     """On a cache hit: the checkpoint's evaluation is done, so a pin still on it is one its
     evaluation failed to remove (best effort there); removed now, so a hit leaves none."""
@@ -90,7 +63,7 @@ def _unpin_cached(parameters: dict) -> None:
     from stoker.storage.store import Store, join
 
     config, checkpoint_key = parameters["config"], parameters["checkpoint_key"]
-    if Store(config.storage.root, config.storage.storage_options).exists(join(checkpoint_key, EVAL_PIN)):
+    if Store.of(config.storage).exists(join(checkpoint_key, EVAL_PIN)):
         _finish_evaluation(config, checkpoint_key)
 
 
@@ -138,7 +111,7 @@ def _finish_evaluation(config: RunConfig, checkpoint_key: str) -> None:
 
     try:
         deleted = finish_evaluation(
-            Store(config.storage.root, config.storage.storage_options),
+            Store.of(config.storage),
             config.resolved_run_name(),
             checkpoint_key,
             config.checkpoint.keep_latest_k,
@@ -161,7 +134,7 @@ def checkpoint_inputs(
 ) -> tuple[RunConfig, str, str, str]:
     """From a checkpoint URI, the run's config, config URL, checkpoint key and shard key.
     The store is opened with the credentials of `credentials_block` when one is named."""
-    from stoker.tasks.credentials import use_credentials_block
+    from stoker.orchestration.credentials import use_credentials_block
 
     use_credentials_block(credentials_block)
     return runs.checkpoint_inputs(checkpoint_uri, storage_options)

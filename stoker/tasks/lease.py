@@ -11,7 +11,7 @@ from typing import Callable
 from prefect import get_run_logger
 from prefect.runtime import flow_run
 
-from stoker.core.config import RunConfig, StorageConfig
+from stoker.core.config import RunConfig
 from stoker.storage.lease import RunLease, acquire_lease
 from stoker.storage.store import Store
 from stoker.tasks.policy import stoker_task
@@ -21,10 +21,6 @@ _ON_LOST: dict[str, list[Callable[[str], None]]] = {}
 _LOCK = threading.Lock()
 
 
-def _store(storage: StorageConfig) -> Store:
-    return Store(storage.root, storage.storage_options)
-
-
 def take_lease(config: RunConfig, logger) -> RunLease:
     """Take (or re-take: the same flow run owns it) the run's lease, start its heartbeat and
     keep it for this process's tasks. LeaseHeld (permanent, one line) when another launch
@@ -32,7 +28,7 @@ def take_lease(config: RunConfig, logger) -> RunLease:
     run = config.resolved_run_name()
     flow_run_id = str(flow_run.id or "")
     lease = acquire_lease(
-        _store(config.storage),
+        Store.of(config.storage),
         run,
         flow_run_id=flow_run_id,
         ttl=config.launch.lease_seconds,

@@ -12,7 +12,7 @@ from prefect.tasks import exponential_backoff
 from stoker.core.failures import is_transient
 
 if TYPE_CHECKING:
-    from stoker.tasks.caching import StoreCache
+    from stoker.orchestration.caching import StoreCache
 
 # 10 s, 20 s, 40 s ... with jitter, so many failed runs do not retry in lockstep
 BACKOFF = exponential_backoff(backoff_factor=10)
@@ -37,7 +37,7 @@ def stoker_task(
     differs (its name, how often it retries, its time limit, its cache): a failure is retried
     only when transient (`retry_if_transient`), after `BACKOFF` with `JITTER`.
 
-    Without `cache`, results are neither cached nor persisted. With one (tasks.caching), the
+    Without `cache`, results are neither cached nor persisted. With one (orchestration.caching), the
     cache key is the store's content key of the task's output, and a cached record counts only
     while the store holds the output it names with a valid manifest (the manifests stay the
     truth: a deleted store is never masked by a stale entry); records persist in the store
@@ -54,7 +54,7 @@ def stoker_task(
     )
     if cache is None:
         return task(**policy, cache_policy=NO_CACHE, persist_result=False)
-    from stoker.tasks.caching import StoreResultSerializer, attach_results
+    from stoker.orchestration.caching import StoreResultSerializer, attach_results
 
     def decorate(fn: Callable):
         made = task(

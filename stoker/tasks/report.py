@@ -57,7 +57,7 @@ def report(
 ) -> PipelineResult:
     """Summarize the run for the UI (artifacts) and for the caller (PipelineResult)."""
     started = time.time()
-    store = Store(config.storage.root, config.storage.storage_options)
+    store = Store.of(config.storage)
     run = config.resolved_run_name()
     last_val = evaluation.val_loss if evaluation else (training.val_losses[-1][1] if training.val_losses else None)
     retained = {store.url(ref.key) for ref in list_checkpoints(store, run)}

@@ -11,29 +11,26 @@ from prefect.runtime import flow_run, task_run
 
 from stoker import preflight
 from stoker.core import events
-from stoker.core.config import ConfigError, RunConfig, StorageConfig
+from stoker.core.config import ConfigError, RunConfig
 from stoker.core.results import DataShards, ResumePoint, TrainingResult
 from stoker.core.token_bytes import bits_per_byte_problem
 from stoker.launch import make_launcher
 from stoker.launch.attempts import launch_attempt
+from stoker.launch.evaluate import kill_running_evaluations
 from stoker.launch.monitor import TrainingMonitor
 from stoker.observe.report import mixture_plan, rounded
 from stoker.observe.sinks import open_sinks
+from stoker.orchestration.credentials import use_store_credentials
+from stoker.orchestration.prefect_events import open_launch_events
+from stoker.orchestration.publish import FLUSH_SECONDS, BestEffortPublisher, create_artifact, update_artifact
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.layout import TOKENIZER_FILE
 from stoker.storage.runs import pin_run_folder
 from stoker.storage.store import Store, join
-from stoker.tasks.credentials import use_store_credentials
-from stoker.tasks.evaluate import evaluate_checkpoint, kill_running_evaluations
+from stoker.tasks.evaluate import evaluate_checkpoint
 from stoker.tasks.lease import held_lease, on_lease_lost
 from stoker.tasks.policy import stoker_task
-from stoker.tasks.prefect_events import open_launch_events
-from stoker.tasks.publish import FLUSH_SECONDS, BestEffortPublisher, create_artifact, update_artifact
 from stoker.tasks.report import artifact_key
-
-
-def _store(storage: StorageConfig) -> Store:
-    return Store(storage.root, storage.storage_options)
 
 
 @contextmanager
@@ -81,7 +78,7 @@ def write_run_config(config: RunConfig, shards: DataShards) -> str:
     """Pin config.json, the tokenizer and the shard set in the run folder; return the config
     URL. First, what needs the shards' tokenizer: with 'bpb' in eval.sets, that its tokens can
     be counted in bytes exactly (a base's tokenizer may not), else one ConfigError before launch."""
-    store = _store(config.storage)
+    store = Store.of(config.storage)
     if "bpb" in config.eval.sets:
         problem = bits_per_byte_problem(store.read_bytes(join(shards.sets[0].key, TOKENIZER_FILE)), shards.vocab_size)
         if problem:
@@ -106,7 +103,7 @@ def _resume_point(config: RunConfig) -> ResumePoint:
     logger = get_run_logger()
     run = config.resolved_run_name()
     choice = find_latest_valid(
-        _store(config.storage), run, expected={"run_name": run, "model_hash": config.model_hash()}
+        Store.of(config.storage), run, expected={"run_name": run, "model_hash": config.model_hash()}
     )
     skipped = [f"{ref.url}: {reason}" for ref, reason in choice.skipped]
     for line in skipped:
@@ -150,7 +147,7 @@ def launch_training(config: RunConfig, config_url: str, shards: DataShards, resu
     launcher = make_launcher(config, config_url, shards.key, resume.checkpoint_key)
     sinks = open_sinks(config, logger)  # TensorBoard, MLflow (metrics.*), or None
     # Prefect events (events.*) and this launch's stalled-run automation, or None
-    prefect_events = open_launch_events(config, attempt, _store(config.storage), logger)
+    prefect_events = open_launch_events(config, attempt, Store.of(config.storage), logger)
     monitor = TrainingMonitor(
         result,
         max_steps,
@@ -169,7 +166,7 @@ def launch_training(config: RunConfig, config_url: str, shards: DataShards, resu
             result = launch_attempt(
                 launcher,
                 monitor,
-                _store(config.storage),
+                Store.of(config.storage),
                 config.resolved_run_name(),
                 str(flow_run.id),
                 attempt,
@@ -198,7 +195,7 @@ def launch_training(config: RunConfig, config_url: str, shards: DataShards, resu
 
 class TrainingUI:
     """The progress bar and the live checkpoint table of one launch, sent best-effort: the
-    stream loop only hands over the newest value (tasks.publish), never waits for the server."""
+    stream loop only hands over the newest value (orchestration.publish), never waits for the server."""
 
     def __init__(self, run: str, publisher: BestEffortPublisher):
         self.run, self.publisher = run, publisher

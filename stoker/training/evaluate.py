@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: a GPU when there is one)")
     args = p.parse_args(argv)
     cfg = read_config(args.config)
-    store = Store(cfg.storage.root, cfg.storage.storage_options)
+    store = Store.of(cfg.storage)
     shard_dirs = {
         name: materialize(store, shard_set_name(key), args.cache_dir) for name, key in parse_shards_arg(args.shards)
     }

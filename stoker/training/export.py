@@ -7,7 +7,7 @@ Qwen2ForCausalLM), the weights as safetensors (``model.safetensors``, or shards 
 ``model.safetensors.index.json`` above ``--max-shard-bytes``), and the run's tokenizer (a
 base's own tokenizer files where the run started from one), which ``AutoModelForCausalLM``
 and ``AutoTokenizer`` load; and prints an Exported event (a failure: a Failure event). It
-runs in a process of its own (the orchestrator's rooms never import torch); ``tasks.export``
+runs in a process of its own (the orchestrator's rooms never import torch); ``launch.export``
 starts it for ``stoker export``.
 
 The checkpoint is read the way every rank reads one: named checks first (commit manifest,

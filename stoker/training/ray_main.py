@@ -177,7 +177,7 @@ def train_worker(loop_config: dict) -> None:
     import ray
 
     from stoker.training.distributed import Preempted
-    from stoker.training.train import FailedBefore, failure_of, run_rank
+    from stoker.training.train import FailedBefore, before_message, failure_of, run_rank
 
     writer, done = _RelayWriter(relay, rank), threading.Event()
     saved = sys.stdout, sys.stderr
@@ -189,8 +189,7 @@ def train_worker(loop_config: dict) -> None:
         if begun["stop"]:
             return  # the run was stopped while Ray restarted the group
         if begun["failed"] is not None:
-            failure = events.from_dict(begun["failed"])
-            raise FailedBefore(f"not restarted: rank {failure.rank} failed with {failure.type}: {failure.message}")
+            raise FailedBefore(before_message(events.from_dict(begun["failed"])))
         run_rank(
             loop_config["config_url"],
             loop_config["shards"],

@@ -82,12 +82,20 @@ class FailedBefore(Exception):
     """A rank of this launch failed permanently before torchrun restarted the ranks."""
 
 
+def before_message(failure: events.Failure) -> str:
+    """Why a restarted rank ends at once: the first failure, said once (a FailedBefore read
+    back from the marker is not wrapped again)."""
+    if failure.type == "FailedBefore":
+        return failure.message
+    return f"not restarted: rank {failure.rank} failed with {failure.type}: {failure.message}"
+
+
 def _end_if_failed_for_good() -> None:
     marker = os.environ.get(events.PERMANENT_MARKER_ENV)
     if marker and os.path.exists(marker):
         with open(marker) as f:
             failure = events.from_dict(json.load(f))
-        raise FailedBefore(f"not restarted: rank {failure.rank} failed with {failure.type}: {failure.message}")
+        raise FailedBefore(before_message(failure))
 
 
 def newest_checkpoint(store: Store, cfg: RunConfig) -> str | None:
@@ -122,7 +130,7 @@ def run_rank(config_url: str, shards: str, resume_from: str | None, cache_dir: s
     cfg = read_config(config_url)
     ranks = setup_distributed(cfg)
     restarted = any_rank_restarted(restarted)
-    store = Store(cfg.storage.root, cfg.storage.storage_options)
+    store = Store.of(cfg.storage)
     resume = newest_checkpoint(store, cfg) if restarted else resume_from
     # resume owns the weights once any checkpoint is committed; with none (a restart before
     # the first one included), a run with a base starts from the base, never from random weights

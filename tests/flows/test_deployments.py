@@ -21,8 +21,8 @@ import yaml
 from stoker.core.config import RunConfig, load_config
 from stoker.observe import prefect_events as pe
 from stoker.observe.ledger import deployment_ledgers, read_ledgers
+from stoker.orchestration.prefect_events import EVALUATE_AUTOMATION
 from stoker.storage.store import Store
-from stoker.tasks.prefect_events import EVALUATE_AUTOMATION
 from tests.conftest import (
     ROOT,
     real_prefect_server,

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from stoker.observe import prefect_events as pe
-from stoker.tasks.prefect_events import RESUMED_SUFFIX, STALL_AUTOMATION_PREFIX, STALLED_STATE_NAME
+from stoker.orchestration.prefect_events import RESUMED_SUFFIX, STALL_AUTOMATION_PREFIX, STALLED_STATE_NAME
 from tests.conftest import ROOT, stoker_events, tiny_sets, wait_for
 
 # the session's restartable server, shared with test_prefect_away (no deployments, no

@@ -7,9 +7,9 @@ import pytest
 
 from stoker.core.config import load_config
 from stoker.core.failures import TrainingFailed
+from stoker.observe.inspect import list_runs
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.store import Store
-from stoker.tasks.inspect import list_runs
 from tests.conftest import tiny_dict
 
 pytestmark = pytest.mark.e2e

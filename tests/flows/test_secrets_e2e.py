@@ -169,8 +169,8 @@ def test_an_aws_credentials_block_gives_the_store_and_the_ranks_its_keys_and_sho
 
     from prefect_aws import AwsCredentials
 
+    from stoker.orchestration.credentials import load_block_credentials
     from stoker.storage import credentials
-    from stoker.tasks.credentials import load_block_credentials
 
     key_id, secret = _fake_credentials()
     name = "stoker-aws-" + uuid.uuid4().hex[:6]

@@ -82,6 +82,32 @@ def test_classification_rank_error_is_permanent_signal_is_transient():
     assert not classify_end(GangResult([1], "failed", 1.0, tail=["Traceback", "KeyError: 'x'"])).transient
 
 
+def test_a_failure_for_good_is_the_reason_alone_in_one_line():
+    """The `stoker:` line of a run that failed for good: the first rank's reason, once, in one
+    line (the ranks' output, tracebacks and torchrun's dump stay in the log), not the restarted
+    ranks' FailedBefore repeating it."""
+    nested = "not restarted: rank 0 failed with NonFiniteError: non-finite loss at step 3"
+    dump = [f"[rank1]: line {i}" for i in range(40)] + ["Root Cause (first observed failure):"]
+    result = GangResult(
+        [1, 1],
+        "failed",
+        1.0,
+        tail=dump,
+        failures=[
+            events.Failure(rank=1, type="FailedBefore", message=nested, transient=False),
+            events.Failure(
+                rank=0, type="NonFiniteError", message="non-finite loss at step 3\n  details", transient=False
+            ),
+        ],
+    )
+    err = str(classify_end(result))
+    assert "\n" not in err and "Root Cause" not in err and "FailedBefore" not in err
+    assert err.startswith("rank 0 raised NonFiniteError: non-finite loss at step 3 (not retried")
+    assert err.endswith("The ranks' whole output is in the log above (lines [rank N]).")
+    bare = str(classify_end(GangResult([1], "failed", 1.0, tail=["Traceback", "KeyError: 'x'", ""])))
+    assert bare.startswith("training exited with an error (not retried): its last line: KeyError: 'x'.")
+
+
 def test_node_specs_place_each_agent_and_say_which_node_hosts_the_rendezvous(tiny_config):
     cfg = tiny_config(launch={"num_nodes": 2, "nproc_per_node": 1, "rdzv_host": "198.51.100.10"})
     specs = [

@@ -161,7 +161,7 @@ def test_prefect_emit_with_the_server_away_returns_at_once_and_raises_nothing(mo
     from prefect.events.worker import EventsWorker
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from stoker.tasks.prefect_events import emit
+    from stoker.orchestration.prefect_events import emit
     from tests.conftest import free_port
 
     log = Log()

@@ -206,7 +206,7 @@ from stoker.core.config import load_config
 from stoker.observe.sinks import open_sinks
 from tests.conftest import tiny_dict
 import stoker.cli
-import stoker.tasks.export
+import stoker.launch.export
 cfg = load_config(tiny_dict("file://{tmp_path}/store", metrics={{
     "tensorboard_enabled": True, "mlflow_tracking_uri": "sqlite:///{tmp_path}/m.db"}}))
 sinks = open_sinks(cfg, logging.getLogger("x"))

@@ -303,7 +303,7 @@ def test_a_damaged_host_cache_copy_of_a_checkpoint_is_dropped_and_fetched_again(
         f.seek(100)
         f.write(bytes([(bytes(range(256)) * 4)[100] ^ 1]))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    with caplog.at_level("WARNING", logger="stoker.cache"):
+    with caplog.at_level("WARNING", logger="stoker.host_cache"):
         assert rehydrate(store, key, cache) == local
     assert open(path, "rb").read() == bytes(range(256)) * 4
     assert "__1_0.distcp fails its sha256 checksum" in caplog.text and "fetching it again" in caplog.text

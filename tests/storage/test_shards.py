@@ -77,7 +77,7 @@ def test_a_damaged_host_cache_copy_of_shards_is_dropped_and_fetched_again(s3_roo
     good = store.read_bytes(f"shards/{key}/{name}")
     assert open(os.path.join(local, name), "rb").read() == good
     _flip_in_place(os.path.join(local, name))  # the cache's copy, not the store's
-    with caplog.at_level("WARNING", logger="stoker.cache"):
+    with caplog.at_level("WARNING", logger="stoker.host_cache"):
         again = materialize(store, key, cache)
     assert again == local and open(os.path.join(local, name), "rb").read() == good
     assert f"{name} fails its sha256 checksum" in caplog.text and "fetching it again" in caplog.text

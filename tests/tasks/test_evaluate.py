@@ -21,7 +21,7 @@ def _run_folder(cfg):
 
 
 def test_evaluating_a_deleted_checkpoint_fails_once_and_for_good(tiny_config):
-    from stoker.tasks.evaluate import run_evaluation
+    from stoker.launch.evaluate import run_evaluation
 
     cfg = tiny_config(run_name="gone")
     store, config_url, shards = _run_folder(cfg)
@@ -51,7 +51,7 @@ def _evaluation_in_a_thread(cfg, tmp_path):
     until the stop comes. (A missing config file let it end on its own first once, when a
     loaded machine was slow to send the stop; and a SIGINT sent during its start-up, beside
     three loaded test workers, once did not end it within 60 s: cause not found.)"""
-    from stoker.tasks import evaluate
+    from stoker.launch import evaluate
 
     box = []
     config = tmp_path / "config.json"
@@ -83,7 +83,7 @@ def _evaluation_in_a_thread(cfg, tmp_path):
 
 
 def test_an_evaluation_killed_by_the_runs_stop_is_not_retried(tiny_config, tmp_path):
-    from stoker.tasks.evaluate import kill_running_evaluations
+    from stoker.launch.evaluate import kill_running_evaluations
 
     thread, box, _ = _evaluation_in_a_thread(tiny_config(), tmp_path)
     assert kill_running_evaluations() == 1  # what launch_training does on Ctrl-C or a cancel

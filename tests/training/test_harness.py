@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness extra (training.harness, tasks.harness, `stoker harness`): real
+"""The lm-evaluation-harness extra (training.harness, launch.harness, `stoker harness`): real
 lm_eval on a checkpoint trained by a real (forked) rank and exported as GPT-2. Its `acc` on
 stoker_mc (the vendored multiple-choice set as an lm-eval task) equals stoker's own scorer's
 summed-log-likelihood accuracy on the same items, item by item; bad names, folders and a

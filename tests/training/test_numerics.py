@@ -13,8 +13,8 @@ from stoker.core.results import TrainingResult
 from stoker.launch import make_launcher
 from stoker.launch.attempts import launch_attempt, read_attempts
 from stoker.launch.monitor import TrainingMonitor
+from stoker.observe.inspect import list_checkpoint_folders, list_runs
 from stoker.storage.checkpoints import find_latest_valid, list_checkpoints, validate_checkpoint
-from stoker.tasks.inspect import list_checkpoint_folders, list_runs
 from tests.conftest import prepare_shards
 from tests.forked_ranks import run_forked
 

@@ -1,11 +1,11 @@
-"""tasks.publish: the stream loop hands Prefect calls over and goes on; what failed is sent
+"""orchestration.publish: the stream loop hands Prefect calls over and goes on; what failed is sent
 again, newest value only, when the server answers again."""
 
 import logging
 import threading
 import time
 
-from stoker.tasks.publish import BestEffortPublisher
+from stoker.orchestration.publish import BestEffortPublisher
 
 
 class Server:
@@ -78,6 +78,24 @@ def test_close_with_the_server_away_gives_up_after_its_timeout_and_names_what_wa
     assert time.monotonic() - t0 < 15
 
 
+def test_close_waits_for_a_server_that_comes_back_and_sends_the_last_values(caplog):
+    """The end of a run during an outage: close() tries again every second (not every
+    retry_seconds) and the 100% and the final table reach the server once it is back."""
+    server, pub = Server(), BestEffortPublisher(logging.getLogger("t"), retry_seconds=30.0)
+    server.away = True
+    pub.latest("progress", server.call("progress", 93))
+    assert wait(lambda: pub.failures >= 1)  # the worker now waits 30 s before trying again
+    pub.latest("progress", server.call("progress", 100))
+    pub.latest("table", server.call("table", ["step 160"]))
+    threading.Timer(2.0, lambda: setattr(server, "away", False)).start()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO):
+        assert pub.close(timeout=20) == []
+    assert time.monotonic() - t0 < 10
+    assert ("progress", 100) in server.got and ("table", ["step 160"]) in server.got
+    assert "waiting up to 20s for it to take the run's last values (progress, table)" in caplog.text
+
+
 def test_close_that_gives_up_names_the_call_in_flight_and_starts_no_other():
     server, pub = Server(), BestEffortPublisher(logging.getLogger("t"), retry_seconds=0.1)
     server.gate.clear()  # the server hangs
@@ -93,7 +111,7 @@ def test_close_that_gives_up_names_the_call_in_flight_and_starts_no_other():
 
 EXIT_SCRIPT = r"""
 import logging, sys, threading, time
-from stoker.tasks.publish import BestEffortPublisher
+from stoker.orchestration.publish import BestEffortPublisher
 
 logging.basicConfig(stream=sys.stdout, level=logging.INFO)
 made = []

@@ -10,7 +10,7 @@ import os
 
 from stoker.core import events
 from stoker.core.failures import ExportError
-from stoker.launch.child import Child
+from stoker.launch.child import Child, outcome
 from stoker.launch.env import STORAGE_OPTIONS_ENV, child_env
 from stoker.storage.runs import export_source
 
@@ -32,14 +32,7 @@ def export_checkpoint(
     named = export_source(checkpoint_uri, folder, storage_options)
     env = child_env(named.config)
     env[STORAGE_OPTIONS_ENV] = json.dumps(storage_options or {})
-    ended = Child("stoker.training.export", [checkpoint_uri, folder], env).run(timeout)
-    said = [e for e in map(events.decode, ended.out.splitlines()) if e is not None]
-    done = [e for e in said if isinstance(e, events.Exported)]
-    if ended.returncode == 0 and done:
-        return done[-1]
-    failure = next((e for e in said if isinstance(e, events.Failure)), None)
-    if ended.timed_out:
-        why = f"no answer within {timeout:.0f}s"
-    else:
-        why = f"{failure.type}: {failure.message}" if failure else " ".join(ended.err.split()[-60:])
-    raise ExportError(f"export of {checkpoint_uri} failed (exit {ended.returncode}): {why}")
+    got = outcome(Child("stoker.training.export", [checkpoint_uri, folder], env).run(timeout), events.Exported, timeout)
+    if got.result is not None:
+        return got.result
+    raise ExportError(f"export of {checkpoint_uri} failed (exit {got.ended.returncode}): {got.why}")

@@ -1,4 +1,4 @@
-"""Prefect result caching over the object store (stoker/tasks/caching.py): a task run shows
+"""Prefect result caching over the object store (stoker/orchestration/caching.py): a task run shows
 Cached only while the store holds its output with a valid manifest, its result says
 cache_hit=True, the records live in the store, and a checkpoint is evaluated once. Real
 parts: the Prefect test server, a moto S3 endpoint, real evaluation processes."""
@@ -13,7 +13,7 @@ from tests.conftest import prepare_shards, tiny_dict
 
 # ---- the parts, without Prefect --------------------------------------------------------
 def test_a_record_read_back_says_cache_hit_and_only_stoker_types_are_read():
-    from stoker.tasks.caching import StoreResultSerializer
+    from stoker.orchestration.caching import StoreResultSerializer
 
     ser = StoreResultSerializer()
     built = ShardInfo("k", "shards/k", "file:///s/shards/k", 10, 2, 384, "<u2", cache_hit=False)
@@ -33,7 +33,7 @@ def test_content_keys_are_the_stores_and_a_record_counts_only_with_its_output(ti
     """The keys name what data.prepare made (a change there fails here), and a record's output
     is held only while the store has it with a valid manifest."""
     from stoker.data import prepare
-    from stoker.tasks import caching
+    from stoker.tasks import data as keys
 
     cfg = tiny_config()
     store, shards = prepare_shards(cfg)
@@ -41,19 +41,19 @@ def test_content_keys_are_the_stores_and_a_record_counts_only_with_its_output(ti
     tok = prepare.train_tokenizer(dataset, cfg.tokenizer, store)
     params = {"data": cfg.data, "storage": cfg.storage, "dataset": dataset, "datasets": [dataset], "tokenizer": tok}
     [link] = store.walk_files("datasets/by-source")
-    assert caching.dataset_key(store, params).startswith(link.removesuffix(".json") + "-")
-    recipe = caching.tokenizer_key(store, {**params, "tokenizer": cfg.tokenizer}).split("-")[0]
+    assert keys.dataset_key(store, params).startswith(link.removesuffix(".json") + "-")
+    recipe = keys.tokenizer_key(store, {**params, "tokenizer": cfg.tokenizer}).split("-")[0]
     assert store.exists(f"tokenizers/{recipe}/tokenizer.json")
-    assert caching.shards_key(store, params).startswith(shards.cache_key + "-")
-    assert caching.holds_dataset(store, dataset) and caching.holds_tokenizer(store, tok)
+    assert keys.shards_key(store, params).startswith(shards.cache_key + "-")
+    assert keys.holds_dataset(store, dataset) and keys.holds_tokenizer(store, tok)
     [one] = shards.sets
-    assert caching.holds_shards(store, one)
+    assert keys.holds_shards(store, one)
     store.rm(f"{one.key}/manifest.json")
-    assert not caching.holds_shards(store, one)
+    assert not keys.holds_shards(store, one)
     store.rm("tokenizers")
-    assert not caching.holds_tokenizer(store, tok)
+    assert not keys.holds_tokenizer(store, tok)
     store.rm("datasets")
-    assert not caching.holds_dataset(store, dataset)
+    assert not keys.holds_dataset(store, dataset)
 
 
 # ---- through Prefect -------------------------------------------------------------------

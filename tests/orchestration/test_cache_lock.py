@@ -1,4 +1,4 @@
-"""The cache's locks (stoker/tasks/cache_lock.py): leases in the store that Prefect's
+"""The cache's locks (stoker/orchestration/cache_lock.py): leases in the store that Prefect's
 SERIALIZABLE transactions take, so one key is computed once across processes. The Prefect
 side (two evaluations of one checkpoint at once) is in tests/tasks/test_caching.py."""
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from stoker.orchestration.cache_lock import StoreLockManager, lock_key
 from stoker.storage.store import Store
-from stoker.tasks.cache_lock import StoreLockManager, lock_key
 from tests.conftest import ROOT
 
 KEY = "evaluate_checkpoint/abc123"
@@ -59,7 +59,7 @@ def test_a_dead_holders_lock_expires_and_a_live_holder_keeps_renewing_its_own(tm
 HOLD = """
 import sys, time
 from stoker.storage.store import Store
-from stoker.tasks.cache_lock import StoreLockManager
+from stoker.orchestration.cache_lock import StoreLockManager
 locks = StoreLockManager(Store(sys.argv[1]), poll=0.05)
 assert locks.acquire_lock(sys.argv[2], "other-process", acquire_timeout=0)
 print("held", flush=True)
@@ -86,7 +86,7 @@ def test_the_lock_holds_across_processes(tmp_path):
 HOLD_UNTIL_KILLED = """
 import sys, time
 from stoker.storage.store import Store
-from stoker.tasks.cache_lock import StoreLockManager
+from stoker.orchestration.cache_lock import StoreLockManager
 locks = StoreLockManager(Store(sys.argv[1]), poll=0.05)  # the default ttl: 60 s
 assert locks.acquire_lock(sys.argv[2], "killed-process", acquire_timeout=0)
 print("held", flush=True)

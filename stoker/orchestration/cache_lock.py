@@ -7,7 +7,7 @@ Prefect's transaction takes the lock on the task's cache key before it looks for
 (``Transaction.begin``) and releases it after writing the record (or on failure). Its own lock
 managers are a process's memory or a local folder; this one keeps
 ``{root}/prefect-results/.locks/{task}/{key}`` in the task run's own store (its StorageConfig
-parameter, as ``tasks.caching.StoreResults``), taken the way the run lease is
+parameter, as ``orchestration.caching.StoreResults``), taken the way the run lease is
 (``storage.lease``): a create-only write, a replace-if-unchanged of an expired one, read back
 after writing. The holder renews it every ``ttl / 3`` seconds from a thread of its own. A lock
 whose holder process is gone is free at once where that can be told (on its host: the
@@ -33,7 +33,7 @@ from stoker.core import lifeline
 from stoker.storage.lease import claim, known_fields
 from stoker.storage.store import Store, join
 
-LOCKS_DIR = "prefect-results/.locks"  # beside tasks.caching's records
+LOCKS_DIR = "prefect-results/.locks"  # beside orchestration.caching's records
 TTL_SECONDS = 60.0  # a lock whose holder stopped renewing it is free after this
 POLL_SECONDS = 1.0  # how often a waiter looks again
 
@@ -80,7 +80,7 @@ class StoreLockManager(LockManager):
     copies nothing that matters."""
 
     def __init__(self, store: Store | Callable[[], Store], ttl: float = TTL_SECONDS, poll: float = POLL_SECONDS):
-        """`store`: the store, or what gives it at each call (tasks.caching: the task run's)."""
+        """`store`: the store, or what gives it at each call (orchestration.caching: the task run's)."""
         self.store, self.ttl, self.poll = store, ttl, poll
 
     def _store(self) -> Store:
@@ -216,7 +216,7 @@ def _logger():
     try:
         return get_run_logger()
     except MissingContextError:
-        return logging.getLogger("stoker.cache")
+        return logging.getLogger("stoker.result_cache")
 
 
 def _encode(record: LockRecord) -> bytes:

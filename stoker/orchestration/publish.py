@@ -33,7 +33,10 @@ from stoker.core.failures import describe
 
 MAX_PENDING = 32  # keys; more than this and the oldest is dropped (never reached by stoker's few)
 RETRY_SECONDS = 5.0
-FLUSH_SECONDS = 30.0  # what close() waits, at most, for the last values to go out
+# what close() waits, at most, for the last values (the 100% and the final checkpoint table) to
+# go out: longer than a Prefect server takes to come back (30-45 s on 2 cores)
+FLUSH_SECONDS = 120.0
+CLOSE_RETRY_SECONDS = 1.0  # while closing, a failed call is tried again this often
 THREAD_NAME = "stoker-prefect-publisher"
 
 
@@ -80,6 +83,7 @@ class BestEffortPublisher:
         self._pending: OrderedDict[str, tuple[Callable[[], object], contextvars.Context]] = OrderedDict()
         self._cond = threading.Condition()
         self._closing = False
+        self._flushing = False  # close() is waiting for the last values
         self._abandoned = False  # close() gave up: no call is started any more
         self._busy: str | None = None  # the key of the call in flight
         self.failures = 0  # calls that failed (and were kept to try again)
@@ -114,7 +118,8 @@ class BestEffortPublisher:
                     self._pending.move_to_end(key, last=False)
                     self._cond.notify_all()
                     if not self._closing:
-                        self._cond.wait(self.retry_seconds)
+                        wait = min(self.retry_seconds, CLOSE_RETRY_SECONDS) if self._flushing else self.retry_seconds
+                        self._cond.wait(wait)
                     elif self._pending:
                         return  # closing with the server away: close() says what was left
                 else:
@@ -143,9 +148,18 @@ class BestEffortPublisher:
         return True
 
     def close(self, timeout: float = FLUSH_SECONDS) -> list[str]:
-        """Send what is pending (up to `timeout`), stop the thread; the keys left unsent."""
+        """Send what is pending (up to `timeout`, trying a failed call again every
+        CLOSE_RETRY_SECONDS), stop the thread; the keys left unsent, named in the log."""
         deadline = time.monotonic() + timeout
         with self._cond:
+            self._flushing = True
+            self._cond.notify_all()  # a worker waiting to retry tries at once
+            if self._outage_since is not None and (self._pending or self._busy):
+                self.logger.warning(
+                    "Prefect API away: waiting up to %.0fs for it to take the run's last values (%s)",
+                    timeout,
+                    ", ".join(([self._busy] if self._busy else []) + [k for k in self._pending if k != self._busy]),
+                )
             while (self._pending or self._busy) and time.monotonic() < deadline:
                 self._cond.wait(min(0.5, max(0.0, deadline - time.monotonic())))
             self._closing = True
@@ -155,5 +169,7 @@ class BestEffortPublisher:
             self._abandoned = True  # a call still in flight is the last one made
             left = ([self._busy] if self._busy else []) + [k for k in self._pending if k != self._busy]
         if left:
-            self.logger.warning("Prefect API still unreachable: not sent to the UI: %s", ", ".join(left))
+            self.logger.warning(
+                "Prefect API still unreachable after %.0fs: gave up; not sent to the UI: %s", timeout, ", ".join(left)
+            )
         return left

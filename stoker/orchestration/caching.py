@@ -27,7 +27,7 @@ Three Prefect parts, each small:
   Prefect takes as "no record": the task runs again.
 
 A policy made with ``isolation_level="SERIALIZABLE"`` (evaluate_checkpoint's) also gets a lock
-manager whose locks are leases in the same store (`tasks.cache_lock.StoreLockManager`): two
+manager whose locks are leases in the same store (`orchestration.cache_lock.StoreLockManager`): two
 task runs of one key at once, in any processes or hosts, compute it once; the second waits for
 the first one's lock and reads its record.
 """
@@ -49,11 +49,11 @@ from prefect.serializers import Serializer
 from pydantic import BaseModel, Field
 
 from stoker.core.results import DatasetInfo, EvalResult, ShardInfo, TokenizerInfo
+from stoker.orchestration.cache_lock import StoreLockManager
 from stoker.storage.store import Store, join
-from stoker.tasks.cache_lock import StoreLockManager
 
 RESULTS_DIR = "prefect-results"
-log = logging.getLogger("stoker.cache")
+log = logging.getLogger("stoker.result_cache")
 
 # the types a record may hold: nothing else is ever constructed from the store's bytes
 RESULT_TYPES: dict[str, type] = {t.__name__: t for t in (DatasetInfo, TokenizerInfo, ShardInfo, EvalResult)}
@@ -83,7 +83,7 @@ def parameter(parameters: dict, path: str) -> Any:
 
 def store_of(parameters: dict, path: str) -> Store:
     storage = parameter(parameters, path)
-    return Store(storage.root, storage.storage_options)
+    return Store.of(storage)
 
 
 def task_store(storage_parameter: str) -> Store:
@@ -121,7 +121,7 @@ class StoreCache(CachePolicy):
     anew. Any error here is the task's to meet and report: no key, and it runs.
     `on_hit(parameters)` runs when a record holds (before Prefect reads it).
     ``isolation_level="SERIALIZABLE"``: callers of one key at once compute it once; the others
-    wait for its lock (tasks.cache_lock, in the store) and read its record (Cached)."""
+    wait for its lock (orchestration.cache_lock, in the store) and read its record (Cached)."""
 
     content_key: Callable[[Store, dict], str | None] | None = None
     holds: Callable[[Store, Any], bool] | None = None
@@ -236,97 +236,3 @@ def attach_results(made_task, cache: StoreCache):
     """Give a task made with `cache` its result storage in the store (see the module doc)."""
     made_task.result_storage = StoreResults(storage_parameter=cache.storage_parameter)
     return made_task
-
-
-# ---- content keys, and what a record's output needs in the store --------------------------------
-def dataset_key(store: Store, parameters: dict) -> str:
-    """download_dataset: the source's fingerprint (datasets/by-source/), taken as the task
-    takes it (content hashes of local files, ETags, revisions): on a miss, twice."""
-    import tempfile
-
-    from stoker.data.sources import resolve_source
-
-    with tempfile.TemporaryDirectory(prefix="stoker-cache-key-") as work:
-        source = resolve_source(parameters["data"], work)
-    return f"{source.fingerprint}-{digest(result_shape(DatasetInfo))}"
-
-
-def holds_dataset(store: Store, info: DatasetInfo) -> bool:
-    """The dataset is committed: info.json, its corpus at the listed size."""
-    from stoker.storage.datasets import committed_dataset
-
-    return committed_dataset(store, info.fingerprint) is not None
-
-
-def tokenizer_key(store: Store, parameters: dict) -> str | None:
-    """train_tokenizer: the trained tokenizer's recipe (tokenizers/{recipe}/, as
-    data.prepare.tokenizer_recipe names it). A tokenizer.path is loaded each time (no key)."""
-    from stoker.data.prepare import kept_tokenizer, tokenizer_recipe
-
-    datasets, cfg = parameters["datasets"], parameters["tokenizer"]
-    if cfg.path or kept_tokenizer(store, parameters.get("run"), datasets, cfg):
-        return None
-    return f"{tokenizer_recipe(datasets, cfg)}-{digest(result_shape(TokenizerInfo))}"
-
-
-def holds_tokenizer(store: Store, info: TokenizerInfo) -> bool:
-    """The tokenizer file is there by its hash, with that hash."""
-    try:
-        return hashlib.sha256(store.read_bytes(info.key)).hexdigest() == info.sha256
-    except FileNotFoundError:
-        return False
-
-
-def shard_cache_key_of(dataset: DatasetInfo, tokenizer: TokenizerInfo, data) -> str:
-    """The shard set's cache key, as data.prepare.tokenize_and_shard makes it."""
-    from stoker.data.prepare import token_dtype
-    from stoker.storage.shards import shard_cache_key
-
-    params = {
-        "val_fraction": data.val_fraction,
-        "shard_tokens": data.shard_tokens,
-        "dtype": token_dtype(data.token_dtype, tokenizer.vocab_size).str,
-        "eot_id": tokenizer.eot_id,
-    }
-    return shard_cache_key(dataset.fingerprint, tokenizer.sha256, params)
-
-
-def shards_key(store: Store, parameters: dict) -> str:
-    """tokenize_and_shard: the shard set's cache key (shards/{cache key}/)."""
-    cache_key = shard_cache_key_of(parameters["dataset"], parameters["tokenizer"], parameters["data"])
-    return f"{cache_key}-{digest(result_shape(ShardInfo))}"
-
-
-def holds_shards(store: Store, info: ShardInfo) -> bool:
-    """The shard set is valid: its manifest, every file at its size, no invalid marker."""
-    from stoker.storage.shards import validate_shard_set
-
-    return bool(validate_shard_set(store, info.cache_key))
-
-
-# bump when what an evaluation computes changes without a change of its settings or result type
-EVALUATION_VERSION = 1
-
-
-def evaluation_key(store: Store, parameters: dict) -> str | None:
-    """evaluate_checkpoint: the checkpoint's commit-manifest hash, when the checkpoint is
-    committed and its files are there at their sizes (else no key: the evaluation says what is
-    wrong), plus what the evaluation depends on besides (the validation shards, the eval
-    settings, the precision, the result type). A deleted or replaced checkpoint has another
-    manifest, so another key."""
-    from stoker.storage.checkpoints import validate_checkpoint
-
-    config, checkpoint_key = parameters["config"], parameters["checkpoint_key"]
-    if not checkpoint_key:
-        return None
-    verdict = validate_checkpoint(store, checkpoint_key)
-    if not verdict:
-        return None
-    settings = {
-        "version": EVALUATION_VERSION,
-        "shards": parameters["shard_key"],
-        "eval": config.eval.model_dump(mode="json"),
-        "precision": config.engine.precision,
-        "result": result_shape(EvalResult),
-    }
-    return f"{digest(verdict.manifest)}-{digest(settings)}"

@@ -12,7 +12,7 @@ from stoker.core import events
 from stoker.core.config import RunConfig
 from stoker.core.failures import CheckpointUnavailable, ConfigError, StokerError
 from stoker.core.harness import OFFLINE_ENV, harness_problems
-from stoker.launch.child import Child
+from stoker.launch.child import Child, outcome
 from stoker.launch.env import STORAGE_OPTIONS_ENV, child_env
 
 HARNESS_TIMEOUT_SECONDS = 3600
@@ -28,7 +28,7 @@ def latest_checkpoint_uri(config: RunConfig) -> str:
     from stoker.storage.checkpoints import find_latest_valid
     from stoker.storage.store import Store
 
-    store = Store(config.storage.root, config.storage.storage_options)
+    store = Store.of(config.storage)
     run = config.resolved_run_name()
     # the run's own config (its run folder) is what the export reads the checkpoint with
     choice = find_latest_valid(store, run, {"run_name": run})
@@ -68,19 +68,12 @@ def run_harness(
     args += ["--limit", str(limit)] if limit else []
     args += ["--out", os.path.abspath(out)] if out else []
     args += ["--samples"] if samples else []
-    ended = Child("stoker.training.harness", args, env).run(timeout)
-    said = [e for e in map(events.decode, ended.out.splitlines()) if e is not None]
-    done = [e for e in said if isinstance(e, events.HarnessEvaluated)]
-    if ended.returncode == 0 and done:
-        return done[-1]
-    failure = next((e for e in said if isinstance(e, events.Failure)), None)
-    if failure and failure.type == "ConfigError":
-        raise ConfigError([failure.message])
-    if ended.timed_out:
-        why = f"no answer within {timeout:.0f}s"
-    else:
-        why = f"{failure.type}: {failure.message}" if failure else " ".join(ended.err.split()[-60:])
-    raise HarnessFailed(f"lm-evaluation-harness on {source} failed (exit {ended.returncode}): {why}")
+    got = outcome(Child("stoker.training.harness", args, env).run(timeout), events.HarnessEvaluated, timeout)
+    if got.result is not None:
+        return got.result
+    if got.failure is not None and got.failure.type == "ConfigError":
+        raise ConfigError([got.failure.message])
+    raise HarnessFailed(f"lm-evaluation-harness on {source} failed (exit {got.ended.returncode}): {got.why}")
 
 
 def harness_line(done: events.HarnessEvaluated) -> str:
