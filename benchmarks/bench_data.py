@@ -10,7 +10,12 @@ cores. Every measurement runs in its own child process, so peak RSS and CPU time
 
 CPU seconds are user+sys of the process and of its waited-for children (the tokenizer
 workers), so a ratio compares work, not how many cores each side happened to use. Token
-counts exclude the end-of-text ids the shards add.
+counts exclude the end-of-text ids the shards add: one per document, counted in the shards
+themselves. (Not the manifest's num_docs: that counts the index's entries, and a document
+longer than sharding.PIECE_TOKENS is several entries, its pieces each to the split its hash
+picks. Subtracting num_docs made the data stage look 2,660 tokens short on the 10x corpus.)
+
+    python -m benchmarks.bench_data [--smoke]       (--smoke: a tiny corpus, one run each)
 """
 
 from __future__ import annotations
@@ -114,9 +119,7 @@ def child_stage(work: str, corpus: str, tokenizer: str, name: str) -> dict:
         data_prep.tokenize_and_shard(ds, tk, data, store).cache_hit,
     )
     rerun = time.perf_counter() - rerun0
-    manifest = store.read_json(f"{shards.key}/manifest.json")
-    docs = sum(manifest["num_docs"].values())
-    tokens = shards.num_train_tokens + shards.num_val_tokens - docs
+    docs, tokens = _shard_docs_and_tokens(store, shards.key, tk.eot_id)
     return {
         "tokens": tokens,
         "docs": docs,
@@ -130,6 +133,20 @@ def child_stage(work: str, corpus: str, tokenizer: str, name: str) -> dict:
         "store": store.root,
         **rss,
     }
+
+
+def _shard_docs_and_tokens(store, key: str, eot_id: int) -> tuple[int, int]:
+    """(documents, tokens without their end-of-text ids) as the shard files hold them."""
+    import numpy as np
+
+    manifest = store.read_json(f"{key}/manifest.json")
+    docs = tokens = 0
+    for split in manifest["splits"].values():
+        for name in split:
+            ids = np.fromfile(store.local_path(f"{key}/{name}"), dtype=manifest["dtype"])
+            eots = int((ids == eot_id).sum())
+            docs, tokens = docs + eots, tokens + len(ids) - eots
+    return docs, tokens
 
 
 def child_rerun(work: str, corpus: str, tokenizer: str, name: str) -> dict:
@@ -207,13 +224,15 @@ def _line(label: str, value: float, goal: str, met: bool, unit: str = "") -> Non
     print(f"  {label:<62} {value:8.2f}{unit:<2} goal {goal:<7} {'MET' if met else 'NOT MET'}", flush=True)
 
 
-def _report(one: dict, runs: dict[str, list[dict]], fresh: dict) -> None:
+def _report(one: dict, runs: dict[str, list[dict]], fresh: dict, repeats: int = REPEATS) -> None:
     best = {k: min(v, key=lambda r: r["cpu_s"]) for k, v in runs.items()}
     ten, raw, mapped = best["ours"], best["raw"], best["map"]
     assert raw["tokens"] == ten["tokens"] == mapped["tokens"], (raw["tokens"], ten["tokens"], mapped["tokens"])
     rate = {k: r["tokens"] / r["cpu_s"] for k, r in best.items()}
     workers_cpu = ten["cpu_s"] - ten["main_cpu_s"]
-    print(f"  tokens: {ten['tokens']:,} in {ten['docs']:,} documents (10x corpus); best of {REPEATS} runs each:")
+    print(
+        f"  tokens: {ten['tokens']:,} in {ten['docs']:,} documents (the large corpus); best of {repeats} run(s) each:"
+    )
     print(
         f"  tokenize+shard    {rate['ours'] / 1e6:.2f} M tok/CPU-s ({ten['cpu_s']:.1f} CPU-s: "
         f"{ten['main_cpu_s']:.1f} main + {workers_cpu:.1f} workers; {ten['wall_s']:.1f} s wall)"
@@ -247,29 +266,32 @@ def _report(one: dict, runs: dict[str, list[dict]], fresh: dict) -> None:
     _line("peak RSS, 10x corpus / 1x corpus", peak, "<= 1.2", peak <= 1.2)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    small_bytes, scale, repeats = SMALL_BYTES, SCALE, REPEATS
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):  # checks the benchmark works
+        small_bytes, scale, repeats = 300_000, 2, 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     with tempfile.TemporaryDirectory(prefix="stoker-bench-data-") as work:
         small, large = os.path.join(work, "small.jsonl"), os.path.join(work, "large.jsonl")
-        _write_corpus(small, SMALL_BYTES)
-        _scale_corpus(small, large, SCALE)
+        _write_corpus(small, small_bytes)
+        _scale_corpus(small, large, scale)
         print(
             f"corpus: Python stdlib sources as JSON lines, {os.path.getsize(small) / 1e6:.1f} MB (1x) and "
-            f"{SCALE} copies of it, {os.path.getsize(large) / 1e6:.1f} MB (10x); {cores} cores; "
+            f"{scale} copies of it, {os.path.getsize(large) / 1e6:.1f} MB ({scale}x); {cores} cores; "
             "num_workers=2",
             flush=True,
         )
         tokenizer = _run_child("prepare", work, small)["tokenizer"]
         one = _run_child("stage", work, small, tokenizer, "1x")
         runs: dict[str, list[dict]] = {"ours": [], "raw": [], "map": []}
-        for rep in range(REPEATS):  # interleaved, best of each: this machine is shared and noisy
+        for rep in range(repeats):  # interleaved, best of each: this machine is shared and noisy
             runs["ours"].append(_run_child("stage", work, large, tokenizer, f"10x-{rep}"))
             first = runs["ours"][0]
             corpus_jsonl = os.path.join(first["store"].removeprefix("file://"), first["corpus_key"])
             runs["raw"].append(_run_child("raw", work, corpus_jsonl, tokenizer))
             runs["map"].append(_run_child("map", work, corpus_jsonl, tokenizer))
         fresh = _run_child("rerun", work, large, tokenizer, "10x-0")
-    _report(one, runs, fresh)
+    _report(one, runs, fresh, repeats)
 
 
 if __name__ == "__main__":

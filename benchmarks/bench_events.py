@@ -63,8 +63,8 @@ def step_seconds(cfg) -> float:
 
 
 def _launch_events(cfg, root: str, interval: float):
-    from stoker.storage.store import Store
     from stoker.orchestration.prefect_events import LaunchEvents
+    from stoker.storage.store import Store
 
     cfg = cfg.model_copy(update={"events": cfg.events.model_copy(update={"step_interval_seconds": interval})})
     return LaunchEvents(cfg, 1, Store(root), logging.getLogger("bench"))

@@ -98,3 +98,13 @@ def test_bench_mixture_smoke_run_prints_its_ratio(capsys):
     assert result["one_source_ms_per_step"] > 0 and result["three_sources_ms_per_step"] > 0
     assert "(exact)" in result["mixture"][0]
     assert "RATIO three sources / one source" in capsys.readouterr().out
+
+
+def test_bench_data_smoke_run_counts_the_same_tokens_three_ways(capsys):
+    """benchmarks/bench_data.py on a tiny corpus: the data stage, encode_batch_fast and
+    Dataset.map count the same tokens (its report asserts it), every ratio printed."""
+    from benchmarks import bench_data
+
+    bench_data.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert "tokenize+shard tok/CPU-s / raw encode_batch_fast" in out and "all hits: True" in out

@@ -41,6 +41,30 @@ def test_shards_hold_every_document_with_end_of_text(store):
     assert shards.num_val_tokens > 0 and shards.num_train_tokens > 5 * shards.num_val_tokens
 
 
+def test_shards_hold_every_token_of_every_document_even_cut_in_pieces(store, monkeypatch):
+    """A long document is cut in pieces (sharding.PIECE_TOKENS, each to the split its hash picks,
+    each an entry of the index, which the manifest's num_docs counts): every token of every
+    document is in the shards all the same, and one end-of-text per document."""
+    from tokenizers import Tokenizer
+
+    from stoker.data import sharding
+
+    monkeypatch.setattr(sharding, "PIECE_TOKENS", 64)  # the stdlib's files are long: many pieces
+    ds, tk, shards = _prepare(store)
+    folder = store.local_path(shards.key)
+    manifest = json.loads(open(os.path.join(folder, "manifest.json")).read())
+    stored = np.concatenate(
+        [np.fromfile(os.path.join(folder, n), dtype="<u2") for s in ("train", "val") for n in manifest["splits"][s]]
+    )
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    docs = [json.loads(line)["text"] for line in open(store.local_path(f"{ds.key}/corpus.jsonl"), "rb")]
+    ids = [e.ids for e in tok.encode_batch_fast(docs)]
+    want = np.bincount(np.concatenate([np.asarray(i + [tk.eot_id]) for i in ids]), minlength=tk.vocab_size)
+    assert np.array_equal(np.bincount(stored, minlength=tk.vocab_size), want)  # the same tokens, each as often
+    assert int((stored == tk.eot_id).sum()) == len(docs) == ds.num_docs
+    assert sum(manifest["num_docs"].values()) > len(docs)  # entries: the pieces, not the documents
+
+
 def test_second_preparation_does_no_tokenization(store):
     _, _, first = _prepare(store)
     folder = store.local_path(first.key)
