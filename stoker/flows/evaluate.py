@@ -5,7 +5,8 @@ from __future__ import annotations
 from prefect import flow
 
 from stoker.core.results import EvalResult
-from stoker.flows import claim_flow_run, fails_in_one_line
+from stoker.flows import fails_in_one_line
+from stoker.flows.runs import claim_flow_run
 from stoker.tasks.evaluate import checkpoint_inputs, evaluate_checkpoint
 
 

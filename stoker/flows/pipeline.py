@@ -11,7 +11,8 @@ from prefect import flow, get_run_logger
 from stoker.core.config import DataConfig, RayConfig, RunConfig, StorageConfig, TokenizerConfig
 from stoker.core.failures import SHARDS_DAMAGED, TrainingFailed
 from stoker.core.results import DataShards, PipelineResult
-from stoker.flows import claim_flow_run, fails_in_one_line, flow_runs_tagged, results_of, tag_flow_run
+from stoker.flows import fails_in_one_line
+from stoker.flows.runs import claim_flow_run, flow_runs_tagged, results_of, tag_flow_run
 from stoker.orchestration.credentials import use_store_credentials
 from stoker.orchestration.prefect_events import flow_run_failed
 from stoker.tasks.data import download_dataset, tokenize_and_shard, train_tokenizer
