@@ -83,14 +83,22 @@ def _at_another_world_size(cfg, store, shards, records):
         two = torch.cat([train_batch(windows, 2, step, rank, m, 2)[0] for rank in (0, 1) for m in (0, 1)])
         one = torch.cat([train_batch(windows, 2, step, 0, m, 4)[0] for m in range(4)])
         assert torch.equal(one, two)
-    single = RunConfig.model_validate_json(store.read_bytes("runs/mix/config.json"))
-    single = single.model_copy(update={"launch": single.launch.model_copy(update={"nproc_per_node": 1})})
-    store.write_bytes("runs/mix/config-1.json", single.to_json().encode())
+    # 1 rank, and epoch limits: stdlib has given 30 windows by step 5 and 32 by step 6 (warn
+    # after 31), docs 22 by step 7 and 28 by step 8 (stop after 25): the run ends at step 7
+    w = dict(zip(windows.names, windows.mixture.windows.tolist()))
+    limits = {"stdlib": {"max_epochs": 31 / w["stdlib"], "at_max_epochs": "warn"}, "docs": {"max_epochs": 25 / w["docs"]}}
+    raw = RunConfig.model_validate_json(store.read_bytes("runs/mix/config.json")).model_dump(mode="json")
+    raw["launch"]["nproc_per_node"] = 1
+    raw["data"]["sources"] = [{**s, **limits[s["name"]]} for s in raw["data"]["sources"]]
+    store.write_bytes("runs/mix/config-1.json", RunConfig.model_validate(raw).to_json().encode())
     resumed = run_forked(
         store.url("runs/mix/config-1.json"), shards.key, resume="runs/mix/checkpoints/step-00000004", nproc=1
     )
+    said = [(r["step"], r["source"], r["action"]) for r in resumed if r["event"] == "epoch_limit"]
+    assert said == [(7, "docs", "stop"), (6, "stdlib", "warn")]
+    assert 7 in [c.step for c in list_checkpoints(store, "mix")]  # the run ends with a checkpoint
     whole, losses = train_losses(records), train_losses(resumed)
-    assert sorted(losses) == [5, 6, 7, 8]
+    assert sorted(losses) == [5, 6, 7]
     torch.testing.assert_close(
         torch.tensor([losses[s] for s in losses], dtype=torch.float32),
         torch.tensor([whole[s] for s in losses], dtype=torch.float32),
