@@ -133,7 +133,8 @@ def stall_automation(ctx: pe.RunContext, window_seconds: float, action: str):
     )
     if action == "cancel":
         act = ChangeFlowRunState(state=StateType.CANCELLING, message=why + "; cancelled (events.stall_action)")
-    else:  # a Running state of its own name: the UI shows it, the run goes on. Not forced: a
+    else:
+        # a Running state of its own name: the UI shows it, the run goes on. Not forced: a
         # flow run that has ended (its launcher killed before it removed this) stays ended
         act = ChangeFlowRunState(state=StateType.RUNNING, name=STALLED_STATE_NAME, message=why)
     return AutomationCore(
