@@ -1,6 +1,6 @@
 """The rooms and who may enter (DESIGN.md): no upward import, no import cycle, no torch in
 the orchestrator's rooms, no Prefect in the ranks'. Every room is a subpackage of stoker; the
-command line (stoker/cli.py, stoker/__main__.py) is the top, and stoker/__init__.py imports nothing."""
+command line (stoker/cli/, stoker/__main__.py) is the top, and stoker/__init__.py imports nothing."""
 
 import ast
 import os

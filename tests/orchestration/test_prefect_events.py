@@ -5,7 +5,7 @@ import pytest
 
 from stoker.core.config import ConfigError, load_config
 from stoker.observe import prefect_events as pe
-from stoker.tasks import prefect_events as tpe
+from stoker.orchestration import prefect_events as tpe
 from tests.conftest import tiny_dict
 
 CTX = pe.RunContext(run="r1", flow_run_id="11111111-2222-3333-4444-555555555555", attempt=3)

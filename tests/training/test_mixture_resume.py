@@ -86,7 +86,10 @@ def _at_another_world_size(cfg, store, shards, records):
     # 1 rank, and epoch limits: stdlib has given 30 windows by step 5 and 32 by step 6 (warn
     # after 31), docs 22 by step 7 and 28 by step 8 (stop after 25): the run ends at step 7
     w = dict(zip(windows.names, windows.mixture.windows.tolist()))
-    limits = {"stdlib": {"max_epochs": 31 / w["stdlib"], "at_max_epochs": "warn"}, "docs": {"max_epochs": 25 / w["docs"]}}
+    limits = {
+        "stdlib": {"max_epochs": 31 / w["stdlib"], "at_max_epochs": "warn"},
+        "docs": {"max_epochs": 25 / w["docs"]},
+    }
     raw = RunConfig.model_validate_json(store.read_bytes("runs/mix/config.json")).model_dump(mode="json")
     raw["launch"]["nproc_per_node"] = 1
     raw["data"]["sources"] = [{**s, **limits[s["name"]]} for s in raw["data"]["sources"]]
