@@ -7,9 +7,11 @@ Prefect's transaction takes the lock on the task's cache key before it looks for
 (``Transaction.begin``) and releases it after writing the record (or on failure). Its own lock
 managers are a process's memory or a local folder; this one keeps
 ``{root}/prefect-results/.locks/{task}/{key}`` in the task run's own store (its StorageConfig
-parameter, as ``orchestration.caching.StoreResults``), taken the way the run lease is
-(``storage.lease``): a create-only write, a replace-if-unchanged of an expired one, read back
-after writing. The holder renews it every ``ttl / 3`` seconds from a thread of its own. A lock
+parameter, as ``orchestration.caching.StoreResults``), a lease on the same primitive as the run
+lease (``storage.lease``: ``claim``, a create-only write or a replace-if-unchanged of an expired
+one, read back after writing; ``read_record``, damage reads as expired; ``holder_gone``;
+``Renewal``, every ``ttl / 3`` seconds from a thread of its own). What is its own: Prefect's
+LockManager protocol, the holder and hold_timeout of a transaction, waiting for a lock. A lock
 whose holder process is gone is free at once where that can be told (on its host: the
 ``core.lifeline`` token it records, as the run lease does), so a rerun on the host of a killed
 flow process does not wait; elsewhere it expires ``ttl`` seconds after its last renewal.
@@ -18,7 +20,6 @@ flow process does not wait; elsewhere it expires ``ttl`` seconds after its last 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import threading
@@ -30,15 +31,15 @@ from typing import Callable
 from prefect.locking.protocol import LockManager
 
 from stoker.core import lifeline
-from stoker.storage.lease import claim, known_fields
+from stoker.storage.lease import Renewal, claim, encode, holder_gone, read_record
 from stoker.storage.store import Store, join
 
 LOCKS_DIR = "prefect-results/.locks"  # beside orchestration.caching's records
 TTL_SECONDS = 60.0  # a lock whose holder stopped renewing it is free after this
 POLL_SECONDS = 1.0  # how often a waiter looks again
 
-# the renewal threads of the locks this process holds: (store url, key, holder) -> stop event
-_HELD: dict[tuple[str, str, str], threading.Event] = {}
+# the renewals of the locks this process holds: (store url, key, holder) -> its Renewal
+_HELD: dict[tuple[str, str, str], Renewal] = {}
 _HELD_LOCK = threading.Lock()
 
 
@@ -53,9 +54,10 @@ class LockRecord:
     process: str = ""  # the holding process's core.lifeline token ("" in locks written before it)
 
     def live(self, now: float) -> bool:
-        """Held: not expired, not past its hold_timeout, and its holder process not known gone."""
+        """Held: not expired, not past its hold_timeout, and its holder process not known gone
+        (storage.lease.holder_gone, as for the run lease)."""
         in_time = self.expires_at > now and (self.until is None or self.until > now)
-        return in_time and not lifeline.token_gone(self.process)
+        return in_time and not holder_gone(self.process, self.host, self.pid)
 
 
 def lock_key(key: str) -> str:
@@ -63,15 +65,8 @@ def lock_key(key: str) -> str:
 
 
 def _read(store: Store, where: str) -> tuple[LockRecord | None, str | None]:
-    """(the lock, its version); a damaged record reads as an expired lock, so it can be replaced
-    (fields this version does not know are ignored)."""
-    found = store.read_versioned(where)
-    if found is None:
-        return None, None
-    try:
-        return LockRecord(**known_fields(LockRecord, json.loads(found[0]))), found[1]
-    except (ValueError, TypeError, AttributeError):
-        return LockRecord("?", "?", "?", 0, 0.0), found[1]
+    """(the lock, its version); a damaged record reads as an expired lock (storage.lease.read_record)."""
+    return read_record(store, where, LockRecord, lambda: LockRecord("?", "?", "?", 0, 0.0))
 
 
 class StoreLockManager(LockManager):
@@ -102,9 +97,9 @@ class StoreLockManager(LockManager):
         """Stop renewing, and remove the lock if it is still this holder's (else: nothing)."""
         store = self._store()
         with _HELD_LOCK:
-            stop = _HELD.pop((store.url(), key, holder), None)
-        if stop is not None:
-            stop.set()
+            renewal = _HELD.pop((store.url(), key, holder), None)
+        if renewal is not None:
+            renewal.stop()
         current, _ = _read(store, lock_key(key))
         if current is not None and current.holder == holder:
             store.rm(lock_key(key), recursive=False)
@@ -161,8 +156,12 @@ class StoreLockManager(LockManager):
         if current is not None and current.live(now):
             return None if current.holder == holder else current  # already this holder's, or in the way
         # free, expired (its holder stopped renewing), or its holder process is gone
-        if claim(store, where, _encode(mine), mine.token, version) is not None:
-            if current is not None and current.expires_at > now and lifeline.token_gone(current.process):
+        if claim(store, where, encode(mine), mine.token, version) is not None:
+            if (
+                current is not None
+                and current.expires_at > now
+                and holder_gone(current.process, current.host, current.pid)
+            ):
                 _logger().info(
                     "%s: the lock of a task run whose process is gone (host %s, pid %s) was taken over",
                     key,
@@ -174,26 +173,22 @@ class StoreLockManager(LockManager):
         return back if back is not None else current or mine
 
     def _renew_in_background(self, store: Store, key: str, holder: str) -> None:
-        stop = threading.Event()
+        where = lock_key(key)
+
+        def renew() -> bool:
+            current, version = _read(store, where)
+            if current is None or current.holder != holder:
+                return False  # released, or taken after it expired: nothing left to renew
+            renewed = LockRecord(**{**asdict(current), "expires_at": time.time() + self.ttl})
+            store.write_bytes_if_version(where, encode(renewed), version)
+            return True
+
+        renewal = Renewal("stoker-cache-lock", self.ttl / 3, renew)  # a store error: tried again next round
         with _HELD_LOCK:
             old = _HELD.pop((store.url(), key, holder), None)
-            _HELD[(store.url(), key, holder)] = stop
+            _HELD[(store.url(), key, holder)] = renewal
         if old is not None:
-            old.set()
-
-        def renew() -> None:
-            where = lock_key(key)
-            while not stop.wait(self.ttl / 3):
-                try:
-                    current, version = _read(store, where)
-                    if current is None or current.holder != holder:
-                        return  # released, or taken after it expired: nothing left to renew
-                    renewed = LockRecord(**{**asdict(current), "expires_at": time.time() + self.ttl})
-                    store.write_bytes_if_version(where, _encode(renewed), version)
-                except Exception:  # the store away for a while: the next round tries again
-                    continue
-
-        threading.Thread(target=renew, name="stoker-cache-lock", daemon=True).start()
+            old.stop()
 
     def _wait(self, store: Store, key: str, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -217,7 +212,3 @@ def _logger():
         return get_run_logger()
     except MissingContextError:
         return logging.getLogger("stoker.result_cache")
-
-
-def _encode(record: LockRecord) -> bytes:
-    return json.dumps(asdict(record), sort_keys=True).encode()

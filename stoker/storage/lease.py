@@ -71,35 +71,86 @@ def lease_key(run_name: str) -> str:
     return run_file_key(run_name, LEASE_FILE)
 
 
-def read_lease(store: Store, run_name: str) -> tuple[LeaseRecord, str] | tuple[None, None]:
-    """(the lease, its version) or (None, None) when nobody holds the run. A damaged file
-    counts as an expired lease, so it can be replaced; fields this version does not know (a
-    newer stoker's) are ignored, not taken for damage."""
-    found = store.read_versioned(lease_key(run_name))
+# ---- the lease primitive: what the run lease and the result cache's locks share -------------
+# A record (a JSON dataclass carrying a `token`, one per take) at a key: taken with `claim`,
+# read with `read_record` (damage reads as expired), renewed by a `Renewal` thread, and free
+# early when `holder_gone` (its process is known gone on this host).
+def read_record(store: Store, key: str, record_type: type, damaged: Callable[[], object]) -> tuple:
+    """(the record, its version) at `key`, or (None, None) when none is there. A damaged file
+    reads as `damaged()` (an expired record, so it can be replaced); fields this version does
+    not know (a newer stoker's) are ignored, not taken for damage."""
+    found = store.read_versioned(key)
     if found is None:
         return None, None
     data, version = found
     try:
-        return LeaseRecord(**known_fields(LeaseRecord, json.loads(data))), version
+        return record_type(**known_fields(record_type, json.loads(data))), version
     except (ValueError, TypeError, AttributeError):
-        return LeaseRecord(run_name, "?", "?", "?", 0, "", 0.0, 0.0, 0.0), version
+        return damaged(), version
 
 
-def _owner_is_gone(record: LeaseRecord) -> bool:
-    """The owner is a process of this host that no longer exists: told by its lifeline token
+def encode(record) -> bytes:
+    """A record's bytes in the store (sorted JSON)."""
+    return json.dumps(asdict(record), indent=2, sort_keys=True).encode()
+
+
+def holder_gone(process: str, host: str, pid: int) -> bool:
+    """The holder is a process of this host that no longer exists: told by its lifeline token
     (kernel, pid namespace, pid and start time: a reused pid or a process of another container
-    with the same host name is not taken for the owner); a lease without one, by its pid."""
-    if record.process:
-        return lifeline.token_gone(record.process)
-    if record.host != socket.gethostname() or record.pid <= 0:
+    with the same host name is not taken for the holder); a record without one, by its pid."""
+    if process:
+        return lifeline.token_gone(process)
+    if host != socket.gethostname() or pid <= 0:
         return False
     try:
-        os.kill(record.pid, 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except PermissionError:  # alive, someone else's
         return False
     return False
+
+
+class Renewal:
+    """A daemon thread that calls `renew()` every `interval` seconds until stopped or until it
+    returns False (the record is no longer this holder's). A store error is passed to `log` and
+    tried again at the next round: the record lasts its ttl meanwhile."""
+
+    def __init__(self, name: str, interval: float, renew: Callable[[], bool], log: Callable[[str], None] | None = None):
+        self.stopped = threading.Event()
+
+        def loop() -> None:
+            while not self.stopped.wait(interval):
+                try:
+                    if not renew():
+                        return
+                except Exception as err:  # transient: the next round tries again
+                    if log is not None:
+                        log(f"{name}: renewal failed: {err!r}")
+
+        self.thread = threading.Thread(target=loop, name=name, daemon=True)
+        self.thread.start()
+
+    def stop(self, join_seconds: float | None = None) -> None:
+        self.stopped.set()
+        if join_seconds is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=join_seconds)
+
+
+# ---- the run lease ---------------------------------------------------------------------------
+def read_lease(store: Store, run_name: str) -> tuple[LeaseRecord, str] | tuple[None, None]:
+    """(the lease, its version) or (None, None) when nobody holds the run; a damaged file is an
+    expired lease (read_record)."""
+    return read_record(
+        store,
+        lease_key(run_name),
+        LeaseRecord,
+        lambda: LeaseRecord(run_name, "?", "?", "?", 0, "", 0.0, 0.0, 0.0),
+    )
+
+
+def _owner_is_gone(record: LeaseRecord) -> bool:
+    return holder_gone(record.process, record.host, record.pid)
 
 
 def why_takeable(record: LeaseRecord, owner: str, takeover: bool, now: float) -> str:
@@ -130,8 +181,7 @@ class RunLease:
     def __init__(self, store: Store, record: LeaseRecord, version: str, ttl: float):
         self.store, self.record, self.version, self.ttl = store, record, version, ttl
         self.lost = ""  # why, once another launch took the lease
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._renewal: Renewal | None = None
 
     @property
     def key(self) -> str:
@@ -143,7 +193,7 @@ class RunLease:
             return False
         now = time.time()
         record = LeaseRecord(**{**asdict(self.record), "heartbeat_at": now, "expires_at": now + self.ttl})
-        if self.store.write_bytes_if_version(self.key, _encode(record), self.version):
+        if self.store.write_bytes_if_version(self.key, encode(record), self.version):
             found = self.store.read_versioned(self.key)
             if found is not None and _token(found[0]) == record.token:
                 self.record, self.version = record, found[1]
@@ -164,39 +214,29 @@ class RunLease:
     def start_heartbeat(
         self, on_lost: Callable[[str], None] | None = None, log: Callable[[str], None] | None = None
     ) -> None:
-        """Renew every ttl/3 seconds in a daemon thread; call on_lost(reason) once if lost.
-        A store error is logged and retried at the next beat: the lease lasts ttl seconds."""
-        interval = max(0.5, self.ttl / 3)
+        """Renew every ttl/3 seconds in a daemon thread (Renewal); call on_lost(reason) once if
+        lost. A store error is logged and retried at the next beat: the lease lasts ttl seconds."""
 
-        def beat() -> None:
-            while not self._stop.wait(interval):
-                try:
-                    if not self.renew() and self.lost:
-                        if on_lost is not None:
-                            on_lost(self.lost)
-                        return
-                except Exception as err:  # transient: the next beat tries again
-                    if log is not None:
-                        log(f"lease heartbeat of run {self.record.run_name!r} failed: {err!r}")
+        def beat() -> bool:
+            if self.renew() or not self.lost:
+                return True  # renewed, or the version moved on under this take: beat again
+            if on_lost is not None:
+                on_lost(self.lost)
+            return False
 
-        self._thread = threading.Thread(target=beat, name="stoker-lease", daemon=True)
-        self._thread.start()
+        self._renewal = Renewal(f"lease heartbeat of run {self.record.run_name!r}", max(0.5, self.ttl / 3), beat, log)
 
     def stop_heartbeat(self) -> None:
-        self._stop.set()
+        if self._renewal is not None:
+            self._renewal.stop()
 
     def release(self) -> None:
         """Stop the heartbeat and delete the lease if it is still this take's."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
+        if self._renewal is not None:
+            self._renewal.stop(join_seconds=30)
         current, _ = read_lease(self.store, self.record.run_name)
         if current is not None and current.token == self.record.token:
             self.store.rm(self.key, recursive=False)
-
-
-def _encode(record: LeaseRecord) -> bytes:
-    return json.dumps(asdict(record), indent=2, sort_keys=True).encode()
 
 
 def known_fields(record_type: type, raw: dict) -> dict:
@@ -265,7 +305,7 @@ def acquire_lease(
         current, version = read_lease(store, run_name)
         if current is not None and not why_takeable(current, owner, takeover, now):
             raise LeaseHeld(held_message(current, run_name))
-        held = claim(store, key, _encode(record), record.token, version, settle_seconds)
+        held = claim(store, key, encode(record), record.token, version, settle_seconds)
         if held is not None:
             return RunLease(store, record, held, ttl)
         # another launch wrote first: look again at what it wrote
