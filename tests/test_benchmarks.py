@@ -108,3 +108,20 @@ def test_bench_data_smoke_run_counts_the_same_tokens_three_ways(capsys):
     bench_data.main(["--smoke"])
     out = capsys.readouterr().out
     assert "tokenize+shard tok/CPU-s / raw encode_batch_fast" in out and "all hits: True" in out
+
+
+def test_every_benchmark_imports_and_has_a_main():
+    """The cheapest guard against a benchmark that rotted unseen (a module it imports moved, a
+    name it uses renamed): every benchmarks/bench_*.py imports and has its main. The smoke runs
+    above run some of them end to end; the rest (S3, Prefect, netns and Ray runs) are heavy."""
+    import importlib
+
+    from tests.conftest import ROOT
+
+    names = sorted(
+        n[:-3] for n in os.listdir(os.path.join(ROOT, "benchmarks")) if n.startswith("bench_") and n.endswith(".py")
+    )
+    assert len(names) >= 16
+    for name in names:
+        module = importlib.import_module(f"benchmarks.{name}")
+        assert callable(getattr(module, "main", None)), name

@@ -21,6 +21,8 @@ def test_the_trainer_leaves_out_exactly_the_two_helpers_it_names(monkeypatch):
     scaling = ScalingConfig(num_workers=1)
     theirs = [type(c).__name__ for c in TorchTrainer(lambda: None, scaling_config=scaling)._create_default_callbacks()]
     assert set(_UNNEEDED_CALLBACKS) <= set(theirs), f"Ray renamed a callback stoker leaves out: {theirs}"
-    ours = [type(c).__name__ for c in _trainer_class()(lambda: None, scaling_config=scaling)._create_default_callbacks()]
+    ours = [
+        type(c).__name__ for c in _trainer_class()(lambda: None, scaling_config=scaling)._create_default_callbacks()
+    ]
     assert ours == [name for name in theirs if name not in _UNNEEDED_CALLBACKS]
     assert "BackendSetupCallback" in ours and os.environ["RAY_TRAIN_V2_ENABLED"] == "1"
