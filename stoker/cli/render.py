@@ -10,13 +10,31 @@ def project_error_line(err: BaseException) -> str | None:
     state, which has no data. That happens when the final state's proposal was sent twice (a
     slow server: the client tried again, and Prefect answers a repeated transition with the
     state it already has); calling the flow then raises FailedRun(message) instead of the error
-    itself."""
+    itself. Also a project error that Prefect's own error (raised while it reported that end)
+    carries as its cause or context."""
     from prefect.exceptions import FailedRun
 
-    from stoker.core.failures import ERROR_LINE_PREFIX
+    from stoker.core.failures import ERROR_LINE_PREFIX, StokerError, error_line
 
     text = str(err)
-    return text if isinstance(err, FailedRun) and text.startswith(ERROR_LINE_PREFIX) else None
+    if isinstance(err, FailedRun) and text.startswith(ERROR_LINE_PREFIX):
+        return text
+    # Prefect's own error while it reported a project error's end (a server that answered
+    # 'database is locked' to the final state): the project error is still the reason
+    seen, cause = set(), _underneath(err)
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, StokerError):
+            return error_line(cause)
+        seen.add(id(cause))
+        cause = _underneath(cause)
+    return None
+
+
+def _underneath(err: BaseException) -> BaseException | None:
+    """The exception an error was raised from, or during (unless `raise ... from None`)."""
+    if err.__cause__ is not None:
+        return err.__cause__
+    return None if err.__suppress_context__ else err.__context__
 
 
 def _table(rows: list[dict], columns: list[str]) -> str:

@@ -140,6 +140,22 @@ def test_a_project_error_fails_the_flow_run_with_the_same_line_and_no_traceback(
     assert isinstance(failed, FailedRun) and project_error_line(failed) == state.message
     assert project_error_line(get_state_exception(state)) is None  # the error itself: StokerError's path
     assert project_error_line(FailedRun("Run failed.")) is None  # not a project error: a traceback
+    # Prefect's own error while it reported the project error's end ('database is locked'):
+    # the project error, its cause or context, is still the one line
+    try:
+        try:
+            raise get_state_exception(state)
+        except Exception:
+            raise RuntimeError("sqlite3.OperationalError: database is locked") from None
+    except RuntimeError as err:
+        assert project_error_line(err) is None  # `from None`: nothing says it was ours
+    try:
+        try:
+            raise get_state_exception(state)
+        except Exception:
+            raise RuntimeError("sqlite3.OperationalError: database is locked")  # noqa: B904
+    except RuntimeError as err:
+        assert project_error_line(err) == state.message
 
 
 @pytest.mark.e2e
