@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 import tempfile
 
 from prefect import get_run_logger
@@ -88,7 +89,8 @@ def download_dataset(data: DataConfig, storage: StorageConfig, name: str = DEFAU
     except DataError as err:
         if name == DEFAULT_SOURCE_NAME:
             raise
-        raise DataError(str(err).replace("data.", f"data.sources[{name}].", 1)) from None
+        # "data.source: ..." of the one-source DataConfig is this source's field
+        raise DataError(re.sub(r"^data\.(\w+):", rf"data.sources[{name}].\1:", str(err))) from None
     logger = get_run_logger()
     logger.info(
         "dataset%s %s: %d documents, %.1f MB (%s)",
