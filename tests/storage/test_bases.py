@@ -136,11 +136,11 @@ def test_the_base_is_hashed_once_and_a_changed_base_gets_another_hash(tmp_path, 
 
 
 def test_another_base_under_the_same_run_name_is_refused(tmp_path, base, tmp_path_factory):
-    from stoker.core.results import ShardInfo
+    from stoker.core.results import DataShards, ShardInfo
     from stoker.storage.runs import pin_run_folder
 
     other = tiny_base(tmp_path_factory, "llama", seed=1)
-    shards = ShardInfo("k", "shards/k", "file:///x", 1, 1, 500, "<u2", False)
+    shards = DataShards([ShardInfo("k", "shards/k", "file:///x", 1, 1, 500, "<u2", False)])
     store = Store(f"file://{tmp_path}/store")
     store.write_bytes("shards/k/tokenizer.json", b"{}")
     pin_run_folder(store, resolve_base(_cfg(tmp_path, base, run_name="pinned")), shards)
