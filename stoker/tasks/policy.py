@@ -73,12 +73,8 @@ def stoker_task(
 def with_run_name(made, run_name: str):
     """A variant of a stoker task whose runs are named `run_name` in the UI (a data task of one
     source of a mixture: 'tokenize_and_shard[web]'). A cached task's result storage is an
-    unsaved block, which Prefect's Task refuses at construction: it is set on the variant after."""
-    storage = made.result_storage
-    made.result_storage = None
-    try:
-        variant = made.with_options(task_run_name=run_name)
-    finally:
-        made.result_storage = storage
-    variant.result_storage = storage
+    unsaved block, which Prefect's Task refuses at construction: the variant is made without it
+    (the task itself untouched, so flows in other threads are not affected) and gets it after."""
+    variant = made.with_options(task_run_name=run_name, result_storage=None)
+    variant.result_storage = made.result_storage
     return variant
