@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Callable
 
 from stoker.core import events, lifeline
@@ -153,6 +154,33 @@ def _prefixed(node: int, line: str, nproc_per_node: int, ranks: dict[tuple[int, 
     return f"[node {node}] {line}"
 
 
+ENDING_SECONDS = 10.0  # a permanent failure: how long the round's other ranks get to end
+
+
+@dataclass
+class _Ending:
+    """After a rank's permanent Failure: the ranks of that round seen on this host. Once they
+    have all ended (torchrun stops them all before it would restart any), everything they
+    said is in the agents' output, and the gang ends; ranks on other hosts are given until
+    `deadline`."""
+
+    ranks: set[int]
+    deadline: float
+
+    def done(self) -> bool:
+        if time.monotonic() >= self.deadline:
+            return True
+        return not any(_alive(pid) for pid in self.ranks)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 class ProcessGang(Launcher):
     """One local process per node (`cmds[i]` with `envs[i]`); see the module docstring."""
 
@@ -166,8 +194,12 @@ class ProcessGang(Launcher):
         grace: float = GRACE_SECONDS,
         startup_timeout: float = 0.0,
         heartbeat: str | None = None,
+        end_on_permanent: bool = False,
     ):
         self.gang_id = uuid.uuid4().hex
+        # a rank's permanent Failure ends the gang at once: torchrun would otherwise spend a
+        # restart round on it (every rank started again, on every node, only to end)
+        self.end_on_permanent = end_on_permanent
         self.cmds, self.nproc_per_node, self.grace = cmds, nproc_per_node, grace
         self.envs = [{**env, **gang_env(self.gang_id, heartbeat)} for env in envs]
         self.heartbeat = lifeline.Heartbeat(heartbeat) if heartbeat else None
@@ -203,34 +235,29 @@ class ProcessGang(Launcher):
     def stream(self, on_line: OnLine, on_event: OnEvent) -> GangResult:
         """Until every agent's output ends (or the watchdog fires, or one agent dies)."""
         seen: list[events.Event] = []
-        open_streams = len(self.procs)
-        while open_streams:
+        self.open_streams = len(self.procs)
+        ending: _Ending | None = None
+        while self.open_streams:
             self.reason = self.watchdog.verdict() or self.reason
             if self.reason != "completed":
                 break
+            if ending is not None and ending.done():
+                self.reason = "failed"
+                self._end(ending, on_line, on_event, seen)
+                break
             try:
-                node, line = self.lines.get(timeout=0.5)
+                node, line = self.lines.get(timeout=0.5 if ending is None else 0.05)
             except queue.Empty:
                 if any(p.poll() not in (None, 0) for p in self.procs):
                     self.reason = "failed"  # one agent died: the rest would only hang
                     break
                 continue
-            if line is None:
-                open_streams -= 1
-                continue
-            event = events.decode(line)
-            if isinstance(event, events.Joined):  # feeds the prefixes only
-                self.ranks[(node, event.local_rank)] = event.rank
-                continue
-            text = _prefixed(node, line, self.nproc_per_node, self.ranks)
-            self._keep(text)
+            event = self._take(node, line, on_line, seen)
             if event is None:
-                on_line(text)
                 continue
-            self.watchdog.saw(event)
-            if not isinstance(event, events.Step):  # heartbeats are not kept in the result
-                seen.append(event)
             on_event(event)  # heartbeats too: the Prefect events' stoker.run.step
+            if self.end_on_permanent and ending is None and isinstance(event, events.Failure) and not event.transient:
+                ending = self._ending()
         if self.reason == "completed":
             for p in self.procs:
                 p.wait(timeout=max(1.0, self.watchdog.seconds_left()))
@@ -247,6 +274,45 @@ class ProcessGang(Launcher):
             gang_id=self.gang_id,
             pids=[p.pid for p in self.procs],
         )
+
+    def _take(self, node: int, line: str | None, on_line: OnLine, seen: list[events.Event]) -> events.Event | None:
+        """One line read from an agent: printed (prefixed) and kept; its event, if it is one
+        the caller hands on (a rank's Joined only feeds the prefixes)."""
+        if line is None:
+            self.open_streams -= 1
+            return None
+        event = events.decode(line)
+        if isinstance(event, events.Joined):
+            self.ranks[(node, event.local_rank)] = event.rank
+            return None
+        text = _prefixed(node, line, self.nproc_per_node, self.ranks)
+        self._keep(text)
+        if event is None:
+            on_line(text)
+            return None
+        self.watchdog.saw(event)
+        if not isinstance(event, events.Step):  # heartbeats are not kept in the result
+            seen.append(event)
+        return event
+
+    def _ending(self) -> "_Ending":
+        agents = {p.pid for p in self.procs}
+        ranks = {pid for pid in gang_pids(self.gang_id) if pid not in agents}
+        return _Ending(ranks, time.monotonic() + ENDING_SECONDS)
+
+    def _end(self, ending: "_Ending", on_line: OnLine, on_event: OnEvent, seen: list[events.Event]) -> None:
+        """A rank failed for good and its round's ranks have ended: kill the agents before
+        they start a restart round, then hand on what the ranks said before they ended."""
+        kill_gang(self.procs, self.grace, self.gang_id)
+        deadline = time.monotonic() + KILL_WAIT_SECONDS
+        while self.open_streams and time.monotonic() < deadline:
+            try:
+                node, line = self.lines.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            event = self._take(node, line, on_line, seen)
+            if event is not None:
+                on_event(event)
 
     def stop(self) -> None:
         kill_gang(self.procs, HANG_GRACE_SECONDS if self.reason in ("hang", "startup") else self.grace, self.gang_id)

@@ -231,6 +231,7 @@ class TorchrunLauncher(GangLauncher):
             self.launch.hang_timeout_seconds,
             startup_timeout=self.launch.startup_timeout_seconds,
             heartbeat=os.path.join(self.work_dir, "heartbeat"),
+            end_on_permanent=True,  # the rank wrote its error file and the marker first
         )
 
     @property

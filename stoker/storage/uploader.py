@@ -277,7 +277,8 @@ class CheckpointUploader:
             if self.rank == 0:
                 why = (
                     f"step {step} was written while {self.max_pending_uploads} older checkpoint(s) "
-                    "waited for upload (checkpoint.max_pending_uploads); the oldest is dropped"
+                    "waited for upload (checkpoint.max_pending_uploads); the oldest not yet "
+                    "uploading is dropped"
                 )
                 mine.update(key=self.new_key(step), drop=self._choose_drops(why), why=why)
             everyone = self.agree(mine)
@@ -305,14 +306,14 @@ class CheckpointUploader:
 
     def _choose_drops(self, why: str) -> list[str]:
         """Rank 0: the oldest waiting checkpoints beyond max_pending_uploads - 1 (the new one
-        makes it max_pending_uploads), marked dropped now so none of them starts its commit."""
+        makes it max_pending_uploads), marked dropped now so none of them starts its commit.
+        The one being uploaded counts but is never chosen: were it dropped, an upload slower
+        than max_pending_uploads checkpoint intervals would never commit anything."""
         with self.cond:
-            waiting = [
-                w
-                for w in ([self.uploading] if self.uploading else []) + list(self.to_upload)
-                if not w.settled and not w.dropped
-            ]
-            chosen = waiting[: max(0, len(waiting) - (self.max_pending_uploads - 1))]
+            started = [self.uploading] if self.uploading and not self.uploading.settled else []
+            waiting = [w for w in started + list(self.to_upload) if not w.settled and not w.dropped]
+            excess = max(0, len(waiting) - (self.max_pending_uploads - 1))
+            chosen = [w for w in waiting if w not in started][:excess]
             for w in chosen:
                 w.dropped = why
             return [w.key for w in chosen]

@@ -8,8 +8,9 @@ reads after the gang ends, and is printed as a Failure event for the live log.
 In-place recovery: torchrun restarts the ranks (``launch.max_restarts``) after one dies.
 A restarted rank ignores ``--resume-from`` (chosen before the failure) and resumes from the
 newest valid checkpoint of its run, which rank 0 picks from the store and tells the others.
-A rank that failed permanently leaves its Failure in the launch's marker file, and restarted
-ranks that find it end at once with the same failure instead of repeating it.
+A rank that failed permanently leaves its Failure in the launch's marker file before it
+prints it; on that line the launcher ends the gang before torchrun restarts it (launch.gang).
+Restarted ranks that find the marker anyway end at once with the same failure.
 """
 
 from __future__ import annotations
@@ -56,7 +57,12 @@ class RankErrorHandler(ErrorHandler):
 
     def record_exception(self, e: BaseException) -> None:
         failure = failure_of(e)
-        emit(failure)
+        try:
+            self._write(failure)
+        finally:  # said last: the launcher ends the gang on a permanent one, files already written
+            emit(failure)
+
+    def _write(self, failure: events.Failure) -> None:
         path = self._get_error_file_path()
         if not path:
             return

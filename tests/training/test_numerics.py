@@ -53,6 +53,7 @@ def _launch(cfg, store, shards, run, fault):
             launch_attempt(launcher, monitor, store, run, "flow-run", 1, 0)
     finally:
         shutil.rmtree(launcher.work_dir, ignore_errors=True)
+    _launch.tail = list(launcher.gang.tail)  # every line the gang printed, to its end
     return failed.value, monitor.result, log.lines
 
 
@@ -60,9 +61,9 @@ def _steps(store, run):
     return sorted(r.step for r in list_checkpoints(store, run) if validate_checkpoint(store, r.key))
 
 
-# launch.max_restarts: each restart round of a permanent failure starts every rank again (to
-# read the marker and end at once): one round, in one case, shows that path here; it is
-# test_torchrun_resume's subject
+# launch.max_restarts: a permanent failure ends the gang before torchrun restarts its ranks;
+# one case allows a restart round and shows that none is spent (no rank starts again to read
+# the marker and end: test_torchrun_resume's subject, the fallback)
 @pytest.mark.parametrize(
     "fault,lr,log_interval,bad_step,max_restarts",
     [
@@ -91,6 +92,7 @@ def test_nan_loss_fails_the_run_permanently_naming_the_step_and_commits_nothing_
     assert _steps(store, run)[-1] == bad_step - 1, _steps(store, run)
     assert result.final_step == bad_step - 1 and all(s < bad_step for s, _ in result.train_losses)
     assert any(what in line for line in lines), lines[-30:]
+    assert result.restarts == 0 and not any("not restarted" in line for line in _launch.tail), _launch.tail[-30:]
     [attempt] = read_attempts(store, run, "flow-run")
     assert attempt["outcome"] == "error" and what in attempt["error"]
     # `stoker runs` says why, and a resume takes the last finite checkpoint

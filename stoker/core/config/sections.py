@@ -576,9 +576,11 @@ class CheckpointConfig(_Section):
     max_pending_uploads: int = _field(
         2,
         "Checkpoints written to local staging and waiting for their upload (an object-store "
-        "outage): when a new one is written while this many wait, the oldest waiting one is "
-        "dropped (its staging deleted, a checkpoint_dropped record, never committed), so the "
-        "local disk holds at most this many and training never waits for the store.",
+        "outage): when a new one is written while this many wait, the oldest waiting one that "
+        "has not started its upload is dropped (its staging deleted, a checkpoint_dropped "
+        "record, never committed), so the local disk holds at most this many (one more at 1, "
+        "while one uploads) and training never waits for the store. The upload under way is "
+        "never dropped, so a store slower than the checkpoints still commits every other one.",
         fix="give at least 1, e.g. 2 (each costs one checkpoint of local disk per host)",
         ge=1,
     )
