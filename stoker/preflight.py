@@ -19,7 +19,9 @@ before any work. It gathers:
 - whether the MLflow tracking URI can be used (its experiment found or created);
 - the base model of ``model.init_from``: there, complete, of an architecture a family expresses
   exactly, not contradicted by an explicit field (``storage.bases.resolve_base``; ``check``
-  returns the config with the base's architecture, tokenizer and content hash filled in).
+  returns the config with the base's architecture, tokenizer and content hash filled in);
+- the run's memory plan on its devices (``core.plan``; launch.accelerator, else this host's
+  GPU): a run that cannot fit is refused with the cheapest fix that makes it fit.
 
 A check that needs what another found broken is left out (a store with bad storage fields, a
 sink whose package is missing), so each problem is told once. A store or tracking server that
@@ -71,6 +73,8 @@ def problems(config: RunConfig, load_credentials: LoadCredentials | None = None)
         found += _unreachable_as(lambda: sink_problems(config), unreachable)
     if getattr(config.model, "init_from", None) and not found:  # the base's files, read once the rest holds
         found += _unreachable_as(lambda: _base_problems(config), unreachable)
+    if not found and not unreachable:  # the memory plan, on the model's shape (a base's, read in)
+        found += _unreachable_as(lambda: plan_problems(config), unreachable)
     if unreachable and not found:
         raise unreachable[0]  # transient: a retry may find it back
     return found
@@ -91,6 +95,29 @@ def _base_problems(config: RunConfig) -> list[str]:
     except ConfigError as err:
         return list(err.problems)
     return []
+
+
+def shaped(config: RunConfig) -> RunConfig:
+    """`config` with the model's shape known: a base's architecture read in where the config
+    leaves it to the base (ConfigError when the base cannot be read)."""
+    if getattr(config.model, "init_from", None) and config.model.unresolved():
+        return resolve_base(config)
+    return config
+
+
+def plan_problems(config: RunConfig) -> list[str]:
+    """The run's plan on its devices (launch.accelerator, else this host's GPU): one line
+    naming the cheapest fix when it cannot fit (``core.plan.fit_problem``); nothing when no
+    device is known (CPU ranks)."""
+    from stoker.core.plan import fit_problem, hardware_of
+
+    try:
+        hardware = hardware_of(config)
+    except ValueError as err:
+        return [str(err)]
+    config = shaped(config)
+    problem = fit_problem(config, hardware)
+    return [problem] if problem else []
 
 
 def _valid(section: BaseModel) -> bool:

@@ -44,6 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     val.add_argument("--recipe", default="tiny-cpu", help="recipe name under stoker/recipes or a YAML/JSON file")
     val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    pl = sub.add_parser(
+        "plan",
+        help="the run's memory per device (weights, gradients, optimizer, activations, reserve) "
+        "for each parallelism, its tokens, FLOPs, step and wall time and cost, before it spends anything",
+    )
+    pl.add_argument("--recipe", default="tiny-cpu", help="recipe name under stoker/recipes or a YAML/JSON file")
+    pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    pl.add_argument("--accelerator", default=None, help="the GPU model, e.g. H100 (default: launch.accelerator)")
+    pl.add_argument("--memory-gib", type=float, default=None, help="one device's memory in GiB (default: the model's)")
+    pl.add_argument(
+        "--mfu", type=float, default=None, help="the model FLOPs utilization the time assumes (default 0.4)"
+    )
     ev = sub.add_parser("evaluate", help="evaluate one checkpoint URI")
     ev.add_argument("checkpoint_uri")
     ex = sub.add_parser(

@@ -98,11 +98,53 @@ def _validate(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    """`stoker plan`: the plan of the config on its devices, the alternatives beside it, and
+    the refusal (exit 2) when it cannot fit."""
+    from stoker.core import plan as plans
+    from stoker.core.failures import ConfigError
+    from stoker.preflight import shaped
+
+    sets = list(args.set)
+    if args.accelerator:
+        sets.append(f"launch.accelerator={args.accelerator}")
+    if args.memory_gib:
+        sets.append(f"launch.device_memory_gib={args.memory_gib}")
+    config = config_from_args(args.recipe, sets)
+    if getattr(config.model, "init_from", None) and config.model.unresolved():
+        try:
+            config = shaped(config)
+        except ConfigError as err:
+            raise ConfigError(
+                [
+                    f"{p} (the plan needs the model's shape: give the base, or its architecture fields)"
+                    for p in err.problems
+                ]
+            ) from None
+    try:
+        hardware = plans.hardware_of(config)
+    except ValueError as err:
+        raise ConfigError([str(err)]) from None
+    mfu = args.mfu or plans.DEFAULT_MFU
+    every = plans.plans_by_parallelism(config, hardware, mfu=mfu)
+    where = hardware.name if hardware else "no device given (launch.accelerator, --accelerator): no fit checked"
+    print(f"plan of run {config.resolved_run_name()} ({config.model.describe()}) on {where}")
+    for p in every:
+        print(("the run's" if p is every[0] else "instead") + f": {p.parallelism}")
+        print(p.table())
+    problem = plans.fit_problem(config, hardware)
+    if problem:
+        raise ConfigError([problem])
+    return 0
+
+
 def _command(args) -> int:
     if args.command in ("runs", "checkpoints", "verify", "config"):
         return _inspect(args)
     if args.command == "validate":
         return _validate(args)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "deploy":
         from stoker.flows.deploy import deploy
 

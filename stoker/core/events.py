@@ -191,6 +191,21 @@ class NonFinite(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class MicroBatchChosen(Event):
+    """train.micro_batch_size 'auto' settled at start-up (rank 0, for every rank): the
+    plan's largest fit, lowered where a probe step on the device ran out of memory; the
+    global batch is the same, through `accum` micro-batches a step."""
+
+    kind: ClassVar[str] = "micro_batch"
+    micro_batch_size: int
+    planned: int
+    probed: bool  # a probe step on the device (CUDA) confirmed it
+    accum: int
+    device: str
+    device_memory_gib: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class EpochLimit(Event):
     """A source of the mixture reaches its data.sources max_epochs: the run ends at this step
     ('stop'), or goes on past it ('warn', said once per launch)."""
@@ -292,6 +307,7 @@ TYPES: dict[str, type[Event]] = {
     for cls in (
         Step,
         Joined,
+        MicroBatchChosen,
         Train,
         Eval,
         CheckpointStaged,

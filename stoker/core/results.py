@@ -189,6 +189,9 @@ class TrainingResult(BaseModel):
     checkpoints: list[dict] = Field(default_factory=list)
     failed_checkpoints: list[int] = Field(default_factory=list)
     restarts: int = Field(0, description="in-place restarts of the ranks by torchrun (launch.max_restarts)")
+    micro_batch_size: int | None = Field(
+        None, description="train.micro_batch_size 'auto': the value the ranks chose at start-up (the last launch's)"
+    )
     evaluations: list[EvalResult] = Field(default_factory=list)
     attempt_log: list[dict] = Field(default_factory=list, description="one record per launch attempt")
     goodput: float | None = None

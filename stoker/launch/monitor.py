@@ -81,6 +81,7 @@ class TrainingMonitor:
             events.Stopped: self._on_stopped,
             events.NonFinite: self._on_nonfinite,
             events.EpochLimit: self._on_epoch_limit,
+            events.MicroBatchChosen: self._on_micro_batch,
         }
 
     def __call__(self, event: events.Event) -> None:
@@ -123,6 +124,20 @@ class TrainingMonitor:
                 e.step,
                 ", ".join(f"{name} {loss:.4f}" for name, loss in e.sources.items()),
             )
+
+    def _on_micro_batch(self, e: events.MicroBatchChosen) -> None:
+        self.result.micro_batch_size = e.micro_batch_size
+        how = "confirmed by a probe step" if e.probed else "by the plan (no probe on CPUs)"
+        lowered = f", lowered from the plan's {e.planned}" if e.planned != e.micro_batch_size else ""
+        self.logger.info(
+            "train.micro_batch_size 'auto': %d sequences a rank (x %d accumulated a step) on %s of %.1f GiB, %s%s",
+            e.micro_batch_size,
+            e.accum,
+            e.device,
+            e.device_memory_gib,
+            how,
+            lowered,
+        )
 
     def _on_epoch_limit(self, e: events.EpochLimit) -> None:
         self.result.epoch_limits.append({"step": e.step, "source": e.source, "epochs": e.epochs, "action": e.action})

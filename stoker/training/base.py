@@ -9,8 +9,10 @@ Hugging Face tensor it comes from (``ModelSpec.hf_map``); under FSDP2 the parame
 DTensor sharded on its first dimension, and the rank reads just the rows of its shard, one
 contiguous byte range of the safetensors file read straight into the parameter's memory
 (GPT-2's transposed Conv1D weights: their columns, through safetensors' lazy ``get_slice``), so
-no rank ever holds the whole model, on the host or the device. Nothing is unpickled:
-safetensors holds tensors only.
+no rank ever holds the whole model, on the host or the device. Under engine.parallelism
+'fsdp+tp' a row-wise projection (o_proj, down_proj) is split on its columns too: the rank
+reads its rows whole and keeps its columns. Nothing is unpickled: safetensors holds tensors
+only.
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ def _rows_of(param: torch.Tensor) -> tuple[int, int]:
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         return (offset[0] if shape else 0), (shape[0] if shape else 0)
     return 0, (param.shape[0] if param.dim() else 0)
+
+
+def _columns_of(param: torch.Tensor) -> tuple[int, int] | None:
+    """(first column, columns) of this rank's part of a matrix split on its columns too (a
+    row-wise tensor-parallel projection, engine.parallelism 'fsdp+tp'), else None."""
+    if not hasattr(param, "device_mesh") or param.dim() < 2:
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return (offset[1], shape[1]) if shape[1] != param.shape[1] else None
 
 
 @torch.no_grad()
@@ -138,6 +151,15 @@ def _read_rows(param: torch.Tensor, ours: str, f, entry: dict, data_start: int, 
     row_bytes = dtype.itemsize * (math.prod(full[1:]) if len(full) > 1 else 1)
     f.seek(data_start + entry["data_offsets"][0] + start * row_bytes)
     target = local[: stop - start]
+    columns = _columns_of(param)
+    if columns is not None:  # this rank's columns of each of its rows: the whole rows are read
+        rows_read = torch.empty((stop - start, *full[1:]), dtype=dtype)
+        view = memoryview(rows_read.view(torch.uint8).numpy()).cast("B") if rows_read.numel() else memoryview(b"")
+        if f.readinto(view) != len(view):
+            raise ValueError(f"the base's file for {theirs} ends before the tensor does")
+        first, count = columns
+        target.copy_(rows_read[:, first : first + count].to(local.dtype))
+        return len(view)
     same = local.dtype == dtype and target.is_contiguous() and target.device.type == "cpu"
     buf = target if same else torch.empty(target.shape, dtype=dtype)
     view = memoryview(buf.view(torch.uint8).numpy()).cast("B") if buf.numel() else memoryview(b"")

@@ -18,29 +18,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from stoker.core.config import RunConfig
 from stoker.core.failures import ConfigError
+from stoker.core.plan import peak_flops_of  # the one table of devices' bf16 peaks
 from stoker.training.models import build_model as build_family_model
 from stoker.training.models import param_groups, spec_of
 from stoker.training.models.layers import checkpoint_blocks, logits_and_loss
-
-# dense bf16 tensor-core peak per device (no sparsity: half NVIDIA's datasheet figure "with
-# sparsity"), by a substring of the device name; the first match wins, so the PCIe and NVL
-# boards (lower clocks and power) come before the SXM name they contain. Unknown devices
-# report tokens/s but no MFU. torch names them e.g. "NVIDIA H100 80GB HBM3" (SXM),
-# "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA H800 PCIe".
-PEAK_BF16_FLOPS = (
-    ("H100 PCIe", 756e12),  # datasheet 1,513 sparse
-    ("H100 NVL", 835e12),  # 1,671 sparse (per GPU; older sheets gave 3,958 for the pair)
-    ("H200 NVL", 835e12),  # 1,671 sparse
-    ("H800 PCIe", 756e12),  # 1,513 sparse
-    ("GH200", 989e12),
-    ("H200", 989e12),  # SXM: 1,979 sparse
-    ("H100", 989e12),  # SXM: 1,979 sparse
-    ("H800", 989e12),  # SXM
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("A10G", 70e12),
-)
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -48,11 +29,6 @@ def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return peak_flops_of(torch.cuda.get_device_name(device))
-
-
-def peak_flops_of(device_name: str) -> float | None:
-    """Peak bf16 FLOP/s of a CUDA device by its name (torch.cuda.get_device_name)."""
-    return next((flops for key, flops in PEAK_BF16_FLOPS if key in device_name), None)
 
 
 @dataclass(frozen=True)
@@ -67,6 +43,7 @@ class Engine:
     loss_chunk: int = 0  # tokens per chunk of a chunked cross-entropy; 0: the full logits
     compile_tuning: str = "none"  # or "coordinate-descent", "max-autotune"
     deterministic: bool = False  # train.deterministic, 'auto' settled for the device
+    tp: int = 1  # tensor-parallel ranks per replica (engine.parallelism 'fsdp+tp'); 1: none
 
     @classmethod
     def resolve(cls, cfg: RunConfig, device: torch.device, training: bool = True) -> "Engine":
@@ -84,27 +61,42 @@ class Engine:
         if problems:
             raise ConfigError(problems)
         bf16 = e.precision == "bf16" or (e.precision == "auto" and cuda and torch.cuda.is_bf16_supported())
+        compiled = e.compile == "on" or (e.compile == "auto" and cuda)
+        if training and compiled and e.parallelism == "fsdp+tp" and e.activation_checkpointing == "full":
+            # torch 2.13: AOT autograd refuses a checkpointed compiled block whose recompute needs
+            # the tensor-parallel DeviceMesh ("expected all tensors_saved_with_vc_check to be
+            # Tensors"); 'selective' compiles and trains as eager does
+            raise ConfigError(
+                [
+                    "engine.activation_checkpointing: 'full' under engine.parallelism 'fsdp+tp' with "
+                    "torch.compile (engine.compile 'on', or 'auto' on CUDA) fails in this torch's "
+                    "AOT autograd; use 'selective', or set engine.compile to 'off'."
+                ]
+            )
         return cls(
             device=device,
             bf16=bf16,
-            compile=e.compile == "on" or (e.compile == "auto" and cuda),
+            compile=compiled,
             fused=e.fused_optimizer == "on" or (e.fused_optimizer == "auto" and cuda),
-            fsdp=e.parallelism == "fsdp",
+            fsdp=e.parallelism in ("fsdp", "fsdp+tp"),
             activation_checkpointing=e.activation_checkpointing,
             prefetch=e.prefetch,
             loss_chunk=e.cross_entropy_chunk if e.cross_entropy == "chunked" else 0,
             compile_tuning=e.compile_tuning,
             deterministic=deterministic_enabled(cfg, device),
+            tp=e.tp_degree if e.parallelism == "fsdp+tp" else 1,
         )
 
     def describe(self) -> dict:
+        tp = {"tp_degree": self.tp} if self.tp > 1 else {}
         return {
             "device": str(self.device),
             "precision": "bf16" if self.bf16 else "fp32",
             "compile": self.compile,
             "compile_tuning": self.compile_tuning,
             "fused_optimizer": self.fused,
-            "parallelism": "fsdp" if self.fsdp else "ddp",
+            "parallelism": ("fsdp+tp" if self.tp > 1 else "fsdp") if self.fsdp else "ddp",
+            **tp,
             "activation_checkpointing": self.activation_checkpointing,
             "deterministic": self.deterministic,
             "cross_entropy": (f"chunked, {self.loss_chunk} tokens a chunk" if self.loss_chunk else "standard"),
@@ -146,10 +138,11 @@ def compile_options(tuning: str) -> dict:
 
 
 def _build_fsdp(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int, init: bool) -> torch.nn.Module:
-    """FSDP2 in torchtitan's order: activation checkpointing (each block's forward wrapped),
-    then compile (each block the family's spec names, and the output layer with the loss),
-    then fully_shard (each block, then the root); built on the meta device and materialized
-    after sharding."""
+    """FSDP2 in torchtitan's order: tensor parallel (engine.tp > 1: the model split over each
+    group of tp ranks, training.parallel), activation checkpointing (each block's forward
+    wrapped), then compile (each block the family's spec names, and the output layer with the
+    loss), then fully_shard (each block, then the root; over the "dp" dimension of the 2D mesh
+    under tensor parallel); built on the meta device and materialized after sharding."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -157,8 +150,15 @@ def _build_fsdp(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
     with torch.device("meta"):
         raw = spec.build(cfg.model, vocab_size, None)
     raw.loss_chunk = engine.loss_chunk
+    if engine.tp > 1:
+        from stoker.training.parallel import apply_tp, device_mesh_2d
+
+        mesh_2d = device_mesh_2d(engine.device.type, world_size, engine.tp)
+        apply_tp(raw, mesh_2d["tp"])
+        mesh = mesh_2d["dp"]
+    else:
+        mesh = init_device_mesh(engine.device.type, (world_size,))
     checkpoint_blocks(spec.blocks(raw), engine.activation_checkpointing)
-    mesh = init_device_mesh(engine.device.type, (world_size,))
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if engine.bf16
@@ -169,7 +169,9 @@ def _build_fsdp(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
         if engine.compile:  # per block, as torchtitan does under FSDP2
             block.compile(**options)
         fully_shard(block, mesh=mesh, mp_policy=mp)
-    if engine.compile:  # else the vocabulary-wide matmul and cross-entropy run eagerly
+    # else the vocabulary-wide matmul and cross-entropy run eagerly (under tensor parallel
+    # always: its vocabulary-parallel loss all-reduces inside an autograd function)
+    if engine.compile and engine.tp == 1:
         raw.output_loss = torch.compile(logits_and_loss, **options)
     fully_shard(raw, mesh=mesh, mp_policy=mp)
     raw.to_empty(device=engine.device)

@@ -45,7 +45,9 @@ from stoker.training.engine import (
 )
 from stoker.training.faults import maybe_inject, settles_before
 from stoker.training.metrics import MetricsLog, Throughput
+from stoker.training.micro_batch import settle as settle_micro_batch
 from stoker.training.numerics import FINITE, NumericsGuard, count_nonfinite_tensors, state_tensors
+from stoker.training.parallel import data_parallel
 
 FAILED_UPLOAD_WAIT_SECONDS = 10.0
 
@@ -79,6 +81,9 @@ class Trainer:
         self.run_name = cfg.resolved_run_name()
         configure_backends(cfg, ranks.device)
         self.engine = Engine.resolve(cfg, ranks.device)
+        # the data split: over the "dp" coordinate of the mesh (under tensor parallel the ranks
+        # of one group read the same batches); with no tensor parallel, (rank, world_size)
+        self.dp_rank, self.dp_size = data_parallel(ranks.rank, ranks.world_size, self.engine.tp)
         if isinstance(shard_dirs, str):
             shard_dirs = {DEFAULT_SOURCE_NAME: shard_dirs}
         self.windows = TrainWindows.of_run(cfg, {n: TokenStream(d, "train") for n, d in shard_dirs.items()})
@@ -96,6 +101,10 @@ class Trainer:
         self.step, self.tokens_seen = 0, 0
         self.last_saved_step = -1
         self.metrics = MetricsLog(store, self.run_name, ranks.rank)
+        # train.micro_batch_size 'auto' settled, the model built (a probe step on a GPU)
+        cfg = self.cfg = settle_micro_batch(
+            cfg, self.model, self.engine, self.windows.streams[0].vocab_size, ranks.rank == 0, self.metrics.event
+        )
         self.numerics = NumericsGuard(cfg.train, ranks.device, ranks.is_dist, self._log_now)
         self.skipped_last = False  # whether the last step's update was dropped (nonfinite=skip)
         # made once, in the same order on every rank: the stop vote's and the checkpoint
@@ -136,7 +145,7 @@ class Trainer:
         self.batches = Batches(
             self.windows,
             micro_batch=cfg.train.micro_batch_size,
-            rank=ranks.rank,
+            rank=self.dp_rank,
             accum=cfg.grad_accum_steps,
             device=ranks.device,
             prefetch=self.engine.prefetch,
@@ -328,8 +337,8 @@ class Trainer:
     def _evaluate(self, val: TokenStream) -> float:
         cfg, r = self.cfg, self.ranks
         micro, T = cfg.train.micro_batch_size, cfg.model.block_size
-        offsets = eval_offsets(val.num_tokens, T, cfg.eval.num_batches * micro * r.world_size)
-        mine = offsets[r.rank :: r.world_size]
+        offsets = eval_offsets(val.num_tokens, T, cfg.eval.num_batches * micro * self.dp_size)
+        mine = offsets[self.dp_rank :: self.dp_size]  # a tensor-parallel group: the same windows
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=r.device)
         for i in range(0, len(mine), micro):
@@ -339,7 +348,7 @@ class Trainer:
                 _, loss = self.model(x.to(r.device), y.to(r.device))
             sums[0] += loss.double() * len(x)
             sums[1] += len(x)
-        if r.is_dist:
+        if r.is_dist:  # under tensor parallel each group's sums come tp times: the ratio stays
             dist.all_reduce(sums)  # group: world; sum loss and window counts over ranks
         return float(sums[0] / sums[1])
 

@@ -9,6 +9,11 @@ from tests.conftest import tiny_dict
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
 def test_every_recipe_loads_and_checks(recipe):
     cfg = load_config(recipe)
+    if cfg.train.micro_batch_size == "auto":  # settled by the ranks: the plan's value here
+        from stoker.core.plan import Hardware, auto_micro_batch
+
+        m = auto_micro_batch(cfg, Hardware.named(cfg.launch.accelerator))
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_size": m})})
     assert cfg.grad_accum_steps >= 1
     assert RunConfig.model_validate_json(cfg.to_json()) == cfg
 

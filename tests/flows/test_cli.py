@@ -286,7 +286,7 @@ def test_runs_checkpoints_verify_and_config_list_read_the_store_without_prefect(
     assert bad.returncode == 1 and "__0_0.distcp fails its sha256 checksum" in bad.stderr
     listing = stoker_main("config", "--list")
     assert listing.returncode == 0
-    assert "engine.parallelism  ['ddp' | 'fsdp']  default: 'ddp'" in listing.stdout
+    assert "engine.parallelism  ['ddp' | 'fsdp' | 'fsdp+tp']  default: 'ddp'" in listing.stdout
     assert "train.max_steps  [int (>= 1)]" in listing.stdout
     typo = stoker_main("run", "--set", "train.max_step=5")
     assert typo.returncode == 2 and "did you mean train.max_steps?" in typo.stderr

@@ -133,7 +133,11 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
             assert set(run_config) >= {"data", "model", "train", "launch", "engine", "storage"}
             train = schema["definitions"]["TrainConfig"]["properties"]
             assert train["max_steps"]["description"] and train["max_steps"]["minimum"] == 1
-            assert schema["definitions"]["EngineConfig"]["properties"]["parallelism"]["enum"] == ["ddp", "fsdp"]
+            assert schema["definitions"]["EngineConfig"]["properties"]["parallelism"]["enum"] == [
+                "ddp",
+                "fsdp",
+                "fsdp+tp",
+            ]
 
             # the ad-hoc run with changed parameters (the module's), run by the worker
             run_name, done = adhoc_run.name, adhoc_run.done

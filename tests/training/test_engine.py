@@ -101,6 +101,9 @@ def test_fused_optimizer_on_cpu_is_one_clear_error():
         ("precision", "fp16", "engine.precision"),
         ("compile", "yes", "engine.compile"),
         ("parallelism", "tp", "engine.parallelism"),
+        ("tp_degree", 0, "engine.tp_degree"),
+        ("tp_degree", 2, "engine.tp_degree: splits the model over ranks"),  # with 'ddp'
+        ("parallelism", "fsdp+tp", "engine.tp_degree: is 1"),  # tests/training/test_tensor_parallel.py: the rest
         ("activation_checkpointing", "some", "engine.activation_checkpointing"),
         ("cross_entropy", "fused", "engine.cross_entropy"),
         ("compile_tuning", "fast", "engine.compile_tuning"),

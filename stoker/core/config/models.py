@@ -50,6 +50,8 @@ class _ModelSection(_Section):
     HF_MODEL_TYPES: ClassVar[tuple[str, ...]] = ()
     # the embedding has exactly one row per tokenizer id (no vocab_size field of its own)
     ROWS_ARE_THE_TOKENIZERS: ClassVar[bool] = False
+    # the family has a tensor-parallel plan (engine.parallelism 'fsdp+tp': training.parallel)
+    TENSOR_PARALLEL: ClassVar[bool] = False
 
     init_from: str | None = Field(
         None,
@@ -158,6 +160,33 @@ class GPT2Config(_ModelSection):
     def describe(self) -> str:
         return f"gpt2, {self.n_layer} layers x {self.n_embd}, {self.n_head} heads, block {self.block_size}"
 
+    def plan_shape(self, vocab_rows: int) -> dict[str, int]:
+        """What core.plan reads of this model (its Shape), counted from training.models.gpt2:
+        each LayerNorm keeps its input (fp32); c_attn's and c_fc's inputs; the qkv output
+        (kept by the attention), the attention's output and c_proj's copy of it, c_fc's
+        output (kept by GELU) and GELU's output: 13 C in the matmul dtype. Selective
+        checkpointing keeps the matmul and attention outputs: qkv, out, c_proj, c_fc, c_proj."""
+        C, T, b = self.n_embd, self.block_size, 1 if self.bias else 0
+        block = 2 * (C + b * C) + (3 * C * C + 3 * b * C) + (C * C + b * C) + (4 * C * C + 4 * b * C)
+        block += 4 * C * C + b * C
+        root = vocab_rows * C + T * C + C + b * C  # tied output matrix; positions; ln_f
+        return dict(
+            layers=self.n_layer,
+            width=C,
+            vocab=vocab_rows,
+            block=T,
+            block_params=block,
+            root_params=root,
+            matmul_params=self.n_layer * block + root - T * C,  # without the position table
+            attention_width=C,
+            saved_fp32=2 * C,
+            matmul_inputs_fp32=2 * C,
+            matmul_inputs_bf16=2 * C,
+            saved_matmul=13 * C,
+            kept_selective=10 * C,
+            final_norm_fp32=C,
+        )
+
     _HF_ACT: ClassVar[dict[str, str]] = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
     @classmethod
@@ -251,6 +280,7 @@ class LlamaConfig(_ModelSection):
         "max_position_embeddings",
     )
     HF_MODEL_TYPES: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2")
+    TENSOR_PARALLEL: ClassVar[bool] = True
 
     family: Literal["llama"] = Field("llama", description="Model family: 'gpt2' or 'llama'.")
     n_layer: int | None = _opt("Number of transformer blocks (default 4).", fix="e.g. 16", ge=1)
@@ -328,6 +358,36 @@ class LlamaConfig(_ModelSection):
                 f"set model.block_size to at most {value}",
             )
         return value
+
+    def plan_shape(self, vocab_rows: int) -> dict[str, int]:
+        """What core.plan reads of this model (its Shape), counted from training.models.llama:
+        each RMSNorm keeps its input and its normalized value (fp32); the q, k, v (and gate,
+        up) inputs, one tensor under fp32 and a cast copy each under bf16; q and k roped, v,
+        the attention's output and o_proj's copy of it; gate's output (kept by SiLU), SiLU's
+        output and up's (kept by the product) and the product (kept by down). Selective
+        checkpointing keeps the outputs of the seven projections and of the attention."""
+        C, T = self.n_embd, self.block_size
+        hd = self.head_dim or C // self.n_head
+        q, kv, inner = self.n_head * hd, self.n_kv_head * hd, self.intermediate_size
+        block = 2 * C + C * (q + 2 * kv) + ((q + 2 * kv) if self.qkv_bias else 0) + q * C + 3 * C * inner
+        embedding, output = vocab_rows * C, 0 if self.tie_embeddings else vocab_rows * C
+        return dict(
+            layers=self.n_layer,
+            width=C,
+            vocab=vocab_rows,
+            block=T,
+            block_params=block,
+            root_params=embedding + output + C,
+            # the input embedding is a lookup, not a matmul, unless it is the output's too
+            matmul_params=self.n_layer * block + C + (embedding if output == 0 else output),
+            attention_width=q,
+            saved_fp32=4 * C,
+            matmul_inputs_fp32=2 * C,
+            matmul_inputs_bf16=5 * C,
+            saved_matmul=(q + 2 * kv) + 2 * q + 4 * inner,
+            kept_selective=(q + 2 * kv) + 2 * C + 2 * inner + q,
+            final_norm_fp32=2 * C,
+        )
 
     def describe(self) -> str:
         return (

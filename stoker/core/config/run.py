@@ -16,7 +16,7 @@ from typing import Any, Callable
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from stoker.core.config.models import GPT2Config, ModelConfig
+from stoker.core.config.models import FAMILIES, GPT2Config, ModelConfig
 from stoker.core.config.problems import problem_lines
 from stoker.core.config.sections import (
     CheckpointConfig,
@@ -47,14 +47,61 @@ def base_location(init_from: str) -> str:
 
 # ---- rules that span sections --------------------------------------------------------------
 def _batch_divides(
-    global_batch_size: int, micro_batch_size: int, num_nodes: int, nproc_per_node: int
+    global_batch_size: int, micro_batch_size: int, num_nodes: int, nproc_per_node: int, tp_degree: int = 1
 ) -> PydanticCustomError | None:
-    world = num_nodes * nproc_per_node
+    world, size = num_nodes * nproc_per_node, "world_size"
+    if tp_degree > 1 and world % tp_degree == 0:  # fsdp+tp: a group of tp_degree ranks takes one share
+        world, size = world // tp_degree, f"world_size / engine.tp_degree ({world} / {tp_degree})"
+    if micro_batch_size == "auto":  # some divisor of the per-rank share is picked at start-up
+        if global_batch_size % world:
+            return _rule(
+                f"is not divisible by {size} = {world}, so the ranks cannot share it evenly",
+                f"use a multiple of {world} (e.g. {world * max(1, global_batch_size // world)})",
+            )
+        return None
     per_pass = world * micro_batch_size
     if global_batch_size % per_pass:
         return _rule(
-            f"is not divisible by world_size x micro_batch_size = {world} x {micro_batch_size} = {per_pass}",
+            f"is not divisible by {size} x micro_batch_size = {world} x {micro_batch_size} = {per_pass}",
             f"use a multiple of {per_pass} (e.g. {per_pass * max(1, global_batch_size // per_pass)})",
+        )
+    return None
+
+
+def _tp_groups_within_a_node(parallelism: str, tp_degree: int, nproc_per_node: int) -> PydanticCustomError | None:
+    if parallelism == "fsdp+tp" and tp_degree > 1 and nproc_per_node % tp_degree:
+        fits = max(d for d in range(1, min(tp_degree, nproc_per_node) + 1) if nproc_per_node % d == 0)
+        return _rule(
+            f"does not divide launch.nproc_per_node={nproc_per_node}: the ranks of a tensor-parallel "
+            "group must be on one node, and the groups must fill the world",
+            f"use a divisor of {nproc_per_node}" + (f", e.g. {fits}" if fits > 1 else " above 1, or more ranks a node"),
+        )
+    return None
+
+
+def _tp_family(parallelism: str, family: str | None) -> PydanticCustomError | None:
+    section = FAMILIES.get(family) if isinstance(family, str) else None
+    if parallelism == "fsdp+tp" and section is not None and not section.TENSOR_PARALLEL:
+        planned = ", ".join(name for name, cls in FAMILIES.items() if cls.TENSOR_PARALLEL)
+        return _rule(
+            f"'fsdp+tp' has a tensor-parallel plan for the {planned} family only, and model.family is {family!r}",
+            f"use 'fsdp' or 'ddp', or a model of the {planned} family",
+        )
+    return None
+
+
+def _tp_splits_the_model(parallelism: str, tp_degree: int, *sizes: int | None) -> PydanticCustomError | None:
+    """Each rank of a group holds n_head / tp query heads, n_kv_head / tp key/value heads,
+    intermediate_size / tp of the MLP and block_size / tp positions of the residual stream."""
+    if parallelism != "fsdp+tp" or tp_degree < 2:
+        return None
+    names = ("n_head", "n_kv_head", "intermediate_size", "block_size")
+    bad = [f"model.{n}={v}" for n, v in zip(names, sizes) if v is not None and v % tp_degree]
+    if bad:
+        return _rule(
+            f"does not divide {', '.join(bad)}: each rank of a tensor-parallel group holds 1/tp_degree "
+            "of the heads, of the MLP and of the sequence",
+            "use a common divisor of those sizes (e.g. 2), or sizes that tp_degree divides",
         )
     return None
 
@@ -88,8 +135,27 @@ _CROSS_SECTION_RULES: list[tuple[_Loc, tuple[_Loc, ...], Callable[..., Any]]] = 
             ("train", "micro_batch_size"),
             ("launch", "num_nodes"),
             ("launch", "nproc_per_node"),
+            ("engine", "tp_degree"),
         ),
         _batch_divides,
+    ),
+    (
+        ("engine", "tp_degree"),
+        (("engine", "parallelism"), ("engine", "tp_degree"), ("launch", "nproc_per_node")),
+        _tp_groups_within_a_node,
+    ),
+    (("engine", "parallelism"), (("engine", "parallelism"), ("model", "family")), _tp_family),
+    (
+        ("engine", "tp_degree"),
+        (
+            ("engine", "parallelism"),
+            ("engine", "tp_degree"),
+            ("model", "n_head"),
+            ("model", "n_kv_head"),
+            ("model", "intermediate_size"),
+            ("model", "block_size"),
+        ),
+        _tp_splits_the_model,
     ),
     (("data", "token_dtype"), (("data", "token_dtype"), ("tokenizer", "vocab_size")), _ids_fit_dtype),
     (("data", "schedule"), (("data", "schedule"), ("train", "max_steps")), _schedule_within_the_run),
@@ -107,6 +173,15 @@ def _read(source: Any, path: _Loc) -> Any:
     validates alone to the same value; one that is absent is its default)."""
     section_name, name = path
     section = source.get(section_name) if isinstance(source, dict) else getattr(source, section_name, None)
+    if section_name == "model":  # a union on model.family: None for a field of another family
+        if not isinstance(section, BaseModel):
+            try:  # validated whole; a section that fails is reported on its own
+                section = TypeAdapter(RunConfig.model_fields["model"].annotation).validate_python(
+                    section if section is not None else {}
+                )
+            except ValidationError:
+                return None
+        return getattr(section, name, None)
     if isinstance(section, BaseModel):
         return getattr(section, name)
     field = RunConfig.model_fields[section_name].annotation.model_fields[name]
@@ -162,7 +237,15 @@ class RunConfig(_Section):
     # ---- derived facts -------------------------------------------------------------
     @property
     def grad_accum_steps(self) -> int:
-        return self.train.global_batch_size // (self.launch.world_size * self.train.micro_batch_size)
+        if self.train.micro_batch_size == "auto":
+            raise ValueError("train.micro_batch_size 'auto' has no accumulation until a rank picks its value")
+        return self.train.global_batch_size // (self.data_parallel_size * self.train.micro_batch_size)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The replicas the global batch is split over: the world, or under engine.parallelism
+        'fsdp+tp' its groups of engine.tp_degree ranks (each group reads the same batches)."""
+        return self.launch.world_size // self.engine.tp_degree
 
     def identity_hash(self) -> str:
         """Hash of what determines the run's trajectory: not where it is stored, how it is

@@ -488,10 +488,13 @@ class TrainConfig(_Section):
         fix="use a multiple of world_size x micro_batch_size",
         ge=1,
     )
-    micro_batch_size: int = _field(
+    micro_batch_size: int | Literal["auto"] = _field(
         4,
-        "Sequences per rank per forward pass; the rest is gradient accumulation.",
-        ge=1,
+        "Sequences per rank per forward pass; the rest is gradient accumulation. 'auto': the "
+        "largest that fits the device by the run's plan (stoker plan), confirmed on a GPU by a "
+        "probe step at start-up; the global batch, the data order and so the run stay the same "
+        "as with that value set by hand. The value chosen is logged and in the run's result.",
+        fix="give a number of sequences, e.g. 4, or 'auto'",
     )
     lr: float = _field(3e-3, "Peak learning rate of AdamW.", fix="a typical value is 3e-4", gt=0)
     min_lr: float = _field(3e-4, "Learning rate at the end of the cosine decay.", fix="e.g. a tenth of lr", ge=0)
@@ -529,6 +532,18 @@ class TrainConfig(_Section):
         fix="a small count such as 3; 0 fails at the first non-finite step",
         ge=0,
     )
+
+    @field_validator("micro_batch_size", mode="before")
+    @classmethod
+    def _a_count_or_auto(cls, value: Any) -> Any:
+        """One problem for a bad value, not one per member of the union."""
+        if value == "auto":
+            return value
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _rule("must be a whole number of sequences of at least 1, or 'auto'")
+        return value
 
     @field_validator("min_lr")
     @classmethod
@@ -747,6 +762,21 @@ class LaunchConfig(_Section):
         ge=1,
     )
     nproc_per_node: int = _field(2, "Training ranks per node.", ge=1)
+    accelerator: str | None = _field(
+        None,
+        "The GPU model of each rank, for the run's plan (stoker plan; the refusal of a run that "
+        "cannot fit; train.micro_batch_size 'auto'): e.g. 'H100', 'H200', 'A100-40GB', 'L40S'. "
+        "Empty: this host's GPU, read from the driver, or none (CPU ranks).",
+        fix="give a GPU model such as 'H100', or leave it empty",
+        min_length=1,
+    )
+    device_memory_gib: float | None = _field(
+        None,
+        "Memory of one device in GiB, for the plan: needed for a GPU model stoker does not "
+        "know; overrides the known one (e.g. 75 to keep a margin).",
+        fix="give the device's memory in GiB, e.g. 80",
+        gt=0,
+    )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Process-group backend; 'auto' is NCCL with GPUs, gloo otherwise."
     )
@@ -977,11 +1007,25 @@ class EngineConfig(_Section):
         description="Fused AdamW kernels: 'auto' is fused on CUDA, multi-tensor "
         "(foreach) on CPU; 'off' is the plain per-parameter loop.",
     )
-    parallelism: Literal["ddp", "fsdp"] = Field(
+    parallelism: Literal["ddp", "fsdp", "fsdp+tp"] = Field(
         "ddp",
         description="'ddp': replicated model, gradients all-reduced. 'fsdp': FSDP2 "
         "(fully_shard per block and on the root; bf16 params, fp32 gradient reduction under "
-        "bf16) for models whose state does not fit on one device; needs torch 2.7 or newer.",
+        "bf16) for models whose state does not fit on one device; needs torch 2.7 or newer. "
+        "'fsdp+tp' (llama family): FSDP2 over the data-parallel dimension of a 2D mesh and "
+        "tensor parallel within each group of engine.tp_degree ranks of a node (torchtitan's "
+        "plan: column- and row-wise projections, sequence-parallel norms, a "
+        "vocabulary-parallel loss); the global batch is split over world_size / tp_degree "
+        "replicas. Checkpoints load under any other parallelism and mesh.",
+    )
+    tp_degree: int = _field(
+        1,
+        "Ranks of one tensor-parallel group under engine.parallelism 'fsdp+tp' (2 or more; a "
+        "divisor of launch.nproc_per_node, and of the model's n_head, n_kv_head, "
+        "intermediate_size and block_size); 1 with 'ddp' and 'fsdp'.",
+        fix="e.g. 2, 4 or 8 with 'fsdp+tp', else 1",
+        ge=1,
+        validate_default=True,  # 'fsdp+tp' with the default 1 is refused
     )
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         "none",
@@ -1006,6 +1050,33 @@ class EngineConfig(_Section):
         description="Prepare the next batch in a background thread while the step runs "
         "(pinned memory, non-blocking copies on CUDA).",
     )
+
+    @field_validator("tp_degree")
+    @classmethod
+    def _tp_degree_fits_the_parallelism(cls, tp_degree: int, info: ValidationInfo) -> int:
+        parallelism = info.data.get("parallelism")
+        if parallelism == "fsdp+tp" and tp_degree == 1:
+            raise _rule(
+                "is 1, and engine.parallelism 'fsdp+tp' splits the model over groups of tp_degree ranks",
+                "set 2 or more (a divisor of launch.nproc_per_node), or use engine.parallelism 'fsdp'",
+            )
+        if parallelism in ("ddp", "fsdp") and tp_degree > 1:
+            raise _rule(
+                f"splits the model over ranks, which engine.parallelism '{parallelism}' does not do",
+                "set engine.parallelism to 'fsdp+tp', or tp_degree to 1",
+            )
+        return tp_degree
+
+    @field_validator("cross_entropy")
+    @classmethod
+    def _whole_loss_under_tensor_parallel(cls, cross_entropy: str, info: ValidationInfo) -> str:
+        if cross_entropy == "chunked" and info.data.get("parallelism") == "fsdp+tp":
+            raise _rule(
+                "'chunked' is not done under engine.parallelism 'fsdp+tp', whose loss is "
+                "vocabulary-parallel (a rank holds 1/tp_degree of the logits)",
+                "use 'standard'",
+            )
+        return cross_entropy
 
     @field_validator("compile", "fused_optimizer", mode="before")
     @classmethod
@@ -1037,9 +1108,9 @@ class EngineConfig(_Section):
         metadata, and by each rank."""
         found = re.match(r"(\d+)\.(\d+)", torch_version)
         release = (int(found[1]), int(found[2])) if found else (0, 0)
-        if self.parallelism == "fsdp" and release < FSDP2_TORCH:
+        if self.parallelism in ("fsdp", "fsdp+tp") and release < FSDP2_TORCH:
             return [
-                f"engine.parallelism: 'fsdp' needs torch {FSDP2_TORCH[0]}.{FSDP2_TORCH[1]} or newer "
+                f"engine.parallelism: '{self.parallelism}' needs torch {FSDP2_TORCH[0]}.{FSDP2_TORCH[1]} or newer "
                 f"(FSDP2's fully_shard and its sharded init) and the ranks have torch {torch_version}; upgrade torch, or "
                 "use 'ddp'."
             ]

@@ -52,9 +52,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.head_dim
-        q = self.q_proj(x).view(B, T, self.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        # -1 heads: under tensor parallel (training.parallel) a rank holds n_head / tp_degree
+        # query heads and n_kv_head / tp_degree key/value heads, the same groups
+        q = self.q_proj(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
         q, k = apply_rope(q, k, cos, sin)
         y = F.scaled_dot_product_attention(
             q,
@@ -64,7 +66,7 @@ class Attention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_kv_head != self.n_head,
         )  # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * hd)  # (B, T, nh*hd)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hd)
         return self.resid_dropout(self.o_proj(y))
 
 
