@@ -21,6 +21,18 @@ def free_port() -> int:
 
 
 @contextmanager
+def s3_bucket(endpoint: str):
+    """A fresh bucket on an S3 endpoint already running (a test's moto_server); yields (root
+    URL, storage options), as moto_s3 does."""
+    import s3fs
+
+    options = {"endpoint_url": endpoint, "skip_instance_cache": True}
+    bucket = f"bench-{uuid.uuid4().hex[:8]}"
+    s3fs.S3FileSystem(**options).mkdir(bucket)
+    yield f"s3://{bucket}/root", options
+
+
+@contextmanager
 def moto_s3():
     """A real S3 endpoint (moto_server) on 127.0.0.1; yields (root URL, storage options)."""
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")

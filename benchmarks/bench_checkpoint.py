@@ -8,10 +8,17 @@
    sharing both cores of this 2-core machine the ratio was 0.93 (CPU contention, not waiting).
 2. Upload throughput of the checkpoint writer (checksums, retries, receipts, commit) over a
    plain fs.put of the same files to the same endpoint.                     goal >= 0.8
+
+    python -m benchmarks.bench_checkpoint [--smoke] [--endpoint URL]
+
+--smoke: a one-layer model, 4 steps and one checkpoint, every core shared (none is pinned);
+it checks that the benchmark runs, its figures mean nothing. --endpoint: an S3 endpoint already
+running (a fresh bucket is made on it) instead of a moto_server of its own.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 import time
@@ -19,7 +26,7 @@ import time
 import torch
 
 from benchmarks import _servers
-from benchmarks._servers import moto_s3
+from benchmarks._servers import moto_s3, s3_bucket
 from stoker.core.config import GPT2Config
 from stoker.storage.store import Store
 from stoker.storage.uploader import CheckpointUploader
@@ -29,18 +36,21 @@ from stoker.training.models.gpt2 import GPT
 
 STEPS, INTERVAL = 24, 8
 MODEL = GPT2Config(n_layer=4, n_head=8, n_embd=512, block_size=128)  # ~17M params, ~200 MB with AdamW
+VOCAB = 8192
+# --smoke: (steps, checkpoint interval, model, vocab)
+SMOKE = (4, 2, GPT2Config(n_layer=1, n_head=1, n_embd=32, block_size=16), 256)
 
 
-def _setup():
+def _setup(model_cfg: GPT2Config, vocab: int):
     torch.manual_seed(0)
-    model = GPT(MODEL, vocab_size=8192)
+    model = GPT(model_cfg, vocab_size=vocab)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return model, opt, sched
 
 
 def _step(model, opt, sched):
-    x = torch.randint(0, 8192, (4, MODEL.block_size))
+    x = torch.randint(0, model.vocab_size, (4, model.cfg.block_size))
     _, loss = model(x, x)
     loss.backward()
     opt.step()
@@ -48,9 +58,10 @@ def _step(model, opt, sched):
     opt.zero_grad(set_to_none=True)
 
 
-def _train(store: Store | None, async_enabled: bool, run: str, staging: str) -> tuple[float, int]:
-    """Seconds the training thread spent on STEPS steps (+ checkpoints), and the checkpoint count."""
-    model, opt, sched = _setup()
+def _train(store: Store | None, async_enabled: bool, run: str, staging: str, shape) -> tuple[float, int]:
+    """Seconds the training thread spent on `steps` steps (+ checkpoints), and the checkpoint count."""
+    steps, interval, model_cfg, vocab = shape
+    model, opt, sched = _setup(model_cfg, vocab)
     _step(model, opt, sched)  # warm-up (allocations, optimizer state)
     writer = ckpt = None
     if store is not None:
@@ -70,9 +81,9 @@ def _train(store: Store | None, async_enabled: bool, run: str, staging: str) -> 
         )
     saves = 0
     t0 = time.perf_counter()
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         _step(model, opt, sched)
-        if writer is not None and step % INTERVAL == 0 and step < STEPS:
+        if writer is not None and step % interval == 0 and step < steps:
             ckpt.save(step, 0, {})
             saves += 1
     elapsed = time.perf_counter() - t0
@@ -82,16 +93,16 @@ def _train(store: Store | None, async_enabled: bool, run: str, staging: str) -> 
     return elapsed, saves
 
 
-def bench_time_lost(root: str, options: dict) -> float:
+def bench_time_lost(root: str, options: dict, shape=(STEPS, INTERVAL, MODEL, VOCAB)) -> float:
     store = Store(root, options)
     with tempfile.TemporaryDirectory() as staging:
-        base, _ = _train(None, True, "none", staging)
-        t_async, n = _train(store, True, "async", staging)
-        t_sync, _ = _train(store, False, "sync", staging)
+        base, _ = _train(None, True, "none", staging, shape)
+        t_async, n = _train(store, True, "async", staging, shape)
+        t_sync, _ = _train(store, False, "sync", staging, shape)
     lost_async, lost_sync = max(0.0, (t_async - base) / n), (t_sync - base) / n
     ratio = lost_async / lost_sync
     print(
-        f"  no checkpoints: {base:.2f}s for {STEPS} steps; async: {t_async:.2f}s; sync: {t_sync:.2f}s "
+        f"  no checkpoints: {base:.2f}s for {shape[0]} steps; async: {t_async:.2f}s; sync: {t_sync:.2f}s "
         f"({n} checkpoints each)"
     )
     print(f"  time lost per checkpoint: async {lost_async:.2f}s, sync {lost_sync:.2f}s")
@@ -102,9 +113,9 @@ def bench_time_lost(root: str, options: dict) -> float:
     return ratio
 
 
-def bench_upload_throughput(root: str, options: dict) -> float:
+def bench_upload_throughput(root: str, options: dict, shape=(STEPS, INTERVAL, MODEL, VOCAB)) -> float:
     store = Store(root, options)
-    model, opt, sched = _setup()
+    model, opt, sched = _setup(shape[2], shape[3])
     _step(model, opt, sched)
     state = {**flat_state(model, opt)[0], **rng_state_tensors(0)}
     with tempfile.TemporaryDirectory() as staging:
@@ -168,14 +179,20 @@ def _split_cores(moto_pid: int | None) -> None:
     os.sched_setaffinity(0, {0})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="a tiny model, one checkpoint: checks the benchmark runs")
+    p.add_argument("--endpoint", help="an S3 endpoint already running (default: a moto_server of its own)")
+    args = p.parse_args(argv)
+    shape = SMOKE if args.smoke else (STEPS, INTERVAL, MODEL, VOCAB)
     torch.set_num_threads(1)  # one core trains, the other serves S3 and uploads
-    with moto_s3() as (root, options):
-        _split_cores(_servers.MOTO_PID)
+    with s3_bucket(args.endpoint) if args.endpoint else moto_s3() as (root, options):
+        if not args.smoke:  # the smoke run pins nothing: it may run inside another process (a test)
+            _split_cores(None if args.endpoint else _servers.MOTO_PID)
         print("training time lost per checkpoint (real S3 endpoint on 127.0.0.1)")
-        bench_time_lost(root, options)
+        bench_time_lost(root, options, shape)
         print("upload throughput")
-        bench_upload_throughput(root, options)
+        bench_upload_throughput(root, options, shape)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ random weights, a byte-level BPE trained on a slice of the standard library:
 - 'mc': the vendored multiple-choice set's first --items items (load, checksum, encode, score).
 Rounds alternate the variants; medians. Prints each one's seconds and its ratio to 'loss'.
 
-    python -m benchmarks.bench_eval_sets [--items 100 --windows 256 --rounds 3]
+    python -m benchmarks.bench_eval_sets [--items 100 --windows 256 --rounds 3] [--smoke]
+
+--smoke: 2 items, 8 windows, one round, a tokenizer trained on fewer files; it checks that the
+benchmark runs, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from contextlib import nullcontext
 import torch
 
 
-def _tokenizer(vocab: int):
+def _tokenizer(vocab: int, num_files: int = 40):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:40]
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:num_files]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -56,11 +59,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--windows", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help="a few items and windows, one round: checks the benchmark runs")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.items, args.windows, args.batch, args.rounds = 2, 8, 4, 1
     cfg = load_config("tiny-cpu")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else nullcontext
-    tok = _tokenizer(cfg.tokenizer.vocab_size)
+    tok = _tokenizer(cfg.tokenizer.vocab_size, 10 if args.smoke else 40)
     V, T = tok.get_vocab_size(), cfg.model.block_size
     model = GPT(cfg.model, V, seed=0).to(device).eval()
     windows = torch.randint(0, V, (args.windows, T + 1), generator=torch.Generator().manual_seed(0))

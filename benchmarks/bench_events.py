@@ -1,7 +1,7 @@
 """What the run's Prefect events cost per training step, against the step time of the tiny-cpu
 recipe's model measured in the same run.
 
-    python -m benchmarks.bench_events
+    python -m benchmarks.bench_events [--smoke] [--on-current-server]
 
 Measured, on a real Prefect server (``prefect_test_harness``'s, a subprocess):
 - the stream loop's share: feeding one ``Step`` record to the launch's event sink
@@ -17,10 +17,16 @@ Per step: the sink call + one heartbeat's cost x (step time / events.step_interv
 at most 1) + one checkpoint event's cost / checkpoint.interval_steps. Printed as a ratio to the
 step time for the default interval, the smallest one allowed (1 s), and a heartbeat at every
 step (no bound), for reference. Goal: <= 1% of the step time at the default.
+
+--smoke: one timed training step, a thousand sink calls, five events of each kind; it checks
+that the benchmark runs, its figures mean nothing. --on-current-server: the Prefect server this
+process is already set to (PREFECT_API_URL, or a test's harness) instead of a harness of its own.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import logging
 import statistics
 import sys
@@ -32,7 +38,7 @@ EVENTS = 200  # events whose cost is measured (within the sender queue, MAX_PEND
 SINK_CALLS = 200_000
 
 
-def step_seconds(cfg) -> float:
+def step_seconds(cfg, steps: int = STEPS) -> float:
     """Median CPU seconds of one optimizer step of the recipe's model, on the threads a rank of
     the recipe gets (the CPUs over nproc_per_node, as training.distributed sets them). CPU time,
     like the events' side: a loaded machine stretches wall time, not the work done."""
@@ -50,7 +56,7 @@ def step_seconds(cfg) -> float:
     micro, block = cfg.train.micro_batch_size, cfg.model.block_size
     x = torch.randint(0, vocab, (micro, block))  # (B, T)
     times = []
-    for i in range(STEPS + 3):
+    for i in range(steps + 3):
         t0 = time.process_time()
         for _ in range(cfg.grad_accum_steps):
             _, loss = model(x, x)
@@ -70,21 +76,21 @@ def _launch_events(cfg, root: str, interval: float):
     return LaunchEvents(cfg, 1, Store(root), logging.getLogger("bench"))
 
 
-def sink_seconds(cfg, root: str) -> float:
+def sink_seconds(cfg, root: str, calls: int = SINK_CALLS) -> float:
     """One Step record through the sink, rate-bounded (almost never an event)."""
     from stoker.core import events
 
     launch = _launch_events(cfg, root, cfg.events.step_interval_seconds)
     records = [events.Step(step=i) for i in range(1000)]
     t0 = time.perf_counter()
-    for i in range(SINK_CALLS):
+    for i in range(calls):
         launch.sink(records[i % 1000])
-    took = (time.perf_counter() - t0) / SINK_CALLS
+    took = (time.perf_counter() - t0) / calls
     launch.ended(None)
     return took
 
 
-def event_cpu_seconds(cfg, root: str, what: str) -> float:
+def event_cpu_seconds(cfg, root: str, what: str, count: int = EVENTS) -> float:
     """Process CPU seconds (all threads) per event sent to the server: heartbeats, or committed
     checkpoints (each also reads and hashes a commit manifest from the store)."""
     from prefect.events.worker import EventsWorker
@@ -106,20 +112,28 @@ def event_cpu_seconds(cfg, root: str, what: str) -> float:
         record = events.CheckpointCommitted(
             step=100, key=key, uri=store.url(key), bytes=1, stage_seconds=0, upload_seconds=0, commit_seconds=0
         )
-        records = [record] * EVENTS
+        records = [record] * count
     else:
-        records = [events.Step(step=i) for i in range(EVENTS)]
+        records = [events.Step(step=i) for i in range(count)]
     c0 = time.process_time()
     for r in records:
         launch.sink(r)
     assert launch.sender.close(120), "events not handed over"
     EventsWorker.instance().wait_until_empty()
-    cpu = (time.process_time() - c0) / EVENTS
+    cpu = (time.process_time() - c0) / count
     assert launch.sender.failures == 0 and launch.sender.dropped == 0
     return cpu
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="a few steps, calls and events: checks the benchmark runs")
+    p.add_argument(
+        "--on-current-server", action="store_true", help="the Prefect server already set, not a harness of its own"
+    )
+    args = p.parse_args(argv)
+    steps, calls, count = (1, 1000, 5) if args.smoke else (STEPS, SINK_CALLS, EVENTS)
+
     from prefect.testing.utilities import prefect_test_harness
 
     import stoker.flows  # noqa: F401  (Prefect's settings as stoker sets them: no telemetry)
@@ -128,13 +142,14 @@ def main() -> None:
     logging.getLogger("prefect").setLevel(logging.WARNING)
     cfg = load_config("tiny-cpu")
     t0 = time.perf_counter()
-    step = step_seconds(cfg)
+    step = step_seconds(cfg, steps)
     print(f"  (step time measured in {time.perf_counter() - t0:.0f} s)", flush=True)
-    with tempfile.TemporaryDirectory() as tmp, prefect_test_harness(server_startup_timeout=120):
+    server = contextlib.nullcontext() if args.on_current_server else prefect_test_harness(server_startup_timeout=120)
+    with tempfile.TemporaryDirectory() as tmp, server:
         root = f"file://{tmp}/store"
-        sink = sink_seconds(cfg, root)
-        beat = event_cpu_seconds(cfg, root, "step")
-        ckpt = event_cpu_seconds(cfg, root, "checkpoint")
+        sink = sink_seconds(cfg, root, calls)
+        beat = event_cpu_seconds(cfg, root, "step", count)
+        ckpt = event_cpu_seconds(cfg, root, "checkpoint", count)
     print(
         f"tiny-cpu step {1000 * step:.1f} ms CPU; sink call {1e9 * sink:.0f} ns; one heartbeat "
         f"{1e6 * beat:.0f} us CPU; one checkpoint event {1e6 * ckpt:.0f} us CPU"

@@ -9,6 +9,11 @@ timed, median of --repeats. The baseline, measured in the same run: one optimize
 tiny-cpu recipe's model on this CPU (one rank's share of the global batch).
 
 Prints RATIO ledger / training = ledger seconds / (steps x step seconds); goal <= 0.01.
+
+    python -m benchmarks.bench_ledger [--steps 100000 --repeats 5] [--smoke]
+
+--smoke: a run of 2,000 steps (a restart and lost work in it), one repeat, one timed training
+step; it checks that the benchmark runs, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -103,7 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100_000, help="steps of the synthetic run")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="a short run, one repeat: checks the benchmark runs")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.repeats = 2000, 1
 
     from stoker.observe.ledger import FlowTimes, compute_ledger, read_records
     from stoker.storage.store import Store
@@ -128,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         seconds = statistics.median(times)
         attributed = ledger["wall_seconds"] - ledger["seconds"]["unattributed"]
         assert abs(attributed - ledger["wall_seconds"]) < 1e-3 * ledger["wall_seconds"], ledger
-        step = _step_seconds()
+        step = _step_seconds(1 if args.smoke else 10)
         print(
             f"  ledger of {args.steps} steps ({len(lines)} records, {size_mb:.1f} MiB metrics.jsonl): "
             f"{seconds:.3f} s (median of {args.repeats}); goodput {ledger['goodput']:.3f}, "

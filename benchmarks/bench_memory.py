@@ -11,7 +11,10 @@ it is: activations, temporaries, parameters, gradients, optimizer state), on CUD
 allocator's peak; and step time (forward, backward, AdamW), variants alternated in rounds,
 medians. Prints each variant's ratios to 'none': memory (lower is better) and time.
 
-    python -m benchmarks.bench_memory [--layers 6 --width 384 --block 256 --batch 8 --vocab 4096]
+    python -m benchmarks.bench_memory [--layers 6 --width 384 --block 256 --batch 8 --vocab 4096] [--smoke]
+
+--smoke: one layer of width 64 (one head: the heads are width / 64), every variant, one round;
+it checks that the benchmark runs, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -80,7 +83,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile each model")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--smoke", action="store_true", help="a tiny model, one round: checks the benchmark runs")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.layers, args.width, args.block, args.batch, args.vocab, args.chunk, args.rounds = 1, 64, 32, 2, 256, 16, 1
     try:
         import torch.distributed._tools.mem_tracker  # noqa: F401
     except ImportError:

@@ -24,7 +24,11 @@ default 1; a Ray worker takes ray.cpus_per_worker, 1 here); --threads 0 leaves t
 launcher and the ranks. Needs root and iproute2 for the namespaces and Ray for the Ray column; a
 column that cannot run says why.
 
-    python -m benchmarks.bench_multinode [--rounds 2] [--steps 35] [--warmup 10] [--threads 1]
+    python -m benchmarks.bench_multinode [--rounds 2] [--steps 35] [--warmup 10] [--threads 1] [--smoke]
+
+--smoke: a 300 KB corpus, a 2-layer model of width 32, 3 steps logged one by one, the first
+left out, one round (with --columns, the columns it names: 1x2 is always one); it checks that
+the benchmark runs, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -39,37 +43,46 @@ import time
 import traceback
 
 BLOCK, GLOBAL_BATCH, LOG_INTERVAL = 128, 16, 5
+# --smoke: what it changes in the config, and its steps, warm-up steps and rounds
+SMOKE = {
+    "data": {"max_bytes": 300_000},
+    "tokenizer": {"vocab_size": 384},
+    "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
+    "train": {"warmup_steps": 1, "log_interval": 1, "global_batch_size": 8},
+}
+SMOKE_STEPS, SMOKE_WARMUP, SMOKE_ROUNDS = 3, 1, 1
 
 
-def _config(root: str, run: str, steps: int, launch: dict | None = None, ray: dict | None = None):
+def _config(root: str, run: str, steps: int, launch: dict | None = None, ray: dict | None = None, smoke: bool = False):
     from stoker.core.config import load_config
 
-    return load_config(
-        {
-            "run_name": run,
-            "storage": {"root": root},
-            "data": {"max_bytes": 2_000_000},
-            "tokenizer": {"vocab_size": 2048},
-            "model": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": BLOCK},
-            "train": {
-                "max_steps": steps,
-                "warmup_steps": 2,
-                "log_interval": LOG_INTERVAL,
-                "global_batch_size": GLOBAL_BATCH,
-                "micro_batch_size": 4,
-            },
-            "checkpoint": {"interval_steps": 100_000},  # the last step's only, after the measured ones
-            "eval": {"interval_steps": 100_000, "num_batches": 1, "per_checkpoint_enabled": False},
-            "launch": {
-                "timeout_seconds": 900,
-                "max_attempts": 1,
-                "max_restarts": 0,
-                "hang_timeout_seconds": 300,
-                **(launch or {}),
-            },
-            "ray": ray or {},
-        }
-    )
+    sections = {
+        "run_name": run,
+        "storage": {"root": root},
+        "data": {"max_bytes": 2_000_000},
+        "tokenizer": {"vocab_size": 2048},
+        "model": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": BLOCK},
+        "train": {
+            "max_steps": steps,
+            "warmup_steps": 2,
+            "log_interval": LOG_INTERVAL,
+            "global_batch_size": GLOBAL_BATCH,
+            "micro_batch_size": 4,
+        },
+        "checkpoint": {"interval_steps": 100_000},  # the last step's only, after the measured ones
+        "eval": {"interval_steps": 100_000, "num_batches": 1, "per_checkpoint_enabled": False},
+        "launch": {
+            "timeout_seconds": 900,
+            "max_attempts": 1,
+            "max_restarts": 0,
+            "hang_timeout_seconds": 300,
+            **(launch or {}),
+        },
+        "ray": ray or {},
+    }
+    for section, values in (SMOKE if smoke else {}).items():
+        sections[section] = {**sections[section], **values}
+    return load_config(sections)
 
 
 def _measure(cfg, store, shard_key: str, warmup: int) -> tuple[float, float, int]:
@@ -100,7 +113,7 @@ def _measure(cfg, store, shard_key: str, warmup: int) -> tuple[float, float, int
     for step in sorted(trains):
         n = step - previous  # each train event covers the steps since the previous log step
         if previous >= warmup:
-            steps, tokens = steps + n, tokens + n * GLOBAL_BATCH * BLOCK
+            steps, tokens = steps + n, tokens + n * cfg.train.global_batch_size * cfg.model.block_size
             seconds += n * trains[step].step_seconds
         previous = step
     return tokens / seconds, first[0], int(steps)
@@ -113,7 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the measure")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank; 0: the ranks' choice")
     p.add_argument("--columns", default="1x2,2x1,2x1-here,ray", help="which, comma-separated")
+    p.add_argument(
+        "--smoke", action="store_true", help="a tiny model, a few steps, one round: checks the benchmark runs"
+    )
     args = p.parse_args(argv if argv is not None else sys.argv[1:])
+    if args.smoke:
+        args.steps, args.warmup, args.rounds = SMOKE_STEPS, SMOKE_WARMUP, SMOKE_ROUNDS
 
     from stoker.data import prepare
     from stoker.storage.store import Store
@@ -126,14 +144,16 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["STOKER_CPU_THREADS"] = str(args.threads)  # inherited by every torchrun rank
     root = "file://" + os.path.join(work, "store")
     store = Store(root)
-    base = _config(root, "base", args.steps)
+    base = _config(root, "base", args.steps, smoke=args.smoke)
     dataset = prepare.download_dataset(base.data, store)
     tokenizer = prepare.train_tokenizer(dataset, base.tokenizer, store)
     shards = prepare.tokenize_and_shard(dataset, tokenizer, base.data, store)
 
     wanted = args.columns.split(",")
     columns: dict[str, object] = {
-        "1x2": lambda run: _config(root, run, args.steps, launch={"num_nodes": 1, "nproc_per_node": 2})
+        "1x2": lambda run: _config(
+            root, run, args.steps, launch={"num_nodes": 1, "nproc_per_node": 2}, smoke=args.smoke
+        )
     }
     why_not: dict[str, str] = {}
     netns = ray_cluster = None
@@ -166,10 +186,13 @@ def main(argv: list[str] | None = None) -> None:
                     "rdzv_host": netns.addresses[0],
                     "rdzv_port": next(ports),
                 },
+                smoke=args.smoke,
             )
         else:
             why_not["2x1"] = why
-        columns["2x1-here"] = lambda run: _config(root, run, args.steps, launch={"num_nodes": 2, "nproc_per_node": 1})
+        columns["2x1-here"] = lambda run: _config(
+            root, run, args.steps, launch={"num_nodes": 2, "nproc_per_node": 1}, smoke=args.smoke
+        )
         ray_cluster, why = _ray_cluster(work) if "ray" in wanted else (None, "not asked for")
         if ray_cluster is not None:
             columns["ray"] = lambda run: _config(
@@ -178,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.steps,
                 launch={"launcher": "ray", "num_nodes": 2, "nproc_per_node": 1},
                 ray={"address": ray_cluster.client_address, "cpus_per_worker": 1},
+                smoke=args.smoke,
             )
         else:
             why_not["ray"] = why
@@ -190,9 +214,11 @@ def main(argv: list[str] | None = None) -> None:
                     measured[name].append(_measure(make(f"bench-mn-{name}-{rnd}"), store, shards.key, args.warmup))
                 except Exception as err:  # a round that fails is reported, not fatal
                     why_not[name] = f"round {rnd + 1}: {type(err).__name__}: {err}"[-2500:]
+        model, train = base.model, base.train
+        accum = train.global_batch_size // (2 * train.micro_batch_size)
         print(
-            f"  model 4 x 128, block {BLOCK}, global batch {GLOBAL_BATCH} (2 ranks x micro 4 x "
-            f"accum 2), {args.steps} steps, tokens/s over steps {args.warmup + 1}-{args.steps}; "
+            f"  model {model.n_layer} x {model.n_embd}, block {model.block_size}, global batch "
+            f"{train.global_batch_size} (2 ranks x micro {train.micro_batch_size} x accum {accum}), {args.steps} steps, tokens/s over steps {args.warmup + 1}-{args.steps}; "
             f"{os.cpu_count()} cores; {args.threads or 'default'} thread(s) per rank; medians of {args.rounds}"
         )
         baseline = statistics.median(t for t, _, _ in measured["1x2"]) if measured.get("1x2") else None

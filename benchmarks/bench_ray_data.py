@@ -2,7 +2,7 @@
 corpus, the same tokenizer and the same object store (S3: moto on the cluster's bridge, which
 every node reaches; --store file: a local folder every node reads).
 
-    python -m benchmarks.bench_ray_data [--mb 40] [--repeats 3] [--store s3|file]
+    python -m benchmarks.bench_ray_data [--mb 40] [--repeats 3] [--store s3|file] [--smoke]
 
 1. tokens per CPU-second: the Ray engine on a two-node cluster / the local engine    goal >= 0.8
 2. the Ray engine's wall time on a one-node cluster / on a two-node cluster           goal >= 1.4
@@ -16,6 +16,10 @@ include connecting to the cluster and the shard set's commit. Tokens exclude the
 ids. The simulated nodes share this host's cores with the driver and the store, so the
 scaling ratio is a floor of what separate machines give. Needs root and iproute2 (network
 namespaces) and Ray; without them it says why and stops.
+
+--smoke: a 0.3 MB corpus (the tokenizer trained on it too), one build each, and both Ray
+columns on one two-node cluster (the test passes its session's: main(cluster=...)); it checks
+that the benchmark runs, its figures (the 1-node one above all) mean nothing.
 """
 
 from __future__ import annotations
@@ -293,12 +297,24 @@ def _report(mb: float, one: list[dict], two: list[dict], local: list[dict], stor
     _line("ray engine wall time, 1 node / 2 nodes (1 CPU each)", r2, ">= 1.4", r2 >= 1.4)
 
 
-def main() -> None:
+SMOKE_MB, SMOKE_BASE_BYTES = 0.3, 300_000
+
+
+def main(argv: list[str] | None = None, cluster=None) -> None:
+    """`cluster`: a two-node tests.raycluster.RayCluster already up, for a smoke run (both
+    columns run on it; it is left up)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=40, help="corpus size in MB")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--store", choices=("s3", "file"), default="s3")
-    args = parser.parse_args(sys.argv[1:])
+    parser.add_argument(
+        "--smoke", action="store_true", help="a tiny corpus, one build each, one cluster: checks the benchmark runs"
+    )
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    assert cluster is None or args.smoke, "a cluster is handed in for a smoke run only"
+    base_bytes = 5_000_000
+    if args.smoke:
+        args.mb, args.repeats, base_bytes = SMOKE_MB, 1, SMOKE_BASE_BYTES
     from tests.raycluster import ray_unavailable
 
     why = ray_unavailable()
@@ -312,7 +328,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="stoker-bench-ray-data-", dir="/tmp") as work:
         base, corpus = os.path.join(work, "base.jsonl"), os.path.join(work, "corpus.jsonl")
-        _write_corpus(base, 5_000_000)
+        _write_corpus(base, base_bytes)
         _scale_corpus(base, corpus, max(1, round(args.mb / (os.path.getsize(base) / 1e6))))
         mb = os.path.getsize(corpus) / 1e6
         tokenizer = _run_child("tokenizer", work, base, os.path.join(work, "tokenizer.json"))["tokenizer"]
@@ -322,20 +338,26 @@ def main() -> None:
             flush=True,
         )
         results = {}
-        for nodes in (1, 2):
-            cluster = _cluster(nodes)
-            moto = None
-            try:
-                root, options, moto = _store_root(cluster, args.store, work)
-                prepared = json.dumps(_run_child("prepare", root, json.dumps(options), corpus, tokenizer))
-                local = [] if nodes == 2 else None
-                results[nodes] = _ray_runs(cluster, root, options, prepared, args.repeats, local)
-                if local is not None:
-                    results["local"] = local
-            finally:
-                if moto is not None:
-                    moto.stop()
-                cluster.down()
+        shared = cluster if cluster is not None else _cluster(2) if args.smoke else None
+        try:
+            for nodes in (1, 2):
+                on = shared if shared is not None else _cluster(nodes)
+                moto = None
+                try:
+                    root, options, moto = _store_root(on, args.store, work)
+                    prepared = json.dumps(_run_child("prepare", root, json.dumps(options), corpus, tokenizer))
+                    local = [] if nodes == 2 else None
+                    results[nodes] = _ray_runs(on, root, options, prepared, args.repeats, local)
+                    if local is not None:
+                        results["local"] = local
+                finally:
+                    if moto is not None:
+                        moto.stop()
+                    if shared is None:
+                        on.down()
+        finally:
+            if shared is not None and cluster is None:
+                shared.down()
     _report(mb, results[1], results[2], results["local"], args.store)
 
 

@@ -9,10 +9,18 @@ A rank is SIGKILLed mid-run, twice:
    Goal: rehydration time / a plain copy (fs.get) of the same bytes <= 1.5.
 2. In place (launch.max_restarts=1): torchrun restarts the ranks, which find and load the
    newest valid checkpoint themselves. Goal: failure -> first resumed step <= 8 s.
+
+    python -m benchmarks.bench_resume [--smoke] [--endpoint URL]
+
+--smoke: a 300 KB corpus, a 2-layer model of width 32, one rank, 4 steps, the kill at step 3
+(after the checkpoint of step 2); it checks that the benchmark runs, its figures mean nothing.
+--endpoint: an S3 endpoint already running (a fresh bucket is made on it) instead of a
+moto_server of its own.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import tempfile
@@ -22,7 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-from benchmarks._servers import moto_s3
+from benchmarks._servers import moto_s3, s3_bucket
 from stoker.core import events
 from stoker.core.config import load_config
 from stoker.data import prepare as data_prep
@@ -32,26 +40,39 @@ from stoker.launch.torchrun import free_port, torchrun_commands
 from stoker.storage.checkpoints import list_checkpoints, rehydrate, validate_checkpoint
 from stoker.storage.store import Store, join
 
+# --smoke: what it changes in the config; the fault (the full run's and the smoke run's)
+SMOKE = {
+    "data": {"max_bytes": 300_000},
+    "tokenizer": {"vocab_size": 384},
+    "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
+    "train": {"max_steps": 4},
+    "checkpoint": {"interval_steps": 2},
+    "launch": {"nproc_per_node": 1},
+}
+KILL = "kill:rank=1:step=11"
+SMOKE_KILL = "kill:rank=0:step=3"  # the one rank
 
-def _config(root: str, options: dict):
-    cfg = load_config(
-        {
-            "run_name": "bench-resume",
-            "storage": {"root": root, "storage_options": options},
-            "data": {"max_bytes": 1_000_000},
-            "tokenizer": {"vocab_size": 2048},
-            "model": {"n_layer": 6, "n_head": 8, "n_embd": 384, "block_size": 64},
-            "train": {
-                "max_steps": 12,
-                "warmup_steps": 2,
-                "log_interval": 1,
-                "global_batch_size": 8,
-                "micro_batch_size": 4,
-            },
-            "checkpoint": {"interval_steps": 4},
-            "eval": {"interval_steps": 100, "num_batches": 1, "per_checkpoint_enabled": False},
-        }
-    )
+
+def _config(root: str, options: dict, smoke: bool = False):
+    sections = {
+        "run_name": "bench-resume",
+        "storage": {"root": root, "storage_options": options},
+        "data": {"max_bytes": 1_000_000},
+        "tokenizer": {"vocab_size": 2048},
+        "model": {"n_layer": 6, "n_head": 8, "n_embd": 384, "block_size": 64},
+        "train": {
+            "max_steps": 12,
+            "warmup_steps": 2,
+            "log_interval": 1,
+            "global_batch_size": 8,
+            "micro_batch_size": 4,
+        },
+        "checkpoint": {"interval_steps": 4},
+        "eval": {"interval_steps": 100, "num_batches": 1, "per_checkpoint_enabled": False},
+    }
+    for section, values in (SMOKE if smoke else {}).items():
+        sections[section] = {**sections.get(section, {}), **values}
+    cfg = load_config(sections)
     return cfg
 
 
@@ -64,10 +85,16 @@ def _time_load(make_reader) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
-    with moto_s3() as (root, options), tempfile.TemporaryDirectory() as tmp:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="a tiny run, killed once: checks the benchmark runs")
+    p.add_argument("--endpoint", help="an S3 endpoint already running (default: a moto_server of its own)")
+    args = p.parse_args(argv)
+    kill = SMOKE_KILL if args.smoke else KILL
+    s3 = s3_bucket(args.endpoint) if args.endpoint else moto_s3()
+    with s3 as (root, options), tempfile.TemporaryDirectory() as tmp:
         os.environ["STOKER_CACHE"] = os.path.join(tmp, "cache")
-        cfg = _config(root, options)
+        cfg = _config(root, options, args.smoke)
         store = Store(root, options)
         ds = data_prep.download_dataset(cfg.data, store)
         tok = data_prep.train_tokenizer(ds, cfg.tokenizer, store)
@@ -75,7 +102,7 @@ def main() -> None:
         store.write_bytes("runs/bench-resume/config.json", cfg.to_json().encode())
         config_url = store.url("runs/bench-resume/config.json")
         once = os.path.join(tmp, "fault-fired")
-        env = {**child_env(cfg), "STOKER_FAULT": "kill:rank=1:step=11", "STOKER_FAULT_ONCE": once}
+        env = {**child_env(cfg), "STOKER_FAULT": kill, "STOKER_FAULT_ONCE": once}
 
         relaunch = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={"max_restarts": 0})})
         first = run_gang(

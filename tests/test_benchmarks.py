@@ -1,12 +1,49 @@
-"""The GPU benchmark cannot run in CI (no GPU), so its smoke run does: every part of
+"""Smoke runs of the benchmarks (`--smoke`: a tiny size that goes through every part of one, its
+ratio lines included), so none breaks unseen. Their figures mean nothing; that each runs and
+prints its figures and ratios, and what it leaves behind, are checked. bench_flow, bench_resume
+and bench_multinode have a --smoke too, but no test here: each is torchrun gangs (and, for
+bench_flow, evaluation processes and a flow) costing over 40 s on a 2-core host.
+
+The GPU benchmark cannot run in CI (no GPU), so its smoke run does: every part of
 benchmarks/bench_gpu.py (explore, ours against the bare loop, the kernel profile, the
 checkpoint stall) at a tiny size on the CPU, so a lent GPU's minutes are not spent finding a
-broken benchmark. Its figures mean nothing; what it leaves behind is checked."""
+broken benchmark."""
 
 import glob
+import logging
+import math
 import os
+import re
+
+import pytest
 
 from tests.conftest import prepare_shards
+
+
+@pytest.fixture
+def bench_process_state():
+    """A benchmark's main() run in the test's process may set what a process of its own would:
+    environment variables (STOKER_CACHE, STOKER_CPU_THREADS, AWS keys), torch's thread count,
+    Prefect's log level. All of it is put back afterwards, for the tests after it. (A session
+    fixture a test names, s3_server's AWS keys say, is set up before this one: kept.)"""
+    import torch
+
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    prefect_level = logging.getLogger("prefect").level
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(threads)
+        logging.getLogger("prefect").setLevel(prefect_level)
+
+
+def _figures(pattern: str, out: str) -> list[float]:
+    """Every number `pattern`'s group 1 matches in `out`, asserted found and finite."""
+    found = [float(x) for x in re.findall(pattern, out)]
+    assert found and all(math.isfinite(x) for x in found), (pattern, out)
+    return found
 
 
 def test_bench_gpu_runs_every_part_in_a_cpu_smoke_run(tiny_config, capsys):
@@ -110,10 +147,143 @@ def test_bench_data_smoke_run_counts_the_same_tokens_three_ways(capsys):
     assert "tokenize+shard tok/CPU-s / raw encode_batch_fast" in out and "all hits: True" in out
 
 
+def test_bench_ledger_smoke_run_accounts_a_restart_and_prints_its_ratio(bench_process_state, capsys):
+    """benchmarks/bench_ledger.py on a synthetic run of 2,000 steps: killed at step 1,700 (60%
+    + 500), resumed from its commit of step 1,000, so the ledger counts 700 steps lost."""
+    from benchmarks import bench_ledger
+
+    bench_ledger.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert "ledger of 2000 steps" in out and "700 steps lost" in out, out
+    (goodput,) = _figures(r"goodput ([\d.]+)", out)
+    assert 0 < goodput < 1, out
+    assert _figures(r"RATIO ledger / training = ([\d.e+-]+)", out)[0] > 0
+
+
+def test_bench_memory_smoke_run_measures_every_variant_against_none(bench_process_state, capsys):
+    """benchmarks/bench_memory.py at its smallest shape (one head: width 64): every variant's
+    memory and time ratios to 'none', 'none' itself at 1.00."""
+    from benchmarks import bench_memory
+
+    bench_memory.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert "1 layers x 64, block 32, batch 2, vocab 256, chunk 16, on cpu" in out, out
+    for variant in bench_memory.VARIANTS:
+        line = next(line for line in out.splitlines() if line.strip().startswith(f"{variant}:"))
+        assert line.count("RATIO") == 3 and _figures(r"activations +([\d.]+) MiB", line)[0] > 0, line
+    none = next(line for line in out.splitlines() if line.strip().startswith("none:"))
+    assert _figures(r"RATIO[a-z ]* ([\d.]+)", none) == [1.0, 1.0, 1.0], none
+
+
+def test_bench_plan_smoke_run_compares_the_plan_with_the_memory_tracker(bench_process_state, capsys):
+    """benchmarks/bench_plan.py on CPU: the tiny GPT-2 and Llama against MemTracker, each
+    within the plan's stated error, and the worst ratio printed."""
+    from benchmarks import bench_plan
+
+    assert bench_plan.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    errors = _figures(r"\(([-+][\d.]+)%\)", out)
+    assert len(errors) == 2 and all(abs(e) <= 10 for e in errors), out
+    (worst,) = _figures(r"RATIO plan/measured, worst of 2: ([\d.]+)", out)
+    assert 0.9 <= worst <= 1.1, out
+
+
+def test_bench_eval_sets_smoke_run_times_every_set_against_the_loss(bench_process_state, capsys):
+    """benchmarks/bench_eval_sets.py on 2 multiple-choice items and 8 windows, one round."""
+    from benchmarks import bench_eval_sets
+
+    bench_eval_sets.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert "tiny-cpu model, 8 windows, 2 multiple-choice items, 1 rounds" in out, out
+    for name in ("loss", "loss+bpb", "mc"):
+        assert re.search(rf"^  {re.escape(name)} +[\d.]+ s +x[\d.]+ of 'loss'$", out, re.M), (name, out)
+    assert _figures(r"  loss +[\d.]+ s +x([\d.]+) of 'loss'", out) == [1.0]
+
+
+def test_bench_workers_smoke_run_tokenizes_both_ways_and_prints_its_ratio(bench_process_state, capsys):
+    """benchmarks/bench_workers.py on a 300 KB corpus: one build in-process, one in processes."""
+    from benchmarks import bench_workers
+
+    bench_workers.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert _figures(r"(\d+) tokens on \d+ cores", out)[0] > 0
+    assert _figures(r"RATIO \d+ processes / 1 worker wall time = ([\d.]+)", out)[0] > 0
+
+
+def test_bench_checkpoint_smoke_run_saves_both_ways_and_prints_both_ratios(s3_server, bench_process_state, capsys):
+    """benchmarks/bench_checkpoint.py with a one-layer model on the session's S3 endpoint: one
+    checkpoint async and one sync, then the writer against a plain put."""
+    from benchmarks import bench_checkpoint
+
+    affinity = os.sched_getaffinity(0)
+    bench_checkpoint.main(["--smoke", "--endpoint", s3_server.url])
+    out = capsys.readouterr().out
+    assert os.sched_getaffinity(0) == affinity  # the smoke run pins no core of the test's process
+    assert "for 4 steps" in out and "(1 checkpoints each)" in out, out
+    assert _figures(r"time lost per checkpoint: async [\d.]+s, sync ([\d.]+)s", out)[0] > 0  # a sync save waits
+    assert _figures(r"RATIO async/sync time lost per checkpoint = ([\d.]+)", out)[0] >= 0
+    assert _figures(r"writer \(stage\+checksum\+upload\+commit\) ([\d.]+)s", out)[0] > 0
+    assert _figures(r"RATIO writer/plain upload throughput = ([\d.]+)", out)[0] > 0
+
+
+def test_bench_events_smoke_run_on_the_session_server_prints_every_ratio(prefect_server, bench_process_state, capsys):
+    """benchmarks/bench_events.py on the session's Prefect server: one timed step, five events
+    of each kind sent and counted, a ratio for each heartbeat interval."""
+    from prefect.events.worker import EventsWorker
+
+    from benchmarks import bench_events
+
+    try:
+        bench_events.main(["--smoke", "--on-current-server"])
+    finally:
+        EventsWorker.drain_all(timeout=30)  # one per process: sent, and none left for the tests after
+    out = capsys.readouterr().out
+    found = re.search(
+        r"tiny-cpu step ([\d.]+) ms CPU; sink call (\d+) ns; one heartbeat (\d+) us CPU; "
+        r"one checkpoint event (\d+) us CPU",
+        out,
+    )
+    assert found, out
+    step, sink, beat, ckpt = (float(x) for x in found.groups())
+    assert step > 0 and sink > 0 and beat > 0 and ckpt > 0, out
+    ratios = _figures(r"RATIO event cost / step time, [^:]+: ([\d.]+)%", out)
+    assert len(ratios) == 3 and ratios[0] <= ratios[1] <= ratios[2], out
+
+
+def test_bench_load_smoke_run_reads_half_the_base_on_each_rank(bench_process_state, capsys):
+    """benchmarks/bench_load.py on a tiny Llama-shaped base, two gloo ranks: each rank reads its
+    half of the base, every figure and the time ratio are printed."""
+    from benchmarks import bench_load
+
+    bench_load.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert _figures(r"each rank read ([\d.]+), [\d.]+ of it", out) + _figures(
+        r"each rank read [\d.]+, ([\d.]+) of it", out
+    ) == [0.5, 0.5], out
+    assert _figures(r"fixed overhead of a rank .*: (\d+) MB", out)[0] > 0
+    assert _figures(r"peak RSS above it / model bytes: ([\d.]+)", out)[0] > 0
+    assert _figures(r"sharded load [\d.]+ s / plain read [\d.]+ s = ([\d.]+)", out)[0] > 0
+
+
+def test_bench_ray_data_smoke_run_on_the_session_cluster_builds_the_same_shards(
+    ray_cluster, bench_process_state, capsys
+):
+    """benchmarks/bench_ray_data.py at a tiny size, both Ray columns on the session's two-node
+    cluster: the local and the Ray builds make the same shard files (asserted inside), and
+    both ratio lines are printed."""
+    from benchmarks import bench_ray_data
+
+    bench_ray_data.main(["--smoke", "--store", "file"], cluster=ray_cluster.cluster)
+    out = capsys.readouterr().out
+    assert "identical shard files in all 3 builds" in out, out
+    assert _figures(r"tokens/CPU-s, ray engine \(2 nodes, whole cluster\) / local engine +([\d.]+)", out)[0] > 0
+    assert _figures(r"ray engine wall time, 1 node / 2 nodes \(1 CPU each\) +([\d.]+)", out)[0] > 0
+
+
 def test_every_benchmark_imports_and_has_a_main():
     """The cheapest guard against a benchmark that rotted unseen (a module it imports moved, a
     name it uses renamed): every benchmarks/bench_*.py imports and has its main. The smoke runs
-    above run some of them end to end; the rest (S3, Prefect, netns and Ray runs) are heavy."""
+    above run all but three of them end to end (see the module's docstring)."""
     import importlib
 
     from tests.conftest import ROOT
