@@ -240,6 +240,11 @@ class PipelineResult(BaseModel):
     tokens_per_second: float | None = Field(None, description="median over the log steps after the first")
     mfu: float | None = Field(None, description="median model FLOPs utilization (0-1) after the first log step")
     peak_memory_gb: float | None = Field(None, description="peak GPU memory of rank 0")
+    plan: dict | None = Field(
+        None,
+        description="the run's plan (core.plan): memory per device by part, tokens, FLOPs, step and wall time, cost",
+    )
+    micro_batch_size: int | None = Field(None, description="train.micro_batch_size 'auto': the value the ranks chose")
     sources: list[dict] = Field(
         default_factory=list,
         description="a mixture: per source, its name, shard set, tokens and epochs trained on, and its "

@@ -310,6 +310,37 @@ Two validation losses, measured differently:
 {mix}{ledger_markdown(ledger, deployment_total)}"""
 
 
+def run_plan(config, chosen_micro_batch: int | None = None):
+    """The run's plan (core.plan) on its devices, at the micro-batch the ranks chose for
+    'auto' when they said; None where no plan can be made (a device stoker does not know)."""
+    from stoker.core import plan as plans
+
+    try:
+        hardware = plans.hardware_of(config)
+    except ValueError:
+        return None
+    micro = config.train.micro_batch_size
+    if micro == "auto":
+        micro = chosen_micro_batch or plans.auto_micro_batch(config, hardware)
+    return plans.plan(config, hardware, micro_batch=micro)
+
+
+def plan_markdown(plan) -> str:
+    """The report's section with the run's plan: memory per device, time and cost."""
+    if plan is None:
+        return ""
+    rows = "\n".join(f"| {what} | {value} |" for what, value in plan.rows())
+    return f"""
+## The plan
+What this run was planned to need per device before it started (`stoker plan`; the memory is
+an estimate, see docs/gpu-engine.md):
+
+| | |
+|---|---|
+{rows}
+"""
+
+
 def _money(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 

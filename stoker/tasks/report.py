@@ -29,10 +29,12 @@ from stoker.observe.report import (
     mix_markdown,
     mix_png,
     mixture_plan,
+    plan_markdown,
     report_markdown,
     rounded,
     rounded_sources,
     run_history,
+    run_plan,
     slug,
     source_rows,
     throughput_summary,
@@ -118,6 +120,10 @@ def report(
             key=artifact_key(run, "sources"),
             description=f"the data mixture of {run}: per source, what it trained on and its validation losses",
         )
+    planned = run_plan(config, training.micro_batch_size)
+    result.plan = planned.to_dict() if planned is not None else None
+    result.micro_batch_size = training.micro_batch_size
+    mix += plan_markdown(planned)
     ledger, deployment_total = flow_run_ledger(config, store, started, evaluation)
     result.ledger = ledger
     nothing_trained = training.final_step == resume.step

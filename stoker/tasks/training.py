@@ -18,7 +18,7 @@ from stoker.launch import make_launcher
 from stoker.launch.attempts import launch_attempt
 from stoker.launch.evaluate import kill_running_evaluations
 from stoker.launch.monitor import TrainingMonitor
-from stoker.observe.report import mixture_plan, rounded
+from stoker.observe.report import mixture_plan, rounded, run_plan
 from stoker.observe.sinks import open_sinks
 from stoker.orchestration.credentials import use_store_credentials
 from stoker.orchestration.prefect_events import open_launch_events
@@ -84,6 +84,11 @@ def write_run_config(config: RunConfig, shards: DataShards) -> str:
         if problem:
             raise ConfigError([problem])
     url = pin_run_folder(store, config, shards)
+    planned = run_plan(config)
+    if planned is not None:  # what the run will need, logged before it spends anything
+        logger = get_run_logger()
+        for what, value in planned.rows():
+            logger.info("plan: %s: %s", what, value)
     if shards.is_mixture:
         logger = get_run_logger()
         for line in mixture_plan(config, shards, store):

@@ -49,9 +49,15 @@ def test_pipeline_trains_resumes_and_hits_the_data_cache(prefect_server, tmp_pat
     assert store.exists("runs/e2e/config.json") and store.exists("runs/e2e/tokenizer.json")
 
     # the same run, asked for more steps: resumes from step 8, and the data step is a cache hit
-    longer = load_config(tiny_dict(root, run_name="e2e", train={"max_steps": 12}))
+    # (with train.micro_batch_size 'auto': not part of the run's identity)
+    longer = load_config(tiny_dict(root, run_name="e2e", train={"max_steps": 12, "micro_batch_size": "auto"}))
     second = train_pipeline(longer)
     assert (second.resumed_from_step, second.final_step) == (8, 12)
+    # the plan reaches the result (and the report), at the micro-batch the ranks chose
+    share = longer.train.global_batch_size // longer.launch.world_size
+    assert first.plan["fits"] and first.plan["micro_batch"] == cfg.train.micro_batch_size
+    assert second.micro_batch_size and share % second.micro_batch_size == 0
+    assert second.plan["micro_batch"] == second.micro_batch_size and second.plan["total_gib"] > 0
     assert second.data_cache_hit and second.shard_cache_key == first.shard_cache_key
     records = [json.loads(line) for line in store.read_bytes("runs/e2e/metrics.jsonl").splitlines()]
     resumed_at = [i for i, r in enumerate(records) if r["event"] == "resumed"]
