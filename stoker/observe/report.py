@@ -315,6 +315,8 @@ def run_plan(config, chosen_micro_batch: int | None = None):
     'auto' when they said; None where no plan can be made (a device stoker does not know)."""
     from stoker.core import plan as plans
 
+    if getattr(config.model, "init_from", None) and config.model.unresolved():
+        return None  # the base's shape not read in here
     try:
         hardware = plans.hardware_of(config)
     except ValueError:

@@ -31,6 +31,7 @@ from typing import Callable
 from prefect.locking.protocol import LockManager
 
 from stoker.core import lifeline
+from stoker.orchestration.run_logger import run_logger
 from stoker.storage.lease import Renewal, claim, encode, holder_gone, read_record
 from stoker.storage.store import Store, join
 
@@ -202,13 +203,4 @@ class StoreLockManager(LockManager):
 
 
 def _logger():
-    """The task run's logger (its lines show in the UI), else this module's."""
-    import logging
-
-    from prefect.exceptions import MissingContextError
-    from prefect.logging import get_run_logger
-
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return logging.getLogger("stoker.result_cache")
+    return run_logger("stoker.result_cache")

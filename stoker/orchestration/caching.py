@@ -50,6 +50,7 @@ from pydantic import BaseModel, Field
 
 from stoker.core.results import DatasetInfo, EvalResult, ShardInfo, TokenizerInfo
 from stoker.orchestration.cache_lock import StoreLockManager
+from stoker.orchestration.run_logger import run_logger
 from stoker.storage.store import Store, join
 
 RESULTS_DIR = "prefect-results"
@@ -95,14 +96,7 @@ def task_store(storage_parameter: str) -> Store:
 
 
 def _logger():
-    """The task run's logger (its lines show in the UI), else this module's."""
-    from prefect.exceptions import MissingContextError
-    from prefect.logging import get_run_logger
-
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return log
+    return run_logger(log.name)
 
 
 def record_key(task_name: str, key: str) -> str:

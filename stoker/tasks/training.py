@@ -23,6 +23,7 @@ from stoker.observe.sinks import open_sinks
 from stoker.orchestration.credentials import use_store_credentials
 from stoker.orchestration.prefect_events import open_launch_events
 from stoker.orchestration.publish import FLUSH_SECONDS, BestEffortPublisher, create_artifact, update_artifact
+from stoker.orchestration.run_logger import run_logger
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.layout import TOKENIZER_FILE
 from stoker.storage.runs import pin_run_folder
@@ -86,7 +87,7 @@ def write_run_config(config: RunConfig, shards: DataShards) -> str:
     url = pin_run_folder(store, config, shards)
     planned = run_plan(config)
     if planned is not None:  # what the run will need, logged before it spends anything
-        logger = get_run_logger()
+        logger = run_logger()
         for what, value in planned.rows():
             logger.info("plan: %s: %s", what, value)
     if shards.is_mixture:
