@@ -553,6 +553,28 @@ def gang_members(gang_id: str) -> list[int]:
     return out
 
 
+def task_states(flow_state, expect, seconds: float = 60) -> dict[str, str]:
+    """{task run name: state name} of the flow run behind a flow's returned state, once every
+    name in `expect` is there with a final state. A task run's creation and its states reach
+    the server's database as events, a little after the flow returns, so a read made at once
+    can miss a run or see it without a state. Names: 'tokenize_and_shard[web]' for a mapped
+    task, else the task's name without Prefect's suffix ('train_tokenizer')."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    flow_run_id = flow_state.state_details.flow_run_id
+
+    def read():
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        if any(r.state is None or not r.state.is_final() for r in runs):
+            return None
+        states = {(r.name if "[" in r.name else r.name.rsplit("-", 1)[0]): r.state.name for r in runs}
+        return states if set(expect) <= set(states) else None
+
+    return wait_for(f"the task runs {sorted(expect)} in final states", read, seconds)
+
+
 def wait_for_flow_run(client, flow_run_id, what: str, logs=(), seconds: float = 420):
     """Poll the flow run through `client` (a sync Prefect client) until its state is final;
     the flow run. Fails as wait_for does, with the tails of `logs`."""

@@ -16,20 +16,9 @@ import s3fs
 from stoker.core.config import load_config
 from stoker.storage.shards import validate_shard_set
 from stoker.storage.store import Store
-from tests.conftest import ROOT, tiny_dict
+from tests.conftest import ROOT, task_states, tiny_dict
 
 pytestmark = pytest.mark.e2e
-
-
-def _task_states(flow_state) -> dict[str, str]:
-    """{task run name: state name} of a flow's returned state ('tokenize_and_shard[web]')."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    flow_run_id = flow_state.state_details.flow_run_id
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {(r.name if "[" in r.name else r.name.rsplit("-", 1)[0]): r.state.name for r in runs}
 
 
 def _web_corpus(s3_root) -> tuple[str, dict]:
@@ -78,7 +67,8 @@ def test_a_mixture_flows_through_heals_a_damaged_set_and_grows_a_source(prefect_
         "tokenize_and_shard[docs]",
         "tokenize_and_shard[web]",
     ]
-    assert _task_states(first) == {**dict.fromkeys(per_source, "Completed"), "train_tokenizer": "Completed"}
+    expect = [*per_source, "train_tokenizer"]
+    assert task_states(first, expect) == {**dict.fromkeys(per_source, "Completed"), "train_tokenizer": "Completed"}
     shards = {s.name: s for s in first.result().sets}
 
     # a byte flipped in the store's copy of the web source's shards: only the ranks read it
@@ -133,7 +123,7 @@ def test_a_mixture_flows_through_heals_a_damaged_set_and_grows_a_source(prefect_
         }
     )
     again = prepare_data(grown, cfg.tokenizer, cfg.storage, run="mixed", return_state=True)
-    states = _task_states(again)
+    states = task_states(again, [*per_source, "download_dataset[stdlib]", "tokenize_and_shard[stdlib]"])
     assert {k: states[k] for k in per_source} == dict.fromkeys(per_source, "Cached")
     assert states["download_dataset[stdlib]"] == states["tokenize_and_shard[stdlib]"] == "Completed"
     assert {s.name: s.cache_key for s in again.result().sets if s.name != "stdlib"} == {

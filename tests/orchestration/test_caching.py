@@ -8,7 +8,7 @@ import pytest
 from stoker.core.config import load_config
 from stoker.core.results import EvalResult, ShardInfo
 from stoker.storage.store import Store
-from tests.conftest import prepare_shards, tiny_dict
+from tests.conftest import prepare_shards, task_states, tiny_dict
 
 
 # ---- the parts, without Prefect --------------------------------------------------------
@@ -57,17 +57,6 @@ def test_content_keys_are_the_stores_and_a_record_counts_only_with_its_output(ti
 
 
 # ---- through Prefect -------------------------------------------------------------------
-def _task_states(flow_state) -> dict[str, str]:
-    """{task name: state name} of the flow run behind a flow's returned state."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    flow_run_id = flow_state.state_details.flow_run_id
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {r.name.rsplit("-", 1)[0]: r.state.name for r in runs}
-
-
 DATA_TASKS = ["download_dataset", "train_tokenizer", "tokenize_and_shard"]
 
 
@@ -81,13 +70,13 @@ def test_data_tasks_show_cached_only_while_the_s3_store_holds_their_output(prefe
 
     first = prepare_data(*args, return_state=True)
     assert not first.result().cache_hit
-    assert _task_states(first) == dict.fromkeys(DATA_TASKS, "Completed")
+    assert task_states(first, DATA_TASKS) == dict.fromkeys(DATA_TASKS, "Completed")
     store = Store(root, options)
     records = store.walk_files("prefect-results")  # the records live in the store itself
     assert sorted(name.split("/")[0] for name in records) == sorted(DATA_TASKS)
 
     second = prepare_data(*args, return_state=True)
-    assert _task_states(second) == dict.fromkeys(DATA_TASKS, "Cached")
+    assert task_states(second, DATA_TASKS) == dict.fromkeys(DATA_TASKS, "Cached")
     shards = second.result()
     assert shards.cache_hit and shards.cache_key == first.result().cache_key
 
@@ -95,13 +84,13 @@ def test_data_tasks_show_cached_only_while_the_s3_store_holds_their_output(prefe
     [record] = [name for name in records if name.startswith("tokenize_and_shard/")]
     store.write_bytes(f"prefect-results/{record}", b"{not json")
     unreadable = prepare_data(*args, return_state=True)
-    assert _task_states(unreadable)["tokenize_and_shard"] == "Completed" and unreadable.result().cache_hit
+    assert task_states(unreadable, DATA_TASKS)["tokenize_and_shard"] == "Completed" and unreadable.result().cache_hit
     assert store.read_bytes(f"prefect-results/{record}") != b"{not json"  # recorded anew
 
     for folder in ("datasets", "tokenizers", "shards"):  # the data deleted; the records stay
         store.rm(folder)
     third = prepare_data(*args, return_state=True)
-    assert _task_states(third) == dict.fromkeys(DATA_TASKS, "Completed")  # built again, not masked
+    assert task_states(third, DATA_TASKS) == dict.fromkeys(DATA_TASKS, "Completed")  # built again, not masked
     assert not third.result().cache_hit
     assert store.exists(f"{third.result().key}/manifest.json")
 
@@ -164,9 +153,12 @@ def test_a_checkpoint_is_evaluated_once_even_by_two_evaluations_at_once_and_a_re
 
     with ThreadPoolExecutor(2) as pool:
         both = list(pool.map(trigger, range(2)))
-    assert sorted(_task_states(s)["evaluate_checkpoint"] for s in both) == ["Cached", "Completed"]
+    assert sorted(task_states(s, ["evaluate_checkpoint"])["evaluate_checkpoint"] for s in both) == [
+        "Cached",
+        "Completed",
+    ]
     assert processes == [key]  # one evaluation process
-    first = next(s for s in both if _task_states(s)["evaluate_checkpoint"] == "Completed")
+    first = next(s for s in both if task_states(s, ["evaluate_checkpoint"])["evaluate_checkpoint"] == "Completed")
     assert both[0].result() == both[1].result()
     locks = "prefect-results/.locks"
     assert not store.exists(locks) or not store.walk_files(locks)  # the lock released
@@ -174,7 +166,7 @@ def test_a_checkpoint_is_evaluated_once_even_by_two_evaluations_at_once_and_a_re
     # a pin its first evaluation failed to remove is not left behind by the hit
     pin_for_evaluation(store, key)
     second = evaluate_checkpoint_flow(store.url(key), return_state=True)
-    assert _task_states(second)["evaluate_checkpoint"] == "Cached" and processes == [key]
+    assert task_states(second, ["evaluate_checkpoint"])["evaluate_checkpoint"] == "Cached" and processes == [key]
     assert second.result() == first.result() and isinstance(second.result(), EvalResult)
     assert not store.exists(f"{key}/{EVAL_PIN}")
     assert store.walk_files("prefect-results/evaluate_checkpoint")
@@ -183,4 +175,4 @@ def test_a_checkpoint_is_evaluated_once_even_by_two_evaluations_at_once_and_a_re
     manifest = store.read_json(f"{key}/{COMMIT_FILE}")
     store.write_json(f"{key}/{COMMIT_FILE}", {**manifest, "committed_at": manifest["committed_at"] + 1})
     third = evaluate_checkpoint_flow(store.url(key), return_state=True)
-    assert _task_states(third)["evaluate_checkpoint"] == "Completed" and processes == [key, key]
+    assert task_states(third, ["evaluate_checkpoint"])["evaluate_checkpoint"] == "Completed" and processes == [key, key]
