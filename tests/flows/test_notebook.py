@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("quickstart-notebook")]
 
@@ -93,11 +93,14 @@ def test_the_notebooks_settings_evaluate_every_checkpoint_without_a_failure(note
     run = config.resolved_run_name()
     with get_client(sync_client=True) as client:
         [flow_run] = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"run:{run}"])))
-        evaluations = [
-            t
-            for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run.id]}))
-            if t.name.startswith("evaluate_checkpoint")
-        ]
+
+        def evaluations():  # task runs and their states reach the database as events, a little later
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run.id]}))
+            found = [t for t in runs if t.name.startswith("evaluate_checkpoint")]
+            done = len(found) >= len(steps) and all(t.state is not None and t.state.is_final() for t in found)
+            return found if done else None
+
+        evaluations = wait_for("the evaluations' task runs in final states", evaluations, 60)
     assert len(evaluations) == len(steps)
     assert all(t.state.is_completed() and t.run_count == 1 for t in evaluations), [
         (t.name, t.state.name, t.state.message, t.run_count) for t in evaluations
