@@ -58,6 +58,21 @@ def problems(config: RunConfig, load_credentials: LoadCredentials | None = None)
     without it a named block is not loaded and the store is not probed (its keys are the
     block's), which the flow's first task then does.
     """
+    return _checked(config, load_credentials)[0]
+
+
+def check(config: RunConfig, load_credentials: LoadCredentials | None = None) -> RunConfig:
+    """`config` when ``problems`` finds none (with its base read in: ``resolve_base``), else
+    one ConfigError listing them all."""
+    found, resolved = _checked(config, load_credentials)
+    if found:
+        raise ConfigError(found)
+    return resolved
+
+
+def _checked(config: RunConfig, load_credentials: LoadCredentials | None) -> tuple[list[str], RunConfig]:
+    """(every problem, `config` with its base read in): a base's files are read once, for its
+    own checks, the plan's shape and the config returned."""
     try:
         config.check()
         found = []
@@ -71,30 +86,21 @@ def problems(config: RunConfig, load_credentials: LoadCredentials | None = None)
         found += _store_problems(config.storage, unreachable)
     if _valid(config.metrics) and not missing_sink_packages(config.metrics):
         found += _unreachable_as(lambda: sink_problems(config), unreachable)
+    resolved = config
     if getattr(config.model, "init_from", None) and not found:  # the base's files, read once the rest holds
-        found += _unreachable_as(lambda: _base_problems(config), unreachable)
+        try:
+            resolved = resolve_base(config)
+        except ConfigError as err:
+            found += list(err.problems)
+        except Exception as err:
+            if not is_transient(err):
+                raise
+            unreachable.append(err)
     if not found and not unreachable:  # the memory plan, on the model's shape (a base's, read in)
-        found += _unreachable_as(lambda: plan_problems(config), unreachable)
+        found += _unreachable_as(lambda: plan_problems(resolved), unreachable)
     if unreachable and not found:
         raise unreachable[0]  # transient: a retry may find it back
-    return found
-
-
-def check(config: RunConfig, load_credentials: LoadCredentials | None = None) -> RunConfig:
-    """`config` when ``problems`` finds none (with its base read in: ``resolve_base``), else
-    one ConfigError listing them all."""
-    found = problems(config, load_credentials)
-    if found:
-        raise ConfigError(found)
-    return resolve_base(config)
-
-
-def _base_problems(config: RunConfig) -> list[str]:
-    try:
-        resolve_base(config)
-    except ConfigError as err:
-        return list(err.problems)
-    return []
+    return found, resolved
 
 
 def shaped(config: RunConfig) -> RunConfig:

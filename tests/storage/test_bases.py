@@ -181,3 +181,13 @@ def test_a_base_in_object_storage_is_fetched_to_the_host_cache_and_checked(s3_ro
     with pytest.raises(ConfigError) as err:
         materialize_base(url, cfg.model.base_sha256, store, str(tmp_path / "other-cache"), options)
     assert "changed since this run pinned it" in err.value.problems[0]
+
+
+def test_the_preflight_reads_a_base_once_for_its_checks_the_plan_and_the_config_it_returns(tmp_path, base, monkeypatch):
+    from stoker import preflight
+
+    calls = []
+    real = preflight.resolve_base
+    monkeypatch.setattr(preflight, "resolve_base", lambda config: calls.append(config) or real(config))
+    cfg = preflight.check(_cfg(tmp_path, base))
+    assert cfg.model.n_layer == 2 and len(cfg.model.base_sha256) == 64 and len(calls) == 1
