@@ -11,6 +11,10 @@ without). Everything else (torch, Prefect) is imported as installed on both side
 ratio compiled / from source (< 1: the bytecode saves CPU), and what `import torch` alone
 costs, for scale (--reference).
 
+And what the same process costs to end: `import MODULE` then Python's own exit, against
+`import MODULE` then `stoker.core.quick_exit` (no teardown of the modules), alternated on the
+compiled side; prints the ratio quick / normal of the whole process's CPU-s.
+
     python -m benchmarks.bench_startup [--module stoker.training.train] [--reps 5]
 """
 
@@ -27,11 +31,15 @@ import tempfile
 
 import stoker
 
+QUICK = "\nfrom stoker.core.quick_exit import quick_exit\nquick_exit(0)"
 
-def cpu_seconds(module: str, env: dict, cwd: str) -> float:
+
+def cpu_seconds(module: str, env: dict, cwd: str, then: str = "") -> float:
     """User + system CPU seconds of a fresh `python -c "import MODULE"` (its own rusage), run
-    in `cwd` (`-c` puts the working folder first on sys.path: not a checkout's)."""
-    proc = subprocess.Popen([sys.executable, "-c", f"import {module}"], env=env, cwd=cwd, stdout=subprocess.DEVNULL)
+    in `cwd` (`-c` puts the working folder first on sys.path: not a checkout's); `then`: code
+    run after the import (QUICK: end it with quick_exit)."""
+    code = f"import {module}{then}"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=cwd, stdout=subprocess.DEVNULL)
     _pid, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
@@ -86,6 +94,17 @@ def main(argv: list[str] | None = None) -> None:
             f"({scale}medians of {args.reps})"
         )
         print(f"  RATIO compiled / from source CPU-s = {compiled / source:.2f}")
+
+        ends: dict[str, list[float]] = {"normal": [], "quick": []}
+        for _ in range(args.reps):
+            ends["normal"].append(cpu_seconds(args.module, sides["compiled"], work))
+            ends["quick"].append(cpu_seconds(args.module, sides["compiled"], work, QUICK))
+        normal, quick = statistics.median(ends["normal"]), statistics.median(ends["quick"])
+        print(
+            f"  import {args.module}, then its exit: {normal:.2f} CPU-s with Python's own, {quick:.2f} with "
+            f"quick_exit (medians of {args.reps})"
+        )
+        print(f"  RATIO quick_exit / normal exit CPU-s = {quick / normal:.2f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -13,13 +13,13 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 
 from stoker.core import events
 from stoker.core.config import load_config
+from stoker.launch.torchrun import AGENT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "gpt2-124m-1gpu"
@@ -65,9 +65,7 @@ def run_config(
 def _launch(config_url: str, shard_key: str, cache_dir: str, timeout: float) -> tuple[list, float | None, str]:
     """torchrun one rank; (events, seconds to the first finished step, the output's tail)."""
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
+        *AGENT,
         "--standalone",
         "--nnodes=1",
         "--nproc-per-node=1",

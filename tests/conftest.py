@@ -773,13 +773,12 @@ def run_ranks(
 ) -> list[dict]:
     """torchrun `nproc` ranks of training.train on this host; assert they succeed and return
     their events (decoded metric lines)."""
+    from stoker.launch.torchrun import AGENT
     from stoker.launch.torchrun import free_port as rdzv_port
     from tests.forked_ranks import train_argv  # the ranks' arguments, as the forked runner gives them
 
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
+        *AGENT,
         "--nnodes=1",
         f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d",

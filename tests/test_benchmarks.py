@@ -118,13 +118,15 @@ def test_bench_data_hit_smoke_run_reads_only_manifests_on_a_hit(capsys):
 
 def test_bench_startup_compares_the_same_copy_of_stoker_with_and_without_bytecode(capsys):
     """A smoke run on a small module: both sides import the benchmark's copy (asserted inside),
-    and the ratio line is printed; its figure means nothing at this size."""
+    and the ratio lines (bytecode, quick_exit) are printed; their figures mean nothing at this
+    size."""
     from benchmarks import bench_startup
 
     bench_startup.main(["--module", "stoker.core.failures", "--reps", "1", "--reference", ""])
     out = capsys.readouterr().out
     assert "import stoker.core.failures:" in out and "compiled (medians of 1)" in out
     assert "RATIO compiled / from source CPU-s = " in out
+    assert "then its exit:" in out and "RATIO quick_exit / normal exit CPU-s = " in out
 
 
 def test_bench_mixture_smoke_run_prints_its_ratio(capsys):

@@ -36,6 +36,10 @@ from stoker.launch.gang import GangLauncher, ProcessGang, make_work_dir
 
 CPU_THREADS_ENV = "STOKER_CPU_THREADS"  # a CPU rank's torch threads (training.distributed.setup_distributed)
 
+# torchrun's agent, ended without the interpreter's teardown of torch (core.quick_exit: about a
+# CPU-second a node and round)
+AGENT = (sys.executable, "-m", "stoker.core.quick_exit", "torch.distributed.run")
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -97,9 +101,7 @@ def torchrun_commands(
     cmds = []
     for node, spec in enumerate(specs):
         cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
+            *AGENT,
             f"--nnodes={lc.num_nodes}",
             f"--nproc-per-node={lc.nproc_per_node}",
             f"--node-rank={node}",

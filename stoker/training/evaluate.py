@@ -22,6 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from stoker.core import events
 from stoker.core.config.sections import DEFAULT_SOURCE_NAME
+from stoker.core.quick_exit import quick_exit
 from stoker.core.results import parse_shards_arg
 from stoker.storage.checkpoints import COMMIT_FILE, rehydrate
 from stoker.storage.shards import TOKENIZER_FILE, materialize, shard_set_name
@@ -183,3 +184,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    quick_exit(0)

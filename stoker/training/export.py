@@ -23,13 +23,13 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import uuid
 
 import torch
 
 from stoker.core import events
 from stoker.core.failures import ExportError
+from stoker.core.quick_exit import quick_exit
 from stoker.storage.checkpoints import rehydrate
 from stoker.storage.layout import BASE_DIR, TOKENIZER_FILE, run_file_key
 from stoker.storage.runs import export_source
@@ -207,4 +207,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    quick_exit(main())

@@ -26,13 +26,13 @@ import json
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 from stoker.core import events
 from stoker.core.failures import ConfigError
 from stoker.core.harness import OFFLINE_ENV, harness_problems, include_paths
+from stoker.core.quick_exit import quick_exit
 
 os.environ.update(OFFLINE_ENV)  # before datasets, transformers or lm_eval read them
 
@@ -284,4 +284,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    quick_exit(main())

@@ -35,6 +35,7 @@ import time
 import uuid
 
 from stoker.core import events
+from stoker.core.quick_exit import quick_exit
 
 # the rank code (torch) is imported where it runs, in the workers and the driver: the relay
 # actor's process imports this module for the Relay class alone, and would import torch for
@@ -399,4 +400,4 @@ if __name__ == "__main__":
     # module is importable on every node), not by value as it would from __main__
     from stoker.training import ray_main
 
-    sys.exit(ray_main.drive(ray_main.parse_args()))
+    quick_exit(ray_main.drive(ray_main.parse_args()))

@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from stoker.core import events, lifeline
 from stoker.core.config import RunConfig
 from stoker.core.failures import RankAborted, is_transient
+from stoker.core.quick_exit import quick_exit
 from stoker.core.results import parse_shards_arg
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.runs import read_config
@@ -238,3 +239,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    quick_exit(0)  # a failure raised above takes Python's own exit (the error file is written)

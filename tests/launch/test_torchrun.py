@@ -13,7 +13,7 @@ from stoker.core.config import load_config
 from stoker.launch import make_launcher
 from stoker.launch.base import GangResult, classify_end
 from stoker.launch.gang import kill_gang, run_gang
-from stoker.launch.torchrun import NodeSpec, TorchrunLauncher, read_error_files
+from stoker.launch.torchrun import AGENT, NodeSpec, TorchrunLauncher, read_error_files
 from tests.conftest import prepare_shards, tiny_dict, wait_for_none
 
 TRAIN = events.Train(step=1, loss=2.5, lr=1e-3, step_seconds=0.1, tokens_seen=64, time=1.0)
@@ -121,11 +121,7 @@ def test_node_specs_place_each_agent_and_say_which_node_hosts_the_rendezvous(tin
     launcher = TorchrunLauncher(cfg, "file:///s/runs/r/config.json", "shards/k", None, nodes=specs, rdzv_port=29500)
     try:
         first, second = launcher.cmds
-        assert first[:4] == ["ip", "netns", "exec", "n0"] and first[4:7] == [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-        ]
+        assert first[:4] == ["ip", "netns", "exec", "n0"] and tuple(first[4:8]) == AGENT
         for cmd, addr, host in ((first, "198.51.100.10", "true"), (second, "198.51.100.11", "false")):
             assert "--rdzv-endpoint=198.51.100.10:29500" in cmd
             assert f"--local-addr={addr}" in cmd and f"--rdzv-conf=is_host={host}" in cmd
@@ -160,7 +156,7 @@ def test_launch_nodes_in_the_config_place_each_agent_through_make_launcher(tiny_
     try:
         assert isinstance(launcher, TorchrunLauncher)
         for i, cmd in enumerate(launcher.cmds):
-            assert cmd[:4] == nodes[i]["prefix"] and cmd[4:7] == [sys.executable, "-m", "torch.distributed.run"]
+            assert cmd[:4] == nodes[i]["prefix"] and tuple(cmd[4:8]) == AGENT
             assert "--rdzv-endpoint=198.51.100.11:29400" in cmd and f"--local-addr=198.51.100.1{i}" in cmd
             assert f"--rdzv-conf=is_host={'true' if i == 1 else 'false'}" in cmd  # node 1 hosts it
         assert [e["STOKER_CACHE"] for e in launcher.gang.envs] == ["/cache/0", "/cache/1"]

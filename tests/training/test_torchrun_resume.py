@@ -126,9 +126,8 @@ def test_a_permanent_failure_is_not_restarted(tiny_config, tmp_path):
     round's rank reads it and ends at once."""
     import os
     import subprocess
-    import sys
 
-    from stoker.launch.torchrun import free_port
+    from stoker.launch.torchrun import AGENT, free_port
     from tests.conftest import ROOT
 
     cfg = tiny_config(run_name="perm", train={"max_steps": 4}, launch={"nproc_per_node": 1})
@@ -143,9 +142,7 @@ def test_a_permanent_failure_is_not_restarted(tiny_config, tmp_path):
     }
     out = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
+            *AGENT,
             "--nproc-per-node=1",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{free_port()}",
