@@ -94,10 +94,17 @@ def gang_pids(gang_id: str | None) -> list[int]:
     return pids
 
 
-def kill_gang(procs: list[subprocess.Popen], grace: float = GRACE_SECONDS, gang_id: str | None = None) -> None:
+def kill_gang(
+    procs: list[subprocess.Popen],
+    grace: float = GRACE_SECONDS,
+    gang_id: str | None = None,
+    known: set[int] | None = None,
+) -> None:
     """SIGTERM every agent's process group and every process carrying `gang_id`, then
     SIGKILL what is left after `grace`. The ranks get the SIGTERM directly (not only through
-    their agent), so they can stop at a step boundary and checkpoint."""
+    their agent), so they can stop at a step boundary and checkpoint. `known`: the gang's
+    processes when it was told to end; one that appears after (a restart round an agent began
+    before its SIGTERM took effect) is SIGKILLed as soon as it is seen: it has nothing to save."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, KILL_WAIT_SECONDS)):
         if not _gang_alive(procs, gang_id):
             break
@@ -107,7 +114,10 @@ def kill_gang(procs: list[subprocess.Popen], grace: float = GRACE_SECONDS, gang_
             _signal(os.kill, pid, sig)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and _gang_alive(procs, gang_id):
-            time.sleep(0.1)
+            if known is not None:
+                for pid in set(gang_pids(gang_id)) - known:
+                    _signal(os.kill, pid, signal.SIGKILL)
+            time.sleep(0.05 if known is not None else 0.1)
     for p in procs:
         try:
             p.wait(timeout=1)
@@ -303,7 +313,7 @@ class ProcessGang(Launcher):
     def _end(self, ending: "_Ending", on_line: OnLine, on_event: OnEvent, seen: list[events.Event]) -> None:
         """A rank failed for good and its round's ranks have ended: kill the agents before
         they start a restart round, then hand on what the ranks said before they ended."""
-        kill_gang(self.procs, self.grace, self.gang_id)
+        kill_gang(self.procs, self.grace, self.gang_id, known=ending.ranks | {p.pid for p in self.procs})
         deadline = time.monotonic() + KILL_WAIT_SECONDS
         while self.open_streams and time.monotonic() < deadline:
             try:
