@@ -152,8 +152,8 @@ def test_s3_outage_during_upload_delays_but_loses_no_checkpoint(s3_server, s3_ro
 def test_outage_of_many_checkpoint_intervals_keeps_training_and_commits_the_newest(s3_server, s3_root, tmp_path):
     """The store is down from step 2 to step 12 (five checkpoint intervals): the ranks keep
     stepping and writing checkpoints to staging, at most 2 wait for the store, the oldest
-    waiting ones are dropped (the same on both ranks, reported), and once the store is back
-    the newest are committed in order. Nothing fails."""
+    waiting ones are dropped (the same on both ranks, reported; never the upload under way), and
+    once the store is back the newest is committed, the commits in order. Nothing fails."""
     root, options = s3_root
     proxy, flaky = _behind_a_proxy(s3_server, options)
     # a save that waited for an upload would wait for it to give up: a checkpoint_failed record
@@ -198,7 +198,10 @@ def test_outage_of_many_checkpoint_intervals_keeps_training_and_commits_the_newe
     assert not [e for e in records if e["event"] in ("checkpoint_failed", "failure")]
     committed = [e["step"] for e in records if e["event"] == "checkpoint"]
     dropped = {r: {e["step"] for e in records if e["event"] == "checkpoint_dropped" and e["rank"] == r} for r in (0, 1)}
-    assert committed == sorted(committed) and committed[-2:] == [22, 24]  # the newest, in order
+    # the newest, in order. Which came before it depends on the upload under way when the
+    # store came back: it is never dropped (the uploader's livelock fix), so a slow one (its
+    # retry's backoff) can see 20 and 22 dropped while 24 waits behind it
+    assert committed == sorted(committed) and committed[-1] == 24
     assert dropped[0] and dropped[1] <= dropped[0]  # rank 0 decides; no rank drops another one
     assert set(committed) | dropped[0] == set(range(2, 25, 2)) and not set(committed) & dropped[0]
     [done] = [e for e in records if e["event"] == "done"]
