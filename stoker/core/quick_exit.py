@@ -1,9 +1,10 @@
 """End a process that imported torch without the interpreter's teardown of its modules.
 
-A Python process that imported torch spends about a second of CPU in its own finalization after
-its work is done (``import torch`` alone: 1.1 s at exit; a rank's imports: 1.5 s, against 0.05
-s for ``os._exit``; measured on a host whose ``scripts/host_speed.py`` read 0.42). Every rank,
-torchrun agent, evaluation and export process pays it, and a run starts many of them.
+A Python process that imported torch spends half a CPU-second to a second in its own
+finalization after its work is done: a rank's imports then Python's exit 4.74 CPU-s, then
+``quick_exit`` 4.20 (``python -m benchmarks.bench_startup``, host_speed 0.48; 5.34 against 4.34
+at 0.67). Every rank, torchrun agent, evaluation and export process pays it, and a run starts
+many of them.
 
 ``quick_exit`` does what a normal exit does that anyone can see, in the same order, then ends
 the process at once:

@@ -36,8 +36,8 @@ from stoker.launch.gang import GangLauncher, ProcessGang, make_work_dir
 
 CPU_THREADS_ENV = "STOKER_CPU_THREADS"  # a CPU rank's torch threads (training.distributed.setup_distributed)
 
-# torchrun's agent, ended without the interpreter's teardown of torch (core.quick_exit: about a
-# CPU-second a node and round)
+# torchrun's agent, ended without the interpreter's teardown of torch (core.quick_exit: 0.5-1
+# CPU-s a node and round)
 AGENT = (sys.executable, "-m", "stoker.core.quick_exit", "torch.distributed.run")
 
 
