@@ -4,12 +4,19 @@ starts from, and what the tests load.
     python scripts/make_tiny_base.py ./tiny-llama-base                # Llama-3.2-style
     python scripts/make_tiny_base.py ./tiny-qwen-base --style qwen2   # q/k/v bias, untied
     python scripts/make_tiny_base.py ./tiny-gpt2-base --style gpt2    # GPT-2: Conv1D, gelu_new
+    python scripts/make_tiny_base.py ./tiny-chat-base --style chat    # SmolLM2-like, see below
 
 The tokenizer is a byte-level BPE trained on a slice of the Python standard library's sources
 (the built-in corpus), with Llama 3's special tokens: ``<|begin_of_text|>`` added to every
 document by its post-processor, ``<|end_of_text|>`` as the end-of-sequence token. The model's
 vocabulary has more rows than the tokenizer has ids, as real bases do (GPT-2: one row per id). The weights are saved
 with ``save_pretrained`` in safetensors, sharded above ``--max-shard-size``.
+
+``--style chat`` has a real chat base's quirks (SmolLM2's): its byte-level vocabulary lacks 21
+byte values (13 that UTF-8 never holds, 8 control bytes), its eos is the chat end of turn
+``<|im_end|>`` beside an ``<|endoftext|>``, it has no bos and many added tokens, and its shapes
+are grouped-query attention (6/2 heads) with an explicit ``head_dim`` (24, not 96 / 6).
+``--no-tokenizer-config`` leaves tokenizer_config.json out.
 """
 
 from __future__ import annotations
@@ -20,6 +27,19 @@ import os
 import sysconfig
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+# the chat style (a SmolLM2-like base): its end of text, its chat turn tokens, the eos a chat
+# model ships with (the end of a turn), and the many added tokens of a code-and-chat vocabulary
+TEXT_END, TURN_START, TURN_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+CHAT_ADDED = [
+    f"<{name}>"
+    for name in (
+        "repo_name reponame file_sep filename gh_stars issue_start issue_comment issue_closed jupyter_start "
+        "jupyter_text jupyter_code jupyter_output jupyter_script empty_output"
+    ).split()
+]
+# the bytes its byte-level vocabulary lacks: 13 that never occur in UTF-8 (0xC0, 0xC1,
+# 0xF5-0xFF) and 8 control bytes that the training text never held, 21 in all as in SmolLM2's
+CHAT_LACKING = [0xC0, 0xC1, *range(0xF5, 0x100), *range(0x00, 0x07), 0x7F]
 
 
 def train_tokenizer(vocab_size: int, num_files: int = 20):
@@ -41,6 +61,45 @@ def train_tokenizer(vocab_size: int, num_files: int = 20):
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)]
     )
     return tok
+
+
+def train_chat_tokenizer(vocab_size: int, num_files: int = 20):
+    """A byte-level BPE as a chat base has it: digits split one by one, no bos (no
+    post-processor), <|endoftext|> and the chat turn tokens as specials, many added tokens, and
+    a byte alphabet without CHAT_LACKING."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = _byte_chars()
+    lacking = {byte_chars[b] for b in CHAT_LACKING}
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[TEXT_END, TURN_START, TURN_END, *CHAT_ADDED],
+        initial_alphabet=[c for c in alphabet if c not in lacking],
+        show_progress=False,
+    )
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:num_files]
+    tok.train(files, trainer=trainer)
+    found = [b for b in CHAT_LACKING if tok.token_to_id(byte_chars[b]) is not None]
+    assert not found, f"the training text held bytes the chat vocabulary should lack: {found}"
+    return tok
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: byte -> the character that stands for it."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
 
 
 def hf_config(style: str, vocab_rows: int, bos: int, eos: int):
@@ -75,19 +134,37 @@ def hf_config(style: str, vocab_rows: int, bos: int, eos: int):
         return transformers.GPT2Config(
             vocab_size=vocab_rows, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=bos, eos_token_id=eos
         )
+    if style == "chat":  # SmolLM2-like: GQA 6/2, an explicit head_dim (24, not 96 / 6), tied, no bos
+        return transformers.LlamaConfig(
+            **{**common, "hidden_size": 96, "num_attention_heads": 6, "bos_token_id": None},
+            head_dim=24,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            rope_theta=100000.0,
+        )
     if style == "qwen2":
         return transformers.Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6)
     return transformers.MistralConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None)
 
 
-def make_base(folder: str, style: str = "llama", vocab_size: int = 500, seed: int = 0, max_shard_size="100KB"):
-    """Write the tiny base into `folder`; returns the folder."""
+def make_base(
+    folder: str,
+    style: str = "llama",
+    vocab_size: int = 500,
+    seed: int = 0,
+    max_shard_size="100KB",
+    tokenizer_config: bool = True,
+):
+    """Write the tiny base into `folder`; returns the folder. tokenizer_config=False: leave
+    tokenizer_config.json out (the eos is then config.json's eos_token_id)."""
     import torch
     import transformers
 
-    tok = train_tokenizer(vocab_size)
+    chat = style == "chat"
+    tok = train_chat_tokenizer(vocab_size) if chat else train_tokenizer(vocab_size)
     rows = tok.get_vocab_size() if style == "gpt2" else -(-tok.get_vocab_size() // 64) * 64 + 64
-    cfg = hf_config(style, rows, tok.token_to_id(BOS), tok.token_to_id(EOS))
+    bos, eos = (None, TURN_END) if chat else (BOS, EOS)
+    cfg = hf_config(style, rows, tok.token_to_id(bos) if bos else None, tok.token_to_id(eos))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # norms and biases away from their init, so a mix-up shows
@@ -95,21 +172,31 @@ def make_base(folder: str, style: str = "llama", vocab_size: int = 500, seed: in
             if name.endswith(("norm.weight", ".bias", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder, max_shard_size=max_shard_size, safe_serialization=True)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+    if chat:
+        fast = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token=TURN_END, pad_token=TEXT_END, additional_special_tokens=CHAT_ADDED
+        )
+    else:
+        fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
     fast.model_max_length = cfg.max_position_embeddings
     fast.save_pretrained(folder)
+    if not tokenizer_config:  # a base that ships tokenizer.json alone (its eos from config.json)
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            if os.path.exists(os.path.join(folder, name)):
+                os.remove(os.path.join(folder, name))
     return folder
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("folder")
-    p.add_argument("--style", choices=["llama", "qwen2", "mistral", "gpt2"], default="llama")
+    p.add_argument("--style", choices=["llama", "qwen2", "mistral", "gpt2", "chat"], default="llama")
     p.add_argument("--vocab-size", type=int, default=500, help="the tokenizer's ids")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", default="100KB", help="save_pretrained's shard size")
+    p.add_argument("--no-tokenizer-config", action="store_true", help="write tokenizer.json alone")
     args = p.parse_args(argv)
-    make_base(args.folder, args.style, args.vocab_size, args.seed, args.max_shard_size)
+    make_base(args.folder, args.style, args.vocab_size, args.seed, args.max_shard_size, not args.no_tokenizer_config)
     print(f"tiny {args.style} base written to {args.folder}: {sorted(os.listdir(args.folder))}")
 
 

@@ -35,3 +35,19 @@ def copy_base(folder: str, dest) -> str:
     dest = str(dest)
     shutil.copytree(folder, dest)
     return dest
+
+
+def one_document(model, cfg, ids):
+    """A run from a base masks attention per document (model.attention 'document'): the model
+    gets its separator id (the base's end-of-text, as the shards have it), and `ids` are made one
+    document (no separator inside), where masked attention is transformers' causal attention."""
+    import os
+
+    from tokenizers import Tokenizer
+
+    path = cfg.tokenizer.path.removeprefix("file://")
+    end = Tokenizer.from_file(path if os.path.isfile(path) else cfg.tokenizer.path).token_to_id(cfg.tokenizer.eot_token)
+    model.document_end_id = end
+    ids = ids.clone()
+    ids[ids == end] = end - 1 if end > 0 else end + 1
+    return ids

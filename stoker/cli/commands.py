@@ -36,7 +36,7 @@ def _inspect(args) -> int:
         rows = inspect.list_runs(_root(args.root))
         columns = ["run", "newest_valid_step", "max_steps", "checkpoints", "ended", "goodput", "cost", "model"]
         print(
-            _table(rows, columns + [c for c in ("base", "data") if any(r.get(c) for r in rows)])
+            _table(rows, columns + [c for c in ("base", "data", "since_base") if any(r.get(c) for r in rows)])
             if rows
             else f"no runs under {_root(args.root)}"
         )

@@ -87,6 +87,10 @@ class Eval(Event):
     seconds: float | None = None  # how long this evaluation took (the ledger's evaluation time)
     # a mixture: per source, its validation loss (val_loss is their mean)
     sources: dict | None = None
+    # a run from a base with 'bpb' in eval.sets: the same windows' bits per byte (the mean over
+    # sources), and per source for a mixture: what the change since the base is told in
+    bits_per_byte: float | None = None
+    sources_bpb: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -39,6 +39,9 @@ class ShardInfo:
     dtype: str
     cache_hit: bool
     name: str = DEFAULT_SOURCE_NAME  # the source of data.sources it holds ("main": data.source)
+    # bytes of its text the tokenizer's vocabulary cannot spell (dropped), and the first one
+    unencodable_bytes: int = 0
+    unencodable_example: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -254,4 +257,9 @@ class PipelineResult(BaseModel):
         None,
         description="the flow run's goodput and cost ledger (observe.ledger): seconds, share and "
         "cost per cause of its wall-clock, goodput = productive steps / wall-clock",
+    )
+    since_base: dict | None = Field(
+        None,
+        description="a run from a base: per source, its validation loss and bits per byte at the base "
+        "(step 0) and at the last evaluation, and their change (gain < 0, forgetting > 0)",
     )

@@ -188,14 +188,9 @@ def token_byte_counts(tokenizer, vocab_size: int) -> np.ndarray:
             raise _refuse(f"its added token {t['content']!r} swallows the spaces next to it")
         counts[0, i] = len(t["content"].encode("utf-8"))
         counts[2, i] = int(scheme.every_segment)
-    if scheme.byte_level:
-        alphabet = _bytes_to_unicode()
-        lacking = [b for b, c in alphabet.items() if tokenizer.token_to_id(c) is None]
-        chars = set(alphabet.values())
-    else:
-        lacking = [b for b in range(256) if tokenizer.token_to_id(f"<0x{b:02X}>") in added.keys() | {None}]
-    if lacking:
-        raise _refuse(f"its vocabulary lacks byte {lacking[0]:#04x}: text with that byte would be lost")
+    # bytes the vocabulary cannot spell are not refused here: the data stage counts them in
+    # the text itself (``lacking_bytes``), and the flow refuses 'bpb' only where it found some
+    chars = set(_bytes_to_unicode().values())
     if scheme.prefix is not None:
         start = _document_start(spec)
         if start is None:
@@ -222,14 +217,68 @@ def token_byte_counts(tokenizer, vocab_size: int) -> np.ndarray:
     return counts if scheme.prefix is not None else counts[0].copy()
 
 
-def bits_per_byte_problem(tokenizer_json: bytes, vocab_size: int) -> str | None:
-    """Why bits per byte cannot be counted exactly with this tokenizer.json, or None: what the
-    flow asks before a run with 'bpb' in eval.sets launches (its evaluation would refuse it
-    only after the first checkpoint)."""
+def bits_per_byte_problem(tokenizer_json: bytes, vocab_size: int, unencodable: dict | None = None) -> str | None:
+    """Why bits per byte cannot be counted exactly with this tokenizer.json on this data, or
+    None: what the flow asks before a run with 'bpb' in eval.sets launches (its evaluation
+    would refuse it only after the first checkpoint). `unencodable`: {source: (bytes, first
+    example)} of the text the vocabulary cannot spell, as the data stage counted it
+    (``lacking_bytes``); only a source where it found some is refused."""
     from tokenizers import Tokenizer
 
     try:
         token_byte_counts(Tokenizer.from_str(tokenizer_json.decode()), vocab_size)
     except BitsPerByteUnsupported as err:
         return str(err)
+    lost = {name: found for name, found in (unencodable or {}).items() if found and found[0]}
+    if lost:
+        name, (count, example) = next(iter(lost.items()))
+        where = f" in source {name!r}" if name else ""
+        return (
+            f"eval.sets: bits per byte would count text the tokenizer drops: {count} byte(s){where} are ones its "
+            f"vocabulary cannot encode (first: {example}); remove 'bpb' from eval.sets, or clean those bytes "
+            "from the data"
+        )
     return None
+
+
+# bytes that never occur in UTF-8 text: a vocabulary may lack them at no cost
+NEVER_IN_UTF8 = frozenset([0xC0, 0xC1, *range(0xF5, 0x100)])
+
+
+def lacking_bytes(tokenizer) -> list[int]:
+    """The byte values that can occur in UTF-8 text and that the tokenizer's vocabulary cannot
+    spell (a byte-level BPE without that byte's character, a byte-fallback model without its
+    <0xHH> piece): text holding one of them is dropped or becomes <unk> when tokenized. []
+    for a tokenizer of neither kind (it is not counted in bytes at all)."""
+    spec = json.loads(tokenizer.to_str())
+    decoders = {d.get("type") for d in _parts(spec, "decoder")}
+    if decoders == {"ByteLevel"}:
+        lacking = [b for b, c in _bytes_to_unicode().items() if tokenizer.token_to_id(c) is None]
+    elif decoders and "ByteFallback" in decoders:
+        added = {t["id"] for t in spec.get("added_tokens", [])}
+        lacking = [b for b in range(256) if tokenizer.token_to_id(f"<0x{b:02X}>") in added | {None}]
+    else:
+        return []
+    return sorted(b for b in lacking if b not in NEVER_IN_UTF8)
+
+
+def byte_table(lacking: list[int]) -> np.ndarray | None:
+    """(256,) bool, True at each lacking byte; None when there is none (nothing to count)."""
+    if not lacking:
+        return None
+    table = np.zeros(256, dtype=bool)
+    table[lacking] = True
+    return table
+
+
+def count_unencodable(text: str, table: np.ndarray) -> tuple[int, str]:
+    """(how many bytes of `text` the table marks, an example: the first one with the text
+    around it), (0, '') for none."""
+    raw = text.encode("utf-8", "surrogatepass")
+    hits = table[np.frombuffer(raw, dtype=np.uint8)]
+    n = int(hits.sum())
+    if not n:
+        return 0, ""
+    at = int(np.argmax(hits))
+    around = raw[max(0, at - 20) : at + 20].decode("utf-8", "replace")
+    return n, f"byte {raw[at]:#04x} in {around!r}"

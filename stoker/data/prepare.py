@@ -22,7 +22,15 @@ import numpy as np
 from stoker.core.config import DataConfig, RayConfig, TokenizerConfig
 from stoker.core.failures import DataError
 from stoker.core.results import DatasetInfo, DataShards, ShardInfo, TokenizerInfo
-from stoker.data.sharding import PARTITION_BYTES, SPLITS, available_cores, build_shards, corpus_text, partition_jobs
+from stoker.data.sharding import (
+    PARTITION_BYTES,
+    SPLITS,
+    UNENCODABLE,
+    available_cores,
+    build_shards,
+    corpus_text,
+    partition_jobs,
+)
 from stoker.data.sources import resolve_source, with_retries, write_corpus
 from stoker.storage.datasets import (
     CORPUS_FILE,
@@ -420,12 +428,14 @@ def _build(
 ) -> dict:
     """Build the shard set into `staging`; return its manifest (without key and inputs)."""
     with tempfile.TemporaryDirectory(prefix="stoker-shards-") as tmp:
+        found: dict = {}
         if cfg.engine == "ray":
             by_split, files = _build_on_ray(
-                dataset, tokenizer, cfg, store, staging, dtype, partition_bytes, ray or RayConfig(), tmp
+                dataset, tokenizer, cfg, store, staging, dtype, partition_bytes, ray or RayConfig(), tmp, found
             )
         else:
-            by_split, files = _build_here(dataset, tokenizer, cfg, store, staging, dtype, partition_bytes, tmp)
+            by_split, files = _build_here(dataset, tokenizer, cfg, store, staging, dtype, partition_bytes, tmp, found)
+    lost, example = found.get(UNENCODABLE) or [0, ""]
     bins = {s: sorted(n for n in by_split[s] if n.endswith(".bin")) for s in SPLITS}
     return {
         "format_version": FORMAT_VERSION,
@@ -435,6 +445,8 @@ def _build(
         "splits": bins,
         "num_tokens": {s: sum(files[n]["tokens"] for n in bins[s]) for s in SPLITS},
         "num_docs": {s: sum(files[n]["docs"] for n in bins[s]) for s in SPLITS},
+        # the text's bytes that the tokenizer's vocabulary cannot spell (dropped when tokenized)
+        "unencodable_bytes": {"count": int(lost), "example": example},
         "files": files,
     }
 
@@ -457,6 +469,7 @@ def _build_here(
     dtype: np.dtype,
     partition_bytes: int,
     tmp: str,
+    found: dict,
 ) -> tuple[dict, dict]:
     """The local engine: cfg.num_workers processes on this host. Returns the shard files by
     split and every file's manifest entry (tokenizer.json included)."""
@@ -487,7 +500,7 @@ def _build_here(
         dtype=dtype.str,
         val_fraction=cfg.val_fraction,
     )
-    by_split = build_shards(jobs, build, cfg.shard_tokens, cfg.resolved_workers(), tmp, on_close)
+    by_split = build_shards(jobs, build, cfg.shard_tokens, cfg.resolved_workers(), tmp, on_close, found)
     _every_split_filled(by_split, dataset)
     files = {TOKENIZER_FILE: {"size": os.path.getsize(local_tok), "sha256": sha256_file(local_tok)}}
     on_close(TOKENIZER_FILE, local_tok)
@@ -506,6 +519,7 @@ def _build_on_ray(
     partition_bytes: int,
     ray: RayConfig,
     tmp: str,
+    found: dict,
 ) -> tuple[dict, dict]:
     """The Ray engine (stoker/data/ray_engine.py): Ray tasks read the corpus from the store and write
     the shard files to staging; this host writes only tokenizer.json there."""
@@ -533,6 +547,7 @@ def _build_on_ray(
         built.task_cpu_s,
         extra={"ray_nodes": sorted(built.nodes), "ray_task_cpu_s": built.task_cpu_s},
     )
+    found[UNENCODABLE] = built.unencodable
     _every_split_filled(built.files, dataset)
     files = {TOKENIZER_FILE: {"size": os.path.getsize(local_tok), "sha256": sha256_file(local_tok)}}
     store.put_file(local_tok, join(staging, TOKENIZER_FILE))
@@ -552,4 +567,6 @@ def _shard_info(store: Store, cache_key: str, manifest: dict, cache_hit: bool) -
         vocab_size=manifest["vocab_size"],
         dtype=manifest["dtype"],
         cache_hit=cache_hit,
+        unencodable_bytes=int((manifest.get("unencodable_bytes") or {}).get("count", 0)),
+        unencodable_example=(manifest.get("unencodable_bytes") or {}).get("example", ""),
     )

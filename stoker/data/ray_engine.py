@@ -37,8 +37,10 @@ from stoker.core.failures import ConfigError, DataError, StokerError
 from stoker.data.sharding import (
     COPY_CHUNK,
     SPLITS,
+    UNENCODABLE,
     available_cores,
     corpus_text,
+    merge_unencodable,
     partition_ranges,
     range_lines,
     shard_cuts,
@@ -85,6 +87,7 @@ class RayBuild:
     nodes: set[str]
     num_tasks: int
     task_cpu_s: float
+    unencodable: list = field(default_factory=lambda: [0, ""])  # [bytes, first example] (sharding.UNENCODABLE)
 
 
 # ---- tasks (run on the cluster's nodes) ---------------------------------------------------
@@ -385,8 +388,10 @@ def build_shards_on_ray(
                 plans.append(plan)
                 refs.append(assemble.remote(spec, staging, plan.split, plan.index, plan.runs, plan.idx, dtype.itemsize))
 
+        unencodable = [0, ""]
         for k, ref in enumerate(parts):  # in partition order, as the local engine appends them
             got = _result(ray, ref, f"tokenizes partition {k}")
+            unencodable = merge_unencodable(unencodable, got["counts"].get(UNENCODABLE))
             nodes.add(got["node"])
             cpu_s += got["cpu_s"]
             for split in SPLITS:
@@ -411,7 +416,7 @@ def build_shards_on_ray(
                 )
             )
         store.rm(join(staging, PARTS))
-        return RayBuild(files, nodes, len(refs), cpu_s)
+        return RayBuild(files, nodes, len(refs), cpu_s, unencodable)
     except BaseException:
         if refs:
             _cancel(ray, refs)

@@ -27,11 +27,12 @@ import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
-from typing import BinaryIO, Callable, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 import numpy as np
 
 from stoker.core.failures import DataError, is_transient
+from stoker.core.token_bytes import byte_table, count_unencodable, lacking_bytes
 
 SPLITS = ("train", "val")
 PARTITION_BYTES = 4 << 20
@@ -179,6 +180,25 @@ def load_tokenizer(path: str):
     return tok
 
 
+UNENCODABLE = "unencodable"  # tokenize_docs' count of the bytes the vocabulary cannot spell
+_LACKING: dict[int, Any] = {}
+
+
+def _lacking_table(tok):
+    """token_bytes.byte_table of the tokenizer's lacking bytes, once per tokenizer object."""
+    key = id(tok)
+    if key not in _LACKING:
+        _LACKING[key] = (tok, byte_table(lacking_bytes(tok)))  # the tokenizer kept: its id stays its own
+    return _LACKING[key][1]
+
+
+def merge_unencodable(total: list, found: list | None) -> list:
+    """[bytes, first example] of two partitions' counts, in partition order."""
+    if not found:
+        return total
+    return [total[0] + int(found[0]), total[1] or found[1]]
+
+
 def tokenize_docs(
     docs: Iterable[str],
     tok,
@@ -191,13 +211,23 @@ def tokenize_docs(
     then eot_id, in `dtype`, cut in pieces of PIECE_TOKENS, each piece to the split is_val
     picks (so val_fraction holds by tokens); a piece ends an entry; the ends are cumulative
     little-endian uint64. The one place both engines turn text into shard bytes. Returns
-    {split: [num_tokens, num_docs]}."""
-    counts = {s: [0, 0] for s in SPLITS}
+    {split: [num_tokens, num_docs]}, and under UNENCODABLE [bytes, first example] of the text
+    the tokenizer's vocabulary cannot spell (token_bytes.lacking_bytes: counted only for a
+    tokenizer that lacks some byte that UTF-8 text can hold)."""
+    counts: dict = {s: [0, 0] for s in SPLITS}
+    counts[UNENCODABLE] = [0, ""]
+    table = _lacking_table(tok)
     batch: list[str] = []
     size = 0
 
     def flush() -> None:
         out: dict[str, tuple[list[int], list[int]]] = {s: ([], []) for s in SPLITS}
+        if table is not None:
+            for doc in batch:
+                n, example = count_unencodable(doc, table)
+                if n:
+                    counts[UNENCODABLE][0] += n
+                    counts[UNENCODABLE][1] = counts[UNENCODABLE][1] or example
         for doc, enc in zip(batch, tok.encode_batch_fast(batch)):
             doc_ids = enc.ids + [eot_id]
             offset = _doc_offset(doc)
@@ -456,16 +486,19 @@ def build_shards(
     num_workers: int,
     work_dir: str,
     on_close: Callable[[str, str], None] = lambda name, path: None,
+    found: dict | None = None,
 ) -> dict[str, dict[str, dict]]:
     """Tokenize every partition and assemble the shard files into `folder`; returns
-    {split: {file name: manifest entry}}. `on_close(name, path)` sees each finished file."""
+    {split: {file name: manifest entry}}. `on_close(name, path)` sees each finished file;
+    `found` (when given) gets UNENCODABLE: [bytes, first example] over every partition."""
     dtype = np.dtype(jobs[0].dtype)
     n = max(1, min(num_workers, len(jobs)))
     writers = {s: _ShardAssembler(folder, s, dtype, shard_tokens, on_close) for s in SPLITS}
     runner = _InProcess(jobs) if n == 1 else _WorkerGang(jobs, n, work_dir)
+    unencodable = [0, ""]
     try:
         for job in jobs:  # in partition order, whatever finishes first
-            runner.wait(job)
+            unencodable = merge_unencodable(unencodable, runner.wait(job).get(UNENCODABLE))
             for split in SPLITS:
                 bin_path, idx_path = job.paths(split)
                 writers[split].add(bin_path, idx_path)
@@ -475,6 +508,8 @@ def build_shards(
         runner.close()
     for w in writers.values():
         w.close()
+    if found is not None:
+        found[UNENCODABLE] = unencodable
     return {s: w.files for s, w in writers.items()}
 
 

@@ -8,6 +8,7 @@ import statistics
 from typing import Callable
 
 from stoker.core import events
+from stoker.core.gains import changes_since_base, since_base_text
 from stoker.core.results import EvalResult, TrainingResult
 
 THROUGHPUT_FIELDS = ("step", "step_seconds", "tokens_per_second", "mfu", "peak_memory_gb", "data_wait_share")
@@ -66,6 +67,9 @@ class TrainingMonitor:
         self.result, self.max_steps, self.logger = result, max_steps, logger
         self.on_progress, self.on_commit, self.sink = on_progress, on_commit, sink
         self.last_pct = -1
+        # a run from a base: its step-0 evaluation record (the base's own), {} until it is seen;
+        # None: no change since the base is told
+        self.base_eval: dict | None = None
         self.step_seconds: list[float] = []
         self.evaluations: list[tuple[int, object]] = []  # (step, future)
         self.handlers: dict[type, Callable] = {
@@ -116,7 +120,8 @@ class TrainingMonitor:
 
     def _on_eval(self, e: events.Eval) -> None:
         self.result.val_losses.append((e.step, e.val_loss))
-        self.logger.info("step %d  validation loss %.4f  (perplexity %.1f)", e.step, e.val_loss, e.val_ppl)
+        bpb = f", {e.bits_per_byte:.4f} bits per byte" if e.bits_per_byte is not None else ""
+        self.logger.info("step %d  validation loss %.4f  (perplexity %.1f%s)", e.step, e.val_loss, e.val_ppl, bpb)
         if e.sources:
             self.result.source_val_losses.append({"step": e.step, "losses": e.sources})
             self.logger.info(
@@ -124,6 +129,13 @@ class TrainingMonitor:
                 e.step,
                 ", ".join(f"{name} {loss:.4f}" for name, loss in e.sources.items()),
             )
+        if self.base_eval is not None:  # a run from a base: its gain and forgetting so far
+            if e.step == 0:
+                self.base_eval = e.to_dict()
+            elif self.base_eval:
+                text = since_base_text(changes_since_base([self.base_eval, e.to_dict()]))
+                if text:
+                    self.logger.info("step %d  %s", e.step, text)
 
     def _on_micro_batch(self, e: events.MicroBatchChosen) -> None:
         self.result.micro_batch_size = e.micro_batch_size

@@ -9,7 +9,16 @@ import re
 
 from stoker.core.config import RunConfig
 from stoker.core.failures import ConfigError
-from stoker.observe.ledger import deployment_ledgers, duration, ledger_line, ledger_rows, run_ledgers, sum_ledgers
+from stoker.core.gains import changes_since_base, since_base_text
+from stoker.observe.ledger import (
+    deployment_ledgers,
+    duration,
+    ledger_line,
+    ledger_rows,
+    read_records,
+    run_ledgers,
+    sum_ledgers,
+)
 from stoker.observe.report import mix_history, mix_summary
 from stoker.storage.bases import base_summary
 from stoker.storage.checkpoints import first_nonfinite_step, list_checkpoints, numerics_problem, validate_checkpoint
@@ -94,7 +103,9 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
             cfg = RunConfig.model_validate_json(store.read_bytes(run_file_key(run, CONFIG_FILE)))
             row.update(max_steps=cfg.train.max_steps, model=cfg.model.describe(), base=base_summary(cfg) or None)
         except Exception:  # a run folder without a readable config is listed all the same
-            pass
+            cfg = None
+        if cfg is not None and getattr(cfg.model, "init_from", None):  # gain and forgetting
+            row["since_base"] = since_base_text(changes_since_base(read_records(store, run))) or None
         rows.append(row)
     return rows
 

@@ -16,6 +16,7 @@ from stoker.storage.store import Store
 
 LOSS_CURVE_FILE = "loss-curve.png"
 MIX_PLOT_FILE = "data-mix.png"
+GAINS_PLOT_FILE = "since-base.png"
 
 
 def vocabulary_note(got: int, asked: int) -> str:
@@ -464,3 +465,81 @@ def attempt_lines(attempts: list[dict]) -> str:
 
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower())
+
+
+# ---- gain and forgetting against the base ------------------------------------------------------
+def since_base_rows(changes: dict) -> list[dict]:
+    """Per source: its loss and bits per byte at the base (step 0) and at the last evaluation,
+    and their change (core.gains.changes_since_base)."""
+    rows = []
+    for name, h in changes.items():
+        step, d_loss = h["loss"][-1] if h["loss"] else (0, 0.0)
+        d_bpb = h["bpb"][-1][1] if h["bpb"] and h["bpb"][-1][0] == step else None
+        rows.append(
+            {
+                "source": name,
+                "step": step,
+                "base_loss": round(h["base_loss"], 4),
+                "loss": round(h["base_loss"] + d_loss, 4),
+                "loss_change": round(d_loss, 4),
+                "base_bpb": _round(h["base_bpb"], 4),
+                "bpb": None if d_bpb is None else round(h["base_bpb"] + d_bpb, 4),
+                "bpb_change": _round(d_bpb, 4),
+            }
+        )
+    return rows
+
+
+def since_base_png(changes: dict, title: str) -> bytes:
+    """Each source's change since the base over the run's steps: validation loss (nats) and,
+    where measured, bits per byte; below zero is gain, above it forgetting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4), dpi=100)
+    nats, bits = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for ax, what, label in (
+        (nats, "loss", "validation loss - the base's (nats)"),
+        (bits, "bpb", "bits per byte - the base's"),
+    ):
+        for name, h in changes.items():
+            if h[what]:
+                ax.plot(*zip(*h[what]), "o-", label=name)
+        ax.axhline(0.0, color="gray", linewidth=0.8)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if any(h[what] for h in changes.values()):
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def since_base_markdown(rows: list[dict], plot: str, line: str) -> str:
+    """The report's section on gain and forgetting against the base."""
+    if not rows:
+        return ""
+
+    def cell(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    table = "\n".join(
+        f"| {r['source']} | {r['base_loss']:.4f} | {r['loss']:.4f} | {r['loss_change']:+.4f} "
+        f"| {cell(r['base_bpb'], '.4f')} | {cell(r['bpb'], '.4f')} | {cell(r['bpb_change'], '+.4f')} |"
+        for r in rows
+    )
+    return f"""
+## Gain and forgetting since the base
+{line or "no evaluation after step 0 yet"}. The base's values are the step-0 evaluation (its own weights, on
+the same validation windows as every later evaluation); a change below zero is gain, above it forgetting.
+
+| source | base loss | loss | change (nats) | base bits per byte | bits per byte | change |
+|---|---|---|---|---|---|---|
+{table}
+
+{plot}"""

@@ -177,7 +177,18 @@ def resolve_base(cfg: RunConfig) -> RunConfig:
             ]
         )
     section = model.model_dump()
-    if family_name != model.family:
+    if family_name != model.family and "family" not in model.model_fields_set:
+        # the family left to the base: what the config sets of its own is checked against it
+        base_fields = FAMILIES[family_name].model_fields
+        own = [n for n in model.model_fields_set if n not in _SHARED and section.get(n) is not None]
+        problems += [
+            f"model.{n}: is no field of the {family_name} family, which the base is (model_type "
+            f"{hf.get('model_type')!r}); leave it out"
+            for n in sorted(own)
+            if n not in base_fields
+        ]
+        section = {k: v for k, v in section.items() if k in _SHARED or (k in own and k in base_fields)}
+    elif family_name != model.family:
         explicit = [n for n in type(model).FROM_BASE if section.get(n) is not None]
         if explicit:
             raise ConfigError(
@@ -261,11 +272,9 @@ def _tokenizer_of(cfg: RunConfig, family: type, hf: dict, vocab_rows: int, probl
         return tok
     tokenizer_json = read_base_json(model.init_from, TOKENIZER, options)
     eos = eos_token(read_base_json(model.init_from, TOKENIZER_CONFIG, options), hf, tokenizer_json)
-    if not eos:
-        problems.append(
-            f"model.init_from: {model.init_from!r} names no end-of-sequence token (tokenizer_config.json's "
-            "eos_token or config.json's eos_token_id); add one to its tokenizer_config.json"
-        )
+    end, problem = document_end(eos, tokenizer_json, tok.get("document_end"))
+    if problem:
+        problems.append(problem.replace("{base}", repr(model.init_from)))
         return tok
     ids = tokenizer_size(tokenizer_json)
     if ids > vocab_rows:
@@ -279,8 +288,71 @@ def _tokenizer_of(cfg: RunConfig, family: type, hf: dict, vocab_rows: int, probl
             f"{family.model_fields['family'].default} family keeps one row per id; use a base whose vocab_size is "
             "its tokenizer's"
         )
-    tok.update(path=path, eot_token=eos, vocab_size=vocab_rows)
+    tok.update(path=path, eot_token=end, vocab_size=vocab_rows)
     return tok
+
+
+# a chat model's end of turn, and the end-of-text tokens that end a document in its pretraining
+CHAT_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|end_of_turn|>", "<|eot|>")
+END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+def vocabulary(tokenizer_json: dict) -> set[str]:
+    """Every token of a tokenizer.json: its model's vocabulary and its added tokens."""
+    vocab = (tokenizer_json.get("model") or {}).get("vocab") or {}
+    tokens = set(vocab) if isinstance(vocab, dict) else {v[0] for v in vocab if isinstance(v, list) and v}
+    return tokens | {t.get("content") for t in tokenizer_json.get("added_tokens", []) if t.get("content")}
+
+
+def document_end(eos: str | None, tokenizer_json: dict, chosen: str | None) -> tuple[str | None, str | None]:
+    """(the token that ends each document of a run on this base, None) or (None, the problem).
+
+    `chosen` (tokenizer.document_end) when set, if the vocabulary has it; else the base's eos,
+    unless that ends a chat turn (a chat model's <|im_end|>, <|eot_id|>) and the vocabulary has
+    an end-of-text token, which is what ends a document in pretraining text."""
+    vocab = vocabulary(tokenizer_json)
+    if chosen:
+        if chosen not in vocab:
+            near = [t for t in (*END_OF_TEXT, eos) if t and t in vocab]
+            return None, (
+                f"tokenizer.document_end: {chosen!r} is not a token of the base's vocabulary; give one of its "
+                f"tokens{', e.g. ' + repr(near[0]) if near else ''}, or leave it empty for the base's end-of-text"
+            )
+        return chosen, None
+    if eos in CHAT_END_OF_TURN:
+        text_end = next((t for t in END_OF_TEXT if t in vocab), None)
+        if text_end:
+            return text_end, None
+    if not eos:
+        return None, (
+            "model.init_from: {base} names no end-of-sequence token (tokenizer_config.json's eos_token or "
+            "config.json's eos_token_id), so no token ends a document (model.attention 'document' masks at it); "
+            "set tokenizer.document_end to a token of its vocabulary"
+        )
+    return eos, None
+
+
+def document_end_note(cfg: RunConfig) -> str | None:
+    """What ends the documents of a run on a base, and why, in one line (the flow says it before
+    launch); None without a base."""
+    model = cfg.model
+    if not getattr(model, "init_from", None):
+        return None
+    options = cfg.storage.storage_options
+    end = cfg.tokenizer.eot_token
+    if cfg.tokenizer.document_end:
+        return f"documents end with {end!r} (tokenizer.document_end)"
+    eos = eos_token(
+        read_base_json(model.init_from, TOKENIZER_CONFIG, options),
+        read_base_json(model.init_from, CONFIG, options),
+        read_base_json(model.init_from, TOKENIZER, options),
+    )
+    if eos and eos != end:
+        return (
+            f"documents end with {end!r}, the base's end-of-text: its eos {eos!r} ends a chat turn "
+            "(tokenizer.document_end chooses another token)"
+        )
+    return f"documents end with {end!r}, the base's eos (tokenizer.document_end chooses another token)"
 
 
 def tokenizer_size(tokenizer_json: dict) -> int:

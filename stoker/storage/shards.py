@@ -36,7 +36,8 @@ from stoker.storage.store import Store, join
 # 2: per-file token/doc counts, byte sizes and checksums for .bin, .idx and tokenizer.json;
 #    eot_id and the resolved dtype in the key's parameters
 # 3: the val split by tokens: documents cut in pieces of PIECE_TOKENS, each piece split alone
-FORMAT_VERSION = 3
+# 4: unencodable_bytes: the count of the text's bytes the tokenizer's vocabulary cannot spell
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 

@@ -126,7 +126,8 @@ def train_tokenizer(
         info.vocab_size,
         "cached" if info.cache_hit else "trained/loaded",
     )
-    if info.vocab_size < tokenizer.vocab_size:
+    # a loaded tokenizer (a base's) may have fewer ids than the model's rows, as real bases do
+    if info.vocab_size < tokenizer.vocab_size and not tokenizer.path:
         logger.warning(vocabulary_note(info.vocab_size, tokenizer.vocab_size))
     return info
 

@@ -10,6 +10,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from stoker.core.config import RunConfig
+from stoker.core.gains import changes_since_base, since_base_text
 from stoker.core.results import DataShards, EvalResult, PipelineResult, ResumePoint, TrainingResult
 from stoker.observe.ledger import (
     FlowTimes,
@@ -21,6 +22,7 @@ from stoker.observe.ledger import (
     store_ledger,
 )
 from stoker.observe.report import (
+    GAINS_PLOT_FILE,
     LOSS_CURVE_FILE,
     MIX_PLOT_FILE,
     checkpoint_rows,
@@ -35,6 +37,9 @@ from stoker.observe.report import (
     rounded_sources,
     run_history,
     run_plan,
+    since_base_markdown,
+    since_base_png,
+    since_base_rows,
     slug,
     source_rows,
     throughput_summary,
@@ -120,6 +125,8 @@ def report(
             key=artifact_key(run, "sources"),
             description=f"the data mixture of {run}: per source, what it trained on and its validation losses",
         )
+    if getattr(config.model, "init_from", None):  # gain and forgetting against the base
+        mix += _since_base_section(store, run, result)
     planned = run_plan(config, training.micro_batch_size)
     result.plan = planned.to_dict() if planned is not None else None
     result.micro_batch_size = training.micro_batch_size
@@ -141,13 +148,36 @@ def report(
             curve,
             val_curve,
             nothing_trained,
-            config.tokenizer.vocab_size,
+            # a loaded tokenizer (a base's) may have fewer ids than the model's rows
+            shards.vocab_size if config.tokenizer.path else config.tokenizer.vocab_size,
             ledger=ledger,
             deployment_total=deployment_total,
             mix=mix,
         ),
     )
     return result
+
+
+def _since_base_section(store: Store, run: str, result: PipelineResult) -> str:
+    """The report's section on gain and forgetting per source (its plot kept in the run folder),
+    the table artifact, and result.since_base."""
+    changes = changes_since_base(read_records(store, run))
+    if not changes:
+        return ""
+    rows = since_base_rows(changes)
+    result.since_base = {r["source"]: {k: v for k, v in r.items() if k != "source"} for r in rows}
+    png = since_base_png(changes, f"{run}: change since the base")
+    store.write_bytes(run_file_key(run, GAINS_PLOT_FILE), png)
+    plot = (
+        f"![change since the base of {run}](data:image/png;base64,{base64.b64encode(png).decode()})\n\n"
+        f"(also `{store.url(run_file_key(run, GAINS_PLOT_FILE))}`)\n"
+    )
+    create_table_artifact(
+        rows,
+        key=artifact_key(run, "since-base"),
+        description=f"{run}: per source, the validation loss and bits per byte at the base and now",
+    )
+    return since_base_markdown(rows, plot, since_base_text(changes))
 
 
 def _flow_times(report_started: float, evaluation: EvalResult | None) -> tuple[FlowTimes, str | None]:

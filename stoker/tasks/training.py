@@ -18,12 +18,14 @@ from stoker.launch import make_launcher
 from stoker.launch.attempts import launch_attempt
 from stoker.launch.evaluate import kill_running_evaluations
 from stoker.launch.monitor import TrainingMonitor
+from stoker.observe.ledger import read_records
 from stoker.observe.report import mixture_plan, rounded, run_plan
 from stoker.observe.sinks import open_sinks
 from stoker.orchestration.credentials import use_store_credentials
 from stoker.orchestration.prefect_events import open_launch_events
 from stoker.orchestration.publish import FLUSH_SECONDS, BestEffortPublisher, create_artifact, update_artifact
 from stoker.orchestration.run_logger import run_logger
+from stoker.storage.bases import document_end_note
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.layout import TOKENIZER_FILE
 from stoker.storage.runs import pin_run_folder
@@ -80,11 +82,27 @@ def write_run_config(config: RunConfig, shards: DataShards) -> str:
     URL. First, what needs the shards' tokenizer: with 'bpb' in eval.sets, that its tokens can
     be counted in bytes exactly (a base's tokenizer may not), else one ConfigError before launch."""
     store = Store.of(config.storage)
+    unencodable = {
+        s.name if shards.is_mixture else "": (s.unencodable_bytes, s.unencodable_example) for s in shards.sets
+    }
     if "bpb" in config.eval.sets:
-        problem = bits_per_byte_problem(store.read_bytes(join(shards.sets[0].key, TOKENIZER_FILE)), shards.vocab_size)
+        tokenizer_json = store.read_bytes(join(shards.sets[0].key, TOKENIZER_FILE))
+        problem = bits_per_byte_problem(tokenizer_json, shards.vocab_size, unencodable)
         if problem:
             raise ConfigError([problem])
+    for name, (count, example) in unencodable.items():  # said even where nothing refuses it
+        if count:
+            run_logger().warning(
+                "data%s: %d byte(s) of the text are ones the tokenizer's vocabulary cannot encode, dropped when "
+                "tokenized (first: %s)",
+                f" source {name!r}" if name else "",
+                count,
+                example,
+            )
     url = pin_run_folder(store, config, shards)
+    note = document_end_note(config)
+    if note is not None:
+        run_logger().info("%s; model.attention %r", note, config.model.attention)
     planned = run_plan(config)
     if planned is not None:  # what the run will need, logged before it spends anything
         logger = run_logger()
@@ -95,6 +113,10 @@ def write_run_config(config: RunConfig, shards: DataShards) -> str:
         for line in mixture_plan(config, shards, store):
             logger.info("data mixture: %s", line)
     return url
+
+
+def _is_base_eval(record: dict) -> bool:
+    return record.get("event") == "eval" and record.get("step") == 0
 
 
 @stoker_task(name="find_resume_checkpoint", retries=3, timeout_seconds=3600)
@@ -162,6 +184,9 @@ def launch_training(config: RunConfig, config_url: str, shards: DataShards, resu
         on_commit=evaluate_while_training if config.eval.per_checkpoint_enabled else None,
         sink=ui.feeding(sinks, prefect_events),
     )
+    if getattr(config.model, "init_from", None):  # each evaluation told against the base's (step 0)
+        base = [r for r in read_records(Store.of(config.storage), config.resolved_run_name()) if _is_base_eval(r)]
+        monitor.base_eval = base[-1] if base else {}
     try:
         # another launch took the run over (launch.takeover): stop the gang at once
         with (

@@ -74,6 +74,7 @@ def evaluate_checkpoint(
     engine = Engine.resolve(cfg, device, training=False)  # for its precision
     vocab_size = next(iter(vals.values())).vocab_size
     model = build_model(cfg.model, vocab_size, seed=None).to(device)  # every weight is loaded
+    model.document_end_id = next(iter(vals.values())).eot_id  # masked as in training (model.attention)
     load_checkpoint(folder, model=model)
     model.eval()
     sets = set(cfg.eval.sets)

@@ -28,7 +28,9 @@ from stoker.core import events
 from stoker.core.config import RunConfig
 from stoker.core.config.sections import DEFAULT_SOURCE_NAME
 from stoker.core.failures import CheckpointInvalid
+from stoker.core.token_bytes import BitsPerByteUnsupported, token_byte_counts
 from stoker.storage.checkpoints import find_latest_valid, mark_invalid, rehydrate
+from stoker.storage.layout import TOKENIZER_FILE
 from stoker.storage.store import Store
 from stoker.storage.uploader import CheckpointUploader
 from stoker.training.checkpoint import Checkpointer, agree_on_checkpoint, load_checkpoint, seed_rank_rngs
@@ -48,6 +50,7 @@ from stoker.training.metrics import MetricsLog, Throughput
 from stoker.training.micro_batch import settle as settle_micro_batch
 from stoker.training.numerics import FINITE, NumericsGuard, count_nonfinite_tensors, state_tensors
 from stoker.training.parallel import data_parallel
+from stoker.training.scoring import HeldOut, add_window_scores, token_nll
 
 FAILED_UPLOAD_WAIT_SECONDS = 10.0
 
@@ -93,6 +96,8 @@ class Trainer:
         self.raw_model, self.model = build_model(
             cfg, self.windows.streams[0].vocab_size, self.engine, ranks.world_size, init=not from_base
         )
+        self.raw_model.document_end_id = self.windows.streams[0].eot_id  # the separator of model.attention 'document'
+        self.byte_counts = self._in_loop_byte_counts(next(iter(shard_dirs.values())))
         self.optimizer = build_optimizer(cfg, self.raw_model, self.engine)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_multiplier(s, cfg))
         # per-rank streams (dropout, anything drawing from numpy or random): every RNG is
@@ -327,32 +332,60 @@ class Trainer:
         raise Preempted(f"stopped by SIGTERM at step {self.step}")
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, dict[str, float] | None]:
+    def evaluate(self) -> tuple[float, dict[str, float] | None, dict[str, float] | None]:
         """Mean validation loss over fixed windows of each source's validation split, split
-        across ranks: (the mean over sources, each source's loss, or None for one source)."""
-        losses = {name: self._evaluate(val) for name, val in self.val_data.items()}
+        across ranks: (the mean over sources, each source's loss, or None for one source, and
+        each source's bits per byte of the same windows, or None where not measured)."""
+        scored = {name: self._evaluate(val) for name, val in self.val_data.items()}
+        losses = {name: loss for name, (loss, _) in scored.items()}
+        bpbs = {name: bpb for name, (_, bpb) in scored.items() if bpb is not None}
         mean = sum(losses.values()) / len(losses)
-        return mean, (losses if self.mixture else None)
+        return mean, (losses if self.mixture else None), (bpbs if len(bpbs) == len(losses) else None)
 
-    def _evaluate(self, val: TokenStream) -> float:
+    def _evaluate(self, val: TokenStream) -> tuple[float, float | None]:
         cfg, r = self.cfg, self.ranks
         micro, T = cfg.train.micro_batch_size, cfg.model.block_size
         offsets = eval_offsets(val.num_tokens, T, cfg.eval.num_batches * micro * self.dp_size)
         mine = offsets[self.dp_rank :: self.dp_size]  # a tensor-parallel group: the same windows
         self.model.eval()
-        sums = torch.zeros(2, dtype=torch.float64, device=r.device)
+        byte_counts = self.byte_counts
+        sums = torch.zeros(4, dtype=torch.float64, device=r.device)  # loss x windows, windows, counted nll, bytes
         for i in range(0, len(mine), micro):
             x, y = get_batch(val, T, mine[i : i + micro])
+            x, y = x.to(r.device), y.to(r.device)
             with self.engine.autocast():
                 # the step's module: under FSDP2 only it gathers the sharded parameters
-                _, loss = self.model(x.to(r.device), y.to(r.device))
+                _, loss = self.model(x, y)
             sums[0] += loss.double() * len(x)
             sums[1] += len(x)
-        if r.is_dist:  # under tensor parallel each group's sums come tp times: the ratio stays
-            dist.all_reduce(sums)  # group: world; sum loss and window counts over ranks
-        return float(sums[0] / sums[1])
+            if byte_counts is not None:  # the bits per byte of the same windows, as the evaluation counts them
+                held = HeldOut()
+                add_window_scores(held, token_nll(self.model, x, y, self.engine.autocast), y, byte_counts, x)
+                sums[2] += held.counted_nll
+                sums[3] += held.num_bytes
+        if r.is_dist:  # under tensor parallel each group's sums come tp times: the ratios stay
+            dist.all_reduce(sums)  # group: world; sum losses, window counts, nats and bytes over ranks
+        bpb = float(sums[2] / (math.log(2) * sums[3])) if byte_counts is not None and sums[3] > 0 else None
+        return float(sums[0] / sums[1]), bpb
 
-    def _log_eval(self, step: int, val: float, sources: dict | None, seconds: float) -> None:
+    def _in_loop_byte_counts(self, shard_dir: str):
+        """The byte counts of the shards' tokenizer, for the in-loop bits per byte of a run from
+        a base with 'bpb' in eval.sets (its change since the base); None otherwise, or where
+        the tokenizer's tokens cannot be counted in bytes exactly."""
+        cfg = self.cfg
+        if "bpb" not in cfg.eval.sets or not getattr(cfg.model, "init_from", None):
+            return None
+        from tokenizers import Tokenizer
+
+        try:
+            counts = token_byte_counts(
+                Tokenizer.from_file(os.path.join(shard_dir, TOKENIZER_FILE)), self.windows.streams[0].vocab_size
+            )
+        except (BitsPerByteUnsupported, OSError):
+            return None
+        return torch.from_numpy(counts).to(self.ranks.device)
+
+    def _log_eval(self, step: int, val: float, sources: dict | None, seconds: float, bpbs: dict | None = None) -> None:
         self.metrics.log(
             events.Eval(
                 step=step,
@@ -360,6 +393,8 @@ class Trainer:
                 val_ppl=math.exp(min(val, 50)),
                 seconds=round(seconds, 4),
                 sources={n: round(v, 6) for n, v in sources.items()} if sources else None,
+                bits_per_byte=round(sum(bpbs.values()) / len(bpbs), 6) if bpbs else None,
+                sources_bpb={n: round(v, 6) for n, v in bpbs.items()} if bpbs and self.mixture else None,
             )
         )
 
@@ -387,8 +422,8 @@ class Trainer:
         end = self.end_step
         if self.step == 0:
             t_eval = time.perf_counter()
-            val, sources = self.evaluate()
-            self._log_eval(0, val, sources, time.perf_counter() - t_eval)
+            val, sources, bpbs = self.evaluate()
+            self._log_eval(0, val, sources, time.perf_counter() - t_eval, bpbs)
         last_val = None
         self.throughput.restart(self.step)
         if self.step < end < cfg.train.max_steps:
@@ -425,9 +460,9 @@ class Trainer:
             if s % cfg.eval.interval_steps == 0 or s == end:
                 self.numerics.raise_if_bad(s)  # evaluation syncs anyway: no NaN val loss reported
                 t_eval = time.perf_counter()
-                last_val, sources = self.evaluate()
+                last_val, sources, bpbs = self.evaluate()
                 seconds = time.perf_counter() - t_eval
-                self._log_eval(s, last_val, sources, seconds)
+                self._log_eval(s, last_val, sources, seconds, bpbs)
                 # throughput is of training: the evaluation's time is left out of the interval
                 self.throughput.leave_out(seconds)
             if s % cfg.checkpoint.interval_steps == 0 or s == end:

@@ -120,9 +120,10 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
             tp_mesh,
             {
                 "input_layernorm": SequenceParallel(),
-                # (x, cos, sin): the sequence-sharded x gathered, the RoPE tables as they are
+                # (x, cos, sin, mask): the sequence-sharded x gathered, the RoPE tables and the
+                # document mask (of the whole sequence, made from the token ids) as they are
                 "self_attn": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                    input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
                 ),
                 "self_attn.q_proj": ColwiseParallel(),
                 "self_attn.k_proj": ColwiseParallel(),

@@ -5,7 +5,7 @@ data.sources and data.schedule, each one line before any compute."""
 import numpy as np
 import pytest
 
-from stoker.core.config import ConfigError, load_config
+from stoker.core.config import ConfigError, build_config, load_config
 from stoker.core.mixture import MAX_BLOCK_STEPS, Mixture, quotas
 from tests.conftest import tiny_dict
 
@@ -105,7 +105,7 @@ def test_bad_mixtures_are_one_line_each_naming_the_field_and_the_fix(tmp_path, d
 
 
 def test_a_mixture_source_takes_the_data_sections_options_unless_it_sets_its_own(tmp_path):
-    cfg = load_config(
+    cfg = build_config(  # the sources are not there: the options are the subject
         tiny_dict(
             "file://" + str(tmp_path),
             data={

@@ -1,38 +1,81 @@
-"""Continued pretraining of an open model through the whole flow: a sharded Llama-3.2-style
-base (scripts/make_tiny_base.py, save_pretrained locally), 2 gloo ranks under FSDP2, a rank
-killed after the first checkpoint, the retried launch resuming from it bit for bit, the final
-checkpoint evaluated with the base's tokenizer, `stoker runs` naming the base, and the export
-loaded by transformers with our logits and the base's own tokenizer."""
+"""Continued pretraining of an open model through the whole flow, as a team's first try makes
+it: a base with a real chat base's quirks (scripts/make_tiny_base.py --style chat: sharded
+safetensors, a byte-level vocabulary lacking 21 byte values, <|im_end|> as its eos beside
+<|endoftext|>, no bos, many added tokens, GQA 6/2 with an explicit head_dim of 24), a folder
+of legal-sounding text, and the default recipe from the notebook API with nothing of the model
+or the tokenizer set (`load_config("tiny-cpu", **{"model.init_from": ...})`; only the run is
+shortened). 2 gloo ranks under FSDP2, document-aware attention (the base's default), a rank
+killed after the first checkpoint and the retried launch resuming from it bit for bit; the
+step-0 validation loss (the base's own) equal to transformers' loss of the documents scored
+one by one; the gain and forgetting in the result and in `stoker runs`; the final checkpoint
+evaluated with the base's tokenizer; the export loaded by transformers with our logits and the
+base's own tokenizer files."""
 
 import contextlib
 import io
 import json
+import random
 import shutil
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 
 from stoker.core.config import load_config
 from stoker.storage.bases import resolve_base
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.store import Store
-from tests.bases import tiny_base
-from tests.conftest import prepare_shards, tiny_dict
+from tests.bases import one_document, tiny_base
+from tests.conftest import prepare_shards
 
 pytestmark = pytest.mark.e2e
 
+WORDS = (
+    "the court held that each party to the agreement shall indemnify the other against any claim arising "
+    "under section of this contract notwithstanding clause liability damages plaintiff appeal statute"
+).split()
 
-def _cfg(root, run, base):
-    sections = tiny_dict(
-        root,
-        run_name=run,
-        engine={"parallelism": "fsdp"},
-        launch={"max_attempts": 2, "max_restarts": 0},  # the flow relaunches from the newest checkpoint
+
+def _corpus(folder) -> str:
+    """200 short filings of legal-sounding text, shorter than a window, so that the packed windows
+    span documents (made here, never downloaded)."""
+    rng = random.Random(0)
+    folder.mkdir()
+    for i in range(200):
+        paragraphs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) for _ in range(rng.randint(1, 2))]
+        (folder / f"filing-{i:02d}.txt").write_text(f"Filing {i}.\n" + ".\n".join(paragraphs) + ".\n")
+    return str(folder)
+
+
+def _cfg(root, run, base, text):
+    # the default recipe and the base: nothing of the model or the tokenizer is set
+    return load_config(
+        "tiny-cpu",
+        **{
+            "model.init_from": base,
+            "data.source": text,
+            "storage.root": root,
+            "run_name": run,
+            # a shorter run than the recipe's
+            "model.block_size": 32,
+            "data.val_fraction": 0.1,
+            "train.max_steps": 8,
+            "train.warmup_steps": 2,
+            "train.log_interval": 1,
+            "train.global_batch_size": 8,
+            "train.micro_batch_size": 2,
+            "checkpoint.interval_steps": 4,
+            "eval.interval_steps": 4,
+            "eval.num_batches": 2,
+            "eval.per_checkpoint_enabled": False,
+            "eval.multiple_choice_items": 20,
+            "engine.parallelism": "fsdp",
+            "launch.timeout_seconds": 300,
+            "launch.max_attempts": 2,  # the flow relaunches from the newest checkpoint
+            "launch.max_restarts": 0,
+        },
     )
-    sections["model"] = {"family": "llama", "init_from": base, "block_size": 32}
-    del sections["tokenizer"]  # the base's
-    return load_config(sections)
 
 
 def _final_tensors(store, run):
@@ -41,6 +84,34 @@ def _final_tensors(store, run):
     sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items() if k.startswith("model.")}
     dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     return sd
+
+
+def _documents(row: torch.Tensor, end_id: int) -> list[tuple[int, int]]:
+    """[start, end) of each document of a window (its separator ends it)."""
+    ends = [i + 1 for i, t in enumerate(row.tolist()) if t == end_id]
+    starts = [0] + ends
+    return [(s, e) for s, e in zip(starts, ends + [len(row)]) if e > s]
+
+
+def _base_loss_one_document_at_a_time(base: str, cfg, shards) -> torch.Tensor:
+    """transformers' loss on the windows of the in-loop evaluation, each document alone."""
+    from transformers import AutoModelForCausalLM
+
+    from stoker.training.data import TokenStream, eval_offsets, get_batch
+
+    store = Store(cfg.storage.root)
+    val = TokenStream(store.local_path(shards.key), "val")
+    T = cfg.model.block_size
+    x, y = get_batch(val, T, eval_offsets(val.num_tokens, T, cfg.eval.num_batches * 2 * cfg.launch.world_size))
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    windows = []
+    with torch.no_grad():
+        for b in range(len(x)):
+            parts = _documents(x[b], val.eot_id)
+            logits = torch.cat([hf(x[b : b + 1, s:e]).logits[0] for s, e in parts])
+            windows.append(F.cross_entropy(logits, y[b]))
+    assert sum(len(_documents(row, val.eot_id)) > 1 for row in x) >= 2  # windows that span documents
+    return torch.stack(windows).mean()
 
 
 def test_a_base_is_trained_further_through_the_flow_resumed_bitwise_and_exported(
@@ -55,15 +126,19 @@ def test_a_base_is_trained_further_through_the_flow_resumed_bitwise_and_exported
     from stoker.training.models import build_model
     from tests.forked_ranks import run_forked
 
-    base = str(shutil.copytree(tiny_base(tmp_path_factory, "llama"), tmp_path / "base"))
+    base = str(shutil.copytree(tiny_base(tmp_path_factory, "chat"), tmp_path / "base"))
+    text = _corpus(tmp_path / "text")
     root = "file://" + str(tmp_path / "store")
-    unbroken = resolve_base(_cfg(root, "base-unbroken", base))  # the same training without the flow
+    unbroken = resolve_base(_cfg(root, "base-unbroken", base, text))  # the same training without the flow
+    m = unbroken.model
+    assert (m.family, m.n_head, m.n_kv_head, m.head_dim, m.attention) == ("llama", 6, 2, 24, "document")
+    assert unbroken.tokenizer.eot_token == "<|endoftext|>"  # not the chat turn's <|im_end|>
     prepared, shards = prepare_shards(unbroken)
     run_forked(pin_run_folder(prepared, unbroken, shards), shards.key, nproc=2)
 
     monkeypatch.setenv("STOKER_FAULT", "kill:rank=1:step=6")  # SIGKILL before step 6
     monkeypatch.setenv("STOKER_FAULT_ONCE", str(tmp_path / "fault-fired"))
-    result = train_pipeline(_cfg(root, "base-killed", base))
+    result = train_pipeline(_cfg(root, "base-killed", base, text))
     assert (tmp_path / "fault-fired").exists()
     assert result.final_step == 8 and result.num_attempts == 2
     assert result.attempts[1]["resumed_from_step"] == 4
@@ -78,26 +153,40 @@ def test_a_base_is_trained_further_through_the_flow_resumed_bitwise_and_exported
     assert result.checkpoints[-1]["step"] == 8 and result.checkpoints[-1]["val_loss"] is not None
     assert result.last_val_loss is not None
 
+    # step 0 is the base's own evaluation, with documents masked: transformers on each document alone
+    evals = {r["step"]: r for r in records if r["event"] == "eval"}
+    expected = _base_loss_one_document_at_a_time(base, unbroken, shards)
+    torch.testing.assert_close(torch.tensor(evals[0]["val_loss"], dtype=torch.float32), expected)
+    # gain and forgetting against it, per source, in loss and in bits per byte of the same windows
+    since = result.since_base["main"]
+    assert since["step"] == 8 and since["base_loss"] == round(evals[0]["val_loss"], 4)
+    assert since["loss_change"] == round(evals[8]["val_loss"] - evals[0]["val_loss"], 4)
+    assert since["bpb_change"] == round(evals[8]["bits_per_byte"] - evals[0]["bits_per_byte"], 4)
+
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["runs", "--root", root]) == 0
     [row] = [line for line in out.getvalue().splitlines() if line.startswith("base-killed")]
-    assert "llama, 2 layers x 64" in row and f"(sha256 {unbroken.model.base_sha256[:12]})" in row
+    assert "llama, 2 layers x 96" in row and f"(sha256 {unbroken.model.base_sha256[:12]})" in row
+    assert f"main {since['loss_change']:+.2f} nats ({since['bpb_change']:+.3f} bpb) since the base (step 8)" in row
 
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["export", result.final_checkpoint_uri, str(tmp_path / "hf")]) == 0
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
     ours = build_model(unbroken.model, shards.vocab_size, seed=None)
     load_checkpoint(store.local_path(list_checkpoints(store, "base-killed")[0].key), model=ours)
-    ids = torch.randint(0, shards.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = one_document(
+        ours, unbroken, torch.randint(0, shards.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    )
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits[..., : shards.vocab_size], ours.eval()(ids)[0])
-    # the base's own tokenizer files: the same ids as the base's, its bos and eos
+    # the base's own tokenizer files: the same ids as the base's, its eos, no bos
     exported = json.load(open(tmp_path / "hf" / "config.json"))
     assert exported["architectures"] == ["LlamaForCausalLM"] and exported["stoker"]["base_sha256"] == (
         unbroken.model.base_sha256
     )
-    text = "def resume(run):\n    return run.newest_valid()"
+    assert exported["head_dim"] == 24 and exported["num_key_value_heads"] == 2
+    sample = "Filing 7.\nThe court held that each party shall indemnify the other."
     theirs, mine = AutoTokenizer.from_pretrained(base), AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
-    assert mine(text)["input_ids"] == theirs(text)["input_ids"] and mine.eos_token == "<|end_of_text|>"
-    assert (hf.config.bos_token_id, hf.config.eos_token_id) == (0, 1)
+    assert mine(sample)["input_ids"] == theirs(sample)["input_ids"] and mine.eos_token == "<|im_end|>"
+    assert mine.bos_token is None and (hf.config.bos_token_id, hf.config.eos_token_id) == (None, 2)

@@ -18,7 +18,7 @@ from stoker.core.config import load_config
 from stoker.storage.bases import resolve_base
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.runs import pin_run_folder
-from tests.bases import tiny_base
+from tests.bases import one_document, tiny_base
 from tests.conftest import prepare_shards, tiny_dict, train_losses
 from tests.forked_ranks import run_forked, start_ranks, train_argv
 
@@ -211,6 +211,6 @@ def test_a_gpt2_base_loads_with_transformers_logits(tmp_path_factory, tmp_path):
     ours = build_model(cfg.model, vocab, seed=None)
     load_base(ours, cfg.model, base)
     hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    ids = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = one_document(ours, cfg, torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0)))
     with torch.no_grad():
         torch.testing.assert_close(ours.eval()(ids)[0], hf(ids).logits)

@@ -303,9 +303,8 @@ def _unigram() -> Tokenizer:
         (_unigram, r"Unigram model has no byte fallback: text it cannot spell becomes <unk>"),
         (lambda: _sentencepiece("prepend", bos=False), r"no document-start token \(bos\)"),
         (lambda: _byte_level(add_prefix_space=True, split=True), r"spaces that are not in the text between words"),
-        (lambda: _byte_level(alphabet=False), r"vocabulary lacks byte 0x"),
     ],
-    ids=["wordpiece", "unigram-without-byte-fallback", "dummy-prefix-without-bos", "prefix-per-word", "no-alphabet"],
+    ids=["wordpiece", "unigram-without-byte-fallback", "dummy-prefix-without-bos", "prefix-per-word"],
 )
 def test_a_tokenizer_whose_bytes_cannot_be_counted_exactly_is_refused_with_the_reason(make, reason):
     tok = make()
@@ -337,3 +336,39 @@ def test_the_flow_refuses_such_a_tokenizer_before_launch_unless_bpb_is_left_out(
     assert not store.exists("runs/wp/config.json")
     without = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"sets": ["loss"]})})
     assert write_run_config.fn(without, shards) == store.url("runs/wp/config.json")
+
+
+def test_a_vocabulary_lacking_bytes_is_counted_and_refused_only_where_the_data_holds_them(tmp_path):
+    """A byte-level BPE trained without the full alphabet lacks the bytes its text never held:
+    its tokens are counted all the same (lacking_bytes names what it cannot spell), and the flow
+    refuses 'bpb' only when the data stage counted such bytes in a source, with the count and
+    the first example; a source without them is pinned."""
+    from stoker.core.config import ConfigError, RunConfig
+    from stoker.core.results import DataShards, ShardInfo
+    from stoker.core.token_bytes import lacking_bytes
+    from stoker.storage.store import Store
+    from stoker.tasks.training import write_run_config
+
+    tok = _byte_level(alphabet=False)
+    lacking = lacking_bytes(tok)
+    assert 0x00 in lacking and 0xFF not in lacking and ord("d") not in lacking  # 0xFF never occurs in UTF-8
+    counts = token_byte_counts(tok, tok.get_vocab_size())
+    assert counts.ndim == 1 and int(counts[tok.encode(TEXT).ids].sum()) == len(TEXT.encode())  # its text, exactly
+    root = f"file://{tmp_path}/store"
+    store = Store(root)
+    store.write_bytes("shards/k/tokenizer.json", tok.to_str().encode())
+    cfg = RunConfig.model_validate({"run_name": "lossy", "storage": {"root": root}})
+
+    def shards(lost: int) -> DataShards:
+        info = ShardInfo("k", "shards/k", store.url("shards/k"), 1, 1, tok.get_vocab_size(), "<u2", False)
+        info.unencodable_bytes, info.unencodable_example = lost, "byte 0x00 in 'a\\x00b'" if lost else ""
+        return DataShards([info])
+
+    with pytest.raises(ConfigError) as err:
+        write_run_config.fn(cfg, shards(3))
+    assert err.value.problems == [
+        "eval.sets: bits per byte would count text the tokenizer drops: 3 byte(s) are ones its vocabulary cannot "
+        "encode (first: byte 0x00 in 'a\\x00b'); remove 'bpb' from eval.sets, or clean those bytes from the data"
+    ]
+    assert not store.exists("runs/lossy/config.json")
+    assert write_run_config.fn(cfg, shards(0)) == store.url("runs/lossy/config.json")

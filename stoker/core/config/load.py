@@ -17,11 +17,11 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from stoker.core.config.problems import field_range, problem_line
-from stoker.core.config.run import RunConfig, _overlaps, _read
+from stoker.core.config.run import BUILTIN_RECIPES, RunConfig, _overlaps, _read
 from stoker.core.config.sections import DataConfig, LaunchConfig, MetricsConfig, TokenizerConfig
 from stoker.core.failures import ConfigError
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES_DIR = BUILTIN_RECIPES
 
 
 def field_table() -> list[dict]:
@@ -145,24 +145,34 @@ def local_resource_problems(cfg: RunConfig) -> list[str]:
     ``load_config`` and the flow's validate task call it on the host that reads the data.
     """
     out = []
-    source = cfg.data.source.strip()
-    if source.startswith("hf:"):
-        name = source[3:].strip()
-        if name.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(name)):
-            out.append(
-                f"data.source: no local dataset folder {name!r}; give an existing folder "
-                "or a Hub name such as 'hf:wikitext'."
-            )
-    elif source and not source.startswith("builtin:") and ("://" not in source or source.startswith("file://")):
-        if not _holds_a_file(os.path.expanduser(source.removeprefix("file://"))):
-            out.append(
-                f"data.source: no file matches {cfg.data.source!r}; give an existing file, "
-                "folder or glob, or use 'builtin:stdlib'."
-            )
+    # every source of a mixture, before any of them is downloaded
+    sources = [(f"data.sources[{s.name}].source", s.source) for s in cfg.data.sources or []]
+    for field, given in sources or [("data.source", cfg.data.source)]:
+        out += _source_problems(field, given)
     path = cfg.tokenizer.path
     if path and "://" not in path and not Path(path).expanduser().is_file():
         out.append(f"tokenizer.path: {path!r} is not a file; give a tokenizer.json or leave it empty to train one.")
     return out + missing_sink_packages(cfg.metrics) + missing_ray(cfg)
+
+
+def _source_problems(field: str, given: str | None) -> list[str]:
+    """A local source (a file, folder or glob) that holds no file, or a local dataset folder
+    that is not there: known on this host before anything is downloaded."""
+    source = (given or "").strip()
+    if source.startswith("hf:"):
+        name = source[3:].strip()
+        if name.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(name)):
+            return [
+                f"{field}: no local dataset folder {name!r}; give an existing folder "
+                "or a Hub name such as 'hf:wikitext'."
+            ]
+    elif source and not source.startswith("builtin:") and ("://" not in source or source.startswith("file://")):
+        if not _holds_a_file(os.path.expanduser(source.removeprefix("file://"))):
+            return [
+                f"{field}: no file matches {given!r}; give an existing file, folder or glob "
+                "holding text, or use 'builtin:stdlib'."
+            ]
+    return []
 
 
 def missing_ray(cfg: RunConfig) -> list[str]:
@@ -225,6 +235,7 @@ def build_config(source: "RunConfig | dict | str | Path | None" = None, **overri
     that checks them with the rest of this host (``stoker.preflight.problems``), so every
     problem comes at once. When the model fails, its problems come with those of the files,
     as load_config's do."""
+    user_file = False  # a YAML/JSON file of the user's: every model field in it is theirs
     if source is None:
         data: dict[str, Any] = {}
     elif isinstance(source, RunConfig):
@@ -239,6 +250,7 @@ def build_config(source: "RunConfig | dict | str | Path | None" = None, **overri
             recipes = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
             raise ConfigError([f"config: {str(source)!r} is neither a file nor a recipe ({recipes})."])
         data = yaml.safe_load(path.read_text()) or {}
+        user_file = path.resolve().parent != RECIPES_DIR.resolve()
         if isinstance(data, dict) and re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", path.stem):
             data.setdefault("recipe", path.stem)
     if not isinstance(data, dict):
@@ -263,8 +275,15 @@ def build_config(source: "RunConfig | dict | str | Path | None" = None, **overri
         if not parts[-1]:
             raise ConfigError([f"{key!r}: names no field; e.g. train.max_steps=100"])
         node[parts[-1]] = value
+    # the model fields the user wrote as overrides: checked against a base even where they
+    # equal the recipe's (run.recipe_gives_way)
+    explicit = frozenset(
+        parts[1]
+        for parts in (k.replace("__", ".").split(".") for k in overrides)
+        if parts[0] == "model" and len(parts) > 1
+    ) | frozenset(data["model"] if user_file and isinstance(data.get("model"), dict) else ())
     try:
-        cfg = RunConfig.model_validate(data)
+        cfg = RunConfig.model_validate(data, context={"explicit_model_fields": explicit})
     except ValidationError as err:
         errors = err.errors()
         problems = [problem_line(e, RunConfig) for e in errors] + local_resource_problems(_resources_of(data, errors))

@@ -92,6 +92,27 @@ class _ModelSection(_Section):
         le=4096,
     )
 
+    attention: Literal["causal", "document"] | None = Field(
+        None,
+        description="How a token of a packed window attends: 'causal' (to every earlier token of "
+        "the window, across documents) or 'document' (to the earlier tokens of its own document "
+        "only, the boundaries at the token that ends each document, tokenizer.document_end; a "
+        "fused flex-attention kernel on CUDA, an exact masked path on the CPU). Training and every "
+        "evaluation mask alike. Empty: 'document' for a run from a base (model.init_from), else "
+        "'causal'.",
+        json_schema_extra={"fix": "give 'causal' or 'document', or leave it empty"},
+        validate_default=True,
+    )
+
+    @field_validator("attention")
+    @classmethod
+    def _attention_default(cls, value: str | None, info: ValidationInfo) -> str:
+        """Empty: 'document' for a run from a base (continued pretraining packs whole documents
+        of long text), 'causal' otherwise (today's numerics, unchanged)."""
+        if value is not None:
+            return value
+        return "document" if info.data.get("init_from") else "causal"
+
     @model_validator(mode="before")
     @classmethod
     def _family_defaults(cls, data: Any) -> Any:

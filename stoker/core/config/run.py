@@ -8,12 +8,14 @@ fields failed, so one pass reports every problem.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+from pathlib import Path
 from typing import Any, Callable
 
-from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
 from stoker.core.config.models import FAMILIES, GPT2Config, ModelConfig
@@ -43,6 +45,50 @@ def base_location(init_from: str) -> str:
     if "://" in init_from:
         return init_from.rstrip("/")
     return "file://" + os.path.abspath(os.path.expanduser(init_from))
+
+
+BUILTIN_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+@functools.lru_cache(maxsize=None)
+def _builtin_recipe_model(name: str) -> dict | None:
+    """The model section of the built-in recipe `name` (stoker/recipes/NAME.yaml), or None."""
+    import yaml
+
+    path = BUILTIN_RECIPES / f"{name}.yaml"
+    if not name or not path.is_file():
+        return None
+    data = yaml.safe_load(path.read_text()) or {}
+    model = data.get("model") if isinstance(data, dict) else None
+    return dict(model) if isinstance(model, dict) else {}
+
+
+# what a recipe's model section may say that is the run's own choice, never the base's
+_RUN_CHOICES = ("init_from", "block_size", "dropout", "attention")
+
+
+def recipe_gives_way(data: Any, explicit: frozenset | set = frozenset()) -> Any:
+    """`data` (raw config input) with the model fields that only a built-in recipe gave left
+    to the base, when model.init_from names a base that recipe was not written for.
+
+    A built-in recipe (the default tiny-cpu, or any of stoker/recipes) sizes its own model; a
+    user who adds model.init_from to it (`stoker run --set model.init_from=./base`, a notebook's
+    `load_config("tiny-cpu", **{"model.init_from": ...})`, the UI's form or a deployment's
+    parameters, which carry the recipe's values and its name in `recipe`) means the base's
+    model. So a model field whose value is the recipe's own gives way (model.family too); a
+    value the user wrote (`explicit`: the dotted override keys under model, or any value that
+    differs from the recipe's) stays and is checked against the base. Not once the base is read
+    in (model.base_sha256 set): the config then says what the base is."""
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        return data
+    model = data["model"]
+    recipe = _builtin_recipe_model(data.get("recipe") or "") if isinstance(data.get("recipe"), str) else None
+    if not recipe or not model.get("init_from") or model.get("base_sha256"):
+        return data
+    if recipe.get("init_from") and base_location(str(recipe["init_from"])) == base_location(str(model["init_from"])):
+        return data  # the recipe was written for this base: its fields are checked against it
+    kept = {k: v for k, v in model.items() if k in _RUN_CHOICES or k in explicit or k not in recipe or recipe[k] != v}
+    return {**data, "model": kept} if len(kept) != len(model) else data
 
 
 # ---- rules that span sections --------------------------------------------------------------
@@ -272,6 +318,11 @@ class RunConfig(_Section):
                 "eval": {"sets", "multiple_choice_items"},  # what a checkpoint's evaluation measures
             },
         )
+        # fields added since runs were first named: at their old behaviour they name no new run
+        if payload["model"].get("attention") == "causal":
+            payload["model"].pop("attention")
+        if payload["tokenizer"].get("document_end") is None:
+            payload["tokenizer"].pop("document_end", None)
         if getattr(self.model, "init_from", None):
             model = payload["model"]
             for name in (*type(self.model).FROM_BASE, "base_sha256", "family", "vocab_pad_multiple"):
@@ -283,13 +334,23 @@ class RunConfig(_Section):
 
     def model_hash(self) -> str:
         """Hash of what must match for a checkpoint to load into this model."""
-        payload = {"model": self.model.model_dump(mode="json"), "vocab": self.tokenizer.vocab_size}
+        # not the attention: the same weights load under either masking
+        payload = {
+            "model": self.model.model_dump(mode="json", exclude={"attention"}),
+            "vocab": self.tokenizer.vocab_size,
+        }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
     def resolved_run_name(self) -> str:
         return self.run_name or f"run-{self.identity_hash()[:10]}"
 
     # ---- validation ----------------------------------------------------------------
+    @model_validator(mode="before")
+    @classmethod
+    def _recipe_gives_way_to_a_base(cls, data: Any, info: ValidationInfo) -> Any:
+        explicit = (info.context or {}).get("explicit_model_fields", frozenset())
+        return recipe_gives_way(data, explicit)
+
     @model_validator(mode="wrap")
     @classmethod
     def _cross_section_rules(cls, data: Any, handler: Callable[[Any], RunConfig]) -> RunConfig:

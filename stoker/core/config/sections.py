@@ -477,6 +477,25 @@ class TokenizerConfig(_Section):
         "End-of-text special token that ends every document in the shards.",
         fix="use the tokenizer's end-of-text token, e.g. '<|endoftext|>'",
     )
+    document_end: str | None = _field(
+        None,
+        "The token that ends each document in the packed windows (the boundary model.attention "
+        "'document' masks at). Empty: with a base, its end-of-text token: its eos, or, where its "
+        "eos ends a chat turn (<|im_end|>, <|eot_id|>) and its vocabulary has an end-of-text "
+        "token (<|endoftext|>, <|end_of_text|>), that one; without a base, eot_token. Set, it "
+        "must be a token of the vocabulary.",
+        fix="give a token of the tokenizer's vocabulary, e.g. '<|endoftext|>', or leave it empty",
+        min_length=1,
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _document_end_is_the_eot(cls, data: Any) -> Any:
+        """A document_end given without a base is the token a trained tokenizer ends documents
+        with (eot_token); with a base, resolve_base reads it against the base's vocabulary."""
+        if isinstance(data, dict) and data.get("document_end") and not data.get("path"):
+            data = {**data, "eot_token": data["document_end"]}
+        return data
 
 
 class TrainConfig(_Section):

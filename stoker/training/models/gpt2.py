@@ -20,7 +20,13 @@ import torch.nn.functional as F
 
 from stoker.core.config import GPT2Config
 from stoker.training.models.common import copy_full_value, seeded_generator
-from stoker.training.models.layers import chunked_cross_entropy, logits_and_loss, padded_vocab
+from stoker.training.models.layers import (
+    attend,
+    attention_mask,
+    chunked_cross_entropy,
+    logits_and_loss,
+    padded_vocab,
+)
 from stoker.training.models.spec import ModelSpec
 
 
@@ -32,12 +38,12 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
         # (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = attend(q, k, v, mask, self.dropout if self.training else 0.0, False)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -62,8 +68,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -73,6 +79,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
         self.loss_chunk = 0  # tokens per chunk of a chunked cross-entropy; 0: the full logits
+        self.document_end_id: int | None = None  # the separator of model.attention 'document'
         vocab_size = padded_vocab(vocab_size, cfg.vocab_pad_multiple)
         self.wte = nn.Embedding(vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
@@ -100,9 +107,10 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)
+        mask = attention_mask(self, idx)  # None: causal; once per micro-batch for every block
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         if targets is not None and self.loss_chunk:  # the full logits never exist
             h = self.ln_f(x)
             return None, chunked_cross_entropy(

@@ -6,7 +6,7 @@ The parameters carry transformers' names (less the ``model.`` prefix), so the ad
 plain rename with no transposes, and RoPE uses transformers' rotate_half layout, so the q/k
 projections of a Hugging Face checkpoint load as they are (no permutation). Attention is
 ``scaled_dot_product_attention`` with ``enable_gqa`` (the key/value heads are never repeated in
-memory). The embedding rows are a base's own count (``model.vocab_size``) or the tokenizer's
+memory), within documents under model.attention 'document' (``layers.attend``). The embedding rows are a base's own count (``model.vocab_size``) or the tokenizer's
 padded to ``model.vocab_pad_multiple``. Initial weights are a pure function of the seed and each
 parameter's name, as in the gpt2 family, so a meta-device build sharded by FSDP2 starts from the
 same values as a replicated one.
@@ -18,7 +18,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from stoker.core.config import LlamaConfig
 from stoker.training.models.common import (
@@ -30,7 +29,13 @@ from stoker.training.models.common import (
     rope_inv_freq,
     seeded_generator,
 )
-from stoker.training.models.layers import chunked_cross_entropy, logits_and_loss, padded_vocab
+from stoker.training.models.layers import (
+    attend,
+    attention_mask,
+    chunked_cross_entropy,
+    logits_and_loss,
+    padded_vocab,
+)
 from stoker.training.models.spec import ModelSpec
 
 
@@ -49,7 +54,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_head * hd, C, bias=False)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.head_dim
         # -1 heads: under tensor parallel (training.parallel) a rank holds n_head / tp_degree
@@ -58,14 +63,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
         q, k = apply_rope(q, k, cos, sin)
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            is_causal=True,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_head != self.n_head,
-        )  # (B, nh, T, hd)
+        dropout = self.dropout if self.training else 0.0
+        y = attend(q, k, v, mask, dropout, self.n_kv_head != self.n_head)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hd)
         return self.resid_dropout(self.o_proj(y))
 
@@ -78,8 +77,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.n_embd, cfg.intermediate_size, cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)  # (B, T, C)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)  # (B, T, C)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -107,6 +106,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
         self.loss_chunk = 0  # tokens per chunk of a chunked cross-entropy; 0: the full logits
+        self.document_end_id: int | None = None  # the separator of model.attention 'document'
         rows = vocab_rows(cfg, vocab_size)
         if rows < vocab_size:
             raise ValueError(f"model.vocab_size {rows} is below the tokenizer's {vocab_size} ids")
@@ -145,9 +145,10 @@ class Llama(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         B, T = idx.shape
         cos, sin = self.rope(T)  # 2 x (T, hd), fp32
+        mask = attention_mask(self, idx)  # None: causal; once per micro-batch for every block
         x = self.drop(self.embed_tokens(idx))  # (B, T, C)
         for block in self.layers:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin) if mask is None else block(x, cos, sin, mask)
         h = self.norm(x)  # (B, T, C)
         if targets is not None and self.loss_chunk:  # the full logits never exist
             return None, chunked_cross_entropy(
