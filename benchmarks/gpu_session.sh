@@ -10,7 +10,8 @@
 #      to 50304): a real torchrun run of the gpt2-124m-1gpu recipe timed from its events, next
 #      to the in-process trainer and the bare loop (real/benchmark >= 0.97, trainer/bare >= 1.0,
 #      MFU >= 45% on an H100), the checkpoint stall, the kernel profile, a Llama-3.2-1B-shaped
-#      model with its recipe's engine (tokens/s, MFU); then bench_memory and bench_plan
+#      model with its recipe's engine (tokens/s, MFU); then bench_attention (document attention
+#      on flex attention over causal, goal >= 0.9), bench_memory and bench_plan
 #   3. bash benchmarks/gpu_session.sh compare  real runs of DDP and FSDP2 with no, selective and
 #      full activation checkpointing, and DDP with the chunked cross-entropy: step time over
 #      DDP (FSDP2 <= 1.15x, selective <= 1.12x none) and the chunked loss's cost
@@ -42,6 +43,8 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   part bench-gpu 470 python3 -m benchmarks.bench_gpu --store "$STOKER_GPU_STORE" --profile \
     --real-variants ddp:none --real-steps 40 --real-warmup 10 --real-timeout 200 --llama-1b
+  # document-aware attention (flex attention, a BlockMask) against causal, the same model (goal >= 0.9)
+  part bench-attention 60 python3 -m benchmarks.bench_attention --block 2048 --batch 4 --doc-tokens 512 --steps 10
   part bench-memory 80 python3 -m benchmarks.bench_memory \
     --layers 12 --width 768 --block 1024 --batch 16 --vocab 50304 --chunk 4096
   # the plan's memory estimate against max_memory_allocated (GPT-2 124M, a Llama-1B shape)

@@ -51,3 +51,44 @@ def one_document(model, cfg, ids):
     ids = ids.clone()
     ids[ids == end] = end - 1 if end > 0 else end + 1
     return ids
+
+
+def documents(row, end_id: int) -> list[tuple[int, int]]:
+    """[start, end) of each document of a packed window (its separator, end_id, ends it)."""
+    ends = [i + 1 for i, t in enumerate(row.tolist()) if t == end_id]
+    starts = [0] + ends
+    return [(s, e) for s, e in zip(starts, ends + [len(row)]) if e > s]
+
+
+def loss_of_documents_alone(hf, x, y, end_id: int):
+    """(B,) each window's mean loss by transformers' `hf`, each document of it scored alone (what
+    model.attention 'document' computes on the packed window, for a RoPE family)."""
+    import torch
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        return torch.stack(
+            [
+                F.cross_entropy(torch.cat([hf(x[b : b + 1, s:e]).logits[0] for s, e in documents(x[b], end_id)]), y[b])
+                for b in range(len(x))
+            ]
+        )
+
+
+_WORDS = (
+    "the court held that each party to the agreement shall indemnify the other against any claim arising "
+    "under section of this contract notwithstanding clause liability damages plaintiff appeal statute"
+).split()
+
+
+def short_documents(folder, count: int = 200) -> str:
+    """A folder of `count` short filings of legal-sounding text, each shorter than a training
+    window, so that packed windows span documents (made here, never downloaded)."""
+    import random
+
+    rng = random.Random(0)
+    folder.mkdir(exist_ok=True)
+    for i in range(count):
+        paragraphs = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 12))) for _ in range(rng.randint(1, 2))]
+        (folder / f"filing-{i:03d}.txt").write_text(f"Filing {i}.\n" + ".\n".join(paragraphs) + ".\n")
+    return str(folder)

@@ -297,3 +297,14 @@ def test_every_benchmark_imports_and_has_a_main():
     for name in names:
         module = importlib.import_module(f"benchmarks.{name}")
         assert callable(getattr(module, "main", None)), name
+
+
+def test_bench_attention_smoke_run_prints_document_over_causal(capsys):
+    """benchmarks/bench_attention.py at a tiny size: both attentions train on the same packed
+    windows, and the ratio line is printed."""
+    from benchmarks import bench_attention
+
+    result = bench_attention.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert result["smoke"] and set(result["tokens_per_s"]) == {"causal", "document"}
+    assert "document attention: " in out and " of causal (SDPA, dense boolean mask, cpu)" in out

@@ -14,38 +14,20 @@ base's own tokenizer files."""
 import contextlib
 import io
 import json
-import random
 import shutil
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 
 from stoker.core.config import load_config
 from stoker.storage.bases import resolve_base
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.store import Store
-from tests.bases import one_document, tiny_base
+from tests.bases import documents, loss_of_documents_alone, one_document, short_documents, tiny_base
 from tests.conftest import prepare_shards
 
 pytestmark = pytest.mark.e2e
-
-WORDS = (
-    "the court held that each party to the agreement shall indemnify the other against any claim arising "
-    "under section of this contract notwithstanding clause liability damages plaintiff appeal statute"
-).split()
-
-
-def _corpus(folder) -> str:
-    """200 short filings of legal-sounding text, shorter than a window, so that the packed windows
-    span documents (made here, never downloaded)."""
-    rng = random.Random(0)
-    folder.mkdir()
-    for i in range(200):
-        paragraphs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) for _ in range(rng.randint(1, 2))]
-        (folder / f"filing-{i:02d}.txt").write_text(f"Filing {i}.\n" + ".\n".join(paragraphs) + ".\n")
-    return str(folder)
 
 
 def _cfg(root, run, base, text):
@@ -86,13 +68,6 @@ def _final_tensors(store, run):
     return sd
 
 
-def _documents(row: torch.Tensor, end_id: int) -> list[tuple[int, int]]:
-    """[start, end) of each document of a window (its separator ends it)."""
-    ends = [i + 1 for i, t in enumerate(row.tolist()) if t == end_id]
-    starts = [0] + ends
-    return [(s, e) for s, e in zip(starts, ends + [len(row)]) if e > s]
-
-
 def _base_loss_one_document_at_a_time(base: str, cfg, shards) -> torch.Tensor:
     """transformers' loss on the windows of the in-loop evaluation, each document alone."""
     from transformers import AutoModelForCausalLM
@@ -104,14 +79,8 @@ def _base_loss_one_document_at_a_time(base: str, cfg, shards) -> torch.Tensor:
     T = cfg.model.block_size
     x, y = get_batch(val, T, eval_offsets(val.num_tokens, T, cfg.eval.num_batches * 2 * cfg.launch.world_size))
     hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    windows = []
-    with torch.no_grad():
-        for b in range(len(x)):
-            parts = _documents(x[b], val.eot_id)
-            logits = torch.cat([hf(x[b : b + 1, s:e]).logits[0] for s, e in parts])
-            windows.append(F.cross_entropy(logits, y[b]))
-    assert sum(len(_documents(row, val.eot_id)) > 1 for row in x) >= 2  # windows that span documents
-    return torch.stack(windows).mean()
+    assert sum(len(documents(row, val.eot_id)) > 1 for row in x) >= 2  # windows that span documents
+    return loss_of_documents_alone(hf, x, y, val.eot_id).mean()
 
 
 def test_a_base_is_trained_further_through_the_flow_resumed_bitwise_and_exported(
@@ -127,7 +96,7 @@ def test_a_base_is_trained_further_through_the_flow_resumed_bitwise_and_exported
     from tests.forked_ranks import run_forked
 
     base = str(shutil.copytree(tiny_base(tmp_path_factory, "chat"), tmp_path / "base"))
-    text = _corpus(tmp_path / "text")
+    text = short_documents(tmp_path / "text")
     root = "file://" + str(tmp_path / "store")
     unbroken = resolve_base(_cfg(root, "base-unbroken", base, text))  # the same training without the flow
     m = unbroken.model

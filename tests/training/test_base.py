@@ -3,8 +3,10 @@ weights only while the run has no valid checkpoint, read slice by slice under FS
 owns the weights after the first commit (the base may be gone); a crash before the first
 commit restarts from the base. (The export of such a run: tests/flows/test_base_e2e.py.)
 
-One module run (`based`: 2 FSDP2 ranks, 8 steps, checkpoints at 4 and 8, a sharded
-Llama-3.2-style base made by scripts/make_tiny_base.py) serves every test here."""
+One module run (`based`: 2 FSDP2 ranks, 8 steps, checkpoints at 4 and 8, a sharded Qwen2-style
+base made by scripts/make_tiny_base.py, q/k/v biases and untied embeddings, on short documents)
+serves every test here; a Mistral-style base is taken through the same path, export and reload
+included, by a run of its own."""
 
 import json
 import os
@@ -18,7 +20,7 @@ from stoker.core.config import load_config
 from stoker.storage.bases import resolve_base
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.runs import pin_run_folder
-from tests.bases import one_document, tiny_base
+from tests.bases import documents, loss_of_documents_alone, one_document, short_documents, tiny_base
 from tests.conftest import prepare_shards, tiny_dict, train_losses
 from tests.forked_ranks import run_forked, start_ranks, train_argv
 
@@ -39,9 +41,11 @@ def _equal_states(a, b):
 @pytest.fixture(scope="module")
 def based(tmp_path_factory):
     """(cfg, store, shards, config URL, records, base folder) of the module's unbroken run."""
-    base = shutil.copytree(tiny_base(tmp_path_factory, "llama"), tmp_path_factory.mktemp("based") / "base")
+    base = shutil.copytree(tiny_base(tmp_path_factory, "qwen2"), tmp_path_factory.mktemp("based") / "base")
     root = "file://" + str(tmp_path_factory.mktemp("based-store") / "store")
+    text = short_documents(tmp_path_factory.mktemp("based-text") / "text")
     sections = tiny_dict(root, run_name="based", engine={"parallelism": "fsdp"})
+    sections["data"] = {"source": text, "val_fraction": 0.1}
     sections["model"] = {"family": "llama", "init_from": str(base), "block_size": 32}  # the rest: the base's
     del sections["tokenizer"]  # the base's
     cfg = resolve_base(load_config(sections))
@@ -77,7 +81,9 @@ def test_the_run_starts_from_its_base_with_its_tokenizer(based):
 
 
 def test_the_first_loss_is_the_base_models_own(based):
-    """Step 1's loss is the base's loss on step 1's batch: the run trained the base, not random weights."""
+    """Step 1's loss is the base's loss on step 1's batch, its documents masked (model.attention
+    'document', a base's default): transformers' loss of each document alone. The run trained
+    the base, not random weights."""
     from transformers import AutoModelForCausalLM
 
     from stoker.training.data import Batches, TokenStream, TrainWindows
@@ -86,15 +92,16 @@ def test_the_first_loss_is_the_base_models_own(based):
     hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     stream = TokenStream(store.local_path(shards.key), "train")
     windows = TrainWindows.one(stream, 32, seed=cfg.train.seed, global_batch=cfg.train.global_batch_size)
-    losses = []
+    assert cfg.model.attention == "document"
+    losses, spans = [], 0
     for rank in (0, 1):
         batches = Batches(windows, micro_batch=2, rank=rank, accum=2, device=torch.device("cpu"), prefetch=False)
         for micro in range(2):
             x, y = batches.get(0, micro)
-            with torch.no_grad():
-                logits = hf(x).logits
-            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
-    assert train_losses(records)[1] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-4)
+            losses.append(loss_of_documents_alone(hf, x, y, stream.eot_id))
+            spans += sum(len(documents(row, stream.eot_id)) > 1 for row in x)
+    assert spans >= 1  # a window of step 1 holds two documents: the masking is seen
+    assert train_losses(records)[1] == pytest.approx(float(torch.cat(losses).mean()), rel=1e-4)
 
 
 def test_resume_owns_the_weights_once_a_checkpoint_is_committed_even_with_the_base_gone(based, tmp_path):
@@ -214,3 +221,50 @@ def test_a_gpt2_base_loads_with_transformers_logits(tmp_path_factory, tmp_path):
     ids = one_document(ours, cfg, torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0)))
     with torch.no_grad():
         torch.testing.assert_close(ours.eval()(ids)[0], hf(ids).logits)
+
+
+def _exported_logits_are_ours(cfg, store, checkpoint_key: str, vocab: int, folder) -> dict:
+    """`stoker export` of a checkpoint, loaded by transformers' AutoModelForCausalLM: its logits
+    on one document are our checkpoint's; returns the exported config.json."""
+    import contextlib
+    import io
+
+    from transformers import AutoModelForCausalLM
+
+    from stoker.cli import main
+    from stoker.training.checkpoint import load_checkpoint
+    from stoker.training.models import build_model
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["export", store.url(checkpoint_key), str(folder)]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ours = build_model(cfg.model, vocab, seed=None)
+    load_checkpoint(store.local_path(checkpoint_key), model=ours)
+    ids = one_document(ours, cfg, torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0)))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits[..., :vocab], ours.eval()(ids)[0])
+    return json.loads((folder / "config.json").read_text())
+
+
+@pytest.mark.parametrize("style", ["qwen2", "mistral"])
+def test_a_qwen2_and_a_mistral_base_train_on_2_ranks_export_and_reload(based, style, tmp_path, tmp_path_factory):
+    """The whole path of each: resolved from its files, 2 FSDP2 ranks, exported, reloaded by
+    transformers with our logits. Qwen2: the module's run; Mistral: a 4-step run of its own."""
+    if style == "qwen2":
+        cfg, store, shards, _, _, _ = based
+        key = "runs/based/checkpoints/step-00000008"
+    else:
+        base = shutil.copytree(tiny_base(tmp_path_factory, "mistral"), tmp_path / "base")
+        sections = tiny_dict("file://" + str(tmp_path / "store"), run_name="mistral", engine={"parallelism": "fsdp"})
+        sections["data"] = {"source": short_documents(tmp_path / "text"), "val_fraction": 0.1}
+        sections["model"] = {"family": "llama", "init_from": str(base), "block_size": 32}
+        sections["train"].update(max_steps=4)
+        del sections["tokenizer"]
+        cfg = resolve_base(load_config(sections))
+        assert (cfg.model.qkv_bias, cfg.model.tie_embeddings) == (False, False)
+        store, shards = prepare_shards(cfg)
+        run_forked(pin_run_folder(store, cfg, shards), shards.key, nproc=2)
+        key = "runs/mistral/checkpoints/step-00000004"
+    exported = _exported_logits_are_ours(cfg, store, key, shards.vocab_size, tmp_path / "hf")
+    assert exported["model_type"] == {"qwen2": "qwen2", "mistral": "llama"}[style]
+    assert exported["tie_word_embeddings"] is False

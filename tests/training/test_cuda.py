@@ -1,6 +1,7 @@
 """On a CUDA GPU (marker `cuda`; skipped cleanly without one): the one-GPU recipe under
 torchrun with NCCL through evaluation, checkpoint and resume; FSDP2 on CUDA; bf16+compile
-faster than fp32 in the same run (a ratio, never a time); the async checkpoint copy.
+faster than fp32 in the same run (a ratio, never a time); the async checkpoint copy; document
+attention's fused kernel (flex attention) against its exact path, for each family.
 
 Shards: STOKER_GPU_STORE names a store root holding one shard set built for the recipe
 (``python -m benchmarks.make_shards``, carried to the GPU host); without it the data stage
@@ -375,3 +376,60 @@ def test_fsdp2_compiled_blocks_checkpoint_inside_on_cuda():
     for mode in ("selective", "full"):
         assert out[mode][0] == pytest.approx(out["none"][0], rel=1e-3), (mode, out)
     assert out["full"][1] < out["selective"][1] < out["none"][1], out
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_document_attention_on_cuda_runs_the_fused_kernel_as_the_exact_path(family):
+    """model.attention 'document' on CUDA: FSDP2 on one GPU under NCCL, each block compiled,
+    bf16 autocast, the flex-attention BlockMask built once per micro-batch: the loss and the
+    gradients of the exact path (the dense mask, the same model), close at bf16's rounding; and
+    a window of one document gives causal attention's loss."""
+    import torch.distributed as dist
+
+    from stoker.training.engine import Engine, build_model
+    from stoker.training.models import layers
+    from tests.conftest import tiny_dict
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    sep = 3
+    try:
+        g = torch.Generator(dev).manual_seed(0)
+        x = torch.randint(4, 8192, (4, 512), device=dev, generator=g)
+        x[:, torch.randint(0, 512, (24,), device=dev, generator=g)] = sep  # documents of ~20 tokens
+        model_section = {"n_layer": 2, "n_head": 8, "n_embd": 256, "block_size": 512, "attention": "document"}
+        if family == "llama":
+            model_section.update(family="llama", n_kv_head=2, intermediate_size=704, head_dim=48)
+        cfg = load_config(
+            tiny_dict("file:///tmp/unused", model=model_section, engine={"parallelism": "fsdp", "compile": "on"})
+        )
+        out = {}
+        for fused in (True, False):
+            torch._dynamo.reset()
+            layers.FUSED_ON_CUDA = fused
+            try:
+                raw, model = build_model(cfg, 8192, Engine.resolve(cfg, dev), world_size=1)
+                raw.document_end_id = sep
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    _, loss = model(x, x)
+                loss.backward()
+                grad = next(p for n, p in raw.named_parameters() if "q_proj" in n or "c_attn" in n).grad
+                out[fused] = (loss.item(), grad.full_tensor() if hasattr(grad, "full_tensor") else grad.clone())
+                one = x.clone()
+                one[one == sep] = sep + 1
+                with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                    masked = model(one, one)[1].item()
+                    raw.cfg.attention = "causal"
+                    causal = model(one, one)[1].item()
+                    raw.cfg.attention = "document"
+                assert masked == pytest.approx(causal, rel=1e-2)
+            finally:
+                layers.FUSED_ON_CUDA = True
+            del model, raw
+            torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+    assert out[True][0] == pytest.approx(out[False][0], rel=1e-2), out
+    assert (out[True][1] - out[False][1]).norm() <= 5e-2 * out[False][1].norm()

@@ -139,6 +139,10 @@ def padded_vocab(vocab_size: int, multiple: int) -> int:
 
 
 # ---- attention in packed windows ---------------------------------------------------------------
+# the fused kernel wherever CUDA runs; False: the exact path there too (what a CUDA test compares)
+FUSED_ON_CUDA = True
+
+
 class DocumentMask:
     """Document-aware attention over a micro-batch of packed windows (model.attention
     'document'): a token attends to the earlier tokens of its own document only. A document
@@ -156,7 +160,7 @@ class DocumentMask:
         B, T = idx.shape
         self.block = None
         self.dense = None
-        if idx.is_cuda if fused is None else fused:
+        if (idx.is_cuda and FUSED_ON_CUDA) if fused is None else fused:
             from torch.nn.attention.flex_attention import create_block_mask
 
             doc = self.doc
