@@ -43,6 +43,7 @@ from stoker.core.harness import harness_problems
 from stoker.launch.devices import device_problems
 from stoker.observe.sinks import sink_problems
 from stoker.storage.bases import resolve_base
+from stoker.storage.branches import resolve_branch
 from stoker.storage.runs import store_problem
 from stoker.storage.store import Store
 
@@ -96,6 +97,13 @@ def _checked(config: RunConfig, load_credentials: LoadCredentials | None) -> tup
             if not is_transient(err):
                 raise
             unreachable.append(err)
+    if (
+        getattr(config.train, "branch_from", None) and not found and not unreachable
+    ):  # the branch point, read once the rest holds
+        try:
+            resolved = resolve_branch(resolved)
+        except ConfigError as err:
+            found += list(err.problems)
     if not found and not unreachable:  # the memory plan, on the model's shape (a base's, read in)
         found += _unreachable_as(lambda: plan_problems(resolved), unreachable)
     if unreachable and not found:

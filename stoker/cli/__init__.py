@@ -37,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
         help="take the run over from another launch that holds its lease (it stops "
         "at its next heartbeat); same as --set launch.takeover=true",
     )
+    run.add_argument(
+        "--branch-from",
+        metavar="CHECKPOINT_URI",
+        default=None,
+        help="start a new run (a branch) from another run's committed checkpoint, under this config's "
+        "schedule, data and evaluation; same as --set train.branch_from=URI",
+    )
     val = sub.add_parser(
         "validate",
         help="every problem of a config on this host (the model, local files, GPUs, torch, extras, "

@@ -72,8 +72,13 @@ def checked_config(recipe: str, sets: list[str]):
 
 
 def _sets(args) -> list[str]:
-    """`run`'s --set items, with --takeover as the field it stands for."""
-    return [*args.set, *(["launch.takeover=true"] if getattr(args, "takeover", False) else [])]
+    """`run`'s --set items, with --takeover and --branch-from as the fields they stand for."""
+    branch = getattr(args, "branch_from", None)
+    return [
+        *args.set,
+        *(["launch.takeover=true"] if getattr(args, "takeover", False) else []),
+        *([f"train.branch_from={branch}"] if branch else []),
+    ]
 
 
 def config_from_args(recipe: str, sets: list[str]):

@@ -34,9 +34,11 @@ def _inspect(args) -> int:
         return _print_ledger(inspect, _root(args.root), args.ledger)
     if args.command == "runs":
         rows = inspect.list_runs(_root(args.root))
+        rows = [{**r, "run": r.get("tree", r["run"])} for r in rows]  # a branch under its parent
         columns = ["run", "newest_valid_step", "max_steps", "checkpoints", "ended", "goodput", "cost", "model"]
+        optional = ("branch_of", "base", "data", "since_base")
         print(
-            _table(rows, columns + [c for c in ("base", "data", "since_base") if any(r.get(c) for r in rows)])
+            _table(rows, columns + [c for c in optional if any(r.get(c) for r in rows)])
             if rows
             else f"no runs under {_root(args.root)}"
         )

@@ -40,6 +40,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from stoker.core.schedule import describe as describe_schedule
+
 GIB = 1024**3
 CUDA_CONTEXT_GIB = 1.0  # the CUDA context, cuBLAS/cuDNN workspaces: outside max_memory_allocated
 FRAGMENTATION = 0.10  # the caching allocator's blocks beyond what is allocated at the peak
@@ -265,6 +267,9 @@ class Plan:
     max_steps: int = 0
     price: float | None = None
     notes: list[str] = field(default_factory=list)
+    schedule: str = ""  # the learning rate over the run's steps (core.schedule.describe)
+    data_mix: str = ""  # a mixture's weights over the run's steps
+    branch: str = ""  # where a branch leaves its parent
 
     @property
     def allocated(self) -> float:
@@ -331,6 +336,11 @@ class Plan:
             out.append(("wall time", f"{self.wall_seconds / 3600:,.2f} h for {self.max_steps:,} steps"))
         if self.cost is not None:
             out.append(("cost", f"{self.cost:,.2f} ({self.world} x {self.price} an accelerator-hour)"))
+        out += [
+            (what, value)
+            for what, value in (("learning rate", self.schedule), ("data mix", self.data_mix), ("branch", self.branch))
+            if value
+        ]
         return out
 
     def table(self) -> str:
@@ -427,6 +437,9 @@ def plan(
         mfu=mfu,
         max_steps=cfg.train.max_steps,
         price=getattr(getattr(cfg, "cost", None), "per_accelerator_hour", None),
+        schedule=describe_schedule(cfg.train),
+        data_mix=mix_over_steps(cfg),
+        branch=f"from {cfg.train.branch_from}" if getattr(cfg.train, "branch_from", None) else "",
     )
     if cuda:
         p.reserve = CUDA_CONTEXT_GIB * GIB + FRAGMENTATION * p.allocated
@@ -531,3 +544,14 @@ def plans_by_parallelism(cfg: Any, hardware: Hardware | None, mfu: float = DEFAU
 
 
 __all__ = ["Hardware", "Plan", "auto_micro_batch", "fit_problem", "hardware_of", "plan", "plans_by_parallelism"]
+
+
+def mix_over_steps(cfg: Any) -> str:
+    """A mixture's weights and where data.schedule changes them, in a line ('' for one source)."""
+    sources = getattr(cfg.data, "sources", None) or []
+    if not sources:
+        return ""
+    text = "from step 0: " + ", ".join(f"{s.name} {s.weight:g}" for s in sources)
+    for change in getattr(cfg.data, "schedule", None) or []:
+        text += f"; from step {change.at_step}: " + ", ".join(f"{n} {w:g}" for n, w in change.weights.items())
+    return text

@@ -258,6 +258,11 @@ class PipelineResult(BaseModel):
         description="the flow run's goodput and cost ledger (observe.ledger): seconds, share and "
         "cost per cause of its wall-clock, goodput = productive steps / wall-clock",
     )
+    lineage: list[dict] = Field(
+        default_factory=list,
+        description="a branch (train.branch_from): its ancestry, nearest first: each run's parent, the step "
+        "and checkpoint it left it at, and that checkpoint's commit-manifest sha256",
+    )
     since_base: dict | None = Field(
         None,
         description="a run from a base: per source, its validation loss and bits per byte at the base "

@@ -21,6 +21,7 @@ from stoker.observe.ledger import (
 )
 from stoker.observe.report import mix_history, mix_summary
 from stoker.storage.bases import base_summary
+from stoker.storage.branches import LINEAGE_FILE
 from stoker.storage.checkpoints import first_nonfinite_step, list_checkpoints, numerics_problem, validate_checkpoint
 from stoker.storage.layout import CONFIG_FILE, METRICS_FILE, parse_checkpoint_url, run_file_key
 from stoker.storage.manifest import Verdict
@@ -106,8 +107,31 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
             cfg = None
         if cfg is not None and getattr(cfg.model, "init_from", None):  # gain and forgetting
             row["since_base"] = since_base_text(changes_since_base(read_records(store, run))) or None
+        lineage_key = run_file_key(run, LINEAGE_FILE)
+        if store.exists(lineage_key):
+            was = store.read_json(lineage_key)
+            row["branch_of"] = f"{was.get('parent')} at step {was.get('step')}"
+            row["parent"] = was.get("parent")
         rows.append(row)
-    return rows
+    return as_tree(rows)
+
+
+def as_tree(rows: list[dict]) -> list[dict]:
+    """The runs in a tree: each branch under its parent (its `tree` column indented), in name order."""
+    names = {r["run"] for r in rows}
+    children: dict[str | None, list[dict]] = {}
+    for r in rows:
+        children.setdefault(r.get("parent") if r.get("parent") in names else None, []).append(r)
+    out: list[dict] = []
+
+    def walk(parent: str | None, depth: int) -> None:
+        for r in sorted(children.get(parent, []), key=lambda x: x["run"]):
+            r["tree"] = ("   " * (depth - 1) + "└─ " if depth else "") + r["run"]
+            out.append(r)
+            walk(r["run"], depth + 1)
+
+    walk(None, 0)
+    return out
 
 
 def _ledger_columns(store: Store, run: str) -> dict:

@@ -543,3 +543,85 @@ the same validation windows as every later evaluation); a change below zero is g
 {table}
 
 {plot}"""
+
+
+# ---- lineage and the schedule -------------------------------------------------------------------
+SCHEDULE_PLOT_FILE = "schedule.png"
+
+
+def lineage_markdown(chain: list[dict]) -> str:
+    """The report's lines on a branch's ancestry (storage.branches.lineage_chain), nearest first."""
+    if not chain:
+        return ""
+    lines = "\n".join(
+        f"- `{link['run']}` branched from `{link['parent']}` at step {link['step']}: `{link['checkpoint']}` "
+        f"(commit manifest sha256 {str(link.get('sha256'))[:16]}...)"
+        for link in chain
+    )
+    return f"\n## Lineage\n{lines}\n"
+
+
+def schedule_png(config, title: str, branch_step: int | None) -> bytes:
+    """The learning rate over the run's steps and, for a mixture, each source's weight; a dashed
+    line where a branch left its parent."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from stoker.core.schedule import curve
+
+    sources = config.data.sources or []
+    fig = Figure(figsize=(10 if sources else 6, 3.5), dpi=100)
+    lr = fig.add_subplot(1, 2 if sources else 1, 1)
+    lr.plot(*zip(*curve(config.train)), label=config.train.lr_schedule)
+    lr.set_xlabel("step")
+    lr.set_ylabel("learning rate")
+    axes = [lr]
+    if sources:
+        mix = fig.add_subplot(1, 2, 2)
+        changes = [(0, {s.name: s.weight for s in sources})] + [(c.at_step, c.weights) for c in config.data.schedule]
+        for s in sources:
+            steps, weights = [], []
+            for i, (at, w) in enumerate(changes):
+                end = changes[i + 1][0] if i + 1 < len(changes) else config.train.max_steps
+                total = sum(w.values())
+                steps += [at, end]
+                weights += [w.get(s.name, 0.0) / total] * 2
+            mix.plot(steps, weights, label=s.name)
+        mix.set_xlabel("step")
+        mix.set_ylabel("share of the batch")
+        mix.set_ylim(0, 1)
+        axes.append(mix)
+    for ax in axes:
+        if branch_step is not None:
+            ax.axvline(branch_step, linestyle="--", color="gray", label=f"branch point (step {branch_step})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def schedule_markdown(config, store: Store, run: str) -> str:
+    """The report's section on the learning rate and the data mix over the run's steps (its
+    plot kept in the run folder), with where a branch left its parent."""
+    import base64
+
+    from stoker.core.plan import mix_over_steps
+    from stoker.core.schedule import describe
+
+    chain_key = run_file_key(run, "lineage.json")
+    branch_step = store.read_json(chain_key).get("step") if store.exists(chain_key) else None
+    png = schedule_png(config, f"{run}: learning rate and data mix", branch_step)
+    store.write_bytes(run_file_key(run, SCHEDULE_PLOT_FILE), png)
+    mix = mix_over_steps(config)
+    return (
+        f"\n## Schedule\n- learning rate: {describe(config.train)}\n"
+        + (f"- data mix: {mix}\n" if mix else "")
+        + (f"- branched at step {branch_step}\n" if branch_step is not None else "")
+        + f"\n![schedule of {run}](data:image/png;base64,{base64.b64encode(png).decode()})\n\n"
+        f"(also `{store.url(run_file_key(run, SCHEDULE_PLOT_FILE))}`)\n"
+    )

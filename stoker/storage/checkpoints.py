@@ -28,8 +28,10 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from stoker.core.failures import CheckpointInvalid, CheckpointUnavailable, ConfigError
+from stoker.core.schedule import continuation_problem
 from stoker.storage.cache import checked_in_place, host_lock, verified_copy
 from stoker.storage.layout import METRICS_FILE, checkpoints_key, run_file_key
 from stoker.storage.manifest import Verdict, describe_files, invalid_reason, mark_invalid, read_manifest, verify_files
@@ -191,7 +193,9 @@ def numerics_problem(manifest: dict, step: int, nonfinite_since: int | None) -> 
     return ""
 
 
-def find_latest_valid(store: Store, run_name: str, expected: dict[str, str] | None = None) -> ResumeChoice:
+def find_latest_valid(
+    store: Store, run_name: str, expected: dict[str, str] | None = None, train: Any = None
+) -> ResumeChoice:
     """Walk checkpoints newest first; the first whose manifest parses, whose files are all
     listed with their sizes, that no host marked invalid, that is not known to hold NaN/inf
     (numerics_problem), and (given `expected`) whose manifest carries those identity fields,
@@ -205,6 +209,8 @@ def find_latest_valid(store: Store, run_name: str, expected: dict[str, str] | No
             nonfinite_since.append(first_nonfinite_step(store, run_name))
         if verdict and not mismatch:
             mismatch = numerics_problem(verdict.manifest, ref.step, nonfinite_since[0] if nonfinite_since else None)
+        if verdict and not mismatch and train is not None:  # a run trained longer: never from inside a decay
+            mismatch = continuation_problem(verdict.manifest.get("schedule"), ref.step, train)
         if mismatch:
             skipped.append((ref, mismatch))
             continue
@@ -243,20 +249,28 @@ def finish_evaluation(
 
 
 def prune_checkpoints(
-    store: Store, run_name: str, keep_latest_k: int, pin_seconds: float = DEFAULT_PIN_SECONDS
+    store: Store,
+    run_name: str,
+    keep_latest_k: int,
+    pin_seconds: float = DEFAULT_PIN_SECONDS,
+    keep_until: int | None = None,
 ) -> list[str]:
     """Delete committed checkpoints beyond the newest K, and every uncommitted or invalid
     folder older than the newest committed one (abandoned: receipts without a commit, a
     crashed attempt's partial files, an empty folder), sparing folders marked to keep and
     those whose evaluation is pending (pinned less than pin_seconds ago; they go at a later
-    pruning, once their evaluation removed the pin). Uploads commit in order, so nothing older
-    than a committed checkpoint is still in flight. Returns the deleted keys."""
+    pruning, once their evaluation removed the pin), and, given keep_until, the newest committed
+    checkpoint at or before that step. Uploads commit in order, so nothing older than a
+    committed checkpoint is still in flight. Returns the deleted keys."""
     assert keep_latest_k >= 2, "keep at least two: the newest may still be uploading"
     refs = list_checkpoints(store, run_name)
     committed = [r for r in refs if validate_checkpoint(store, r.key)]
     if not committed:
         return []
     keep = {r.key for r in committed[:keep_latest_k]}
+    before = next((r for r in committed if keep_until is not None and r.step <= keep_until), None)
+    if before is not None:  # the newest before a decay: where a run trained longer goes on from
+        keep.add(before.key)
     newest = (committed[0].step, committed[0].attempt)
     oldest_kept = committed[min(keep_latest_k, len(committed)) - 1]
     deleted = []

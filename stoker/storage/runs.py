@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from stoker.core.config import RunConfig
 from stoker.core.failures import CheckpointUnavailable, ConfigError, ExportError
 from stoker.core.results import DataShards
+from stoker.core.schedule import change_problem
 from stoker.storage.layout import (
     BASE_DIR,
     CONFIG_FILE,
@@ -88,9 +89,13 @@ def pin_run_folder(store: Store, config: RunConfig, shards: DataShards) -> str:
                     "(model or tokenizer.vocab_size changed); choose a new run_name."
                 ]
             )
+        problem = change_problem(old.train, config.train, run)  # never a stretched schedule
+        if problem:
+            raise ConfigError([problem])
         pinned = run_file_key(run, SHARDS_FILE)
         if store.exists(pinned):
             seen = _same_data_per_source(run, store.read_json(pinned), shards)
+    _pin_lineage(store, run, config)
     store.write_bytes(key, config.to_json().encode())
     store.copy(join(shards.sets[0].key, TOKENIZER_FILE), run_file_key(run, TOKENIZER_FILE))
     seen.update({s.name: s.cache_key for s in shards.sets})
@@ -231,3 +236,23 @@ def export_source(checkpoint_url: str, folder: str, storage_options: dict | None
         return named_checkpoint(checkpoint_url, storage_options)
     except ConfigError as err:
         raise ExportError("; ".join(err.problems)) from None
+
+
+def _pin_lineage(store: Store, run: str, config: RunConfig) -> None:
+    """A branch's lineage.json (its parent, step, checkpoint and the sha256 of its commit
+    manifest), written once; the same run name from another branch point is refused."""
+    from stoker.storage.branches import LINEAGE_FILE, lineage
+
+    mine = lineage(config)
+    key = run_file_key(run, LINEAGE_FILE)
+    was = store.read_json(key) if store.exists(key) else None
+    if was is not None and was != mine:
+        raise ConfigError(
+            [
+                f"train.branch_from: run {run!r} was branched from {was.get('checkpoint')} (sha256 "
+                f"{str(was.get('sha256'))[:12]}), not {config.train.branch_from}; a branch keeps its branch point: "
+                "choose a new run_name"
+            ]
+        )
+    if mine is not None and was is None:
+        store.write_json(key, mine)

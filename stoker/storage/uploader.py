@@ -135,8 +135,12 @@ class CheckpointUploader:
         cache_dir: str | None = None,
         pin_evaluations: bool = False,
         pin_seconds: float = DEFAULT_PIN_SECONDS,
+        keep_until: int | None = None,
     ):
+        """keep_until: retention also keeps the newest committed checkpoint at or before this
+        step (the last before a decay, where a run trained longer goes on from)."""
         assert max_pending_uploads >= 1
+        self.keep_until = keep_until
         self.store, self.run_name, self.rank, self.world_size = store, run_name, rank, world_size
         self.staging_root, self.keep_latest_k = staging_root, keep_latest_k
         self.upload_timeout, self.commit_timeout = upload_timeout, commit_timeout
@@ -546,7 +550,9 @@ class CheckpointUploader:
         )
         try:  # the checkpoint is committed whatever happens here; the next commit prunes again
             retry(
-                lambda: prune_checkpoints(self.store, self.run_name, self.keep_latest_k, self.pin_seconds),
+                lambda: prune_checkpoints(
+                    self.store, self.run_name, self.keep_latest_k, self.pin_seconds, keep_until=self.keep_until
+                ),
                 what="retention",
                 budget_seconds=max(0.0, deadline - time.monotonic()),
             )

@@ -26,6 +26,7 @@ from stoker.observe.report import (
     LOSS_CURVE_FILE,
     MIX_PLOT_FILE,
     checkpoint_rows,
+    lineage_markdown,
     loss_curve_png,
     mix_history,
     mix_markdown,
@@ -37,6 +38,7 @@ from stoker.observe.report import (
     rounded_sources,
     run_history,
     run_plan,
+    schedule_markdown,
     since_base_markdown,
     since_base_png,
     since_base_rows,
@@ -44,6 +46,7 @@ from stoker.observe.report import (
     source_rows,
     throughput_summary,
 )
+from stoker.storage.branches import lineage_chain
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.layout import METRICS_FILE, run_file_key, run_key
 from stoker.storage.store import Store
@@ -127,6 +130,9 @@ def report(
         )
     if getattr(config.model, "init_from", None):  # gain and forgetting against the base
         mix += _since_base_section(store, run, result)
+    result.lineage = lineage_chain(store, run)
+    mix += lineage_markdown(result.lineage)
+    mix += schedule_markdown(config, store, run)
     planned = run_plan(config, training.micro_batch_size)
     result.plan = planned.to_dict() if planned is not None else None
     result.micro_batch_size = training.micro_batch_size

@@ -26,6 +26,7 @@ from stoker.orchestration.prefect_events import open_launch_events
 from stoker.orchestration.publish import FLUSH_SECONDS, BestEffortPublisher, create_artifact, update_artifact
 from stoker.orchestration.run_logger import run_logger
 from stoker.storage.bases import document_end_note
+from stoker.storage.branches import branch_point
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.layout import TOKENIZER_FILE
 from stoker.storage.runs import pin_run_folder
@@ -131,11 +132,20 @@ def _resume_point(config: RunConfig) -> ResumePoint:
     logger = get_run_logger()
     run = config.resolved_run_name()
     choice = find_latest_valid(
-        Store.of(config.storage), run, expected={"run_name": run, "model_hash": config.model_hash()}
+        Store.of(config.storage), run, expected={"run_name": run, "model_hash": config.model_hash()}, train=config.train
     )
     skipped = [f"{ref.url}: {reason}" for ref, reason in choice.skipped]
     for line in skipped:
         logger.warning("skipping invalid checkpoint %s", line)
+    if choice.checkpoint is None and config.train.branch_from:  # a branch's first start: its branch point
+        key, parent, step = branch_point(config)
+        logger.info(
+            "no checkpoint of its own: the branch starts from %s (run %s, step %d)",
+            config.train.branch_from,
+            parent,
+            step,
+        )
+        return ResumePoint(checkpoint_key=key, checkpoint_uri=config.train.branch_from, step=step, skipped=skipped)
     if choice.checkpoint is None:
         logger.info("no valid checkpoint: training starts at step 0")
         return ResumePoint(skipped=skipped)

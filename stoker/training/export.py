@@ -30,6 +30,7 @@ import torch
 from stoker.core import events
 from stoker.core.failures import ExportError
 from stoker.core.quick_exit import quick_exit
+from stoker.storage.branches import lineage_chain
 from stoker.storage.checkpoints import rehydrate
 from stoker.storage.layout import BASE_DIR, TOKENIZER_FILE, run_file_key
 from stoker.storage.runs import export_source
@@ -137,6 +138,8 @@ def export_checkpoint(
         "base": cfg.model.init_from,
         "base_sha256": cfg.model.base_sha256,
         "padded_vocab_size": spec_of(cfg.model).vocab_rows(cfg.model, vocab_size),
+        # a branch's ancestry, nearest first: each run's parent, step and checkpoint (its sha256)
+        "lineage": lineage_chain(store, where.run_name),
     }
     files["config.json"] = json.dumps(config, indent=2).encode()
     tensors = hf_state_dict(model, cfg.model, vocab_size)

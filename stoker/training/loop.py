@@ -24,11 +24,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from stoker.core import events
+from stoker.core import events, schedule
 from stoker.core.config import RunConfig
 from stoker.core.config.sections import DEFAULT_SOURCE_NAME
 from stoker.core.failures import CheckpointInvalid
 from stoker.core.token_bytes import BitsPerByteUnsupported, token_byte_counts
+from stoker.storage.branches import branch_point
 from stoker.storage.checkpoints import find_latest_valid, mark_invalid, rehydrate
 from stoker.storage.layout import TOKENIZER_FILE
 from stoker.storage.store import Store
@@ -56,13 +57,8 @@ FAILED_UPLOAD_WAIT_SECONDS = 10.0
 
 
 def lr_multiplier(step: int, cfg: RunConfig) -> float:
-    """Linear warm-up to 1, then cosine decay to min_lr/lr at max_steps."""
-    t = cfg.train
-    if step < t.warmup_steps:
-        return (step + 1) / (t.warmup_steps + 1)
-    progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
-    floor = t.min_lr / t.lr
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    """train.lr_schedule's multiplier of train.lr at this step (core.schedule)."""
+    return schedule.lr_multiplier(step, cfg.train)
 
 
 class Trainer:
@@ -124,6 +120,8 @@ class Trainer:
             world_size=ranks.world_size,
             staging_root=os.path.join(cache_dir, "staging"),
             keep_latest_k=c.keep_latest_k,
+            # a run that may be trained longer keeps its newest checkpoint before its decay
+            keep_until=schedule.stable_until(cfg.train) if cfg.train.lr_schedule in schedule.EXTENSIBLE else None,
             upload_timeout=c.upload_timeout_seconds,
             commit_timeout=c.commit_timeout_seconds,
             async_enabled=c.async_enabled,
@@ -185,6 +183,9 @@ class Trainer:
         together to the next valid checkpoint of this run and model; a checkpoint of another
         run or model is refused (ConfigError) before any byte is read."""
         expected = {"run_name": self.run_name, "model_hash": self.cfg.model_hash()}
+        point = branch_point(self.cfg)
+        if point is not None and checkpoint_key == point[0]:  # a branch's start: its parent's checkpoint
+            expected["run_name"] = point[1]
         key, passed_over = checkpoint_key, []
         while True:
             problem = ""
@@ -201,7 +202,7 @@ class Trainer:
                 problem = "holds NaN/inf weights or optimizer state"
                 mark_invalid(self.store, key, problem)
             passed_over.append(self.store.url(key))
-            choice = find_latest_valid(self.store, self.run_name, expected)  # skips the marked one
+            choice = find_latest_valid(self.store, self.run_name, expected, self.cfg.train)  # skips the marked one
             if choice.checkpoint is None or choice.checkpoint.key == key:
                 raise CheckpointInvalid(
                     problem
@@ -211,11 +212,22 @@ class Trainer:
             key = choice.checkpoint.key
         self.step, self.tokens_seen = state.step, state.tokens_seen
         self.last_saved_step = self.step
+        self._apply_schedule()
         self.metrics.log(
             events.Resumed(
                 step=self.step, checkpoint=self.store.url(key), rng_restored=state.rng_restored, passed_over=passed_over
             )
         )
+
+    def _apply_schedule(self) -> None:
+        """The learning rate of this config's schedule at the loaded step, whatever the
+        checkpoint's schedule was (a run trained longer, a branch with another lr or decay): the
+        same value, bit for bit, that the scheduler's step gives a run that never stopped."""
+        lr = self.cfg.train.lr
+        self.scheduler.base_lrs = [lr] * len(self.optimizer.param_groups)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * lr_multiplier(self.step, self.cfg)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def start_from_base(self) -> None:
         """The run's first start (no valid checkpoint): the base's weights (model.init_from),
@@ -278,6 +290,7 @@ class Trainer:
             "base_sha256": self.cfg.model.base_sha256,  # the base the run started from (None: random)
             "shard_key": self.shard_key,
             "run_name": self.run_name,
+            "schedule": schedule.signature(self.cfg.train),  # where a run trained longer may go on from
             "tokens_seen": self.tokens_seen,
             "engine": self.engine.describe(),
         }

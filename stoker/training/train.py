@@ -31,6 +31,7 @@ from stoker.core.config import RunConfig
 from stoker.core.failures import RankAborted, is_transient
 from stoker.core.quick_exit import quick_exit
 from stoker.core.results import parse_shards_arg
+from stoker.storage.branches import branch_point
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.runs import read_config
 from stoker.storage.shards import materialize, shard_set_name
@@ -111,7 +112,7 @@ def newest_checkpoint(store: Store, cfg: RunConfig) -> str | None:
     box = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         run = cfg.resolved_run_name()
-        choice = find_latest_valid(store, run, {"run_name": run, "model_hash": cfg.model_hash()})
+        choice = find_latest_valid(store, run, {"run_name": run, "model_hash": cfg.model_hash()}, cfg.train)
         box[0] = choice.checkpoint.key if choice.checkpoint else None
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)  # group: world
@@ -139,6 +140,9 @@ def run_rank(config_url: str, shards: str, resume_from: str | None, cache_dir: s
     restarted = any_rank_restarted(restarted)
     store = Store.of(cfg.storage)
     resume = newest_checkpoint(store, cfg) if restarted else resume_from
+    point = branch_point(cfg)
+    if not resume and point is not None:  # a branch with no checkpoint of its own: its branch point
+        resume = point[0]
     # resume owns the weights once any checkpoint is committed; with none (a restart before
     # the first one included), a run with a base starts from the base, never from random weights
     from_base = not resume and bool(cfg.model.init_from)

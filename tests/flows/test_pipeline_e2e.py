@@ -20,7 +20,9 @@ def test_pipeline_trains_resumes_and_hits_the_data_cache(prefect_server, tmp_pat
     from stoker.flows.pipeline import PipelineResult, train_pipeline
 
     root = "file://" + str(tmp_path / "store")
-    cfg = load_config(tiny_dict(root, run_name="e2e", eval={"per_checkpoint_enabled": True}))
+    # warmup-stable-decay: the decay over the last 2 steps, so that the run can be trained longer
+    wsd = {"lr_schedule": "wsd", "decay_steps": 2}
+    cfg = load_config(tiny_dict(root, run_name="e2e", eval={"per_checkpoint_enabled": True}, train=wsd))
     first = train_pipeline(cfg)
     assert isinstance(first, PipelineResult)
     assert (first.run_name, first.final_step, first.resumed_from_step) == ("e2e", 8, 0)
@@ -48,11 +50,12 @@ def test_pipeline_trains_resumes_and_hits_the_data_cache(prefect_server, tmp_pat
     assert [r["step"] for r in records if r["event"] == "eval"] == [0, 4, 8]
     assert store.exists("runs/e2e/config.json") and store.exists("runs/e2e/tokenizer.json")
 
-    # the same run, asked for more steps: resumes from step 8, and the data step is a cache hit
-    # (with train.micro_batch_size 'auto': not part of the run's identity)
-    longer = load_config(tiny_dict(root, run_name="e2e", train={"max_steps": 12, "micro_batch_size": "auto"}))
+    # the same run, asked for more steps (a wsd run's past does not depend on its end): it goes on
+    # from step 4, its newest checkpoint before its decay (step 8 is inside it), and the data step
+    # is a cache hit (with train.micro_batch_size 'auto': not part of the run's identity)
+    longer = load_config(tiny_dict(root, run_name="e2e", train={"max_steps": 12, "micro_batch_size": "auto", **wsd}))
     second = train_pipeline(longer)
-    assert (second.resumed_from_step, second.final_step) == (8, 12)
+    assert (second.resumed_from_step, second.final_step) == (4, 12)
     # the plan reaches the result (and the report), at the micro-batch the ranks chose
     share = longer.train.global_batch_size // longer.launch.world_size
     assert first.plan["fits"] and first.plan["micro_batch"] == cfg.train.micro_batch_size
@@ -61,8 +64,8 @@ def test_pipeline_trains_resumes_and_hits_the_data_cache(prefect_server, tmp_pat
     assert second.data_cache_hit and second.shard_cache_key == first.shard_cache_key
     records = [json.loads(line) for line in store.read_bytes("runs/e2e/metrics.jsonl").splitlines()]
     resumed_at = [i for i, r in enumerate(records) if r["event"] == "resumed"]
-    assert len(resumed_at) == 1 and records[resumed_at[0]]["step"] == 8
-    assert [r["step"] for r in records[resumed_at[0] :] if r["event"] == "train"] == [9, 10, 11, 12]
+    assert len(resumed_at) == 1 and records[resumed_at[0]]["step"] == 4
+    assert [r["step"] for r in records[resumed_at[0] :] if r["event"] == "train"] == list(range(5, 13))
     # flow runs are named after the stoker run (and which flow run of it) and tagged
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags

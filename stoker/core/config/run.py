@@ -38,6 +38,7 @@ from stoker.core.config.sections import (
     _Section,
 )
 from stoker.core.failures import ConfigError
+from stoker.core.schedule import END_FIELDS, EXTENSIBLE
 
 
 def base_location(init_from: str) -> str:
@@ -318,7 +319,22 @@ class RunConfig(_Section):
                 "eval": {"sets", "multiple_choice_items"},  # what a checkpoint's evaluation measures
             },
         )
+        # a schedule whose past does not depend on its end (wsd, constant): trained longer, or
+        # with another decay, it is the same run going on (core.schedule)
+        if self.train.lr_schedule in EXTENSIBLE:
+            for name in END_FIELDS:
+                payload["train"].pop(name, None)
         # fields added since runs were first named: at their old behaviour they name no new run
+        payload["train"].pop("branch_sha256", None)  # a branch is named by its URI (runs.pin_run_folder pins its bytes)
+        for name, old in (
+            ("lr_schedule", "cosine"),
+            ("decay_steps", None),
+            ("decay_shape", "linear"),
+            ("warmup_from", 0.0),
+            ("branch_from", None),
+        ):
+            if name in payload["train"] and payload["train"][name] == old:
+                payload["train"].pop(name)
         if payload["model"].get("attention") == "causal":
             payload["model"].pop("attention")
         if payload["tokenizer"].get("document_end") is None:

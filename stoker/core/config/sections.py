@@ -516,9 +516,59 @@ class TrainConfig(_Section):
         fix="give a number of sequences, e.g. 4, or 'auto'",
     )
     lr: float = _field(3e-3, "Peak learning rate of AdamW.", fix="a typical value is 3e-4", gt=0)
-    min_lr: float = _field(3e-4, "Learning rate at the end of the cosine decay.", fix="e.g. a tenth of lr", ge=0)
+    min_lr: float = _field(
+        3e-4, "Learning rate at the end of the decay (cosine, linear, wsd).", fix="e.g. a tenth of lr", ge=0
+    )
     warmup_steps: int = _field(
-        20, "Linear warm-up steps before the cosine decay.", fix="a few percent of max_steps is typical", ge=0
+        20, "Linear warm-up steps before the schedule.", fix="a few percent of max_steps is typical", ge=0
+    )
+    lr_schedule: Literal["cosine", "wsd", "constant", "linear"] = Field(
+        "cosine",
+        description="The learning rate over the run's steps, after the warm-up: 'cosine' (to min_lr "
+        "at max_steps), 'linear' (likewise, in a line), 'wsd' (warmup-stable-decay: lr until the "
+        "last decay_steps steps, then decay_shape down to min_lr at the last step) or 'constant' "
+        "(lr). A 'wsd' or 'constant' run's past does not depend on its end: given a larger "
+        "max_steps under the same name it goes on from its newest checkpoint before its decay.",
+        json_schema_extra={"fix": "use 'cosine', 'wsd', 'constant' or 'linear'"},
+    )
+    decay_steps: int | None = _field(
+        None,
+        "'wsd': the steps of the final decay, at the end of the run (Hagele et al. 2024: about 20% "
+        "of the steps matches cosine).",
+        fix="e.g. a fifth of max_steps, below max_steps - warmup_steps",
+        ge=1,
+        validate_default=True,
+    )
+    decay_shape: Literal["linear", "sqrt", "cosine"] = Field(
+        "linear",
+        description="'wsd': the shape of the decay from lr to min_lr: 'linear', 'sqrt' (1 - sqrt of "
+        "the progress) or 'cosine'.",
+        json_schema_extra={"fix": "use 'linear', 'sqrt' or 'cosine'"},
+    )
+    warmup_from: float = _field(
+        0.0,
+        "Where the linear warm-up starts, as a fraction of lr (re-warming a base from the end of its "
+        "own schedule: e.g. 0.1); 0: from (nearly) zero.",
+        fix="a fraction in [0, 1], e.g. 0.1",
+        ge=0,
+        le=1,
+    )
+    branch_from: str | None = _field(
+        None,
+        "Start this run from a committed checkpoint of another run (its URI, as `stoker checkpoints "
+        "RUN` lists it, under this run's storage.root): its weights, optimizer state, step and data "
+        "position. This run's config may change the schedule (decay now), the learning rate, the "
+        "mixture, the evaluation, the parallelism and the world size, not the model or tokenizer. "
+        "The parent run is never written; the branch records its lineage.",
+        fix="give a checkpoint URI from `stoker checkpoints RUN`, or leave it empty",
+        min_length=1,
+    )
+    branch_sha256: str | None = _field(
+        None,
+        "Set by stoker from train.branch_from: the sha256 of that checkpoint's commit manifest, which "
+        "pins the branch to it. Leave it empty.",
+        fix="leave it empty: stoker computes it from train.branch_from",
+        pattern=r"^[0-9a-f]{64}$",
     )
     weight_decay: float = _field(0.1, "AdamW weight decay on 2-D weights.", fix="0.1 is typical", ge=0)
     beta1: float = _field(0.9, "AdamW beta1.", fix="0.9 is typical", ge=0, lt=1)
@@ -579,6 +629,27 @@ class TrainConfig(_Section):
         if max_steps is not None and warmup_steps >= max_steps:
             raise _rule(f"must be below max_steps={max_steps}")
         return warmup_steps
+
+    @field_validator("decay_steps", mode="after")
+    @classmethod
+    def _decay_within_the_run(cls, decay_steps: int | None, info: ValidationInfo) -> int | None:
+        kind, max_steps, warmup = (
+            info.data.get("lr_schedule"),
+            info.data.get("max_steps"),
+            info.data.get("warmup_steps"),
+        )
+        if kind == "wsd" and decay_steps is None:
+            raise _rule(
+                "is empty, and lr_schedule 'wsd' decays over the last decay_steps steps",
+                "set it, e.g. a fifth of max_steps",
+            )
+        if kind == "wsd" and max_steps is not None and warmup is not None and decay_steps > max_steps - warmup:
+            raise _rule(
+                f"is longer than the {max_steps - warmup} steps after the warm-up (max_steps={max_steps}, "
+                f"warmup_steps={warmup})",
+                f"use at most {max_steps - warmup}, or raise train.max_steps",
+            )
+        return decay_steps
 
 
 class CheckpointConfig(_Section):

@@ -1,0 +1,151 @@
+"""Branches (train.branch_from): a run that starts from a committed, intact checkpoint of
+another run, under a config of its own (another schedule, learning rate, mixture, evaluation,
+world size), never writing the parent.
+
+- ``resolve_branch``: the preflight's check of the branch point, before any compute: the
+  checkpoint exists under the run's storage root, is committed and intact (every checksum), holds
+  this model and tokenizer, and leaves room for the run's steps and decay; sets
+  ``train.branch_sha256`` (the sha256 of its commit manifest).
+- ``branch_point``: (checkpoint key, parent run, step) of a resolved branch, for the resume
+  task and the ranks (a branch with no checkpoint of its own starts there).
+- ``lineage``: what the run folder, `stoker runs`, the report and every export record of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from pydantic import ValidationError
+
+from stoker.core.config import ConfigError, RunConfig
+from stoker.core.config.problems import problem_lines
+from stoker.storage.checkpoints import COMMIT_FILE, validate_checkpoint
+from stoker.storage.layout import parse_checkpoint_url
+from stoker.storage.store import Store, join
+
+LINEAGE_FILE = "lineage.json"
+
+
+def _location(cfg: RunConfig):
+    uri = cfg.train.branch_from
+    try:
+        where = parse_checkpoint_url(uri)
+    except ConfigError:
+        raise ConfigError(
+            [
+                f"train.branch_from: {uri!r} is not a checkpoint URI ({{root}}/runs/{{run}}/checkpoints/step-NNNNNNNN); "
+                "copy one from `stoker checkpoints RUN`"
+            ]
+        ) from None
+    root = Store(cfg.storage.root, cfg.storage.storage_options).root
+    if Store(where.root, cfg.storage.storage_options).root != root:
+        raise ConfigError(
+            [
+                f"train.branch_from: {uri!r} is under another storage root than this run's ({root}); branch from a "
+                "checkpoint under storage.root, or set storage.root to the parent's"
+            ]
+        )
+    return where
+
+
+def resolve_branch(cfg: RunConfig) -> RunConfig:
+    """`cfg` with train.branch_sha256 set from its branch point; `cfg` itself without one. One
+    ConfigError with every problem (a checkpoint missing, not committed, damaged, of another
+    model or tokenizer; a run or decay that does not fit after the branch point)."""
+    if not cfg.train.branch_from:
+        return cfg
+    where = _location(cfg)
+    store = Store(cfg.storage.root, cfg.storage.storage_options)
+    uri = cfg.train.branch_from
+    if where.run_name == cfg.resolved_run_name():
+        raise ConfigError(
+            [
+                f"train.branch_from: {uri!r} is a checkpoint of this run; a branch is a run of its own: give another run_name"
+            ]
+        )
+    if not store.exists(join(where.key, COMMIT_FILE)):
+        reason = "no such checkpoint" if not store.exists(where.key) else "it is not committed (no commit manifest)"
+        raise ConfigError(
+            [
+                f"train.branch_from: {uri!r}: {reason}; branch from a committed checkpoint that `stoker checkpoints {where.run_name}` lists"
+            ]
+        )
+    verdict = validate_checkpoint(store, where.key, deep=True)  # every byte, before any compute
+    if not verdict:
+        raise ConfigError(
+            [f"train.branch_from: {uri!r} is not intact ({verdict.reason}); branch from another of its checkpoints"]
+        )
+    manifest, problems = verdict.manifest, []
+    if manifest.get("model_hash") != cfg.model_hash():
+        problems.append(
+            f"train.branch_from: {uri!r} holds another model or tokenizer than this config's (model_hash "
+            f"{str(manifest.get('model_hash'))[:12]}, this config {cfg.model_hash()[:12]}); a branch may change the "
+            "schedule, the data, the evaluation and the parallelism, not the model or tokenizer"
+        )
+    step, t = int(manifest["step"]), cfg.train
+    if t.max_steps <= step:
+        problems.append(
+            f"train.max_steps: {t.max_steps} is not past the branch point (step {step} of {where.run_name!r}); "
+            f"use more than {step}"
+        )
+    elif t.lr_schedule == "wsd" and t.decay_steps and t.decay_steps > t.max_steps - step:
+        problems.append(
+            f"train.decay_steps: {t.decay_steps} is longer than the {t.max_steps - step} steps left after the branch "
+            f"point (step {step}, max_steps {t.max_steps}); use at most {t.max_steps - step}, or raise train.max_steps"
+        )
+    if t.branch_sha256 not in (None, sha256_of(store, where.key)):
+        problems.append(
+            f"train.branch_sha256: {uri!r} is no longer the checkpoint this branch was pinned to (its commit manifest "
+            "changed); branch again under a new run_name"
+        )
+    if problems:
+        raise ConfigError(problems)
+    data = cfg.model_dump()
+    data["train"]["branch_sha256"] = sha256_of(store, where.key)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(problem_lines(err, RunConfig)) from None
+
+
+def sha256_of(store: Store, key: str) -> str:
+    """The sha256 of a checkpoint's commit manifest (it lists every file's checksum)."""
+    return hashlib.sha256(store.read_bytes(join(key, COMMIT_FILE))).hexdigest()
+
+
+def branch_point(cfg: RunConfig) -> tuple[str, str, int] | None:
+    """(checkpoint key, parent run, step) of the config's branch point, or None."""
+    if not cfg.train.branch_from:
+        return None
+    where = parse_checkpoint_url(cfg.train.branch_from)
+    store = Store(cfg.storage.root, cfg.storage.storage_options)
+    return where.key, where.run_name, int(store.read_json(join(where.key, COMMIT_FILE))["step"])
+
+
+def lineage(cfg: RunConfig) -> dict | None:
+    """{"parent", "step", "checkpoint", "sha256"} of a branch, or None."""
+    point = branch_point(cfg)
+    if point is None:
+        return None
+    key, parent, step = point
+    return {"parent": parent, "step": step, "checkpoint": cfg.train.branch_from, "sha256": cfg.train.branch_sha256}
+
+
+def lineage_chain(store: Store, run: str, limit: int = 64) -> list[dict]:
+    """The run's ancestry from its lineage.json files, nearest first: [{"run", "parent", "step",
+    "checkpoint", "sha256"}, ...]; [] for a run that is no branch."""
+    from stoker.storage.layout import run_file_key
+
+    chain: list[dict] = []
+    seen = {run}
+    while len(chain) < limit:
+        key = run_file_key(run, LINEAGE_FILE)
+        if not store.exists(key):
+            break
+        link = store.read_json(key)
+        chain.append({"run": run, **link})
+        run = link.get("parent")
+        if not run or run in seen:
+            break
+        seen.add(run)
+    return chain

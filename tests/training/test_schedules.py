@@ -1,0 +1,246 @@
+"""Schedules for continued pretraining (train.lr_schedule: cosine | wsd | constant | linear), a
+run trained longer without starting over, and a branch from any committed checkpoint
+(train.branch_from), with real forked gloo ranks.
+
+One module run (`parent`: a 'wsd' run of 12 steps on 2 ranks, decay over the last 2, a checkpoint
+every 2 steps) serves the tests: the same config cut at 8 steps and then trained to 12, killed on
+the way, ends bitwise equal to it; branches leave it at step 6 (one with its own schedule, as it
+would have gone on, on 2 ranks: bitwise the parent; one that decays now, on 1 rank) and never
+write it."""
+
+import hashlib
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from stoker import preflight
+from stoker.core import schedule
+from stoker.core.config import ConfigError, TrainConfig, load_config
+from stoker.storage.checkpoints import COMMIT_FILE, find_latest_valid, list_checkpoints
+from stoker.storage.runs import pin_run_folder
+from stoker.storage.store import join
+from tests.conftest import prepare_shards, tiny_dict, train_losses
+from tests.forked_ranks import run_forked, start_ranks, train_argv
+
+WSD = {"lr_schedule": "wsd", "decay_steps": 2, "warmup_steps": 2, "lr": 1e-2, "min_lr": 1e-3}
+
+
+def _cfg(root, run, keep=2, **train):
+    sections = tiny_dict(root, run_name=run, checkpoint={"interval_steps": 2, "keep_latest_k": keep})
+    sections["train"].update(train)
+    return load_config(sections)
+
+
+def _model_tensors(store, key):
+    path = store.local_path(key)
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    sd = {
+        k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items() if k.startswith(("model.", "optim."))
+    }
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return sd
+
+
+def _same(a, b):
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _final(store, run):
+    return list_checkpoints(store, run)[0]
+
+
+def _bytes_of(store, run) -> dict[str, str]:
+    folder = store.local_path(f"runs/{run}")
+    out = {}
+    for here, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(here, name)
+            out[os.path.relpath(path, folder)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory):
+    root = "file://" + str(tmp_path_factory.mktemp("schedules") / "store")
+    cfg = _cfg(root, "parent", keep=8, max_steps=12, **WSD)  # every checkpoint kept: branch points
+    store, shards = prepare_shards(cfg)
+    records = run_forked(pin_run_folder(store, cfg, shards), shards.key, nproc=2)
+    return cfg, store, shards, records, root
+
+
+def test_each_schedule_at_chosen_steps():
+    t = TrainConfig(max_steps=100, warmup_steps=10, lr=1.0, min_lr=0.1)
+    m = [schedule.lr_multiplier(s, t) for s in range(100)]
+    assert m[0] == 1 / 11 and m[9] == 10 / 11 and m[10] == 1.0  # the warm-up stoker always had
+    assert m[55] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))  # cosine, halfway
+    linear = t.model_copy(update={"lr_schedule": "linear"})
+    assert schedule.lr_multiplier(55, linear) == pytest.approx(0.55)
+    assert schedule.lr_multiplier(99, linear) == pytest.approx(0.1 + 0.9 / 90)
+    for shape, halfway in (("linear", 0.55), ("sqrt", 0.1 + 0.9 * (1 - math.sqrt(0.5))), ("cosine", 0.55)):
+        wsd = t.model_copy(update={"lr_schedule": "wsd", "decay_steps": 20, "decay_shape": shape})
+        assert [schedule.lr_multiplier(s, wsd) for s in (10, 50, 79)] == [1.0, 1.0, 1.0]  # stable
+        assert schedule.lr_multiplier(89, wsd) == pytest.approx(halfway)  # 10 of the 20 decay steps
+        assert schedule.lr_multiplier(99, wsd) == pytest.approx(0.1)  # the last step at min_lr
+        assert schedule.stable_until(wsd) == 80
+    constant = t.model_copy(update={"lr_schedule": "constant", "warmup_from": 0.1})
+    assert schedule.lr_multiplier(0, constant) == pytest.approx(0.1 + 0.9 / 11)  # re-warmed from a tenth
+    assert schedule.lr_multiplier(99, constant) == 1.0 and schedule.stable_until(constant) == 100
+
+
+def test_a_bad_schedule_is_one_line_each(tmp_path):
+    for train, says in (
+        ({"lr_schedule": "wsd"}, "train.decay_steps: is empty, and lr_schedule 'wsd' decays over the last decay_steps"),
+        ({"lr_schedule": "wsd", "decay_steps": 7}, "train.decay_steps: is longer than the 6 steps after the warm-up"),
+        ({"warmup_steps": 9}, "train.warmup_steps: must be below max_steps=8"),
+        ({"lr_schedule": "step"}, "train.lr_schedule: "),
+    ):
+        with pytest.raises(ConfigError) as err:
+            load_config(tiny_dict(f"file://{tmp_path}", train={"warmup_steps": 2, **train}))
+        [line] = err.value.problems
+        assert line.startswith(says), line
+
+
+def test_a_wsd_run_is_named_by_its_stable_part_and_a_cosine_one_is_never_stretched(parent, tmp_path):
+    cfg, store, shards, _, root = parent
+    longer = _cfg(root, None, max_steps=40, **{**WSD, "decay_steps": 8})
+    assert longer.resolved_run_name() == _cfg(root, None, max_steps=12, **WSD).resolved_run_name()
+    assert _cfg(root, None, max_steps=12).resolved_run_name() != _cfg(root, None, max_steps=40).resolved_run_name()
+    cosine = _cfg(f"file://{tmp_path}/store", "cos", max_steps=8)
+    pin_run_folder(store_of(cosine), cosine, shards_in(cosine, shards, store))
+    with pytest.raises(ConfigError) as err:
+        pin_run_folder(store_of(cosine), _cfg(f"file://{tmp_path}/store", "cos", max_steps=12), shards)
+    [line] = err.value.problems
+    assert line.startswith("train.max_steps: run 'cos' was trained under a 'cosine' schedule with max_steps=8, and")
+    assert "stretched, it would jump" in line and "lr_schedule 'wsd'" in line and "--branch-from" in line
+
+
+def store_of(cfg):
+    from stoker.storage.store import Store
+
+    return Store(cfg.storage.root)
+
+
+def shards_in(cfg, shards, store):
+    """The parent's shard set, copied into another store root (its data stage, without a run)."""
+    dest = store_of(cfg)
+    for name in store.listdir(shards.key):
+        dest.write_bytes(join(shards.key, name), store.read_bytes(join(shards.key, name)))
+    return shards
+
+
+def test_a_wsd_run_trained_longer_goes_on_from_before_its_decay_bitwise_even_killed(parent):
+    cfg, store, shards, records, root = parent
+    short = _cfg(root, "longer", max_steps=8, **WSD)  # stable until step 6, decays to 8
+    url = pin_run_folder(store, short, shards)
+    run_forked(url, shards.key, nproc=2)
+    assert [c.step for c in list_checkpoints(store, "longer")] == [8, 6]  # the one before the decay kept
+    longer = _cfg(root, "longer", max_steps=12, **WSD)
+    assert longer.resolved_run_name() == "longer"
+    url = pin_run_folder(store, longer, shards)
+    choice = find_latest_valid(store, "longer", {"run_name": "longer", "model_hash": longer.model_hash()}, longer.train)
+    assert choice.checkpoint.step == 6  # the step-8 checkpoint is inside the short run's decay
+    [(skipped, why)] = choice.skipped
+    assert skipped.step == 8 and "a checkpoint inside a decay is kept and evaluated, never gone on from" in why
+    killed = start_ranks(
+        train_argv(url, shards.key, choice.checkpoint.key), 2, env={"STOKER_FAULT": "kill:rank=1:step=10"}
+    )
+    try:
+        list(killed.lines(240))
+        assert killed.returncode != 0
+    finally:
+        killed.close()
+        killed.remove()
+    again = run_forked(url, shards.key, env={"TORCHELASTIC_RESTART_COUNT": "1"})  # a restart round: its newest
+    [resumed] = [r for r in again if r["event"] == "resumed"]
+    # the extension's own newest (its step 8 may still have been uploading at the kill), never
+    # the short run's step 8, taken inside its decay
+    assert resumed["step"] in (6, 8) and not resumed["checkpoint"].endswith("/step-00000008")
+    assert all(loss == train_losses(records)[s] for s, loss in train_losses(again).items())
+    _same(_model_tensors(store, _final(store, "parent").key), _model_tensors(store, _final(store, "longer").key))
+
+
+def test_a_branch_with_the_parents_schedule_trains_bitwise_like_it_and_writes_nothing_of_it(parent):
+    cfg, store, shards, records, root = parent
+    before = _bytes_of(store, "parent")
+    at6 = store.url("runs/parent/checkpoints/step-00000006")
+    branch = preflight.check(_cfg(root, "same", max_steps=12, branch_from=at6, **WSD))
+    assert (
+        branch.train.branch_sha256
+        == hashlib.sha256(store.read_bytes(f"runs/parent/checkpoints/step-00000006/{COMMIT_FILE}")).hexdigest()
+    )
+    run_forked(pin_run_folder(store, branch, shards), shards.key, nproc=2)  # no resume named: its branch point
+    _same(_model_tensors(store, _final(store, "parent").key), _model_tensors(store, _final(store, "same").key))
+    assert _bytes_of(store, "parent") == before
+
+
+def test_a_branch_that_decays_now_on_another_world_size_records_its_lineage(parent, tmp_path):
+    from stoker.observe.inspect import list_runs
+    from stoker.storage.branches import lineage_chain
+
+    cfg, store, shards, records, root = parent
+    before = _bytes_of(store, "parent")
+    at6 = store.url("runs/parent/checkpoints/step-00000006")
+    anneal = {**WSD, "decay_steps": 2, "lr": 1e-2}
+    branch = preflight.check(_cfg(root, None, max_steps=8, branch_from=at6, **anneal))
+    branch = branch.model_copy(update={"launch": branch.launch.model_copy(update={"nproc_per_node": 1})})
+    got = run_forked(pin_run_folder(store, branch, shards), shards.key, nproc=1)
+    [resumed] = [r for r in got if r["event"] == "resumed"]
+    assert resumed["step"] == 6 and resumed["checkpoint"] == at6
+    # its first step's loss is the parent's (the same weights, the same data position)
+    assert train_losses(got)[7] == pytest.approx(train_losses(records)[7], rel=1e-5)
+    assert _bytes_of(store, "parent") == before  # the parent is never written
+    name = branch.resolved_run_name()
+    [link] = lineage_chain(store, name)
+    assert (link["parent"], link["step"], link["checkpoint"]) == ("parent", 6, at6)
+    rows = {r["run"]: r for r in list_runs(root)}
+    assert rows[name]["branch_of"] == "parent at step 6" and rows[name]["tree"] == f"└─ {name}"
+    # the same branch again is the same run: its own newest checkpoint is its end, nothing to retrain
+    again = preflight.check(_cfg(root, None, max_steps=8, branch_from=at6, **anneal))
+    assert again.resolved_run_name() == name
+    choice = find_latest_valid(store, name, {"run_name": name, "model_hash": again.model_hash()}, again.train)
+    assert choice.checkpoint.step == 8
+
+
+def test_a_bad_branch_point_is_one_line_before_any_compute(parent, tmp_path):
+    cfg, store, shards, records, root = parent
+    at6 = store.url("runs/parent/checkpoints/step-00000006")
+
+    def refused(**train) -> str:
+        with pytest.raises(ConfigError) as err:
+            preflight.check(_cfg(root, "bad", **{**WSD, "max_steps": 12, **train}))
+        [line] = err.value.problems
+        return line
+
+    assert "no such checkpoint" in refused(branch_from=store.url("runs/parent/checkpoints/step-00000005"))
+    assert refused(branch_from=at6, max_steps=6).startswith("train.max_steps: 6 is not past the branch point (step 6")
+    assert refused(branch_from=at6, max_steps=9, decay_steps=4).startswith(
+        "train.decay_steps: 4 is longer than the 3 steps left after the branch point"
+    )
+    other = tiny_dict(root, run_name="bad", model={"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32})
+    other["train"].update(branch_from=at6, max_steps=12, **WSD)
+    with pytest.raises(ConfigError) as err:
+        preflight.check(load_config(other))
+    assert "holds another model or tokenizer than this config's" in err.value.problems[0]
+    # uncommitted, then damaged: a copy of step 6 without its commit manifest, and one with a flipped byte
+    for name, damage in (("step-00000006.nocommit", "uncommit"), ("step-00000006.flipped", "flip")):
+        key = f"runs/parent/checkpoints/{name}"
+        src = store.local_path("runs/parent/checkpoints/step-00000006")
+        import shutil
+
+        shutil.copytree(src, store.local_path(key))
+        if damage == "uncommit":
+            os.remove(store.local_path(join(key, COMMIT_FILE)))
+            assert "it is not committed" in refused(branch_from=store.url(key))
+        else:
+            manifest = json.loads(store.read_bytes(join(key, COMMIT_FILE)))
+            victim = store.local_path(join(key, next(n for n in manifest["files"] if n != ".metadata")))
+            data = bytearray(open(victim, "rb").read())
+            data[len(data) // 2] ^= 0xFF
+            open(victim, "wb").write(bytes(data))
+            assert "is not intact" in refused(branch_from=store.url(key))
+        shutil.rmtree(store.local_path(key))
+    assert not store.exists("runs/bad")
