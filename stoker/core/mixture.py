@@ -99,6 +99,16 @@ def segments(
     return out
 
 
+def effective_mix(weights: dict, schedule: list, history: dict | None) -> tuple[dict, list]:
+    """(initial weights, [(at_step, weights)]) of a run whose mixture before `history["step"]` is
+    `history`'s (a branch: its parent's, storage.branches.lineage) and its own from there."""
+    if not history or not history.get("weights"):
+        return dict(weights), list(schedule)
+    at = int(history["step"])
+    before = [(int(s), dict(w)) for s, w in history.get("schedule", []) if int(s) < at]
+    return dict(history["weights"]), before + [(at, dict(weights))] + [(s, w) for s, w in schedule if s > at]
+
+
 def windows_of(part_tokens: list[int], block_size: int) -> int:
     """Training windows of a split whose shard files hold these token counts: non-overlapping
     windows of block_size + 1 tokens (input and shifted target), never across two files."""
@@ -135,17 +145,17 @@ class Mixture:
         self._step: tuple | None = None  # the last step's whole picks
 
     @classmethod
-    def of_config(cls, data, seed: int, global_batch: int, windows: dict[str, int]) -> "Mixture":
-        """The mixture of a DataConfig (its data.sources and data.schedule, or its one source)."""
+    def of_config(
+        cls, data, seed: int, global_batch: int, windows: dict[str, int], history: dict | None = None
+    ) -> "Mixture":
+        """The mixture of a DataConfig (its data.sources and data.schedule, or its one source).
+        `history`: a branch's (storage.branches.lineage: its parent's weights and schedule
+        before the branch point, and that step), so that the branch goes on from its parent's
+        data position: the parent's weights up to the branch point, its own from there."""
         named = [(name, weight) for name, weight, _ in data.source_configs()]
-        return cls(
-            [n for n, _ in named],
-            [w for _, w in named],
-            [(e.at_step, e.weights) for e in data.schedule],
-            global_batch,
-            seed,
-            [windows[n] for n, _ in named],
-        )
+        weights, schedule = effective_mix(dict(named), [(e.at_step, e.weights) for e in data.schedule], history)
+        names = [n for n, _ in named]
+        return cls(names, [float(weights[n]) for n in names], schedule, global_batch, seed, [windows[n] for n in names])
 
     # ---- which source ------------------------------------------------------------------
     def _segment_of(self, step: int) -> tuple[int, Segment]:

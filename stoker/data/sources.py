@@ -36,6 +36,7 @@ from stoker.core.failures import (
     is_transient,
     retry,
 )
+from stoker.data.synthetic import CONTRACTS_SOURCE, write_contracts
 from stoker.storage.store import expand_url, fetch_url, sha256_file
 
 log = logging.getLogger("stoker.data")
@@ -186,6 +187,8 @@ def resolve_source(cfg: DataConfig, workdir: str) -> Source:
     if "://" in source and not source.startswith("file://"):
         return _resolve_remote(cfg, source, workdir)
     local = source[len("file://") :] if source.startswith("file://") else source
+    if source == CONTRACTS_SOURCE:  # written into the work folder, then read as a local folder
+        local = write_contracts(os.path.join(workdir, "builtin-contracts"))
     paths = _local_files(local)
     if not paths:
         raise DataError(

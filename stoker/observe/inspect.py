@@ -15,11 +15,10 @@ from stoker.observe.ledger import (
     duration,
     ledger_line,
     ledger_rows,
-    read_records,
     run_ledgers,
     sum_ledgers,
 )
-from stoker.observe.report import mix_history, mix_summary
+from stoker.observe.report import mix_history, mix_summary, records_with_the_base
 from stoker.storage.bases import base_summary
 from stoker.storage.branches import LINEAGE_FILE
 from stoker.storage.checkpoints import first_nonfinite_step, list_checkpoints, numerics_problem, validate_checkpoint
@@ -106,7 +105,7 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
         except Exception:  # a run folder without a readable config is listed all the same
             cfg = None
         if cfg is not None and getattr(cfg.model, "init_from", None):  # gain and forgetting
-            row["since_base"] = since_base_text(changes_since_base(read_records(store, run))) or None
+            row["since_base"] = since_base_text(changes_since_base(records_with_the_base(store, run))) or None
         lineage_key = run_file_key(run, LINEAGE_FILE)
         if store.exists(lineage_key):
             was = store.read_json(lineage_key)

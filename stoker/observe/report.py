@@ -96,8 +96,11 @@ def train_windows(store: Store, shards, block_size: int) -> dict[str, int]:
 def mixture_plan(config, shards, store: Store) -> list[str]:
     """What the mixture will do, before any compute: each schedule segment's exact quotas and
     K (core.mixture), and per source the epochs it will have given by train.max_steps."""
+    from stoker.storage.branches import mixture_history
+
     windows = train_windows(store, shards, config.model.block_size)
-    mixture = Mixture.of_config(config.data, config.train.seed, config.train.global_batch_size, windows)
+    history = mixture_history(store, config.resolved_run_name())
+    mixture = Mixture.of_config(config.data, config.train.seed, config.train.global_batch_size, windows, history)
     lines = mixture.describe()
     epochs = mixture.epochs_after(config.train.max_steps)
     limits = {s.name: s for s in config.data.sources}
@@ -625,3 +628,20 @@ def schedule_markdown(config, store: Store, run: str) -> str:
         + f"\n![schedule of {run}](data:image/png;base64,{base64.b64encode(png).decode()})\n\n"
         f"(also `{store.url(run_file_key(run, SCHEDULE_PLOT_FILE))}`)\n"
     )
+
+
+def records_with_the_base(store: Store, run: str) -> list[dict]:
+    """A run's metrics.jsonl records, with the base's own step-0 evaluation of the run its
+    lineage starts from when it has none of its own (a branch: its gain and forgetting are told
+    against the same base as its parent's)."""
+    from stoker.observe.ledger import read_records
+    from stoker.storage.branches import lineage_chain
+
+    records = read_records(store, run)
+    if any(r.get("event") == "eval" and r.get("step") == 0 for r in records):
+        return records
+    chain = lineage_chain(store, run)
+    if not chain:
+        return records
+    base = [r for r in read_records(store, chain[-1]["parent"]) if r.get("event") == "eval" and r.get("step") == 0]
+    return base[-1:] + records

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from stoker.core.config import ConfigError, RunConfig
 from stoker.core.config.problems import problem_lines
+from stoker.core.mixture import effective_mix
 from stoker.storage.checkpoints import COMMIT_FILE, validate_checkpoint
 from stoker.storage.layout import parse_checkpoint_url
 from stoker.storage.store import Store, join
@@ -93,6 +94,9 @@ def resolve_branch(cfg: RunConfig) -> RunConfig:
             f"train.decay_steps: {t.decay_steps} is longer than the {t.max_steps - step} steps left after the branch "
             f"point (step {step}, max_steps {t.max_steps}); use at most {t.max_steps - step}, or raise train.max_steps"
         )
+    before = _parent_config(cfg, where.run_name)
+    if before is not None:
+        problems += _data_position_problems(before, cfg, where.run_name)
     if t.branch_sha256 not in (None, sha256_of(store, where.key)):
         problems.append(
             f"train.branch_sha256: {uri!r} is no longer the checkpoint this branch was pinned to (its commit manifest "
@@ -123,12 +127,41 @@ def branch_point(cfg: RunConfig) -> tuple[str, str, int] | None:
 
 
 def lineage(cfg: RunConfig) -> dict | None:
-    """{"parent", "step", "checkpoint", "sha256"} of a branch, or None."""
+    """{"parent", "step", "checkpoint", "sha256", "mixture"} of a branch, or None. "mixture":
+    the parent's weights and schedule before the branch point (None for one source), with
+    which the branch's data order goes on from its parent's data position."""
     point = branch_point(cfg)
     if point is None:
         return None
     key, parent, step = point
-    return {"parent": parent, "step": step, "checkpoint": cfg.train.branch_from, "sha256": cfg.train.branch_sha256}
+    out = {"parent": parent, "step": step, "checkpoint": cfg.train.branch_from, "sha256": cfg.train.branch_sha256}
+    before = _parent_config(cfg, parent)
+    if before is not None and before.data.is_mixture():
+        store = Store(cfg.storage.root, cfg.storage.storage_options)
+        # the parent's own mixture over its steps (itself perhaps a branch: its parent's before)
+        weights, schedule = effective_mix(
+            {s.name: s.weight for s in before.data.sources},
+            [(e.at_step, e.weights) for e in before.data.schedule],
+            mixture_history(store, parent),
+        )
+        out["mixture"] = {"step": step, "weights": weights, "schedule": [[s, w] for s, w in schedule if s < step]}
+    return out
+
+
+def _parent_config(cfg: RunConfig, parent: str) -> RunConfig | None:
+    from stoker.storage.layout import CONFIG_FILE, run_file_key
+
+    store = Store(cfg.storage.root, cfg.storage.storage_options)
+    key = run_file_key(parent, CONFIG_FILE)
+    return RunConfig.model_validate_json(store.read_bytes(key)) if store.exists(key) else None
+
+
+def mixture_history(store: Store, run: str) -> dict | None:
+    """A branch's mixture before its branch point (its lineage.json), or None."""
+    from stoker.storage.layout import run_file_key
+
+    key = run_file_key(run, LINEAGE_FILE)
+    return store.read_json(key).get("mixture") if store.exists(key) else None
 
 
 def lineage_chain(store: Store, run: str, limit: int = 64) -> list[dict]:
@@ -149,3 +182,26 @@ def lineage_chain(store: Store, run: str, limit: int = 64) -> list[dict]:
             break
         seen.add(run)
     return chain
+
+
+def _data_position_problems(parent: RunConfig, cfg: RunConfig, name: str) -> list[str]:
+    """A branch goes on from its parent's data position, a function of the seed, the global
+    batch and the sources' weights over the steps: the seed and the global batch stay, the
+    sources stay (reweighted as the branch likes)."""
+    out = []
+    for field in ("seed", "global_batch_size"):
+        was, now = getattr(parent.train, field), getattr(cfg.train, field)
+        if was != now:
+            out.append(
+                f"train.{field}: {now} is not the parent's ({was}); a branch goes on from run {name!r}'s data "
+                f"position, which its {field} counts: keep {was}"
+            )
+    was_names = [s.name for s in parent.data.sources] if parent.data.is_mixture() else None
+    now_names = [s.name for s in cfg.data.sources] if cfg.data.is_mixture() else None
+    if sorted(was_names or []) != sorted(now_names or []) or (was_names is None) != (now_names is None):
+        out.append(
+            f"data.sources: a branch goes on from run {name!r}'s data position, so it keeps its sources "
+            f"({', '.join(was_names) if was_names else 'data.source'}), reweighted as it likes; to add or drop one, "
+            "start a run from the checkpoint's export as a base"
+        )
+    return out

@@ -33,6 +33,7 @@ from stoker.observe.report import (
     mix_png,
     mixture_plan,
     plan_markdown,
+    records_with_the_base,
     report_markdown,
     rounded,
     rounded_sources,
@@ -167,7 +168,7 @@ def report(
 def _since_base_section(store: Store, run: str, result: PipelineResult) -> str:
     """The report's section on gain and forgetting per source (its plot kept in the run folder),
     the table artifact, and result.since_base."""
-    changes = changes_since_base(read_records(store, run))
+    changes = changes_since_base(records_with_the_base(store, run))
     if not changes:
         return ""
     rows = since_base_rows(changes)

@@ -18,8 +18,7 @@ from stoker.launch import make_launcher
 from stoker.launch.attempts import launch_attempt
 from stoker.launch.evaluate import kill_running_evaluations
 from stoker.launch.monitor import TrainingMonitor
-from stoker.observe.ledger import read_records
-from stoker.observe.report import mixture_plan, rounded, run_plan
+from stoker.observe.report import mixture_plan, records_with_the_base, rounded, run_plan
 from stoker.observe.sinks import open_sinks
 from stoker.orchestration.credentials import use_store_credentials
 from stoker.orchestration.prefect_events import open_launch_events
@@ -195,7 +194,8 @@ def launch_training(config: RunConfig, config_url: str, shards: DataShards, resu
         sink=ui.feeding(sinks, prefect_events),
     )
     if getattr(config.model, "init_from", None):  # each evaluation told against the base's (step 0)
-        base = [r for r in read_records(Store.of(config.storage), config.resolved_run_name()) if _is_base_eval(r)]
+        records = records_with_the_base(Store.of(config.storage), config.resolved_run_name())
+        base = [r for r in records if _is_base_eval(r)]
         monitor.base_eval = base[-1] if base else {}
     try:
         # another launch took the run over (launch.takeover): stop the gang at once

@@ -74,8 +74,9 @@ class TrainWindows:
         self.names = mixture.names
 
     @classmethod
-    def of_run(cls, cfg, streams: dict[str, TokenStream]) -> "TrainWindows":
-        """The run's windows: data.sources (or data.source) of cfg, each source's train stream."""
+    def of_run(cls, cfg, streams: dict[str, TokenStream], history: dict | None = None) -> "TrainWindows":
+        """The run's windows: data.sources (or data.source) of cfg, each source's train stream;
+        `history`: a branch's mixture before its branch point (Mixture.of_config)."""
         T = cfg.model.block_size
         for name, stream in streams.items():
             if stream.num_windows(T) == 0:
@@ -85,7 +86,7 @@ class TrainWindows:
                     f"model.block_size + 1 = {T + 1}; give it more data or lower model.block_size."
                 )
         windows = {name: s.num_windows(T) for name, s in streams.items()}
-        mixture = Mixture.of_config(cfg.data, cfg.train.seed, cfg.train.global_batch_size, windows)
+        mixture = Mixture.of_config(cfg.data, cfg.train.seed, cfg.train.global_batch_size, windows, history)
         return cls([streams[n] for n in mixture.names], mixture, T)
 
     @classmethod

@@ -29,7 +29,7 @@ from stoker.core.config import RunConfig
 from stoker.core.config.sections import DEFAULT_SOURCE_NAME
 from stoker.core.failures import CheckpointInvalid
 from stoker.core.token_bytes import BitsPerByteUnsupported, token_byte_counts
-from stoker.storage.branches import branch_point
+from stoker.storage.branches import branch_point, mixture_history
 from stoker.storage.checkpoints import find_latest_valid, mark_invalid, rehydrate
 from stoker.storage.layout import TOKENIZER_FILE
 from stoker.storage.store import Store
@@ -85,7 +85,9 @@ class Trainer:
         self.dp_rank, self.dp_size = data_parallel(ranks.rank, ranks.world_size, self.engine.tp)
         if isinstance(shard_dirs, str):
             shard_dirs = {DEFAULT_SOURCE_NAME: shard_dirs}
-        self.windows = TrainWindows.of_run(cfg, {n: TokenStream(d, "train") for n, d in shard_dirs.items()})
+        self.windows = TrainWindows.of_run(
+            cfg, {n: TokenStream(d, "train") for n, d in shard_dirs.items()}, mixture_history(store, self.run_name)
+        )
         self.val_data = {n: TokenStream(shard_dirs[n], "val") for n in self.windows.names}
         self.mixture = cfg.data.is_mixture()
         self.end_step, self.warn_at = self._epoch_limits()

@@ -13,6 +13,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -220,6 +221,10 @@ def test_a_bad_branch_point_is_one_line_before_any_compute(parent, tmp_path):
     assert refused(branch_from=at6, max_steps=9, decay_steps=4).startswith(
         "train.decay_steps: 4 is longer than the 3 steps left after the branch point"
     )
+    assert refused(branch_from=at6, seed=7).startswith("train.seed: 7 is not the parent's (1337); a branch goes on")
+    assert refused(branch_from=at6, global_batch_size=16).startswith(
+        "train.global_batch_size: 16 is not the parent's (8)"
+    )
     other = tiny_dict(root, run_name="bad", model={"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32})
     other["train"].update(branch_from=at6, max_steps=12, **WSD)
     with pytest.raises(ConfigError) as err:
@@ -244,3 +249,31 @@ def test_a_bad_branch_point_is_one_line_before_any_compute(parent, tmp_path):
             assert "is not intact" in refused(branch_from=store.url(key))
         shutil.rmtree(store.local_path(key))
     assert not store.exists("runs/bad")
+
+
+def test_a_mixture_branch_goes_on_from_its_parents_data_position():
+    """A branch that reweights its parent's sources at the branch point draws, from there, the
+    very windows a run with that reweighting in its data.schedule draws: the parent's weights up to
+    the branch point, its own after (storage.branches.lineage keeps the parent's mixture, a branch
+    of a branch included)."""
+    from stoker.core.config import DataConfig
+    from stoker.core.mixture import Mixture
+
+    def data(weights, schedule=()):
+        return DataConfig.model_validate(
+            {
+                "sources": [{"name": n, "source": "builtin:stdlib", "weight": w} for n, w in weights.items()],
+                "schedule": [{"at_step": s, "weights": w} for s, w in schedule],
+            }
+        )
+
+    windows = {"domain": 500, "web": 3000}
+    parent = {"domain": 0.3, "web": 0.7}
+    history = {"step": 40, "weights": parent, "schedule": [[20, {"domain": 0.5, "web": 0.5}]]}
+    branch = Mixture.of_config(data({"domain": 0.8, "web": 0.2}), 7, 16, windows, history)
+    whole = Mixture.of_config(
+        data(parent, [(20, {"domain": 0.5, "web": 0.5}), (40, {"domain": 0.8, "web": 0.2})]), 7, 16, windows
+    )
+    for step in (40, 41, 63):
+        assert all(np.array_equal(a, b) for a, b in zip(branch.picks(step), whole.picks(step)))
+    assert np.array_equal(branch.draws_before(40), whole.draws_before(40))

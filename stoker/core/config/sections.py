@@ -26,6 +26,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 BUILTIN_SOURCE = "builtin:stdlib"
+# the built-in corpora: general text (the standard library's sources) and a small synthetic
+# domain corpus (data.synthetic: template contracts), for mixtures and anneals out of the box
+BUILTIN_SOURCES = (BUILTIN_SOURCE, "builtin:contracts")
 
 
 def default_root() -> str:
@@ -145,8 +148,8 @@ def _source_form(source: str) -> str:
     s = source.strip()
     if s.startswith("hf:") and not s[3:].strip():
         raise _rule("'hf:' needs a dataset", "e.g. 'hf:wikitext' or 'hf:/path/to/folder'")
-    if s.startswith("builtin:") and s != BUILTIN_SOURCE:
-        raise _rule("is an unknown built-in corpus", f"use {BUILTIN_SOURCE!r}")
+    if s.startswith("builtin:") and s not in BUILTIN_SOURCES:
+        raise _rule("is an unknown built-in corpus", f"use one of {', '.join(map(repr, BUILTIN_SOURCES))}")
     problem = _url_problem(s, "the source")
     if problem is not None:
         raise problem
@@ -259,7 +262,8 @@ class DataConfig(_Section):
     source: NonBlank = _field(
         BUILTIN_SOURCE,
         "Where the raw text comes from: 'builtin:stdlib' (the Python standard "
-        "library's own sources, always present); a local file, folder or glob of text "
+        "library's own sources, always present); 'builtin:contracts' (a small synthetic domain "
+        "corpus of template contracts, for trying a mixture); a local file, folder or glob of text "
         "(.txt/.md/.py), JSON lines (.jsonl/.json, see text_field) or Parquet files, optionally "
         ".gz/.bz2/.xz; any fsspec URL to one object, a folder or a glob (s3://bucket/data/*.jsonl, "
         "https://host/corpus.txt; see storage_options); or 'hf:NAME' for a Hugging Face dataset "
