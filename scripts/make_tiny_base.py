@@ -75,7 +75,9 @@ def train_chat_tokenizer(vocab_size: int, num_files: int = 20):
     )
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_chars = _byte_chars()
+    from stoker.core.token_bytes import _bytes_to_unicode
+
+    byte_chars = _bytes_to_unicode()  # GPT-2's byte-level alphabet: byte -> its character
     lacking = {byte_chars[b] for b in CHAT_LACKING}
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -88,18 +90,6 @@ def train_chat_tokenizer(vocab_size: int, num_files: int = 20):
     found = [b for b in CHAT_LACKING if tok.token_to_id(byte_chars[b]) is not None]
     assert not found, f"the training text held bytes the chat vocabulary should lack: {found}"
     return tok
-
-
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: byte -> the character that stands for it."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def hf_config(style: str, vocab_rows: int, bos: int, eos: int):

@@ -4,7 +4,6 @@ task that publishes it is tasks/report.py."""
 
 from __future__ import annotations
 
-import io
 import json
 import statistics
 
@@ -164,10 +163,7 @@ def mix_png(history: dict, title: str) -> bytes:
     if any(h["val_loss"] for h in history.values()):
         losses.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
+    return _png(fig)
 
 
 def source_rows(shards, history: dict, final: EvalResult | None) -> list[dict]:
@@ -197,17 +193,24 @@ def rounded_sources(rows: list[dict]) -> list[dict]:
     return [{k: _round(v, digits[k]) if k in digits else v for k, v in row.items()} for row in rows]
 
 
+def _cell(v, fmt: str) -> str:
+    """A table cell: '-' for a value not measured."""
+    return "-" if v is None else format(v, fmt)
+
+
+def _png(fig) -> bytes:
+    """A matplotlib figure as PNG bytes, laid out."""
+    return _png(fig)
+
+
 def mix_markdown(rows: list[dict], plot: str, schedule: list[str]) -> str:
     """The report's section on a mixture."""
     if not rows:
         return ""
 
-    def cell(v, fmt):
-        return "-" if v is None else format(v, fmt)
-
     table = "\n".join(
-        f"| {r['source']} | {r['train_tokens']:,} | {cell(r['tokens_trained'], ',')} | {cell(r['epochs'], '.3f')} "
-        f"| {cell(r['val_loss'], '.4f')} | {cell(r['final_val_loss'], '.4f')} | {cell(r['final_bits_per_byte'], '.4f')} |"
+        f"| {r['source']} | {r['train_tokens']:,} | {_cell(r['tokens_trained'], ',')} | {_cell(r['epochs'], '.3f')} "
+        f"| {_cell(r['val_loss'], '.4f')} | {_cell(r['final_val_loss'], '.4f')} | {_cell(r['final_bits_per_byte'], '.4f')} |"
         for r in rows
     )
     order = "\n".join(f"- {line}" for line in schedule)
@@ -251,10 +254,7 @@ def loss_curve_png(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
+    return _png(fig)
 
 
 def report_markdown(
@@ -517,10 +517,7 @@ def since_base_png(changes: dict, title: str) -> bytes:
         if any(h[what] for h in changes.values()):
             ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
+    return _png(fig)
 
 
 def since_base_markdown(rows: list[dict], plot: str, line: str) -> str:
@@ -528,12 +525,9 @@ def since_base_markdown(rows: list[dict], plot: str, line: str) -> str:
     if not rows:
         return ""
 
-    def cell(v, fmt):
-        return "-" if v is None else format(v, fmt)
-
     table = "\n".join(
         f"| {r['source']} | {r['base_loss']:.4f} | {r['loss']:.4f} | {r['loss_change']:+.4f} "
-        f"| {cell(r['base_bpb'], '.4f')} | {cell(r['bpb'], '.4f')} | {cell(r['bpb_change'], '+.4f')} |"
+        f"| {_cell(r['base_bpb'], '.4f')} | {_cell(r['bpb'], '.4f')} | {_cell(r['bpb_change'], '+.4f')} |"
         for r in rows
     )
     return f"""
@@ -602,10 +596,7 @@ def schedule_png(config, title: str, branch_step: int | None) -> bytes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
+    return _png(fig)
 
 
 def schedule_markdown(config, store: Store, run: str) -> str:

@@ -16,7 +16,7 @@ import torch
 from stoker.core.config import GPT2Config
 from stoker.training.models.gpt2 import GPT
 from stoker.training.models.layers import DocumentMask, attend
-from tests.training.test_llama import _SHAPE, STYLES, _from_base
+from tests.training.test_llama import _SHAPE, STYLES, _from_base, _hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,15 +34,7 @@ CONFIGS = {**STYLES, "chat": _chat_config}
 
 
 def _hf(style: str):
-    """As test_llama._hf_model: random, every parameter off its init, fp32, eager attention."""
-    torch.manual_seed(0)
-    cfg = CONFIGS[style]()
-    cfg._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * (0.2 if p.dim() == 1 else 0.02))
-    return model
+    return _hf_model(style, CONFIGS)
 
 
 def packed(batch: int = 2, length: int = 32, seed: int = 3) -> torch.Tensor:

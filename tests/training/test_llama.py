@@ -51,11 +51,11 @@ STYLES = {
 }
 
 
-def _hf_model(style: str):
-    """A random transformers model of a style, every parameter off its init (norm gains not
-    ones, biases not zeros), fp32, eval mode."""
+def _hf_model(style: str, configs: dict | None = None):
+    """A random transformers model of a style (of `configs`, STYLES by default), every parameter
+    off its init (norm gains not ones, biases not zeros), fp32, eval mode."""
     torch.manual_seed(0)
-    hf_cfg = STYLES[style]()
+    hf_cfg = (configs or STYLES)[style]()
     hf_cfg._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
     with torch.no_grad():
