@@ -42,8 +42,8 @@ def packed_windows(batch: int, block: int, doc_tokens: int, vocab: int, seed: in
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from stoker.core.config import LlamaConfig
-    from stoker.training.models.llama import Llama
+    from stoker.families.llama.config import LlamaConfig
+    from stoker.families.llama.model import Llama
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--block", type=int, default=512)

@@ -27,12 +27,12 @@ import torch
 
 from benchmarks import _servers
 from benchmarks._servers import moto_s3, s3_bucket
-from stoker.core.config import GPT2Config
+from stoker.families.gpt2.config import GPT2Config
+from stoker.families.gpt2.model import GPT
+from stoker.families.spec import param_groups
 from stoker.storage.store import Store
 from stoker.storage.uploader import CheckpointUploader
 from stoker.training.checkpoint import Checkpointer, flat_state, rng_state_tensors
-from stoker.training.models import param_groups
-from stoker.training.models.gpt2 import GPT
 
 STEPS, INTERVAL = 24, 8
 MODEL = GPT2Config(n_layer=4, n_head=8, n_embd=512, block_size=128)  # ~17M params, ~200 MB with AdamW

@@ -43,7 +43,7 @@ def _tokenizer(vocab: int, num_files: int = 40):
 
 def main(argv: list[str] | None = None) -> None:
     from stoker.core.config import load_config
-    from stoker.training.models.gpt2 import GPT
+    from stoker.families.gpt2.model import GPT
     from stoker.training.scoring import (
         HeldOut,
         add_window_scores,

@@ -46,7 +46,7 @@ def step_seconds(cfg, steps: int = STEPS) -> float:
 
     import torch
 
-    from stoker.training.models.gpt2 import GPT
+    from stoker.families.gpt2.model import GPT
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.launch.nproc_per_node))
 

@@ -196,9 +196,9 @@ class BareLoop:
     random windows from the same memmapped shards, pinned non-blocking copies, grad clip."""
 
     def __init__(self, cfg, shard_dir: str, attention: str = "default"):
+        from stoker.families.gpt2.model import GPT
+        from stoker.families.spec import param_groups
         from stoker.training.data import TokenStream
-        from stoker.training.models import param_groups
-        from stoker.training.models.gpt2 import GPT
 
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -82,7 +82,7 @@ def _step_seconds(repeats: int = 10) -> float:
     import torch
 
     from stoker.core.config import load_config
-    from stoker.training.models.gpt2 import GPT
+    from stoker.families.gpt2.model import GPT
 
     cfg = load_config("tiny-cpu")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.launch.nproc_per_node))

@@ -147,7 +147,8 @@ def _plain_read(folder: str) -> float:
 def measure(hidden: int, layers: int, vocab: int, shard_mb: int) -> dict:
     import torch.multiprocessing as mp
 
-    from stoker.core.config import LlamaConfig, RunConfig
+    from stoker.core.config import RunConfig
+    from stoker.families.llama.config import LlamaConfig
 
     work = tempfile.mkdtemp(prefix="stoker-bench-load-")
     try:

@@ -30,9 +30,9 @@ VARIANTS = ("none", "selective", "full", "chunked")
 
 
 def _model(args, variant: str, device: torch.device):
-    from stoker.core.config import GPT2Config
-    from stoker.training.models.gpt2 import GPT
-    from stoker.training.models.layers import checkpoint_blocks
+    from stoker.families.gpt2.config import GPT2Config
+    from stoker.families.gpt2.model import GPT
+    from stoker.families.layers import checkpoint_blocks
 
     cfg = GPT2Config(
         n_layer=args.layers, n_head=args.width // 64, n_embd=args.width, block_size=args.block, dropout=0.0

@@ -80,8 +80,8 @@ def model_line(cfg, vocab_size: int) -> str:
     than the recipe's tokenizer.vocab_size makes it."""
     import torch
 
-    from stoker.training.models.gpt2 import GPT
-    from stoker.training.models.layers import padded_vocab
+    from stoker.families.gpt2.model import GPT
+    from stoker.families.layers import padded_vocab
 
     with torch.device("meta"):
         n = GPT(cfg.model, vocab_size, seed=None).num_params()

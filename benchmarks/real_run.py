@@ -138,8 +138,8 @@ def model_facts(cfg, vocab_size: int) -> dict:
     """Parameter count (tied output matrix once, no position embeddings) and vocabulary."""
     import torch
 
-    from stoker.training.models.gpt2 import GPT
-    from stoker.training.models.layers import padded_vocab
+    from stoker.families.gpt2.model import GPT
+    from stoker.families.layers import padded_vocab
 
     with torch.device("meta"):
         model = GPT(cfg.model, vocab_size, seed=None)

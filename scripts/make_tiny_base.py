@@ -5,6 +5,7 @@ starts from, and what the tests load.
     python scripts/make_tiny_base.py ./tiny-qwen-base --style qwen2   # q/k/v bias, untied
     python scripts/make_tiny_base.py ./tiny-gpt2-base --style gpt2    # GPT-2: Conv1D, gelu_new
     python scripts/make_tiny_base.py ./tiny-chat-base --style chat    # SmolLM2-like, see below
+    python scripts/make_tiny_base.py ./tiny-qwen3-base --style qwen3  # Qwen3: q/k norms, see below
 
 The tokenizer is a byte-level BPE trained on a slice of the Python standard library's sources
 (the built-in corpus), with Llama 3's special tokens: ``<|begin_of_text|>`` added to every
@@ -16,6 +17,10 @@ with ``save_pretrained`` in safetensors, sharded above ``--max-shard-size``.
 byte values (13 that UTF-8 never holds, 8 control bytes), its eos is the chat end of turn
 ``<|im_end|>`` beside an ``<|endoftext|>``, it has no bos and many added tokens, and its shapes
 are grouped-query attention (6/2 heads) with an explicit ``head_dim`` (24, not 96 / 6).
+``--style qwen3`` is Qwen3-0.6B's kind (the tiny-qwen3-cpu recipe's base): q/k RMSNorm per head,
+no q/k/v bias, an explicit ``head_dim`` (32, with 4 heads over a width of 64), tied embeddings,
+with the chat style's tokenizer (Qwen3's post-trained models end a turn with ``<|im_end|>``,
+have no bos and a byte-level vocabulary).
 ``--no-tokenizer-config`` leaves tokenizer_config.json out.
 """
 
@@ -24,7 +29,10 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import sys
 import sysconfig
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # stoker, run from anywhere
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 # the chat style (a SmolLM2-like base): its end of text, its chat turn tokens, the eos a chat
@@ -132,6 +140,14 @@ def hf_config(style: str, vocab_rows: int, bos: int, eos: int):
             tie_word_embeddings=True,
             rope_theta=100000.0,
         )
+    if style == "qwen3":  # Qwen3-0.6B's kind: q/k norms, head_dim 32 (not 64 / 4), tied, no bos
+        return transformers.Qwen3Config(
+            **{**common, "bos_token_id": None},
+            head_dim=32,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
     if style == "qwen2":
         return transformers.Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6)
     return transformers.MistralConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None)
@@ -150,7 +166,7 @@ def make_base(
     import torch
     import transformers
 
-    chat = style == "chat"
+    chat = style in ("chat", "qwen3")  # the chat tokenizer's quirks
     tok = train_chat_tokenizer(vocab_size) if chat else train_tokenizer(vocab_size)
     rows = tok.get_vocab_size() if style == "gpt2" else -(-tok.get_vocab_size() // 64) * 64 + 64
     bos, eos = (None, TURN_END) if chat else (BOS, EOS)
@@ -180,7 +196,7 @@ def make_base(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("folder")
-    p.add_argument("--style", choices=["llama", "qwen2", "mistral", "gpt2", "chat"], default="llama")
+    p.add_argument("--style", choices=["llama", "qwen2", "mistral", "gpt2", "chat", "qwen3"], default="llama")
     p.add_argument("--vocab-size", type=int, default=500, help="the tokenizer's ids")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", default="100KB", help="save_pretrained's shard size")

@@ -92,3 +92,28 @@ def short_documents(folder, count: int = 200) -> str:
         paragraphs = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 12))) for _ in range(rng.randint(1, 2))]
         (folder / f"filing-{i:03d}.txt").write_text(f"Filing {i}.\n" + ".\n".join(paragraphs) + ".\n")
     return str(folder)
+
+
+def exported_logits_are_ours(cfg, store, checkpoint_key: str, vocab: int, folder) -> dict:
+    """`stoker export` of a checkpoint, loaded by transformers' AutoModelForCausalLM: its logits
+    on one document are our checkpoint's; returns the exported config.json."""
+    import contextlib
+    import io
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stoker.cli import main
+    from stoker.families import build_model
+    from stoker.training.checkpoint import load_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["export", store.url(checkpoint_key), str(folder)]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ours = build_model(cfg.model, vocab, seed=None)
+    load_checkpoint(store.local_path(checkpoint_key), model=ours)
+    ids = one_document(ours, cfg, torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0)))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits[..., :vocab], ours.eval()(ids)[0])
+    return json.loads((folder / "config.json").read_text())

@@ -10,6 +10,8 @@ import pytest
 from tests.conftest import ROOT
 
 ROOMS = (
+    "fields",
+    "families",
     "core",
     "storage",
     "data",
@@ -24,19 +26,22 @@ ROOMS = (
 )
 MAY_IMPORT = {
     # observe: how results read; launch: the export and harness children
-    "cli": {"core", "preflight", "launch", "observe", "orchestration", "tasks", "flows", "cli"},
-    "core": {"core"},
-    "storage": {"core", "storage"},
-    "data": {"core", "storage", "data"},
-    "launch": {"core", "storage", "launch"},
-    "training": {"core", "storage", "training"},
-    "observe": {"core", "storage", "observe"},
+    "cli": {"fields", "families", "core", "preflight", "launch", "observe", "orchestration", "tasks", "flows", "cli"},
+    "fields": {"fields"},
+    # a family's config section (torch-free) and its module, plan and the torch pieces they share
+    "families": {"fields", "families"},
+    "core": {"fields", "families", "core"},
+    "storage": {"fields", "families", "core", "storage"},
+    "data": {"fields", "families", "core", "storage", "data"},
+    "launch": {"fields", "families", "core", "storage", "launch"},
+    "training": {"fields", "families", "core", "storage", "training"},
+    "observe": {"fields", "families", "core", "storage", "observe"},
     # the one preflight (stoker/preflight.py): every check of the host, gathered from the rooms below
-    "preflight": {"core", "storage", "data", "launch", "observe", "preflight"},
+    "preflight": {"fields", "families", "core", "storage", "data", "launch", "observe", "preflight"},
     # the Prefect integration: result cache policy and its locks, events, publisher, credentials blocks
-    "orchestration": {"core", "storage", "observe", "orchestration"},
-    "tasks": {"core", "data", "launch", "observe", "storage", "preflight", "orchestration", "tasks"},
-    "flows": {"core", "preflight", "orchestration", "tasks", "flows"},
+    "orchestration": {"fields", "families", "core", "storage", "observe", "orchestration"},
+    "tasks": {"fields", "families", "core", "data", "launch", "observe", "storage", "preflight", "orchestration", "tasks"},
+    "flows": {"fields", "families", "core", "preflight", "orchestration", "tasks", "flows"},
 }
 NEVER = {
     "cli": {"torch"},
@@ -46,6 +51,8 @@ NEVER = {
     "launch": {"torch"},
     "tasks": {"torch"},
     "flows": {"torch"},
+    "fields": {"torch", "prefect"},
+    "families": {"prefect"},  # and no torch in the configs and the registry: the test below
     "core": {"torch", "prefect"},
     "storage": {"torch", "prefect"},
     "data": {"torch", "prefect"},
@@ -121,22 +128,20 @@ def test_no_import_cycle_between_project_modules():
             visit(m, [])
 
 
-def test_nothing_outside_the_models_package_names_a_model_family():
-    """The engine, evaluation, export, the harness and the CLI ask the family's spec
-    (training.models.spec_of); a family's module, class or name appears only in
-    stoker/training/models/ and in its config section (core/config/models.py)."""
+def test_nothing_outside_the_families_names_a_model_family():
+    """The configuration asks the registry (stoker.families: FAMILIES), the engine, evaluation,
+    export, the harness and the CLI ask the family's spec (spec_of); a family's folder, class or
+    name appears only in stoker/families/."""
     import re
 
-    from stoker.core.config import FAMILIES
+    from stoker.families import FAMILIES
 
     names = "|".join(FAMILIES)
+    classes = "|".join(cls.__name__ for cls in FAMILIES.values())
     pattern = re.compile(
-        rf"stoker\.training\.models\.({names})\b|\b(GPT|Llama)\(|(==|!=|in) ?\(?[\"']({names})[\"']|family == "
+        rf"stoker\.families\.({names})\b|\b(GPT|Llama|Qwen3|{classes})\(|(==|!=|in) ?\(?[\"']({names})[\"']|family == "
     )
-    allowed = (
-        os.path.join("stoker", "training", "models") + os.sep,
-        os.path.join("stoker", "core", "config", "models.py"),
-    )
+    allowed = (os.path.join("stoker", "families") + os.sep,)
     found = []
     for folder, _, files in os.walk(os.path.join(ROOT, "stoker")):
         for name in files:
@@ -146,6 +151,28 @@ def test_nothing_outside_the_models_package_names_a_model_family():
                     if pattern.search(line):
                         found.append(f"{path}:{i}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_a_family_is_one_folder_and_one_registry_line_and_its_config_needs_no_torch():
+    """Each registered family is a folder with its torch-free config section and its module;
+    the registry names each once; the configuration (every family's section) loads without
+    torch, as the flow process does."""
+    import subprocess
+    import sys
+
+    from stoker.families import FAMILIES, NAMES
+
+    registry = open(os.path.join(ROOT, "stoker", "families", "__init__.py")).read()
+    for name in FAMILIES:
+        folder = os.path.join(ROOT, "stoker", "families", name)
+        assert {"__init__.py", "config.py", "model.py"} <= set(os.listdir(folder)), name
+        assert registry.count(f'"{name}",') == 1 and NAMES.count(name) == 1, name
+    code = (
+        "import sys, stoker.core.config, stoker.families as f\n"
+        "[f.FAMILIES[n].model_validate({'family': n}) for n in f.NAMES]\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
 @pytest.mark.parametrize(

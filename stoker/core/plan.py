@@ -174,9 +174,9 @@ def hardware_of(cfg: Any) -> Hardware:
 @dataclass(frozen=True)
 class Shape:
     """What the plan reads of a model, filled by its family's config section
-    (``core.config.models``: ``plan_shape``): parameters by part, the widths FLOPs count, and
+    (``families/<name>/config.py``: ``plan_shape``): parameters by part, the widths FLOPs count, and
     the widths of what one block keeps per token for its backward pass, counted tensor by
-    tensor from the family's forward (``training.models``)."""
+    tensor from the family's forward (``stoker.families``)."""
 
     layers: int
     width: int  # C
@@ -196,10 +196,6 @@ class Shape:
     @property
     def params(self) -> int:
         return self.layers * self.block_params + self.root_params
-
-    def flops_per_token(self) -> float:
-        """As the families' ``flops_per_token``: 6N + 12·L·(query width)·T."""
-        return 6 * self.matmul_params + 12 * self.layers * self.attention_width * self.block
 
 
 def vocab_rows(cfg: Any) -> int:
@@ -433,7 +429,7 @@ def plan(
         activations=acts,
         root_grads=4 * s.root_params / shard,
         tokens_per_step=cfg.train.global_batch_size * s.block,
-        flops_per_token=s.flops_per_token(),
+        flops_per_token=cfg.model.flops_per_token(vocab_rows(cfg)),
         mfu=mfu,
         max_steps=cfg.train.max_steps,
         price=getattr(getattr(cfg, "cost", None), "per_accelerator_hour", None),

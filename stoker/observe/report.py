@@ -4,6 +4,7 @@ task that publishes it is tasks/report.py."""
 
 from __future__ import annotations
 
+import io
 import json
 import statistics
 
@@ -200,7 +201,10 @@ def _cell(v, fmt: str) -> str:
 
 def _png(fig) -> bytes:
     """A matplotlib figure as PNG bytes, laid out."""
-    return _png(fig)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
 
 
 def mix_markdown(rows: list[dict], plot: str, schedule: list[str]) -> str:

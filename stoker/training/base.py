@@ -23,7 +23,8 @@ import os
 
 import torch
 
-from stoker.training.models import is_vocab, spec_of
+from stoker.families import spec_of
+from stoker.families.spec import is_vocab
 
 INDEX = "model.safetensors.index.json"
 

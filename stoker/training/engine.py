@@ -19,9 +19,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from stoker.core.config import RunConfig
 from stoker.core.failures import ConfigError
 from stoker.core.plan import peak_flops_of  # the one table of devices' bf16 peaks
-from stoker.training.models import build_model as build_family_model
-from stoker.training.models import param_groups, spec_of
-from stoker.training.models.layers import checkpoint_blocks, logits_and_loss
+from stoker.families import build_model as build_family_model
+from stoker.families import spec_of
+from stoker.families.layers import checkpoint_blocks, logits_and_loss
+from stoker.families.spec import param_groups
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -24,13 +24,13 @@ from stoker.core import events
 from stoker.core.config.sections import DEFAULT_SOURCE_NAME
 from stoker.core.quick_exit import quick_exit
 from stoker.core.results import parse_shards_arg
+from stoker.families import build_model
 from stoker.storage.checkpoints import COMMIT_FILE, rehydrate
 from stoker.storage.shards import TOKENIZER_FILE, materialize, shard_set_name
 from stoker.storage.store import Store, default_cache_dir
 from stoker.training.checkpoint import load_checkpoint
 from stoker.training.data import TokenStream, eval_offsets, get_batch
 from stoker.training.engine import Engine
-from stoker.training.models import build_model
 from stoker.training.scoring import (
     ChoiceScores,
     HeldOut,

@@ -3,7 +3,7 @@
     python -m stoker.training.export <root>/runs/<run>/checkpoints/step-00000500 ./hf-out
 
 writes ``config.json`` with the family's ``architectures`` (GPT2LMHeadModel, LlamaForCausalLM,
-Qwen2ForCausalLM), the weights as safetensors (``model.safetensors``, or shards with
+Qwen2ForCausalLM, Qwen3ForCausalLM), the weights as safetensors (``model.safetensors``, or shards with
 ``model.safetensors.index.json`` above ``--max-shard-bytes``), and the run's tokenizer (a
 base's own tokenizer files where the run started from one), which ``AutoModelForCausalLM``
 and ``AutoTokenizer`` load; and prints an Exported event (a failure: a Failure event). It
@@ -30,13 +30,14 @@ import torch
 from stoker.core import events
 from stoker.core.failures import ExportError
 from stoker.core.quick_exit import quick_exit
+from stoker.families import build_model, spec_of
+from stoker.families.spec import hf_rows
 from stoker.storage.branches import lineage_chain
 from stoker.storage.checkpoints import rehydrate
 from stoker.storage.layout import BASE_DIR, TOKENIZER_FILE, run_file_key
 from stoker.storage.runs import export_source
 from stoker.storage.store import default_cache_dir
 from stoker.training.checkpoint import load_checkpoint
-from stoker.training.models import build_model, hf_rows, spec_of
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

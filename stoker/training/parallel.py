@@ -7,20 +7,9 @@ the model, split by ``apply_tp``; FSDP2 then shards each replica's pieces over "
 engine's ``_build_fsdp``). The ranks of a group compute on the same micro-batch: the data
 split is over the "dp" coordinate only (``data_parallel``).
 
-The Llama plan is torchtitan's (``parallelize_llama``/``apply_tp``), with this model's names:
-
-- each block: q/k/v and gate/up ``ColwiseParallel`` (each rank holds n_head / tp query heads,
-  n_kv_head / tp key/value heads and intermediate_size / tp of the MLP), o/down
-  ``RowwiseParallel`` with a sequence-sharded output, the two RMSNorms ``SequenceParallel``
-  (the residual stream between the blocks is sharded on the sequence), the attention and MLP
-  inputs all-gathered (``PrepareModuleInput``);
-- the embedding ``RowwiseParallel`` (rows of the vocabulary) with a sequence-sharded output,
-  the final norm ``SequenceParallel``, the output ``ColwiseParallel`` (rows of the vocabulary).
-
-Tied embeddings (Llama's default here, not torchtitan's): the embedding's row-wise split and
-the output's column-wise split both shard the (vocabulary, n_embd) matrix on its rows, the
-same ``Shard(0)``, so the one matrix stays one parameter: ``parallelize_module`` makes a DTensor
-for each module, and ``apply_tp`` ties the output to the embedding's again.
+Each family with a plan has it in its folder (``families/<name>/parallel.py``, the spec's
+``parallelize``: torchtitan's ``parallelize_llama`` for the llama family); ``apply_tp`` checks
+that the family's sizes divide (``tp_split_sizes``) and applies it.
 
 The loss is vocabulary-parallel (torchtitan's loss parallel, done by hand so that it needs no
 context around the backward pass): each rank makes the logits of its rows of the vocabulary
@@ -37,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from stoker.core.failures import ConfigError
+from stoker.families import FAMILIES, spec_of
 
 
 def data_parallel(rank: int, world_size: int, tp_degree: int) -> tuple[int, int]:
@@ -64,78 +54,26 @@ def tp_problems(model_cfg, tp_degree: int) -> list[str]:
     """What keeps a model section from a split over tp_degree ranks (the config refuses it
     too; the rank checks again after a base filled in the architecture)."""
     if not getattr(type(model_cfg), "TENSOR_PARALLEL", False):
+        planned = ", ".join(name for name, cls in FAMILIES.items() if cls.TENSOR_PARALLEL)
         return [
-            f"engine.parallelism: 'fsdp+tp' has a tensor-parallel plan for the llama family only, and "
+            f"engine.parallelism: 'fsdp+tp' has a tensor-parallel plan for the {planned} families only, and "
             f"model.family is {getattr(model_cfg, 'family', None)!r}; use 'fsdp' or 'ddp'"
         ]
     return [
         f"engine.tp_degree: {tp_degree} does not divide model.{name}={value}; use a common divisor"
-        for name, value in tp_split_sizes(model_cfg)
+        for name, value in model_cfg.tp_split_sizes()
         if value is not None and value % tp_degree
     ]
 
 
-def tp_split_sizes(model_cfg) -> list[tuple[str, int | None]]:
-    """The sizes a tensor-parallel split divides: the heads and the MLP (column-wise), the
-    sequence (sequence parallel)."""
-    return [(n, getattr(model_cfg, n, None)) for n in ("n_head", "n_kv_head", "intermediate_size", "block_size")]
-
-
 def apply_tp(model: nn.Module, tp_mesh) -> None:
-    """Split a Llama (on any device, the meta device included) over the "tp" mesh in place,
-    by torchtitan's plan (see the module docstring)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
+    """Split a model over the "tp" mesh in place by its family's plan (the spec's
+    ``parallelize``), after checking that the sizes divide, and give it the
+    vocabulary-parallel loss."""
     problems = tp_problems(model.cfg, tp_mesh.size())
     if problems:
         raise ConfigError(problems)
-    tied = model.lm_head.weight is model.embed_tokens.weight
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            # the logits without targets; the loss takes the weight (parallel_logits_and_loss)
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
-    if tied:  # both Shard(0) of the same matrix: one parameter again
-        model.lm_head.weight = model.embed_tokens.weight
-    # the embedding's output is a view of a DTensor's local shard (to_local); taken as it is by
-    # the first compiled block, AOT autograd (torch 2.13) sends the embedding no gradient at all
-    # (measured: zero with the aot_eager backend, right with dynamo's eager one; the view is the
-    # likely cause). A copy, of (B, T/tp, C), keeps it connected.
-    model.embed_tokens.register_forward_hook(lambda module, args, output: output.clone())
-    for block in model.layers:
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "input_layernorm": SequenceParallel(),
-                # (x, cos, sin, mask): the sequence-sharded x gathered, the RoPE tables and the
-                # document mask (of the whole sequence, made from the token ids) as they are
-                "self_attn": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
-                ),
-                "self_attn.q_proj": ColwiseParallel(),
-                "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(),
-                "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-                "post_attention_layernorm": SequenceParallel(),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "mlp.gate_proj": ColwiseParallel(),
-                "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-            },
-        )
+    spec_of(model.cfg).parallelize(model, tp_mesh)
     model.output_loss = parallel_logits_and_loss
 
 

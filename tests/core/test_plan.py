@@ -9,14 +9,14 @@ import torch
 from stoker.cli import main
 from stoker.core import plan as plans
 from stoker.core.config import load_config
+from stoker.families import build_model
 from stoker.preflight import plan_problems
-from stoker.training.models import build_model
 
 H100 = plans.Hardware.named("H100")
 
 
 def test_every_recipe_has_a_plan_and_its_table():
-    for name in ("tiny-cpu", "gpt2-124m", "gpt2-124m-1gpu", "llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"):
+    for name in ("tiny-cpu", "gpt2-124m", "gpt2-124m-1gpu", "llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b", "qwen3-0.6b"):
         cfg = load_config(name)
         p = plans.plan(cfg, H100)
         table = p.table()
@@ -43,13 +43,17 @@ def test_the_parts_follow_the_parallelism_and_the_checkpointing():
     selective = plans.plan(cfg, H100, activation_checkpointing="selective")
     none = plans.plan(cfg, H100, activation_checkpointing="none")
     assert full.activations < selective.activations < none.activations
-    # the FLOPs per token are the model's own (its family's flops_per_token), for both families
-    for name in ("gpt2-124m", "llama-3.2-1b", "llama-3.1-8b"):
+    # the FLOPs per token are the model's own (its family's flops_per_token), for every family:
+    # the section's count of the parameters against the module's
+    for name in ("gpt2-124m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b"):
         recipe = load_config(name)
         with torch.device("meta"):
             model = build_model(recipe.model, recipe.tokenizer.vocab_size, None)
-        assert plans.plan(recipe, H100).flops_per_token == model.flops_per_token(), name
-        assert plans.shape_of(recipe).params == sum(p.numel() for p in model.parameters()), name
+        shape = plans.shape_of(recipe)
+        attention = 12 * shape.layers * shape.attention_width * shape.block
+        assert plans.plan(recipe, H100).flops_per_token == 6 * model.num_params() + attention, name
+        assert model.flops_per_token() == plans.plan(recipe, H100).flops_per_token, name
+        assert shape.params == sum(p.numel() for p in model.parameters()), name
     # the time at the stated MFU, and the cost at the price of an accelerator-hour
     priced = plans.plan(
         cfg.model_copy(update={"cost": cfg.cost.model_copy(update={"per_accelerator_hour": 2.0})}), H100

@@ -89,10 +89,10 @@ def test_a_base_is_trained_further_through_the_flow_resumed_bitwise_and_exported
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from stoker.cli import main
+    from stoker.families import build_model
     from stoker.flows.pipeline import train_pipeline
     from stoker.storage.runs import pin_run_folder
     from stoker.training.checkpoint import load_checkpoint
-    from stoker.training.models import build_model
     from tests.forked_ranks import run_forked
 
     base = str(shutil.copytree(tiny_base(tmp_path_factory, "chat"), tmp_path / "base"))

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from stoker.core.config import ConfigError, load_config
+from stoker.families.gpt2.model import GPT
 from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
 from stoker.storage.store import Store
 from stoker.training.checkpoint import load_checkpoint
-from stoker.training.models.gpt2 import GPT
 from tests.conftest import tiny_dict
 
 pytestmark = pytest.mark.e2e

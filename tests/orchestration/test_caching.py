@@ -99,8 +99,8 @@ def _checkpoint(cfg, store, shards, step: int) -> str:
     """A committed checkpoint of the run's model (written in this process, no training)."""
     import torch
 
-    from stoker.training.models import param_groups
-    from stoker.training.models.gpt2 import GPT
+    from stoker.families.gpt2.model import GPT
+    from stoker.families.spec import param_groups
     from tests.training.test_checkpoint import save_and_commit
 
     model = GPT(cfg.model, shards.vocab_size, seed=step)

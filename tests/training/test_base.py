@@ -20,7 +20,14 @@ from stoker.core.config import load_config
 from stoker.storage.bases import resolve_base
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.runs import pin_run_folder
-from tests.bases import documents, loss_of_documents_alone, one_document, short_documents, tiny_base
+from tests.bases import (
+    documents,
+    exported_logits_are_ours,
+    loss_of_documents_alone,
+    one_document,
+    short_documents,
+    tiny_base,
+)
 from tests.conftest import prepare_shards, tiny_dict, train_losses
 from tests.forked_ranks import run_forked, start_ranks, train_argv
 
@@ -172,8 +179,8 @@ def _load_on_rank(rank: int, world: int, init: str, config_json: str, folder: st
 def test_a_2_rank_fsdp2_load_equals_a_1_rank_load_tensor_for_tensor(based, tmp_path):
     import torch.multiprocessing as mp
 
+    from stoker.families import build_model
     from stoker.training.base import load_base
-    from stoker.training.models import build_model
 
     cfg, _, shards, _, _, base = based
     init = f"file://{tmp_path}/rendezvous"
@@ -199,8 +206,8 @@ def test_a_gpt2_base_loads_with_transformers_logits(tmp_path_factory, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from stoker.core.config import build_config
+    from stoker.families import build_model
     from stoker.training.base import load_base
-    from stoker.training.models import build_model
 
     base = tiny_base(tmp_path_factory, "gpt2")
     cfg = resolve_base(
@@ -223,29 +230,6 @@ def test_a_gpt2_base_loads_with_transformers_logits(tmp_path_factory, tmp_path):
         torch.testing.assert_close(ours.eval()(ids)[0], hf(ids).logits)
 
 
-def _exported_logits_are_ours(cfg, store, checkpoint_key: str, vocab: int, folder) -> dict:
-    """`stoker export` of a checkpoint, loaded by transformers' AutoModelForCausalLM: its logits
-    on one document are our checkpoint's; returns the exported config.json."""
-    import contextlib
-    import io
-
-    from transformers import AutoModelForCausalLM
-
-    from stoker.cli import main
-    from stoker.training.checkpoint import load_checkpoint
-    from stoker.training.models import build_model
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["export", store.url(checkpoint_key), str(folder)]) == 0
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    ours = build_model(cfg.model, vocab, seed=None)
-    load_checkpoint(store.local_path(checkpoint_key), model=ours)
-    ids = one_document(ours, cfg, torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0)))
-    with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits[..., :vocab], ours.eval()(ids)[0])
-    return json.loads((folder / "config.json").read_text())
-
-
 @pytest.mark.parametrize("style", ["qwen2", "mistral"])
 def test_a_qwen2_and_a_mistral_base_train_on_2_ranks_export_and_reload(based, style, tmp_path, tmp_path_factory):
     """The whole path of each: resolved from its files, 2 FSDP2 ranks, exported, reloaded by
@@ -265,6 +249,6 @@ def test_a_qwen2_and_a_mistral_base_train_on_2_ranks_export_and_reload(based, st
         store, shards = prepare_shards(cfg)
         run_forked(pin_run_folder(store, cfg, shards), shards.key, nproc=2)
         key = "runs/mistral/checkpoints/step-00000004"
-    exported = _exported_logits_are_ours(cfg, store, key, shards.vocab_size, tmp_path / "hf")
+    exported = exported_logits_are_ours(cfg, store, key, shards.vocab_size, tmp_path / "hf")
     assert exported["model_type"] == {"qwen2": "qwen2", "mistral": "llama"}[style]
     assert exported["tie_word_embeddings"] is False

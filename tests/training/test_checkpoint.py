@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from stoker.core.config import GPT2Config
+from stoker.families.gpt2.config import GPT2Config
+from stoker.families.gpt2.model import GPT
+from stoker.families.spec import param_groups
 from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
 from stoker.storage.store import Store
 from stoker.storage.uploader import CheckpointUploader
 from stoker.training.checkpoint import Checkpointer, load_checkpoint
-from stoker.training.models import param_groups
-from stoker.training.models.gpt2 import GPT
 
 
 def save_checkpoint(

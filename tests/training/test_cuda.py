@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from stoker.core.config import load_config
+from stoker.families import FAMILIES
 from stoker.storage.store import Store
 from tests.conftest import ROOT, run_ranks, train_losses
 
@@ -193,9 +194,9 @@ def test_bf16_and_compile_are_faster_than_fp32(gpu_shards, tmp_path):
 def _bf16_steps_on_cuda(variants: dict, compiled: bool, vocab: int = 8192) -> dict:
     """variant -> (loss, output-matrix gradient, allocator peak above the model) of a bf16
     training step of one GPT, the variant's (activation checkpointing, loss chunk) set."""
-    from stoker.core.config import GPT2Config
-    from stoker.training.models.gpt2 import GPT
-    from stoker.training.models.layers import checkpoint_blocks
+    from stoker.families.gpt2.config import GPT2Config
+    from stoker.families.gpt2.model import GPT
+    from stoker.families.layers import checkpoint_blocks
 
     dev = torch.device("cuda", 0)
     cfg = GPT2Config(n_layer=4, n_head=8, n_embd=512, block_size=512, dropout=0.0)
@@ -256,11 +257,11 @@ def test_chunked_cross_entropy_on_cuda_keeps_the_loss_and_holds_less(compiled):
 def test_async_checkpoint_copy_on_cuda_writes_the_state_of_its_step(tmp_path):
     """The copy to pinned buffers is non-blocking: what lands must still be the state at
     save time although the next steps start at once; the buffers are reused."""
-    from stoker.core.config import GPT2Config
+    from stoker.families.gpt2.config import GPT2Config
+    from stoker.families.gpt2.model import GPT
+    from stoker.families.spec import param_groups
     from stoker.storage.uploader import CheckpointUploader
     from stoker.training.checkpoint import Checkpointer, load_checkpoint
-    from stoker.training.models import param_groups
-    from stoker.training.models.gpt2 import GPT
 
     dev = torch.device("cuda", 0)
     model = GPT(GPT2Config(n_layer=2, n_head=4, n_embd=256, block_size=64), 1000, seed=1).to(dev)
@@ -378,7 +379,7 @@ def test_fsdp2_compiled_blocks_checkpoint_inside_on_cuda():
     assert out["full"][1] < out["selective"][1] < out["none"][1], out
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_document_attention_on_cuda_runs_the_fused_kernel_as_the_exact_path(family):
     """model.attention 'document' on CUDA: FSDP2 on one GPU under NCCL, each block compiled,
     bf16 autocast, the flex-attention BlockMask built once per micro-batch: the loss and the
@@ -386,8 +387,8 @@ def test_document_attention_on_cuda_runs_the_fused_kernel_as_the_exact_path(fami
     a window of one document gives causal attention's loss."""
     import torch.distributed as dist
 
+    from stoker.families import layers
     from stoker.training.engine import Engine, build_model
-    from stoker.training.models import layers
     from tests.conftest import tiny_dict
 
     dev = torch.device("cuda", 0)
@@ -399,8 +400,8 @@ def test_document_attention_on_cuda_runs_the_fused_kernel_as_the_exact_path(fami
         x = torch.randint(4, 8192, (4, 512), device=dev, generator=g)
         x[:, torch.randint(0, 512, (24,), device=dev, generator=g)] = sep  # documents of ~20 tokens
         model_section = {"n_layer": 2, "n_head": 8, "n_embd": 256, "block_size": 512, "attention": "document"}
-        if family == "llama":
-            model_section.update(family="llama", n_kv_head=2, intermediate_size=704, head_dim=48)
+        if "n_kv_head" in FAMILIES[family].model_fields:  # the RoPE families: GQA, an explicit head_dim
+            model_section.update(family=family, n_kv_head=2, intermediate_size=704, head_dim=48)
         cfg = load_config(
             tiny_dict("file:///tmp/unused", model=model_section, engine={"parallelism": "fsdp", "compile": "on"})
         )

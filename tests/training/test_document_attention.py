@@ -1,4 +1,4 @@
-"""Document-aware attention (model.attention 'document'; training.models.layers.DocumentMask):
+"""Document-aware attention (model.attention 'document'; families.layers.DocumentMask):
 a token of a packed window attends only to the earlier tokens of its own document, the
 boundaries at the separator token (which ends, and belongs to, its document).
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stoker.core.config import GPT2Config
-from stoker.training.models.gpt2 import GPT
-from stoker.training.models.layers import DocumentMask, attend
+from stoker.families.gpt2.config import GPT2Config
+from stoker.families.gpt2.model import GPT
+from stoker.families.layers import DocumentMask, attend
 from tests.training.test_llama import _SHAPE, STYLES, _from_base, _hf_model
 
 transformers = pytest.importorskip("transformers")

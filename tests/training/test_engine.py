@@ -209,9 +209,9 @@ def test_resume_at_another_world_size_trains_on_the_same_windows(tiny_config):
 def test_activation_checkpointing_gives_the_same_loss_and_gradients(mode):
     """Recomputing in the backward pass changes no value: the loss is bitwise equal and so
     are the gradients (with dropout on: the recomputation replays the same RNG draws)."""
-    from stoker.core.config import GPT2Config
-    from stoker.training.models.gpt2 import GPT
-    from stoker.training.models.layers import checkpoint_blocks
+    from stoker.families.gpt2.config import GPT2Config
+    from stoker.families.gpt2.model import GPT
+    from stoker.families.layers import checkpoint_blocks
 
     cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.1)
     x = torch.randint(0, 100, (3, 16))
@@ -230,9 +230,9 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(mode):
 def _peak_of_a_step(vocab: int, ac: str = "none", loss_chunk: int = 0) -> dict:
     """MemTracker's peak of one training step of a small GPT, by kind of memory (and Total)."""
     mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
-    from stoker.core.config import GPT2Config
-    from stoker.training.models.gpt2 import GPT
-    from stoker.training.models.layers import checkpoint_blocks
+    from stoker.families.gpt2.config import GPT2Config
+    from stoker.families.gpt2.model import GPT
+    from stoker.families.layers import checkpoint_blocks
 
     cfg = GPT2Config(n_layer=2, n_head=4, n_embd=64, block_size=64, dropout=0.0)
     x = torch.randint(0, vocab, (4, 64), generator=torch.Generator().manual_seed(0))
@@ -269,8 +269,8 @@ def test_chunked_cross_entropy_gives_the_loss_and_gradients_of_the_full_logits(c
     tokens at a time, its gradient in the forward pass: the loss and every gradient (the tied
     embedding's included) equal the full logits' up to fp32 rounding, with dropout on; the
     evaluation path (no grad) gives the same loss."""
-    from stoker.core.config import GPT2Config
-    from stoker.training.models.gpt2 import GPT
+    from stoker.families.gpt2.config import GPT2Config
+    from stoker.families.gpt2.model import GPT
 
     cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.1)
     x, y = torch.randint(0, 100, (3, 16)), torch.randint(0, 100, (3, 16))
@@ -289,8 +289,8 @@ def test_chunked_cross_entropy_gives_the_loss_and_gradients_of_the_full_logits(c
 def test_chunked_cross_entropy_under_bf16_autocast_stays_close_to_the_full_logits():
     """Under bf16 autocast both paths run the matmuls in bf16 and the log-softmax in fp32; the
     chunked one adds its chunks' weight gradients in fp32, so they differ by bf16 rounding."""
-    from stoker.core.config import GPT2Config
-    from stoker.training.models.gpt2 import GPT
+    from stoker.families.gpt2.config import GPT2Config
+    from stoker.families.gpt2.model import GPT
 
     cfg = GPT2Config(n_layer=2, n_head=2, n_embd=64, block_size=32, dropout=0.0)
     x, y = torch.randint(0, 500, (4, 32)), torch.randint(0, 500, (4, 32))

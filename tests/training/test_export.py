@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 
-from stoker.core.config import GPT2Config
+from stoker.families.gpt2.config import GPT2Config
+from stoker.families.gpt2.model import GPT
+from stoker.families.layers import padded_vocab
 from stoker.training.checkpoint import load_checkpoint
 from stoker.training.export import hf_config, hf_state_dict, shard_tensors
-from stoker.training.models.gpt2 import GPT
-from stoker.training.models.layers import padded_vocab
 from tests.conftest import ROOT, one_rank_run
 
 CHECKPOINT = "runs/export/checkpoints/step-00000004"
@@ -92,7 +92,7 @@ def test_the_gpt2_mapping_is_exact_with_biases_and_a_padded_vocabulary(bias):
     from transformers import GPT2Config as HFGPT2Config
     from transformers import GPT2LMHeadModel
 
-    from stoker.training.models.gpt2 import SPEC
+    from stoker.families.gpt2.model import SPEC
 
     cfg = GPT2Config(n_layer=3, n_head=2, n_embd=16, block_size=8, bias=bias, vocab_pad_multiple=64)
     model = GPT(cfg, vocab_size=50, seed=0)

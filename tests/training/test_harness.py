@@ -16,8 +16,8 @@ from tokenizers import Tokenizer
 from stoker import preflight
 from stoker.core import events
 from stoker.core.harness import OFFLINE_ENV, harness_problems, local_tasks
+from stoker.families.gpt2.model import GPT
 from stoker.training.checkpoint import load_checkpoint
-from stoker.training.models.gpt2 import GPT
 from stoker.training.scoring import ChoiceRows, encode_items, load_multiple_choice, score_choices
 from tests.conftest import ROOT, one_rank_run
 

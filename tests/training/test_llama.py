@@ -1,4 +1,4 @@
-"""The llama family (stoker.training.models.llama) against transformers' own models, built tiny
+"""The llama family (stoker.families.llama.model) against transformers' own models, built tiny
 and random here (never from a hub): Llama 3.2 (grouped-query attention, llama3 RoPE scaling,
 tied embeddings), Qwen2 (q/k/v biases, untied) and Mistral (untied). A base's weights give
 transformers' logits in fp32 (so the RoPE layout, the norms and the biases are exact), the
@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from stoker.core.config import LlamaConfig
-from stoker.training.models import build_model, spec_of
-from stoker.training.models.layers import checkpoint_blocks
-from stoker.training.models.llama import SPEC, Llama
+from stoker.families import build_model, spec_of
+from stoker.families.layers import checkpoint_blocks
+from stoker.families.llama.config import LlamaConfig
+from stoker.families.llama.model import SPEC, Llama
 
 transformers = pytest.importorskip("transformers")
 

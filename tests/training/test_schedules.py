@@ -31,7 +31,9 @@ WSD = {"lr_schedule": "wsd", "decay_steps": 2, "warmup_steps": 2, "lr": 1e-2, "m
 
 
 def _cfg(root, run, keep=2, **train):
-    sections = tiny_dict(root, run_name=run, checkpoint={"interval_steps": 2, "keep_latest_k": keep})
+    # every checkpoint lands: the backlog never drops one on a loaded host (the branch points)
+    checkpoint = {"interval_steps": 2, "keep_latest_k": keep, "max_pending_uploads": 8}
+    sections = tiny_dict(root, run_name=run, checkpoint=checkpoint)
     sections["train"].update(train)
     return load_config(sections)
 
@@ -70,6 +72,7 @@ def parent(tmp_path_factory):
     cfg = _cfg(root, "parent", keep=8, max_steps=12, **WSD)  # every checkpoint kept: branch points
     store, shards = prepare_shards(cfg)
     records = run_forked(pin_run_folder(store, cfg, shards), shards.key, nproc=2)
+    assert [c.step for c in list_checkpoints(store, "parent")] == [12, 10, 8, 6, 4, 2]
     return cfg, store, shards, records, root
 
 

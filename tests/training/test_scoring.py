@@ -17,10 +17,10 @@ import torch.nn.functional as F
 
 from stoker.core import events
 from stoker.core.failures import DataError
+from stoker.families.gpt2.model import GPT
+from stoker.families.layers import padded_vocab
 from stoker.training.checkpoint import load_checkpoint
 from stoker.training.data import TokenStream, eval_offsets, get_batch
-from stoker.training.models.gpt2 import GPT
-from stoker.training.models.layers import padded_vocab
 from stoker.training.scoring import (
     MULTIPLE_CHOICE_FILE,
     ChoiceItem,

@@ -182,7 +182,7 @@ def test_a_2x2_checkpoint_resumes_under_plain_fsdp2_on_2_ranks(runs):
         # gpt2 has no tensor-parallel plan
         (
             {"engine": {"parallelism": "fsdp+tp", "tp_degree": 2}, "model": {"family": "gpt2"}},
-            "engine.parallelism: 'fsdp+tp' has a tensor-parallel plan for the llama family only",
+            "engine.parallelism: 'fsdp+tp' has a tensor-parallel plan for the llama, qwen3 families only",
         ),
         # the heads, the MLP and the sequence split over the group
         (
@@ -253,6 +253,8 @@ _CHECKED = (
     "layers.1.post_attention_layernorm.weight",
     "norm.weight",
 )
+# qwen3's q and k norms: replicated gains whose gradients sum the heads of both ranks
+_CHECKED_QWEN3 = ("layers.0.self_attn.q_norm.weight", "layers.1.self_attn.k_norm.weight")
 
 
 def _tp_rank(rank: int, world: int, init: str, config_json: str, base: str, out: str) -> None:
@@ -282,7 +284,8 @@ def _tp_rank(rank: int, world: int, init: str, config_json: str, base: str, out:
         x, y = torch.randint(0, cfg.tokenizer.vocab_size, (2, 2, 32), generator=torch.Generator().manual_seed(1))
         _, loss = model(x, y)
         loss.backward()
-        grads = {n: raw.get_parameter(n).grad.full_tensor() for n in _CHECKED}
+        checked = _CHECKED + (_CHECKED_QWEN3 if cfg.model.family == "qwen3" else ())
+        grads = {n: raw.get_parameter(n).grad.full_tensor() for n in checked}
         # as the loop clips: the global norm over the 2D-sharded gradients (a DTensor)
         norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), 1e9).full_tensor()
         model.eval()
@@ -302,8 +305,10 @@ def _tp_rank(rank: int, world: int, init: str, config_json: str, base: str, out:
         dist.destroy_process_group()
 
 
-def test_one_step_under_fsdp_tp_equals_one_process_from_the_same_base(tmp_path):
-    """On a 1x2 mesh, from a base (a Hugging Face state dict of a seeded model, 301
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_one_step_under_fsdp_tp_equals_one_process_from_the_same_base(family, tmp_path):
+    """For each family with a tensor-parallel plan (qwen3's adds its q and k norms, an explicit
+    head_dim of 24 against a width of 32 / 4 heads). On a 1x2 mesh, from a base (a Hugging Face state dict of a seeded model, 301
     vocabulary rows: an uneven split), compiled blocks with selective activation
     checkpointing: the weights read slice by slice are the base's, tensor for tensor; the
     vocabulary-parallel loss, the gradients (the tied embedding's among them: without the
@@ -313,14 +318,15 @@ def test_one_step_under_fsdp_tp_equals_one_process_from_the_same_base(tmp_path):
     import torch.multiprocessing as mp
     from safetensors.torch import save_file
 
-    from stoker.training.models import build_model, spec_of
+    from stoker.families import build_model, spec_of
 
     vocab = 301
     cfg = load_config(
         tiny_dict(
             "file:///tmp/unused",
             engine={"parallelism": "fsdp+tp", "tp_degree": 2, "compile": "on", "activation_checkpointing": "selective"},
-            model={**LLAMA, "vocab_pad_multiple": 1},
+            model={**LLAMA, "vocab_pad_multiple": 1, "family": family}
+            | ({"head_dim": 24} if family == "qwen3" else {}),
             tokenizer={"vocab_size": vocab},
         )
     )
@@ -349,7 +355,8 @@ def test_one_step_under_fsdp_tp_equals_one_process_from_the_same_base(tmp_path):
     # fp32 sums in another order (the row-wise halves, the vocabulary's halves): 1e-5 relative
     # is ~100 ulps, far below a wrong term (a missing half moves them by 10% or more)
     torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
-    for name in _CHECKED:
+    assert got["grads"].keys() == set(_CHECKED + (_CHECKED_QWEN3 if family == "qwen3" else ()))
+    for name in got["grads"]:
         torch.testing.assert_close(got["grads"][name], model.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(got["norm"], torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
     with torch.no_grad():

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from stoker.core.config import GPT2Config
+from stoker.families.gpt2.config import GPT2Config
+from stoker.families.gpt2.model import GPT
 from stoker.training.checkpoint import load_checkpoint
-from stoker.training.models.gpt2 import GPT
 from stoker.training.untrusted import SafeReader, UnsafeCheckpoint
 
 

@@ -30,14 +30,6 @@ from stoker.core.config.load import (
     missing_ray,
     missing_sink_packages,
 )
-from stoker.core.config.models import (
-    FAMILIES,
-    GPT2Config,
-    LlamaConfig,
-    ModelConfig,
-    UnsupportedArchitecture,
-    family_of_model_type,
-)
 from stoker.core.config.run import RunConfig
 from stoker.core.config.sections import (
     BUILTIN_SOURCE,
@@ -62,11 +54,6 @@ from stoker.core.config.sections import (
 from stoker.core.failures import ConfigError
 
 __all__ = [
-    "FAMILIES",
-    "GPT2Config",
-    "LlamaConfig",
-    "UnsupportedArchitecture",
-    "family_of_model_type",
     "BUILTIN_SOURCE",
     "CREDENTIALS_FIX",
     "FSDP2_TORCH",
@@ -80,7 +67,6 @@ __all__ = [
     "EventsConfig",
     "LaunchConfig",
     "MetricsConfig",
-    "ModelConfig",
     "NodeConfig",
     "NonBlank",
     "RayConfig",

@@ -18,7 +18,6 @@ from typing import Any, Callable
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
-from stoker.core.config.models import FAMILIES, GPT2Config, ModelConfig
 from stoker.core.config.problems import problem_lines
 from stoker.core.config.sections import (
     CheckpointConfig,
@@ -39,6 +38,7 @@ from stoker.core.config.sections import (
 )
 from stoker.core.failures import ConfigError
 from stoker.core.schedule import END_FIELDS, EXTENSIBLE
+from stoker.families import DEFAULT_FAMILY, FAMILIES, ModelConfig
 
 
 def base_location(init_from: str) -> str:
@@ -131,19 +131,18 @@ def _tp_family(parallelism: str, family: str | None) -> PydanticCustomError | No
     if parallelism == "fsdp+tp" and section is not None and not section.TENSOR_PARALLEL:
         planned = ", ".join(name for name, cls in FAMILIES.items() if cls.TENSOR_PARALLEL)
         return _rule(
-            f"'fsdp+tp' has a tensor-parallel plan for the {planned} family only, and model.family is {family!r}",
-            f"use 'fsdp' or 'ddp', or a model of the {planned} family",
+            f"'fsdp+tp' has a tensor-parallel plan for the {planned} families only, and model.family is {family!r}",
+            f"use 'fsdp' or 'ddp', or a model of the {planned} families",
         )
     return None
 
 
-def _tp_splits_the_model(parallelism: str, tp_degree: int, *sizes: int | None) -> PydanticCustomError | None:
-    """Each rank of a group holds n_head / tp query heads, n_kv_head / tp key/value heads,
-    intermediate_size / tp of the MLP and block_size / tp positions of the residual stream."""
-    if parallelism != "fsdp+tp" or tp_degree < 2:
+def _tp_splits_the_model(parallelism: str, tp_degree: int, model: Any) -> PydanticCustomError | None:
+    """Each rank of a group holds 1/tp_degree of the sizes the family's plan splits
+    (``tp_split_sizes``: the heads, the MLP, the sequence for the llama family)."""
+    if parallelism != "fsdp+tp" or tp_degree < 2 or model is None:
         return None
-    names = ("n_head", "n_kv_head", "intermediate_size", "block_size")
-    bad = [f"model.{n}={v}" for n, v in zip(names, sizes) if v is not None and v % tp_degree]
+    bad = [f"model.{n}={v}" for n, v in model.tp_split_sizes() if v is not None and v % tp_degree]
     if bad:
         return _rule(
             f"does not divide {', '.join(bad)}: each rank of a tensor-parallel group holds 1/tp_degree "
@@ -197,10 +196,7 @@ _CROSS_SECTION_RULES: list[tuple[_Loc, tuple[_Loc, ...], Callable[..., Any]]] = 
         (
             ("engine", "parallelism"),
             ("engine", "tp_degree"),
-            ("model", "n_head"),
-            ("model", "n_kv_head"),
-            ("model", "intermediate_size"),
-            ("model", "block_size"),
+            ("model", ""),  # the whole section: its family says which sizes the split divides
         ),
         _tp_splits_the_model,
     ),
@@ -228,7 +224,7 @@ def _read(source: Any, path: _Loc) -> Any:
                 )
             except ValidationError:
                 return None
-        return getattr(section, name, None)
+        return getattr(section, name, None) if name else section
     if isinstance(section, BaseModel):
         return getattr(section, name)
     field = RunConfig.model_fields[section_name].annotation.model_fields[name]
@@ -256,7 +252,7 @@ class RunConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig, description="Raw data source and split.")
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer.")
     model: ModelConfig = Field(
-        default_factory=lambda: GPT2Config(),
+        default_factory=lambda: FAMILIES[DEFAULT_FAMILY](),
         description="The model: its family, its size, and the base it starts from.",
     )
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimization.")

@@ -19,8 +19,7 @@ import math
 import torch
 import torch.nn as nn
 
-from stoker.core.config import LlamaConfig
-from stoker.training.models.common import (
+from stoker.families.common import (
     RMSNorm,
     Rotary,
     SwiGLU,
@@ -29,14 +28,16 @@ from stoker.training.models.common import (
     rope_inv_freq,
     seeded_generator,
 )
-from stoker.training.models.layers import (
+from stoker.families.layers import (
     attend,
     attention_mask,
     chunked_cross_entropy,
     logits_and_loss,
     padded_vocab,
 )
-from stoker.training.models.spec import ModelSpec
+from stoker.families.llama import parallel
+from stoker.families.llama.config import LlamaConfig
+from stoker.families.spec import ModelSpec
 
 
 class Attention(nn.Module):
@@ -54,14 +55,18 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_head * hd, C, bias=False)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v by heads, (B, T, heads, hd) each: where a family built on this one (qwen3)
+        normalizes q and k per head."""
         B, T, _ = x.shape
         hd = self.head_dim
-        # -1 heads: under tensor parallel (training.parallel) a rank holds n_head / tp_degree
-        # query heads and n_kv_head / tp_degree key/value heads, the same groups
-        q = self.q_proj(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        # -1 heads: under tensor parallel (parallel.py) a rank holds n_head / tp_degree query
+        # heads and n_kv_head / tp_degree key/value heads, the same groups
+        return self.q_proj(x).view(B, T, -1, hd), self.k_proj(x).view(B, T, -1, hd), self.v_proj(x).view(B, T, -1, hd)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self.heads(x))  # (B, nh, T, hd), 2 x (B, nkv, T, hd)
         q, k = apply_rope(q, k, cos, sin)
         dropout = self.dropout if self.training else 0.0
         y = attend(q, k, v, mask, dropout, self.n_kv_head != self.n_head)  # (B, nh, T, hd)
@@ -70,10 +75,10 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, attention: type[Attention] = Attention):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.n_embd, cfg.intermediate_size, cfg.dropout)
 
@@ -100,6 +105,8 @@ def _inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 
 
 class Llama(nn.Module):
+    ATTENTION: type[Attention] = Attention  # a family built on this one (qwen3) gives its own
+
     def __init__(self, cfg: LlamaConfig, vocab_size: int, *, seed: int | None = 0):
         """vocab_size: the tokenizer's; seed=None leaves the weights uninitialized (a
         meta-device build; see init_weights)."""
@@ -112,7 +119,7 @@ class Llama(nn.Module):
             raise ValueError(f"model.vocab_size {rows} is below the tokenizer's {vocab_size} ids")
         self.embed_tokens = nn.Embedding(rows, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(Block(cfg, self.ATTENTION) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, rows, bias=False)
         self.rope = Rotary(_inv_freq(cfg), cfg.block_size)  # no parameters, no state
@@ -137,10 +144,9 @@ class Llama(nn.Module):
         return n - self.embed_tokens.weight.numel()
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6N for the matmuls of forward and backward plus
-        12·L·H·hd·T for attention (PaLM appendix B; H·hd is the query width)."""
-        c = self.cfg
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_head * c.resolved_head_dim * c.block_size
+        """Training FLOPs per token, as the plan counts them (the section's ``flops_per_token``:
+        6N + 12·L·H·hd·T, H·hd the query width, N without an untied input embedding)."""
+        return self.cfg.flops_per_token(self.embed_tokens.weight.shape[0])
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         B, T = idx.shape
@@ -186,7 +192,7 @@ def init_weights(model: Llama, seed: int) -> None:
     model.rope.reset(model.embed_tokens.weight.device)
 
 
-# ---- the Hugging Face adapter (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) ---------
+# ---- the Hugging Face adapter (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) -------
 # The same names under model. (and lm_head.weight), the same layouts: nothing is transposed. A
 # tied output matrix is not stored (transformers' save_pretrained leaves lm_head.weight out).
 _BLOCK_PARAMS = (
@@ -203,9 +209,10 @@ _BLOCK_PARAMS = (
 _QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 
 
-def hf_map(cfg: LlamaConfig) -> list[tuple[str, str, bool]]:
-    """Every tensor of ours with its Hugging Face name (never transposed)."""
-    names = _BLOCK_PARAMS + (_QKV_BIASES if cfg.qkv_bias else ())
+def hf_map(cfg: LlamaConfig, extra_block_params: tuple[str, ...] = ()) -> list[tuple[str, str, bool]]:
+    """Every tensor of ours with its Hugging Face name (never transposed); a family built on
+    this one names the tensors its blocks add (qwen3's q and k norms)."""
+    names = _BLOCK_PARAMS + (_QKV_BIASES if cfg.qkv_bias else ()) + extra_block_params
     out = [("embed_tokens.weight", "model.embed_tokens.weight", False)]
     for i in range(cfg.n_layer):
         out += [(f"layers.{i}.{n}", f"model.layers.{i}.{n}", False) for n in names]
@@ -229,4 +236,5 @@ SPEC = ModelSpec(
     vocab_rows=vocab_rows,
     hf_map=hf_map,
     hf_tied=hf_tied,
+    parallelize=lambda model, tp_mesh: parallel.parallelize(model, tp_mesh),
 )

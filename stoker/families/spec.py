@@ -1,4 +1,4 @@
-"""The spec every model family fills in (see ``stoker.training.models``), the Hugging Face
+"""The spec every model family fills in (see ``stoker.families``), the Hugging Face
 conversion derived from a family's name map, and what every family shares (parameter groups)."""
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ class ModelSpec:
     hf_extra_to: Callable[[Any, dict], dict] = lambda cfg, sd: {}
     # our tensors that HF does not store (a tied output matrix): ours -> the HF name it equals
     hf_tied: Callable[[Any], dict[str, str]] = lambda cfg: {}
+    # the tensor-parallel plan (model, tp mesh), applied in place; None: the family has none
+    # (its config's TENSOR_PARALLEL is false)
+    parallelize: Callable[[nn.Module, Any], None] | None = None
 
     def to_hf(self, cfg: Any, state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
         """Hugging Face tensors (names, layout) from our state dict; the embedding and output

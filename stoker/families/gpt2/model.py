@@ -18,16 +18,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from stoker.core.config import GPT2Config
-from stoker.training.models.common import copy_full_value, seeded_generator
-from stoker.training.models.layers import (
+from stoker.families.common import copy_full_value, seeded_generator
+from stoker.families.gpt2.config import GPT2Config
+from stoker.families.layers import (
     attend,
     attention_mask,
     chunked_cross_entropy,
     logits_and_loss,
     padded_vocab,
 )
-from stoker.training.models.spec import ModelSpec
+from stoker.families.spec import ModelSpec
 
 
 class CausalSelfAttention(nn.Module):
@@ -99,10 +99,9 @@ class GPT(nn.Module):
         return n if embedding else n - self.wpe.weight.numel()
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6N for the matmuls of forward and backward plus
-        12·L·C·T for attention (PaLM appendix B), N without position embeddings."""
-        c = self.cfg
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size
+        """Training FLOPs per token, as the plan counts them (the section's ``flops_per_token``:
+        6N + 12·L·C·T, N without position embeddings)."""
+        return self.cfg.flops_per_token(self.wte.weight.shape[0])
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         B, T = idx.shape
