@@ -40,7 +40,18 @@ MAY_IMPORT = {
     "preflight": {"fields", "families", "core", "storage", "data", "launch", "observe", "preflight"},
     # the Prefect integration: result cache policy and its locks, events, publisher, credentials blocks
     "orchestration": {"fields", "families", "core", "storage", "observe", "orchestration"},
-    "tasks": {"fields", "families", "core", "data", "launch", "observe", "storage", "preflight", "orchestration", "tasks"},
+    "tasks": {
+        "fields",
+        "families",
+        "core",
+        "data",
+        "launch",
+        "observe",
+        "storage",
+        "preflight",
+        "orchestration",
+        "tasks",
+    },
     "flows": {"fields", "families", "core", "preflight", "orchestration", "tasks", "flows"},
 }
 NEVER = {
@@ -192,3 +203,30 @@ def test_every_module_of_tasks_defines_a_prefect_task(module):
         )
     ]
     assert decorated, f"{module} defines no @stoker_task: move it to the room its job belongs to"
+
+
+def test_the_cli_is_a_table_of_commands_with_recipe_and_set_declared_once():
+    """Each command owns its arguments and its handler (stoker.cli.commands.COMMANDS); the
+    parser is made from the table, --recipe/--set added in one place for the commands that take
+    a config."""
+    import argparse
+
+    from stoker.cli.commands import COMMANDS, add_commands
+
+    source = "".join(
+        open(os.path.join(ROOT, "stoker", "cli", n)).read()
+        for n in os.listdir(os.path.join(ROOT, "stoker", "cli"))
+        if n.endswith(".py")
+    )
+    assert source.count('"--recipe"') == 1 and source.count('"--set"') == 1
+    parser = argparse.ArgumentParser(prog="stoker")
+    add_commands(parser)
+    for command in COMMANDS:
+        args = parser.parse_args([command.name, *(["x"] * _positionals(parser, command.name))])
+        assert args.command == command.name and callable(command.handler)
+        assert hasattr(args, "recipe") == hasattr(args, "set") == bool(command.config), command.name
+
+
+def _positionals(parser, name: str) -> int:
+    sub = next(a for a in parser._actions if a.dest == "command").choices[name]
+    return sum(1 for a in sub._actions if not a.option_strings and a.dest != "help")
