@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from pydantic import BaseModel, Field
 
@@ -26,6 +26,32 @@ class TokenizerInfo:
     vocab_size: int
     eot_id: int
     cache_hit: bool
+
+
+@dataclass
+class DedupInfo:
+    """What data.dedup and data.decontaminate removed from one source (data.dedup)."""
+
+    name: str  # the source of data.sources ("main": data.source)
+    key: str  # dedup/{key}/ in the store: result.json, removed.jsonl (a sample, with what it matched)
+    dedup: str  # none | exact | near
+    decontaminate: bool
+    num_docs_in: int
+    num_bytes_in: int
+    num_exact: int  # removed as exact copies of a document kept before (this source or an earlier one)
+    num_near: int  # removed as near copies (MinHash estimate >= data.near_dup_threshold)
+    num_contaminated: int  # removed for sharing a long n-gram with an evaluation item
+    num_docs_out: int
+    num_bytes_out: int
+    items: dict[str, int] = field(default_factory=dict)  # evaluation item -> documents removed for it
+    cache_hit: bool = False
+
+    @property
+    def num_removed(self) -> int:
+        return self.num_exact + self.num_near + self.num_contaminated
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass
@@ -56,6 +82,7 @@ class DataShards:
 
     sets: list[ShardInfo]
     mixture: bool = False  # data.sources (even of one source), not data.source
+    dedup: list[DedupInfo] = field(default_factory=list)  # per source: what data.dedup/decontaminate removed
 
     @property
     def is_mixture(self) -> bool:
@@ -110,6 +137,7 @@ class DataShards:
             "dtype": self.dtype,
             "cache_hit": self.cache_hit,
             "sources": [s.as_dict() for s in self.sets],
+            "dedup": [d.as_dict() for d in self.dedup],
         }
 
 

@@ -19,9 +19,10 @@ from typing import Iterator
 
 import numpy as np
 
-from stoker.core.config import DataConfig, RayConfig, TokenizerConfig
+from stoker.core.config import DataConfig, EvalConfig, RayConfig, TokenizerConfig
 from stoker.core.failures import DataError
 from stoker.core.results import DatasetInfo, DataShards, ShardInfo, TokenizerInfo
+from stoker.data.dedup import dedup_sources
 from stoker.data.sharding import (
     PARTITION_BYTES,
     SPLITS,
@@ -252,19 +253,27 @@ def train_tokenizer(
 
 
 def prepare_all(
-    data: DataConfig, tokenizer: TokenizerConfig, store: Store, run: str | None = None, ray: RayConfig | None = None
+    data: DataConfig,
+    tokenizer: TokenizerConfig,
+    store: Store,
+    run: str | None = None,
+    ray: RayConfig | None = None,
+    evaluation: EvalConfig | None = None,
 ) -> DataShards:
     """The whole data stage as plain calls, one source after another (the flow's prepare_data
-    runs the same steps as tasks, the sources concurrently): each source downloaded, one
-    tokenizer for all of them, each source tokenized into its own shard set."""
+    runs the same steps as tasks, the sources concurrently): each source downloaded, its
+    duplicates and evaluation items removed (data.dedup, data.decontaminate; against the sets
+    of `evaluation`), one tokenizer for all of them, each source tokenized into its own shard set."""
     sources = data.source_configs()
-    datasets = [download_dataset(cfg, store) for _, _, cfg in sources]
+    downloaded = [download_dataset(cfg, store) for _, _, cfg in sources]
+    deduped = dedup_sources(downloaded, [(name, cfg) for name, _, cfg in sources], store, evaluation, ray)
+    datasets = [ds for ds, _ in deduped]
     tok = train_tokenizer(datasets, tokenizer, store, run=run)
     sets = [
         dataclasses.replace(tokenize_and_shard(ds, tok, cfg, store, ray=ray), name=name)
         for ds, (name, _, cfg) in zip(datasets, sources)
     ]
-    return DataShards(sets, mixture=data.is_mixture())
+    return DataShards(sets, mixture=data.is_mixture(), dedup=[info for _, info in deduped])
 
 
 # ---- tokenize and shard --------------------------------------------------------------

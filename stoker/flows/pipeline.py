@@ -8,14 +8,14 @@ result = train_pipeline(config)   # a PipelineResult
 # run time, and string annotations of the nested prepare_data flow would not resolve
 from prefect import flow, get_run_logger
 
-from stoker.core.config import DataConfig, RayConfig, RunConfig, StorageConfig, TokenizerConfig
+from stoker.core.config import DataConfig, EvalConfig, RayConfig, RunConfig, StorageConfig, TokenizerConfig
 from stoker.core.failures import SHARDS_DAMAGED, TrainingFailed
 from stoker.core.results import DataShards, PipelineResult
 from stoker.flows import fails_in_one_line
 from stoker.flows.runs import claim_flow_run, flow_runs_tagged, results_of, tag_flow_run
 from stoker.orchestration.credentials import use_store_credentials
 from stoker.orchestration.prefect_events import flow_run_failed
-from stoker.tasks.data import download_dataset, tokenize_and_shard, train_tokenizer
+from stoker.tasks.data import dedup_and_decontaminate, download_dataset, tokenize_and_shard, train_tokenizer
 from stoker.tasks.evaluate import evaluate_checkpoint
 from stoker.tasks.lease import run_lease
 from stoker.tasks.policy import with_run_name
@@ -51,8 +51,10 @@ def prepare_data(
     storage: StorageConfig,
     ray: RayConfig | None = None,
     run: str | None = None,
+    evaluation: EvalConfig | None = None,
 ) -> DataShards:
-    """Download each source -> one tokenizer -> tokenize and shard each source; each task is a
+    """Download each source -> remove duplicates and evaluation items (data.dedup,
+    data.decontaminate, against the sets of `evaluation`) -> one tokenizer -> tokenize and shard each source; each task is a
     no-op when its output exists (its task run shows Cached, and its result says cache_hit).
     The sources' downloads run concurrently, then their tokenizations (one task per source).
     `ray`: the cluster of data.engine 'ray' (empty: a local Ray instance). `run`: the run whose
@@ -61,13 +63,14 @@ def prepare_data(
     use_store_credentials(storage)  # a credentials block named in storage, when run on its own
     sources, mixture = data.source_configs(), data.is_mixture()
     downloads = [per_source(download_dataset, name, mixture).submit(cfg, storage, name) for name, _, cfg in sources]
-    datasets = results_of(downloads)
+    deduped = dedup_and_decontaminate(results_of(downloads), data, evaluation, storage, ray, run)
+    datasets = [dataset for dataset, _ in deduped]
     tok = train_tokenizer(datasets, tokenizer, storage, run)
     shards = [
         per_source(tokenize_and_shard, name, mixture).submit(dataset, tok, cfg, storage, ray, name)
         for dataset, (name, _, cfg) in zip(datasets, sources)
     ]
-    return DataShards(results_of(shards), mixture=mixture)
+    return DataShards(results_of(shards), mixture=mixture, dedup=[info for _, info in deduped])
 
 
 def per_source(task, name: str, mixture: bool):
@@ -76,7 +79,14 @@ def per_source(task, name: str, mixture: bool):
 
 
 def _prepare(config: RunConfig) -> tuple[DataShards, str]:
-    shards = prepare_data(config.data, config.tokenizer, config.storage, config.ray, run=config.resolved_run_name())
+    shards = prepare_data(
+        config.data,
+        config.tokenizer,
+        config.storage,
+        config.ray,
+        run=config.resolved_run_name(),
+        evaluation=config.eval,
+    )
     return shards, write_run_config(config, shards)
 
 

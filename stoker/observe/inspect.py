@@ -22,7 +22,7 @@ from stoker.observe.report import mix_history, mix_summary, records_with_the_bas
 from stoker.storage.bases import base_summary
 from stoker.storage.branches import LINEAGE_FILE
 from stoker.storage.checkpoints import first_nonfinite_step, list_checkpoints, numerics_problem, validate_checkpoint
-from stoker.storage.layout import CONFIG_FILE, METRICS_FILE, parse_checkpoint_url, run_file_key
+from stoker.storage.layout import CONFIG_FILE, METRICS_FILE, SHARDS_FILE, parse_checkpoint_url, run_file_key
 from stoker.storage.manifest import Verdict
 from stoker.storage.shards import validate_shard_set
 from stoker.storage.store import Store
@@ -98,6 +98,7 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
             "ended": run_ending(store, run),
             **_ledger_columns(store, run),
             "data": mix_summary(mix_history(store, run)) or None,
+            "removed": removed_summary(store, run),
         }
         try:
             cfg = RunConfig.model_validate_json(store.read_bytes(run_file_key(run, CONFIG_FILE)))
@@ -113,6 +114,20 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
             row["parent"] = was.get("parent")
         rows.append(row)
     return as_tree(rows)
+
+
+def removed_summary(store: Store, run: str) -> str | None:
+    """What data.dedup and data.decontaminate removed from the run's data (shards.json), in a
+    few words: 'exact 12, near 3, eval 2 (2 items)'; None before any record."""
+    try:
+        dedup = store.read_json(run_file_key(run, SHARDS_FILE)).get("dedup") or []
+    except (FileNotFoundError, ValueError, AttributeError):
+        return None
+    if not dedup:
+        return None
+    exact, near, eval_docs = (sum(d.get(k, 0) for d in dedup) for k in ("num_exact", "num_near", "num_contaminated"))
+    items = len({item for d in dedup for item in d.get("items", {})})
+    return f"exact {exact}, near {near}, eval {eval_docs} ({items} items)"
 
 
 def as_tree(rows: list[dict]) -> list[dict]:

@@ -640,3 +640,60 @@ def records_with_the_base(store: Store, run: str) -> list[dict]:
         return records
     base = [r for r in read_records(store, chain[-1]["parent"]) if r.get("event") == "eval" and r.get("step") == 0]
     return base[-1:] + records
+
+
+# ---- the data stage: what data.dedup and data.decontaminate removed -------------------------
+DEDUP_SAMPLES_FILE = "dedup-removed.jsonl"  # in the run folder: removed documents beside what they matched
+
+
+def dedup_rows(infos) -> list[dict]:
+    """One row per source (stoker.core.results.DedupInfo): documents and bytes in, what was
+    removed and why, what is left."""
+    return [
+        {
+            "source": d.name,
+            "dedup": d.dedup,
+            "decontaminate": d.decontaminate,
+            "docs_in": d.num_docs_in,
+            "MB_in": round(d.num_bytes_in / 1e6, 3),
+            "exact_dups": d.num_exact,
+            "near_dups": d.num_near,
+            "contaminated": d.num_contaminated,
+            "docs_out": d.num_docs_out,
+            "MB_out": round(d.num_bytes_out / 1e6, 3),
+            "items_matched": len(d.items),
+            "cached": d.cache_hit,
+        }
+        for d in infos
+    ]
+
+
+def dedup_line(d) -> str:
+    """One log line of a source's removals."""
+    items = ", ".join(list(d.items)[:8]) + (f" and {len(d.items) - 8} more" if len(d.items) > 8 else "")
+    return (
+        f"source {d.name!r}: {d.num_docs_in} documents ({d.num_bytes_in / 1e6:.2f} MB) in; removed "
+        f"{d.num_exact} exact and {d.num_near} near duplicates (data.dedup {d.dedup}), {d.num_contaminated} "
+        f"holding evaluation items{f' ({items})' if d.num_contaminated else ''}; {d.num_docs_out} documents "
+        f"({d.num_bytes_out / 1e6:.2f} MB) kept{' (cached)' if d.cache_hit else ''}"
+    )
+
+
+def dedup_markdown(infos, samples_url: str | None = None) -> str:
+    """The report's section on the data stage's removals (empty without dedup records)."""
+    if not infos:
+        return ""
+    head = "| source | dedup | docs in | MB in | exact dups | near dups | contaminated | items matched | docs out |\n"
+    head += "|---|---|---|---|---|---|---|---|---|\n"
+    body = "".join(
+        f"| {r['source']} | {r['dedup']} | {r['docs_in']} | {r['MB_in']} | {r['exact_dups']} | {r['near_dups']} | "
+        f"{r['contaminated']} | {r['items_matched']} | {r['docs_out']} |\n"
+        for r in dedup_rows(infos)
+    )
+    matched = [f"{d.name}: {', '.join(d.items)}" for d in infos if d.items]
+    out = "\n## Data: duplicates and evaluation items removed\n\n" + head + body
+    if matched:
+        out += "\nEvaluation items found in the training data (their documents removed): " + "; ".join(matched) + "\n"
+    if samples_url:
+        out += f"\nA sample of removed documents beside what they matched: `{samples_url}`\n"
+    return out

@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import re
 import tempfile
 
 from prefect import get_run_logger
 
-from stoker.core.config import DataConfig, RayConfig, StorageConfig, TokenizerConfig
+from stoker.core.config import DataConfig, EvalConfig, RayConfig, StorageConfig, TokenizerConfig
 from stoker.core.config.sections import DEFAULT_SOURCE_NAME
 from stoker.core.failures import DataError
-from stoker.core.results import DatasetInfo, ShardInfo, TokenizerInfo
-from stoker.data import prepare
+from stoker.core.results import DatasetInfo, DedupInfo, ShardInfo, TokenizerInfo
+from stoker.data import dedup, prepare
 from stoker.data.sources import resolve_source
-from stoker.observe.report import vocabulary_note
+from stoker.observe.report import DEDUP_SAMPLES_FILE, dedup_line, dedup_rows, vocabulary_note
 from stoker.orchestration.caching import StoreCache, digest, result_shape
 from stoker.storage.datasets import committed_dataset
+from stoker.storage.layout import run_file_key
 from stoker.storage.shards import validate_shard_set
 from stoker.storage.store import Store
 from stoker.tasks.policy import stoker_task
@@ -105,6 +107,39 @@ def download_dataset(data: DataConfig, storage: StorageConfig, name: str = DEFAU
             "%d source file(s) skipped as not UTF-8 text (data.on_decode_error='skip')", info.num_skipped_files
         )
     return info
+
+
+@stoker_task(name="dedup_and_decontaminate", retries=2, timeout_seconds=14400)
+def dedup_and_decontaminate(
+    datasets: list[DatasetInfo],
+    data: DataConfig,
+    evaluation: EvalConfig | None,
+    storage: StorageConfig,
+    ray: RayConfig | None = None,
+    run: str | None = None,
+) -> list[tuple[DatasetInfo, DedupInfo]]:
+    """data.dedup and data.decontaminate on every source, in the order listed (each source's
+    decision is cached in the store by content: a rerun reads it). Per source: one log line, a
+    row of the 'dedup' table artifact; with `run`, the removed sample in its run folder."""
+    from prefect.artifacts import create_table_artifact
+
+    store = Store.of(storage)
+    sources = [(name, cfg) for name, _, cfg in data.source_configs()]
+    out = dedup.dedup_sources(datasets, sources, store, evaluation, ray)
+    logger = get_run_logger()
+    samples = []
+    for _, info in out:
+        logger.info(dedup_line(info))
+        samples += dedup.removed_samples(store, info)
+    if run:
+        body = "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
+        store.write_bytes(run_file_key(run, DEDUP_SAMPLES_FILE), body.encode("utf-8"))
+    create_table_artifact(
+        dedup_rows([info for _, info in out]),
+        key=f"{re.sub(r'[^a-z0-9-]', '-', (run or 'data').lower())}-dedup"[:100],
+        description="per source: documents in, exact and near duplicates and documents holding evaluation items removed",
+    )
+    return out
 
 
 @stoker_task(

@@ -22,10 +22,12 @@ from stoker.observe.ledger import (
     store_ledger,
 )
 from stoker.observe.report import (
+    DEDUP_SAMPLES_FILE,
     GAINS_PLOT_FILE,
     LOSS_CURVE_FILE,
     MIX_PLOT_FILE,
     checkpoint_rows,
+    dedup_markdown,
     lineage_markdown,
     loss_curve_png,
     mix_history,
@@ -138,6 +140,8 @@ def report(
     result.plan = planned.to_dict() if planned is not None else None
     result.micro_batch_size = training.micro_batch_size
     mix += plan_markdown(planned)
+    if shards.dedup:  # what the data stage removed, and the sample of it in the run folder
+        mix += dedup_markdown(shards.dedup, store.url(run_file_key(run, DEDUP_SAMPLES_FILE)))
     ledger, deployment_total = flow_run_ledger(config, store, started, evaluation)
     result.ledger = ledger
     nothing_trained = training.final_step == resume.step

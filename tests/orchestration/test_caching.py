@@ -58,6 +58,9 @@ def test_content_keys_are_the_stores_and_a_record_counts_only_with_its_output(ti
 
 # ---- through Prefect -------------------------------------------------------------------
 DATA_TASKS = ["download_dataset", "train_tokenizer", "tokenize_and_shard"]
+# no Prefect record: it runs each time (its log lines, its artifact, the run's sample of what it
+# removed), its decision read from the store by content (DedupInfo.cache_hit)
+DEDUP = "dedup_and_decontaminate"
 
 
 @pytest.mark.e2e
@@ -69,16 +72,17 @@ def test_data_tasks_show_cached_only_while_the_s3_store_holds_their_output(prefe
     args = (cfg.data, cfg.tokenizer, cfg.storage)
 
     first = prepare_data(*args, return_state=True)
-    assert not first.result().cache_hit
-    assert task_states(first, DATA_TASKS) == dict.fromkeys(DATA_TASKS, "Completed")
+    assert not first.result().cache_hit and not any(d.cache_hit for d in first.result().dedup)
+    assert task_states(first, DATA_TASKS + [DEDUP]) == dict.fromkeys(DATA_TASKS + [DEDUP], "Completed")
     store = Store(root, options)
     records = store.walk_files("prefect-results")  # the records live in the store itself
     assert sorted(name.split("/")[0] for name in records) == sorted(DATA_TASKS)
 
     second = prepare_data(*args, return_state=True)
-    assert task_states(second, DATA_TASKS) == dict.fromkeys(DATA_TASKS, "Cached")
+    assert task_states(second, DATA_TASKS + [DEDUP]) == {**dict.fromkeys(DATA_TASKS, "Cached"), DEDUP: "Completed"}
     shards = second.result()
     assert shards.cache_hit and shards.cache_key == first.result().cache_key
+    assert shards.dedup and all(d.cache_hit for d in shards.dedup)
 
     # a record that cannot be read is no record: the task runs (and finds its shards)
     [record] = [name for name in records if name.startswith("tokenize_and_shard/")]
@@ -87,10 +91,11 @@ def test_data_tasks_show_cached_only_while_the_s3_store_holds_their_output(prefe
     assert task_states(unreadable, DATA_TASKS)["tokenize_and_shard"] == "Completed" and unreadable.result().cache_hit
     assert store.read_bytes(f"prefect-results/{record}") != b"{not json"  # recorded anew
 
-    for folder in ("datasets", "tokenizers", "shards"):  # the data deleted; the records stay
+    for folder in ("datasets", "dedup", "tokenizers", "shards"):  # the data deleted; the records stay
         store.rm(folder)
     third = prepare_data(*args, return_state=True)
-    assert task_states(third, DATA_TASKS) == dict.fromkeys(DATA_TASKS, "Completed")  # built again, not masked
+    # built again, not masked
+    assert task_states(third, DATA_TASKS + [DEDUP]) == dict.fromkeys(DATA_TASKS + [DEDUP], "Completed")
     assert not third.result().cache_hit
     assert store.exists(f"{third.result().key}/manifest.json")
 

@@ -171,6 +171,23 @@ def _ids_fit_dtype(token_dtype: str, vocab_size: int) -> PydanticCustomError | N
     return None
 
 
+def _something_to_decontaminate_against(
+    decontaminate: bool, sources: list, sets: list, harness_tasks: list
+) -> PydanticCustomError | None:
+    """Decontamination asked for (true, not left empty) with nothing to check against."""
+    per_source = [
+        s.decontaminate if hasattr(s, "decontaminate") else (s or {}).get("decontaminate") for s in sources or []
+    ]
+    asked = any((decontaminate if d is None else d) is True for d in per_source) or decontaminate is True
+    if asked and "multiple_choice" not in (sets or []) and not harness_tasks:
+        return _rule(
+            "is true, and the run scores no evaluation set to check the training data against "
+            "(eval.sets has no 'multiple_choice', eval.harness_tasks is empty)",
+            "set data.decontaminate false, or add an evaluation set",
+        )
+    return None
+
+
 _Loc = tuple[str, str]
 # (the field a rule reports on, the fields it reads in order of its arguments, the rule)
 _CROSS_SECTION_RULES: list[tuple[_Loc, tuple[_Loc, ...], Callable[..., Any]]] = [
@@ -202,6 +219,11 @@ _CROSS_SECTION_RULES: list[tuple[_Loc, tuple[_Loc, ...], Callable[..., Any]]] = 
     ),
     (("data", "token_dtype"), (("data", "token_dtype"), ("tokenizer", "vocab_size")), _ids_fit_dtype),
     (("data", "schedule"), (("data", "schedule"), ("train", "max_steps")), _schedule_within_the_run),
+    (
+        ("data", "decontaminate"),
+        (("data", "decontaminate"), ("data", "sources"), ("eval", "sets"), ("eval", "harness_tasks")),
+        _something_to_decontaminate_against,
+    ),
 ]
 
 

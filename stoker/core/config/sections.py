@@ -107,6 +107,8 @@ SOURCE_OPTIONS = (
     "hf_revision",
     "on_decode_error",
     "max_bytes",
+    "dedup",
+    "decontaminate",
 )
 
 
@@ -176,6 +178,12 @@ class SourceConfig(_Section):
     )
     max_bytes: int | None = _field(
         None, "Cap on raw bytes taken from this source (0 = no cap; default: data.max_bytes).", ge=0
+    )
+    dedup: Literal["none", "exact", "near"] | None = Field(
+        None, description="Duplicate removal for this source (default: data.dedup)."
+    )
+    decontaminate: bool | None = Field(
+        None, description="Remove this source's documents that hold evaluation items (default: data.decontaminate)."
     )
     max_epochs: float | None = _field(
         None,
@@ -296,6 +304,41 @@ class DataConfig(_Section):
         "else one single-threaded process per core. Each worker owns fixed slices of the "
         "corpus, so the shard files are byte-identical whatever this is.",
         json_schema_extra={"fix": "use 'auto', or about the number of CPU cores"},
+    )
+
+    dedup: Literal["none", "exact", "near"] = Field(
+        "exact",
+        description="Duplicate documents, removed before tokenization (cached by content): 'exact' "
+        "keeps one of the documents equal after Unicode NFC and whitespace normalization; 'near' also "
+        "removes those whose MinHash estimate of word n-gram Jaccard similarity reaches "
+        "near_dup_threshold (datasketch, LSH); 'none' keeps every one. The first copy survives: "
+        "across a mixture, in the first source listed; within a source, in file order.",
+        json_schema_extra={"fix": "use 'none', 'exact' or 'near'"},
+    )
+    near_dup_threshold: float = _field(
+        0.8,
+        "Jaccard similarity of word n-grams (MinHash estimate) from which dedup 'near' removes a document.",
+        fix="a number in (0, 1], e.g. 0.8",
+        gt=0,
+        le=1,
+    )
+    near_dup_ngram: int = _field(
+        5, "Words per shingle of the MinHash of dedup 'near'.", fix="a whole number from 5, e.g. 5", ge=5, le=64
+    )
+    decontaminate: bool | None = Field(
+        None,
+        description="Remove documents sharing a decontaminate_ngram-word sequence with any item of the "
+        "evaluation sets the run scores (eval.sets 'multiple_choice', eval.harness_tasks); the "
+        "report lists them by item. Empty: true where the run scores such a set, else false; "
+        "true with no set to check against is refused.",
+        json_schema_extra={"fix": "true, false, or leave it empty"},
+    )
+    decontaminate_ngram: int = _field(
+        13,
+        "Words of the shared sequence that makes a document contaminated (13, as GPT-3 and Llama).",
+        fix="a whole number from 5, e.g. 13",
+        ge=5,
+        le=64,
     )
 
     engine: Literal["local", "ray"] = Field(
