@@ -94,9 +94,45 @@ def short_documents(folder, count: int = 200) -> str:
     return str(folder)
 
 
+def exported_tensors_are_the_checkpoints(model_cfg, checkpoint_dir: str, folder) -> None:
+    """Every tensor in an exported folder's safetensors equals (torch.equal) the checkpoint's
+    own tensor named for it by the family's name map (``ModelSpec.hf_map``), read from the
+    checkpoint with torch's DCP reader (not the export's path); the vocabulary's padded rows,
+    beyond config.json's ``vocab_size``, are the only thing left out."""
+    import glob
+    import json
+    import os
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from stoker.families import spec_of
+    from stoker.families.spec import is_vocab
+
+    reader = dcp.FileSystemReader(checkpoint_dir)
+    meta = reader.read_metadata().state_dict_metadata
+    saved = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items() if k.startswith("model.")}
+    dcp.load(saved, storage_reader=reader, no_dist=True)
+    exported = {}
+    for path in sorted(glob.glob(os.path.join(str(folder), "*.safetensors"))):
+        exported.update(load_file(path))
+    names = spec_of(model_cfg).hf_map(model_cfg)
+    assert sorted(exported) == sorted(theirs for _, theirs, _ in names)
+    rows = json.loads(open(os.path.join(str(folder), "config.json")).read())["vocab_size"]
+    for ours, theirs, transpose in names:
+        t = saved["model." + ours]
+        t = t.t() if transpose else t
+        if is_vocab(ours):
+            t = t[:rows]
+        assert torch.equal(exported[theirs], t), (ours, theirs)
+
+
 def exported_logits_are_ours(cfg, store, checkpoint_key: str, vocab: int, folder) -> dict:
-    """`stoker export` of a checkpoint, loaded by transformers' AutoModelForCausalLM: its logits
-    on one document are our checkpoint's; returns the exported config.json."""
+    """`stoker export` of a checkpoint: its safetensors are the checkpoint's tensors, tensor by
+    tensor (`exported_tensors_are_the_checkpoints`), and, loaded by transformers'
+    AutoModelForCausalLM, its logits on one document are our checkpoint's; returns the exported
+    config.json."""
     import contextlib
     import io
     import json
@@ -110,6 +146,7 @@ def exported_logits_are_ours(cfg, store, checkpoint_key: str, vocab: int, folder
 
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["export", store.url(checkpoint_key), str(folder)]) == 0
+    exported_tensors_are_the_checkpoints(cfg.model, store.local_path(checkpoint_key), folder)
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     ours = build_model(cfg.model, vocab, seed=None)
     load_checkpoint(store.local_path(checkpoint_key), model=ours)

@@ -225,13 +225,18 @@ def _output_bytes(s: Shape, tokens: int, a: int, chunk: int) -> float:
     """The output layer of one micro-batch at its peak (the backward of the cross-entropy):
     the final norm's saved tensors, then the logits in the matmul dtype, their fp32 copy (the
     loss reads fp32; the same tensor under fp32), log-softmax's output and its gradient.
-    Chunked: the gradients made in the forward pass (of h, and the fp32 one of the output
-    matrix) and one chunk's logits at a time."""
+    Chunked (families.layers._ChunkedCrossEntropy): the gradients made in the forward pass (of
+    h, and the fp32 one of the output matrix) and one chunk at a time: its logits in the matmul
+    dtype, their fp32 copy (none under fp32: the same tensor), the softmax and its scaled copy;
+    or, later in the chunk, the logits, the scaled softmax and the output matrix's gradient of
+    the chunk before it is added."""
     V, C = s.vocab, s.width
     norm = s.final_norm_fp32 * 4 * tokens
     if chunk:
         rows = min(chunk, tokens)
-        return norm + tokens * C * a + V * C * 4 + rows * V * (a + 4 + 4)
+        logits = rows * V * (a + (4 if a != 4 else 0))
+        peak = max(logits + rows * V * 8, logits + rows * V * 4 + V * C * 4)
+        return norm + tokens * C * a + V * C * 4 + peak
     # fp32: the logits, log-softmax's output, its gradient, the logits' gradient; bf16: the
     # logits and their gradient in bf16, the fp32 copy, log-softmax's output and gradient
     copies = 16

@@ -8,8 +8,8 @@ shortened). 2 gloo ranks under FSDP2, document-aware attention (the base's defau
 killed after the first checkpoint and the retried launch resuming from it bit for bit; the
 step-0 validation loss (the base's own) equal to transformers' loss of the documents scored
 one by one; the gain and forgetting in the result and in `stoker runs`; the final checkpoint
-evaluated with the base's tokenizer; the export loaded by transformers with our logits and the
-base's own tokenizer files."""
+evaluated with the base's tokenizer; the export's tensors the checkpoint's, one by one, loaded
+by transformers with our logits, and the base's own tokenizer files."""
 
 import contextlib
 import io
@@ -24,7 +24,14 @@ from stoker.core.config import load_config
 from stoker.storage.bases import resolve_base
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.store import Store
-from tests.bases import documents, loss_of_documents_alone, one_document, short_documents, tiny_base
+from tests.bases import (
+    documents,
+    exported_tensors_are_the_checkpoints,
+    loss_of_documents_alone,
+    one_document,
+    short_documents,
+    tiny_base,
+)
 from tests.conftest import prepare_shards
 
 pytestmark = pytest.mark.e2e
@@ -141,9 +148,11 @@ def test_a_base_is_trained_further_through_the_flow_resumed_bitwise_and_exported
 
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["export", result.final_checkpoint_uri, str(tmp_path / "hf")]) == 0
+    final = store.local_path(list_checkpoints(store, "base-killed")[0].key)
+    exported_tensors_are_the_checkpoints(unbroken.model, final, tmp_path / "hf")  # tensor by tensor
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
     ours = build_model(unbroken.model, shards.vocab_size, seed=None)
-    load_checkpoint(store.local_path(list_checkpoints(store, "base-killed")[0].key), model=ours)
+    load_checkpoint(final, model=ours)
     ids = one_document(
         ours, unbroken, torch.randint(0, shards.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     )

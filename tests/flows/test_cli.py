@@ -193,7 +193,7 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_running(tmp_path):
     import sqlite3
     import time
 
-    from tests.conftest import live_processes, seeded_prefect_home, tiny_sets, wait_until_training
+    from tests.conftest import live_processes, seeded_prefect_home, tiny_sets, wait_for_none, wait_until_training
 
     home = tmp_path / "prefect-home"
     seeded_prefect_home(home)  # the temporary server's database, migrated already
@@ -220,8 +220,7 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing_running(tmp_path):
     ours = [line for line in err.splitlines() if line.startswith("stoker: ")]
     assert len(ours) == 1 and ours[0].startswith("stoker: interrupted; the ranks were stopped"), err[-2000:]
     assert "Traceback" not in err
-    time.sleep(1)
-    assert [pid for pid in seen if pid in live_processes()] == []
+    assert wait_for_none(lambda: [pid for pid in seen if pid in live_processes()]) == []
     attempts = [
         json.loads(line) for line in (tmp_path / "store" / "runs" / "ctrlc" / "attempts.jsonl").read_text().splitlines()
     ]

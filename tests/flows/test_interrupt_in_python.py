@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, live_processes, seeded_prefect_home, tiny_dict, wait_until_training
+from tests.conftest import ROOT, live_processes, seeded_prefect_home, tiny_dict, wait_for_none, wait_until_training
 
 pytestmark = pytest.mark.e2e
 
@@ -74,9 +74,9 @@ def test_an_interrupted_flow_call_crashes_the_flow_run_records_the_attempt_and_l
         out = (tmp_path / "kernel.log").read_text()
         print(f"the call returned {time.monotonic() - t0:.1f} s after the interrupt")
         assert "KeyboardInterrupt reached the caller" in out, out[-3000:]
-        time.sleep(1)
         run = {pid for pid, p in seen.items() if "training." in p.cmdline or "torch.distributed" in p.cmdline}
-        assert run and [pid for pid in run if pid in live_processes()] == []  # agents, ranks, evaluations
+        assert run  # agents, ranks, evaluations
+        assert wait_for_none(lambda: [pid for pid in run if pid in live_processes()]) == []
         attempts = [
             json.loads(line)
             for line in (tmp_path / "store" / "runs" / "kernel" / "attempts.jsonl").read_text().splitlines()

@@ -1,7 +1,8 @@
 """A run that starts from a base model (model.init_from), with real gloo ranks: the base's
 weights only while the run has no valid checkpoint, read slice by slice under FSDP2; resume
 owns the weights after the first commit (the base may be gone); a crash before the first
-commit restarts from the base. (The export of such a run: tests/flows/test_base_e2e.py.)
+commit restarts from the base. (The same through the whole flow, a killed rank and the export
+included: tests/flows/test_base_e2e.py.)
 
 One module run (`based`: 2 FSDP2 ranks, 8 steps, checkpoints at 4 and 8, a sharded Qwen2-style
 base made by scripts/make_tiny_base.py, q/k/v biases and untied embeddings, on short documents)

@@ -1,8 +1,10 @@
-"""A mixture on real gloo ranks (forked, tests.forked_ranks): a run killed before a schedule
-change and resumed after it ends bit for bit where an unbroken run does; resumed at another
-world size it trains on the same windows (torch.equal, step by step) with the same losses
-(assert_close: another world size sums the gradients in another order, so its weights
-cannot be bitwise those of 2 ranks)."""
+"""A mixture on real gloo ranks (forked, tests.forked_ranks): resumed from the unbroken run's
+step-4 checkpoint, before the schedule's change at step 5 (a new launch: no rank is killed),
+it ends bit for bit where the unbroken run does; resumed at another world size it trains on
+the same windows (torch.equal, step by step) with the same losses (assert_close: another
+world size sums the gradients in another order, so its weights cannot be bitwise those of 2
+ranks). Each source's validation loss at step 8 is the step-8 checkpoint's own on that
+source's validation windows, computed here apart from the ranks."""
 
 import os
 
@@ -70,7 +72,39 @@ def test_a_mixture_resumed_across_a_schedule_change_ends_like_an_unbroken_run(tm
     assert seen[8]["docs"]["epochs"] > 0
     evals = [r for r in records if r["event"] == "eval"]
     assert all(set(e["sources"]) == {"stdlib", "docs"} for e in evals)
+    [at_8] = [e for e in evals if e["step"] == 8]
+    expected = _val_losses_of(cfg, store, shards, "runs/mix/checkpoints/step-00000008")
+    for name in ("stdlib", "docs"):  # the event's values: rounded to 6 places
+        torch.testing.assert_close(torch.tensor(at_8["sources"][name]), expected[name], msg=name)
     _at_another_world_size(cfg, store, shards, records)
+
+
+def _val_losses_of(cfg, store, shards, checkpoint_key) -> dict[str, torch.Tensor]:
+    """Each source's validation loss, computed here apart from the ranks' evaluation: the
+    checkpoint's tensors (read with DCP) in a model on one process, a plain forward pass and
+    cross-entropy over all the evaluation's windows of that source's val split at once (2
+    batches x 2 windows x 2 ranks, each window's offset as the evaluation places it)."""
+    import torch.nn.functional as F
+
+    from stoker.families import build_model
+    from stoker.training.data import TokenStream, eval_offsets, get_batch
+
+    saved = _tensors(store.local_path(checkpoint_key))
+    model = build_model(cfg.model, shards.vocab_size, seed=None)
+    mine = {k.removeprefix("model."): v for k, v in saved.items() if k.startswith("model.")}
+    missing, unexpected = model.load_state_dict(mine, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected  # tied: the checkpoint stores wte once
+    assert model.lm_head.weight is model.wte.weight
+    model.eval()
+    T = cfg.model.block_size
+    out = {}
+    for s in shards.sets:
+        val = TokenStream(store.local_path(s.key), "val")
+        x, y = get_batch(val, T, eval_offsets(val.num_tokens, T, cfg.eval.num_batches * cfg.train.micro_batch_size * 2))
+        with torch.no_grad():
+            logits = model(x)[0]  # (B, T, vocab)
+        out[s.name] = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    return out
 
 
 def _at_another_world_size(cfg, store, shards, records):

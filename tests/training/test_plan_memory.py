@@ -12,9 +12,12 @@ from stoker.core import plan as plans
 from stoker.core.config import RunConfig
 from stoker.training.engine import Engine, build_model, build_optimizer
 
-# the stated error: every family and mode below was within +-8% when written
-# (benchmarks/RESULTS.md#the-plan); the plan errs high where it errs
-TOLERANCE = 0.10
+# the stated error (benchmarks/RESULTS.md#the-plan). The plan errs high: at most 8% above the
+# measured peak (the most measured: +7.5%, llama with full checkpointing and the standard loss).
+# Never below it with the standard loss; with the chunked one it was measured up to 0.9% low
+# (gpt2, selective; gpt2 without checkpointing, below: -0.2%), so there at most 1% below.
+MAX_HIGH = 0.08
+MAX_LOW_CHUNKED = 0.01
 
 
 def _peak(cfg: RunConfig, micro: int, accum: int) -> int:
@@ -60,4 +63,6 @@ def test_the_plan_is_within_its_stated_error_of_the_measured_peak(family, checkp
     )
     measured = _peak(cfg, 4, 2)
     planned = plans.plan(cfg, plans.Hardware.cpu()).allocated
-    assert abs(planned - measured) / measured <= TOLERANCE, (planned, measured)
+    assert planned <= measured * (1 + MAX_HIGH), (planned, measured, planned / measured)
+    low = MAX_LOW_CHUNKED if cross_entropy == "chunked" else 0.0
+    assert planned >= measured * (1 - low), (planned, measured, planned / measured)

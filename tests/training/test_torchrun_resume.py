@@ -99,8 +99,9 @@ def test_ranks_fall_back_together_from_a_checkpoint_their_full_check_rejects(tin
 
 
 def test_a_killed_rank_is_restarted_in_place_and_ends_bitwise_like_an_unbroken_run(unbroken, tmp_path):
-    """torchrun --max-restarts: the restarted ranks ignore the stale --resume-from, load the
-    newest valid checkpoint themselves and finish where an unbroken run does, bit for bit."""
+    """torchrun --max-restarts=1, rank 1 SIGKILLed before step 6 (once): the restart round's
+    ranks, launched without --resume-from, find the newest valid checkpoint (step 4)
+    themselves and finish where an unbroken run does, bit for bit."""
     store, shards, url, run, whole = unbroken(2)
     final_a = _tensors(store.local_path(f"runs/{run}/checkpoints/step-00000008"))
 
