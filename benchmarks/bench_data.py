@@ -81,7 +81,7 @@ def _scale_corpus(src: str, dst: str, copies: int) -> None:
 # ---- children --------------------------------------------------------------------------
 def child_prepare(work: str, corpus: str) -> dict:
     """Download the 1x corpus and train the tokenizer every other measurement uses."""
-    from stoker.core.config import DataConfig, TokenizerConfig
+    from stoker.config import DataConfig, TokenizerConfig
     from stoker.data import prepare as data_prep
     from stoker.storage.store import Store
 
@@ -96,7 +96,7 @@ def child_prepare(work: str, corpus: str) -> dict:
 def child_stage(work: str, corpus: str, tokenizer: str, name: str) -> dict:
     """The data stage (download, load tokenizer, tokenize+shard) into a fresh store, then
     the same three calls again (a cache hit)."""
-    from stoker.core.config import DataConfig, TokenizerConfig
+    from stoker.config import DataConfig, TokenizerConfig
     from stoker.data import prepare as data_prep
     from stoker.storage.store import Store
 
@@ -152,7 +152,7 @@ def _shard_docs_and_tokens(store, key: str, eot_id: int) -> tuple[int, int]:
 def child_rerun(work: str, corpus: str, tokenizer: str, name: str) -> dict:
     """A cache-hit rerun in a fresh interpreter: imports included."""
     start = time.perf_counter()
-    from stoker.core.config import DataConfig, TokenizerConfig
+    from stoker.config import DataConfig, TokenizerConfig
     from stoker.data import prepare as data_prep
     from stoker.storage.store import Store
 

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from benchmarks._servers import moto_s3
-    from stoker.core.config import DataConfig, TokenizerConfig
+    from stoker.config import DataConfig, TokenizerConfig
     from stoker.data import prepare
     from stoker.storage.store import Store
 

@@ -18,7 +18,7 @@ import time
 
 from datasketch import MinHash
 
-from stoker.core.config import DataConfig, EvalConfig
+from stoker.config import DataConfig, EvalConfig
 from stoker.data import dedup
 from stoker.data.prepare import download_dataset, iter_corpus
 from stoker.storage.store import Store

@@ -1,5 +1,5 @@
 """What the evaluation sets beyond the loss cost a checkpoint's evaluation, against the
-validation loss alone measured in the same run (eval.sets, training.evaluate).
+validation loss alone measured in the same run (eval.sets, training.evaluation_main).
 
 On one GPT of the tiny-cpu recipe's shape (CPU, or the first CUDA device with bf16 autocast),
 random weights, a byte-level BPE trained on a slice of the standard library:
@@ -42,7 +42,7 @@ def _tokenizer(vocab: int, num_files: int = 40):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from stoker.core.config import load_config
+    from stoker.config import load_config
     from stoker.families.gpt2.model import GPT
     from stoker.training.scoring import (
         HeldOut,

@@ -78,7 +78,7 @@ def _launch_events(cfg, root: str, interval: float):
 
 def sink_seconds(cfg, root: str, calls: int = SINK_CALLS) -> float:
     """One Step record through the sink, rate-bounded (almost never an event)."""
-    from stoker.core import events
+    from stoker.contracts import events
 
     launch = _launch_events(cfg, root, cfg.events.step_interval_seconds)
     records = [events.Step(step=i) for i in range(1000)]
@@ -95,7 +95,7 @@ def event_cpu_seconds(cfg, root: str, what: str, count: int = EVENTS) -> float:
     checkpoints (each also reads and hashes a commit manifest from the store)."""
     from prefect.events.worker import EventsWorker
 
-    from stoker.core import events
+    from stoker.contracts import events
     from stoker.storage.store import Store
 
     store = Store(root)
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     from prefect.testing.utilities import prefect_test_harness
 
     import stoker.flows  # noqa: F401  (Prefect's settings as stoker sets them: no telemetry)
-    from stoker.core.config import load_config
+    from stoker.config import load_config
 
     logging.getLogger("prefect").setLevel(logging.WARNING)
     cfg = load_config("tiny-cpu")

@@ -25,7 +25,7 @@ import tempfile
 import time
 import uuid
 
-from stoker.core.config import load_config
+from stoker.config import load_config
 
 STEPS = 60
 SMOKE_STEPS = 4
@@ -64,7 +64,7 @@ def plain(root: str, smoke: bool = False) -> float:
     from stoker.storage.checkpoints import find_latest_valid, list_checkpoints
     from stoker.storage.runs import pin_run_folder
     from stoker.storage.store import Store
-    from stoker.tasks.evaluate import run_evaluation
+    from stoker.tasks.evaluation import run_evaluation
 
     t0 = time.perf_counter()
     cfg = _config(root, "plain-" + uuid.uuid4().hex[:6], smoke).check()

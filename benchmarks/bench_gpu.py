@@ -84,7 +84,7 @@ def _free() -> None:
 
 
 def _config(store_root: str, micro: int, **engine):
-    from stoker.core.config import load_config
+    from stoker.config import load_config
 
     over = {
         "storage.root": store_root,
@@ -282,7 +282,7 @@ LLAMA_SMOKE = {
 
 def bench_llama(store_root: str, store, key: str, cache_dir: str, micro: int, steps: int) -> dict:
     """tokens/s and MFU of stoker's trainer on the Llama-3.2-1B shape, the recipe's engine."""
-    from stoker.core.config import load_config
+    from stoker.config import load_config
 
     shape = LLAMA_1B if _cuda() else LLAMA_SMOKE
     over = {

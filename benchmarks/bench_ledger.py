@@ -81,7 +81,7 @@ def _step_seconds(repeats: int = 10) -> float:
 
     import torch
 
-    from stoker.core.config import load_config
+    from stoker.config import load_config
     from stoker.families.gpt2.model import GPT
 
     cfg = load_config("tiny-cpu")

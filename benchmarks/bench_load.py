@@ -106,7 +106,7 @@ def _peak_rss() -> int:
 def _rank(rank: int, world: int, init: str, config_json: str, folder: str, vocab: int, out: str) -> None:
     import torch.distributed as dist
 
-    from stoker.core.config import RunConfig
+    from stoker.config import RunConfig
     from stoker.training.base import load_base
     from stoker.training.engine import Engine, build_model
 
@@ -147,7 +147,7 @@ def _plain_read(folder: str) -> float:
 def measure(hidden: int, layers: int, vocab: int, shard_mb: int) -> dict:
     import torch.multiprocessing as mp
 
-    from stoker.core.config import RunConfig
+    from stoker.config import RunConfig
     from stoker.families.llama.config import LlamaConfig
 
     work = tempfile.mkdtemp(prefix="stoker-bench-load-")

@@ -1,5 +1,5 @@
 """The data wait of a mixture: the time a rank spends reading its batches per step when they
-come from three sources (data.sources, quotas and per-source epochs of core.mixture) against
+come from three sources (data.sources, quotas and per-source epochs of arithmetic.mixture) against
 one source holding the same tokens. Each step reads the whole global batch (what every rank
 together reads) through training.data.Batches, as the training loop does, from memory-mapped
 shard files warmed into the page cache.                                      goal <= 1.05
@@ -58,7 +58,7 @@ def _wait_per_step(windows, batch: int, steps: int, micro: int) -> list[float]:
 
 
 def run(tokens: int, block: int, batch: int, steps: int, file_tokens: int, micro: int, rounds: int) -> dict:
-    from stoker.core.mixture import Mixture
+    from stoker.arithmetic.mixture import Mixture
     from stoker.training.data import TokenStream, TrainWindows
 
     with tempfile.TemporaryDirectory(prefix="stoker-bench-mixture-") as tmp:

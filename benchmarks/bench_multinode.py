@@ -54,7 +54,7 @@ SMOKE_STEPS, SMOKE_WARMUP, SMOKE_ROUNDS = 3, 1, 1
 
 
 def _config(root: str, run: str, steps: int, launch: dict | None = None, ray: dict | None = None, smoke: bool = False):
-    from stoker.core.config import load_config
+    from stoker.config import load_config
 
     sections = {
         "run_name": run,
@@ -88,7 +88,7 @@ def _config(root: str, run: str, steps: int, launch: dict | None = None, ray: di
 def _measure(cfg, store, shard_key: str, warmup: int) -> tuple[float, float, int]:
     """Launch one run with launch.make_launcher: (tokens/s after warm-up, start-up seconds to
     rank 0's first train event, steps measured)."""
-    from stoker.core import events
+    from stoker.contracts import events
     from stoker.launch import make_launcher
 
     run = cfg.resolved_run_name()

@@ -1,4 +1,4 @@
-"""The plan's memory estimate (stoker.core.plan) against what a step really allocates.
+"""The plan's memory estimate (stoker.arithmetic.plan) against what a step really allocates.
 
 On a GPU: GPT-2 124M and the Llama-3.2-1B shape (random weights, bf16 autocast, eager), a few
 optimizer steps of two accumulated micro-batches, against torch.cuda.max_memory_allocated
@@ -18,8 +18,8 @@ import sys
 
 import torch
 
-from stoker.core import plan as plans
-from stoker.core.config import RunConfig
+from stoker.arithmetic import plan as plans
+from stoker.config import RunConfig
 from stoker.training.engine import Engine, build_model, build_optimizer
 
 GPT2_124M = {"family": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}

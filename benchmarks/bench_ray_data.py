@@ -94,7 +94,7 @@ def _cpu() -> float:
 
 def child_tokenizer(work: str, base: str, tokenizer: str) -> dict:
     """A BPE trained on the 1x corpus, as a file every build loads."""
-    from stoker.core.config import DataConfig, TokenizerConfig
+    from stoker.config import DataConfig, TokenizerConfig
     from stoker.data import prepare
     from stoker.storage.store import Store
 
@@ -106,7 +106,7 @@ def child_tokenizer(work: str, base: str, tokenizer: str) -> dict:
 
 def child_prepare(root: str, options: str, corpus: str, tokenizer: str) -> dict:
     """The dataset and the tokenizer in the store."""
-    from stoker.core.config import DataConfig, TokenizerConfig
+    from stoker.config import DataConfig, TokenizerConfig
     from stoker.data import prepare
     from stoker.storage.store import Store
 
@@ -118,8 +118,8 @@ def child_prepare(root: str, options: str, corpus: str, tokenizer: str) -> dict:
 
 def child_build(root: str, options: str, prepared: str, engine: str, address: str) -> dict:
     """tokenize_and_shard into a store without shards, measured."""
-    from stoker.core.config import DataConfig, RayConfig
-    from stoker.core.results import DatasetInfo, TokenizerInfo
+    from stoker.config import DataConfig, RayConfig
+    from stoker.contracts.results import DatasetInfo, TokenizerInfo
     from stoker.data import prepare
     from stoker.storage.store import Store
 

@@ -31,8 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from benchmarks._servers import moto_s3, s3_bucket
-from stoker.core import events
-from stoker.core.config import load_config
+from stoker.config import load_config
+from stoker.contracts import events
 from stoker.data import prepare as data_prep
 from stoker.launch.env import child_env
 from stoker.launch.gang import run_gang

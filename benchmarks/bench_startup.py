@@ -12,7 +12,7 @@ ratio compiled / from source (< 1: the bytecode saves CPU), and what `import tor
 costs, for scale (--reference).
 
 And what the same process costs to end: `import MODULE` then Python's own exit, against
-`import MODULE` then `stoker.core.quick_exit` (no teardown of the modules), alternated on the
+`import MODULE` then `stoker.process.quick_exit` (no teardown of the modules), alternated on the
 compiled side; prints the ratio quick / normal of the whole process's CPU-s.
 
     python -m benchmarks.bench_startup [--module stoker.training.train] [--reps 5]
@@ -31,7 +31,7 @@ import tempfile
 
 import stoker
 
-QUICK = "\nfrom stoker.core.quick_exit import quick_exit\nquick_exit(0)"
+QUICK = "\nfrom stoker.process.quick_exit import quick_exit\nquick_exit(0)"
 
 
 def cpu_seconds(module: str, env: dict, cwd: str, then: str = "") -> float:

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     max_bytes, vocab, reps = (300_000, 384, 1) if args.smoke else (12_000_000, 2048, 3)
 
-    from stoker.core.config import DataConfig, TokenizerConfig
+    from stoker.config import DataConfig, TokenizerConfig
     from stoker.data import prepare
     from stoker.storage.store import Store
 

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
 
-    from stoker.core.config import load_config
+    from stoker.config import load_config
     from stoker.data import prepare
     from stoker.storage.store import Store
 

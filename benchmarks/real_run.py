@@ -17,8 +17,8 @@ import tempfile
 import threading
 import time
 
-from stoker.core import events
-from stoker.core.config import load_config
+from stoker.config import load_config
+from stoker.contracts import events
 from stoker.launch.torchrun import AGENT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -83,7 +83,7 @@ def train_chat_tokenizer(vocab_size: int, num_files: int = 20):
     )
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    from stoker.core.token_bytes import _bytes_to_unicode
+    from stoker.arithmetic.token_bytes import _bytes_to_unicode
 
     byte_chars = _bytes_to_unicode()  # GPT-2's byte-level alphabet: byte -> its character
     lacking = {byte_chars[b] for b in CHAT_LACKING}

@@ -9,7 +9,7 @@ before any work. It gathers:
 - the local files the config names and the optional packages it needs: the data source and
   tokenizer, TensorBoard and MLflow (the 'metrics' extra), Ray (``local_resource_problems``);
 - eval.harness_tasks: lm-evaluation-harness installed (the 'harness' extra), the
-  eval.harness_include folders there, every task name defined in them (``core.harness``);
+  eval.harness_include folders there, every task name defined in them (``config.harness_tasks``);
 - the accelerators: NCCL without GPUs, more ranks here than GPUs, engine settings that CPU
   ranks or the installed torch cannot honour, torch's version read from its metadata
   (``launch.devices.device_problems``);
@@ -20,7 +20,7 @@ before any work. It gathers:
 - the base model of ``model.init_from``: there, complete, of an architecture a family expresses
   exactly, not contradicted by an explicit field (``storage.bases.resolve_base``; ``check``
   returns the config with the base's architecture, tokenizer and content hash filled in);
-- the run's memory plan on its devices (``core.plan``; launch.accelerator, else this host's
+- the run's memory plan on its devices (``arithmetic.plan``; launch.accelerator, else this host's
   GPU): a run that cannot fit is refused with the cheapest fix that makes it fit.
 
 A check that needs what another found broken is left out (a store with bad storage fields, a
@@ -37,9 +37,9 @@ from typing import Callable
 
 from pydantic import BaseModel, ValidationError
 
-from stoker.core.config import RunConfig, StorageConfig, local_resource_problems, missing_sink_packages
-from stoker.core.failures import ConfigError, is_transient
-from stoker.core.harness import harness_problems
+from stoker.config import RunConfig, StorageConfig, local_resource_problems, missing_sink_packages
+from stoker.config.harness_tasks import harness_problems
+from stoker.failures import ConfigError, is_transient
 from stoker.launch.devices import device_problems
 from stoker.observe.sinks import sink_problems
 from stoker.storage.bases import resolve_base
@@ -121,9 +121,9 @@ def shaped(config: RunConfig) -> RunConfig:
 
 def plan_problems(config: RunConfig) -> list[str]:
     """The run's plan on its devices (launch.accelerator, else this host's GPU): one line
-    naming the cheapest fix when it cannot fit (``core.plan.fit_problem``); nothing when no
+    naming the cheapest fix when it cannot fit (``arithmetic.plan.fit_problem``); nothing when no
     device is known (CPU ranks)."""
-    from stoker.core.plan import fit_problem, hardware_of
+    from stoker.arithmetic.plan import fit_problem, hardware_of
 
     try:
         hardware = hardware_of(config)

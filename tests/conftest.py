@@ -486,7 +486,7 @@ def tiny_sets(**sections) -> list[str]:
 
 @pytest.fixture
 def tiny_config(tmp_path):
-    from stoker.core.config import load_config
+    from stoker.config import load_config
 
     def make(**sections):
         return load_config(tiny_dict("file://" + str(tmp_path / "store"), **sections))
@@ -818,7 +818,7 @@ def run_collecting(launcher, on_event=None):
 
 def event_losses(seen) -> dict[int, float]:
     """{step: loss} of the Train events (a step reported twice: the last report)."""
-    from stoker.core import events
+    from stoker.contracts import events
 
     return {e.step: e.loss for e in seen if isinstance(e, events.Train)}
 
@@ -895,7 +895,7 @@ def one_rank_run(tmp_path_factory, run: str, **sections):
     rank (forked from a warm zygote: tests.forked_ranks; a tokenizer of 300 ids unless
     `sections` say otherwise). Returns (config, store, shards, config URL): for tests of what
     reads a checkpoint (export, the harness, the evaluation sets)."""
-    from stoker.core.config import load_config
+    from stoker.config import load_config
     from stoker.storage.runs import pin_run_folder
     from tests.forked_ranks import run_forked
 

@@ -125,7 +125,7 @@ def _become_rank(request: dict, zygote: int) -> None:
     """In the forked child: become the rank `request` describes and run train's main."""
     import random
 
-    from stoker.core.lifeline import set_parent_death_signal
+    from stoker.process.lifeline import set_parent_death_signal
 
     os.setsid()  # as torchrun starts its ranks: a session each
     set_parent_death_signal(signal.SIGKILL, parent=zygote)

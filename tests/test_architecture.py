@@ -9,10 +9,18 @@ import pytest
 
 from tests.conftest import ROOT
 
+# what every room shares, lowest first: each imports only those before it
+SHARED = (
+    "failures",  # stoker/failures.py: one failure taxonomy and one retry helper
+    "fields",  # how a config field is declared and a broken rule told
+    "families",  # the model families, one folder each, and their registry
+    "config",  # the run configuration: sections, RunConfig, loading, the learning-rate schedule
+    "contracts",  # what the rooms hand each other: the rank records and their wire format, results
+    "arithmetic",  # a run's arithmetic from its config: plan, data order, bytes per token, gains
+    "process",  # how a stoker process lives, ends and connects: lifeline, quick exit, Ray
+)
 ROOMS = (
-    "fields",
-    "families",
-    "core",
+    *SHARED,
     "storage",
     "data",
     "launch",
@@ -24,35 +32,22 @@ ROOMS = (
     "flows",
     "cli",
 )
+BELOW = set(SHARED)
 MAY_IMPORT = {
+    **{room: set(SHARED[: i + 1]) for i, room in enumerate(SHARED)},
     # observe: how results read; launch: the export and harness children
-    "cli": {"fields", "families", "core", "preflight", "launch", "observe", "orchestration", "tasks", "flows", "cli"},
-    "fields": {"fields"},
-    # a family's config section (torch-free) and its module, plan and the torch pieces they share
-    "families": {"fields", "families"},
-    "core": {"fields", "families", "core"},
-    "storage": {"fields", "families", "core", "storage"},
-    "data": {"fields", "families", "core", "storage", "data"},
-    "launch": {"fields", "families", "core", "storage", "launch"},
-    "training": {"fields", "families", "core", "storage", "training"},
-    "observe": {"fields", "families", "core", "storage", "observe"},
+    "cli": BELOW | {"preflight", "launch", "observe", "orchestration", "tasks", "flows", "cli"},
+    "storage": BELOW | {"storage"},
+    "data": BELOW | {"storage", "data"},
+    "launch": BELOW | {"storage", "launch"},
+    "training": BELOW | {"storage", "training"},
+    "observe": BELOW | {"storage", "observe"},
     # the one preflight (stoker/preflight.py): every check of the host, gathered from the rooms below
-    "preflight": {"fields", "families", "core", "storage", "data", "launch", "observe", "preflight"},
+    "preflight": BELOW | {"storage", "data", "launch", "observe", "preflight"},
     # the Prefect integration: result cache policy and its locks, events, publisher, credentials blocks
-    "orchestration": {"fields", "families", "core", "storage", "observe", "orchestration"},
-    "tasks": {
-        "fields",
-        "families",
-        "core",
-        "data",
-        "launch",
-        "observe",
-        "storage",
-        "preflight",
-        "orchestration",
-        "tasks",
-    },
-    "flows": {"fields", "families", "core", "preflight", "orchestration", "tasks", "flows"},
+    "orchestration": BELOW | {"storage", "observe", "orchestration"},
+    "tasks": BELOW | {"data", "launch", "observe", "storage", "preflight", "orchestration", "tasks"},
+    "flows": BELOW | {"preflight", "orchestration", "tasks", "flows"},
 }
 NEVER = {
     "cli": {"torch"},
@@ -62,9 +57,8 @@ NEVER = {
     "launch": {"torch"},
     "tasks": {"torch"},
     "flows": {"torch"},
-    "fields": {"torch", "prefect"},
+    **{room: {"torch", "prefect"} for room in SHARED},
     "families": {"prefect"},  # and no torch in the configs and the registry: the test below
-    "core": {"torch", "prefect"},
     "storage": {"torch", "prefect"},
     "data": {"torch", "prefect"},
     "training": {"prefect"},
@@ -179,7 +173,7 @@ def test_a_family_is_one_folder_and_one_registry_line_and_its_config_needs_no_to
         assert {"__init__.py", "config.py", "model.py"} <= set(os.listdir(folder)), name
         assert registry.count(f'"{name}",') == 1 and NAMES.count(name) == 1, name
     code = (
-        "import sys, stoker.core.config, stoker.families as f\n"
+        "import sys, stoker.config, stoker.families as f\n"
         "[f.FAMILIES[n].model_validate({'family': n}) for n in f.NAMES]\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
     )

@@ -122,9 +122,9 @@ def test_bench_startup_compares_the_same_copy_of_stoker_with_and_without_bytecod
     size."""
     from benchmarks import bench_startup
 
-    bench_startup.main(["--module", "stoker.core.failures", "--reps", "1", "--reference", ""])
+    bench_startup.main(["--module", "stoker.failures", "--reps", "1", "--reference", ""])
     out = capsys.readouterr().out
-    assert "import stoker.core.failures:" in out and "compiled (medians of 1)" in out
+    assert "import stoker.failures:" in out and "compiled (medians of 1)" in out
     assert "RATIO compiled / from source CPU-s = " in out
     assert "then its exit:" in out and "RATIO quick_exit / normal exit CPU-s = " in out
 

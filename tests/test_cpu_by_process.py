@@ -47,6 +47,6 @@ def test_the_kinds_of_ray_and_torchrun_processes():
         "/x/ray/core/src/ray/raylet/raylet --raylet_socket_name=/tmp/s": "Ray raylet",
         "python3 -m torch.distributed.run --nnodes=1 -m stoker.training.train --config c": "torchrun agent",
         "python3 -m stoker.training.train --config c": "rank (stoker.training.train)",
-        "python3 -m stoker.training.evaluate --checkpoint s3://b/c": "evaluation",
+        "python3 -m stoker.training.evaluation_main --checkpoint s3://b/c": "evaluation",
     }
     assert {line: module.kind(line) for line in kinds} == kinds

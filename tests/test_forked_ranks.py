@@ -12,7 +12,7 @@ from tests.forked_ranks import run_forked, start_ranks, train_argv
 def staged(tmp_path_factory):
     """Two tiny run folders, one of 400 steps (the failures cut it short) and one of 4:
     (the long one's config URL, shard key, store)."""
-    from stoker.core.config import load_config
+    from stoker.config import load_config
     from tests.conftest import tiny_dict
 
     root = "file://" + str(tmp_path_factory.mktemp("forked") / "store")

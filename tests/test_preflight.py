@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from stoker import preflight
-from stoker.core.config import build_config
-from stoker.core.failures import ConfigError, is_transient
+from stoker.config import build_config
+from stoker.failures import ConfigError, is_transient
 from tests.conftest import ROOT, free_port
 
 NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}  # this host's GPUs, if any, hidden as CUDA hides them

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = BY_NAME[args.command]
 
-    from stoker.core.failures import StokerError, error_line
+    from stoker.failures import StokerError, error_line
 
     try:
         if command.needs_api and not os.environ.get(_CHILD_ENV):

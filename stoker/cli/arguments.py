@@ -12,7 +12,7 @@ def check_api_reachable(timeout: float = 5.0) -> None:
     connection or a time-out is reported."""
     import httpx
 
-    from stoker.core.failures import StokerError
+    from stoker.failures import StokerError
 
     url = _api_url()
     if not url:
@@ -39,11 +39,11 @@ def _api_url() -> str | None:
 
 def _preflight(args) -> None:
     if args.command == "evaluate":
-        from stoker.tasks.evaluate import check_checkpoint_uri
+        from stoker.tasks.evaluation import check_checkpoint_uri
 
         check_checkpoint_uri(args.checkpoint_uri)
         return
-    from stoker.core.failures import ConfigError, is_transient
+    from stoker.failures import ConfigError, is_transient
 
     try:
         checked_config(args.recipe, _sets(args))
@@ -60,7 +60,7 @@ def checked_config(recipe: str, sets: list[str]):
     credentials block is loaded only from a Prefect server that is up (PREFECT_API_URL);
     without one the flow's first task loads it, and probes the store with it."""
     from stoker import preflight
-    from stoker.core.config import build_config
+    from stoker.config import build_config
 
     config = build_config(recipe, **_overrides(sets))
     load = None
@@ -83,7 +83,7 @@ def _sets(args) -> list[str]:
 
 def config_from_args(recipe: str, sets: list[str]):
     """The checked config of `--recipe R --set K=V ...`; ConfigError for anything wrong."""
-    from stoker.core.config import load_config
+    from stoker.config import load_config
 
     return load_config(recipe, **_overrides(sets))
 
@@ -92,7 +92,7 @@ def _overrides(sets: list[str]) -> dict:
     """`--set KEY=VALUE` items as dotted keys, each value read as YAML."""
     import yaml
 
-    from stoker.core.failures import ConfigError
+    from stoker.failures import ConfigError
 
     overrides = {}
     for item in sets:

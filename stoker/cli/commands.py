@@ -15,14 +15,14 @@ from stoker.cli.render import _table, print_summary
 
 
 def _root(given: str | None) -> str:
-    from stoker.core.config import default_root
+    from stoker.config import default_root
 
     return given or default_root()
 
 
 def _config(args) -> int:
     """`stoker config`: every key with its type, default and description, or a recipe's values."""
-    from stoker.core.config import field_table
+    from stoker.config import field_table
 
     if args.list or not args.recipe:
         for row in field_table():
@@ -97,7 +97,7 @@ def _print_ledger(inspect, root: str, run: str) -> int:
 
 def _validate(args) -> int:
     """`stoker validate`: the checks `stoker run` makes before it starts, and nothing else."""
-    from stoker.core.failures import ConfigError, StokerError, describe, is_transient
+    from stoker.failures import ConfigError, StokerError, describe, is_transient
 
     try:
         config = checked_config(args.recipe, args.set)
@@ -119,8 +119,8 @@ def _validate(args) -> int:
 def _plan(args) -> int:
     """`stoker plan`: the plan of the config on its devices, the alternatives beside it, and
     the refusal (exit 2) when it cannot fit."""
-    from stoker.core import plan as plans
-    from stoker.core.failures import ConfigError
+    from stoker.arithmetic import plan as plans
+    from stoker.failures import ConfigError
     from stoker.preflight import shaped
 
     sets = list(args.set)
@@ -185,7 +185,7 @@ def _export(args) -> int:
 
 
 def _evaluate(args) -> int:
-    from stoker.flows.evaluate import evaluate_checkpoint_flow  # the URI was checked: the preflight
+    from stoker.flows.evaluation_flow import evaluate_checkpoint_flow  # the URI was checked: the preflight
     from stoker.observe.report import evaluation_line
 
     result = evaluate_checkpoint_flow(args.checkpoint_uri)
@@ -204,7 +204,7 @@ def _run(args) -> int:
 
 def _harness(args) -> int:
     """`stoker harness`: no flow run; one process exports the checkpoint and runs lm-eval."""
-    from stoker.launch.harness import harness_line, latest_checkpoint_uri, run_harness
+    from stoker.launch.harness_child import harness_line, latest_checkpoint_uri, run_harness
 
     config = config_from_args(args.recipe, args.set)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks is not None else None

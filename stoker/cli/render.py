@@ -6,7 +6,7 @@ from __future__ import annotations
 def project_error_line(err: BaseException) -> str | None:
     """The line (a ConfigError's: lines) of a project error that reached the caller as
     Prefect's FailedRun: a flow run that a project error ended (flows.fails_in_one_line:
-    Failed, message ``core.failures.error_line``) whose engine holds the server's copy of that
+    Failed, message ``failures.error_line``) whose engine holds the server's copy of that
     state, which has no data. That happens when the final state's proposal was sent twice (a
     slow server: the client tried again, and Prefect answers a repeated transition with the
     state it already has); calling the flow then raises FailedRun(message) instead of the error
@@ -14,7 +14,7 @@ def project_error_line(err: BaseException) -> str | None:
     carries as its cause or context."""
     from prefect.exceptions import FailedRun
 
-    from stoker.core.failures import ERROR_LINE_PREFIX, StokerError, error_line
+    from stoker.failures import ERROR_LINE_PREFIX, StokerError, error_line
 
     text = str(err)
     if isinstance(err, FailedRun) and text.startswith(ERROR_LINE_PREFIX):

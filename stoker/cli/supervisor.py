@@ -50,7 +50,7 @@ def _supervise(argv: list[str]) -> int:
     import signal
     import subprocess
 
-    from stoker.core.lifeline import start_child
+    from stoker.process.lifeline import start_child
 
     me = os.getpid()
     # SIGKILLed (the OOM killer), this process cannot stop the child: the kernel sends it the

@@ -34,8 +34,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from stoker.core.config import DataConfig, EvalConfig, RayConfig
-from stoker.core.results import DatasetInfo, DedupInfo
+from stoker.config import DataConfig, EvalConfig, RayConfig
+from stoker.contracts.results import DatasetInfo, DedupInfo
 from stoker.data.evalitems import EvalItem, eval_items, items_fingerprint
 from stoker.data.ray_engine import StoreSpec, _cancel, _node_id, _result, _shutdown, connect
 from stoker.data.sharding import corpus_text, partition_ranges, range_lines
@@ -555,7 +555,7 @@ def checked_items(sources: list[DataConfig], evaluation: EvalConfig | None) -> l
         return None
     items = eval_items(evaluation or EvalConfig())
     if not items and any(cfg.decontaminate for cfg in sources):
-        from stoker.core.failures import DataError
+        from stoker.failures import DataError
 
         raise DataError(
             "data.decontaminate: the run scores no evaluation set to check the training data against "

@@ -16,8 +16,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from stoker.core.config import EvalConfig
-from stoker.core.failures import DataError
+from stoker.config import EvalConfig
+from stoker.failures import DataError
 
 VENDORED_SET = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "evalsets", "stdlib-continuations.jsonl"

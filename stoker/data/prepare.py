@@ -19,9 +19,8 @@ from typing import Iterator
 
 import numpy as np
 
-from stoker.core.config import DataConfig, EvalConfig, RayConfig, TokenizerConfig
-from stoker.core.failures import DataError
-from stoker.core.results import DatasetInfo, DataShards, ShardInfo, TokenizerInfo
+from stoker.config import DataConfig, EvalConfig, RayConfig, TokenizerConfig
+from stoker.contracts.results import DatasetInfo, DataShards, ShardInfo, TokenizerInfo
 from stoker.data.dedup import dedup_sources
 from stoker.data.sharding import (
     PARTITION_BYTES,
@@ -33,6 +32,7 @@ from stoker.data.sharding import (
     partition_jobs,
 )
 from stoker.data.sources import resolve_source, with_retries, write_corpus
+from stoker.failures import DataError
 from stoker.storage.datasets import (
     CORPUS_FILE,
     committed_dataset,

@@ -32,8 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stoker.core import ray_connect
-from stoker.core.failures import ConfigError, DataError, StokerError
 from stoker.data.sharding import (
     COPY_CHUNK,
     SPLITS,
@@ -48,11 +46,13 @@ from stoker.data.sharding import (
     shard_name,
     tokenize_docs,
 )
+from stoker.failures import ConfigError, DataError, StokerError
+from stoker.process import ray_connect
 from stoker.storage.credentials import options_for
 from stoker.storage.store import Store, join
 
 if TYPE_CHECKING:  # the task workers import this module: they need no config models
-    from stoker.core.config import RayConfig
+    from stoker.config import RayConfig
 
 log = logging.getLogger("stoker.data.ray")
 PARTS = "parts"
@@ -244,7 +244,7 @@ class _ShardPlanner:
 
 # ---- connecting, errors, cancelling --------------------------------------------------
 def _start_local(ray, cpus_per_task: float) -> None:
-    """A Ray instance for this job on 127.0.0.1, with this host's cores (core.ray_connect)."""
+    """A Ray instance for this job on 127.0.0.1, with this host's cores (process.ray_connect)."""
     cores = available_cores()
     if cpus_per_task > cores:
         raise ConfigError(

@@ -31,8 +31,8 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 import numpy as np
 
-from stoker.core.failures import DataError, is_transient
-from stoker.core.token_bytes import byte_table, count_unencodable, lacking_bytes
+from stoker.arithmetic.token_bytes import byte_table, count_unencodable, lacking_bytes
+from stoker.failures import DataError, is_transient
 
 SPLITS = ("train", "val")
 PARTITION_BYTES = 4 << 20

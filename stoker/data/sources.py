@@ -26,8 +26,9 @@ import sysconfig
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TypeVar
 
-from stoker.core.config import BUILTIN_SOURCE, DataConfig
-from stoker.core.failures import (
+from stoker.config import BUILTIN_SOURCE, DataConfig
+from stoker.data.synthetic import CONTRACTS_SOURCE, write_contracts
+from stoker.failures import (
     DataError,
     RetriesExhausted,
     SourceUnreachable,
@@ -36,7 +37,6 @@ from stoker.core.failures import (
     is_transient,
     retry,
 )
-from stoker.data.synthetic import CONTRACTS_SOURCE, write_contracts
 from stoker.storage.store import expand_url, fetch_url, sha256_file
 
 log = logging.getLogger("stoker.data")
@@ -59,7 +59,7 @@ RETRY_BUDGET_S = 60.0
 
 
 def with_retries(what: str, fn: Callable[[], T], field_name: str = "data.source") -> T:
-    """Call ``fn`` through core.failures.retry, bounded in count (RETRY_ATTEMPTS) and time
+    """Call ``fn`` through failures.retry, bounded in count (RETRY_ATTEMPTS) and time
     (RETRY_BUDGET_S). A permanent failure becomes a DataError naming ``field_name``; still
     failing after the retries is a SourceUnreachable (transient: the task retries later)."""
     try:

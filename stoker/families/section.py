@@ -147,7 +147,7 @@ class _ModelSection(_Section):
         return [name for name in self.FROM_BASE if getattr(self, name) is None]
 
     def plan_shape(self, vocab_rows: int) -> dict[str, int]:
-        """What the plan reads of this model (``core.plan.Shape``): the parameters by part, the
+        """What the plan reads of this model (``arithmetic.plan.Shape``): the parameters by part, the
         widths FLOPs count and the activations a block keeps, counted from the family's module
         (the family's tests check the count against the module's parameters)."""
         raise NotImplementedError

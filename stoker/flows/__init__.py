@@ -34,7 +34,7 @@ class _ProjectErrorsWithoutTraceback(logging.Filter):
     """Drops the traceback of a record about a project error (the message stays)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from stoker.core.failures import StokerError
+        from stoker.failures import StokerError
 
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, StokerError):
@@ -56,7 +56,7 @@ def fails_in_one_line(fn):
     def wrapper(*args, **kwargs):
         from prefect.states import Failed
 
-        from stoker.core.failures import StokerError, error_line
+        from stoker.failures import StokerError, error_line
 
         try:
             return fn(*args, **kwargs)

@@ -20,7 +20,7 @@ import sys
 
 import yaml
 
-from stoker.core.failures import ConfigError
+from stoker.failures import ConfigError
 from stoker.orchestration.prefect_events import ensure_evaluate_automation
 
 # prefect.yaml sits beside the stoker package in a checkout, and its entrypoints

@@ -8,15 +8,15 @@ result = train_pipeline(config)   # a PipelineResult
 # run time, and string annotations of the nested prepare_data flow would not resolve
 from prefect import flow, get_run_logger
 
-from stoker.core.config import DataConfig, EvalConfig, RayConfig, RunConfig, StorageConfig, TokenizerConfig
-from stoker.core.failures import SHARDS_DAMAGED, TrainingFailed
-from stoker.core.results import DataShards, PipelineResult
+from stoker.config import DataConfig, EvalConfig, RayConfig, RunConfig, StorageConfig, TokenizerConfig
+from stoker.contracts.results import DataShards, PipelineResult
+from stoker.failures import SHARDS_DAMAGED, TrainingFailed
 from stoker.flows import fails_in_one_line
 from stoker.flows.runs import claim_flow_run, flow_runs_tagged, results_of, tag_flow_run
 from stoker.orchestration.credentials import use_store_credentials
 from stoker.orchestration.prefect_events import flow_run_failed
 from stoker.tasks.data import dedup_and_decontaminate, download_dataset, tokenize_and_shard, train_tokenizer
-from stoker.tasks.evaluate import evaluate_checkpoint
+from stoker.tasks.evaluation import evaluate_checkpoint
 from stoker.tasks.lease import run_lease
 from stoker.tasks.policy import with_run_name
 from stoker.tasks.report import report

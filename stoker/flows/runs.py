@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from stoker.core import lifeline
+from stoker.process import lifeline
 
 
 def results_of(futures: list) -> list:
@@ -56,7 +56,7 @@ OWNER_PID_TAG = "stoker-pid:"
 
 
 def _process_start(pid: int) -> str | None:
-    """The process's start time (clock ticks after boot; tells a reused pid apart: core.lifeline),
+    """The process's start time (clock ticks after boot; tells a reused pid apart: process.lifeline),
     '' where /proc is not there, None when the process is gone or a zombie."""
     if os.path.isdir("/proc/self"):
         started = lifeline.process_start(pid)

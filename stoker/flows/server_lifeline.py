@@ -3,7 +3,7 @@
 Prefect starts it as a child process (``SubprocessASGIServer``: ``python -m uvicorn ...``) and
 stops it only from an ``atexit`` hook, which a SIGKILL, or a SIGTERM that no handler turns into
 an exception, never runs: the server then stayed up for as long as anyone watched. Here that
-command runs under ``python -m stoker.core.lifeline --quiet <this process's token> uvicorn ...``, which ends
+command runs under ``python -m stoker.process.lifeline --quiet <this process's token> uvicorn ...``, which ends
 the server within a second of its starter's death, however it died.
 
 Installed from ``stoker/flows/__init__.py``, before Prefect is imported; the patch is made when
@@ -24,12 +24,12 @@ _LOCK = threading.Lock()
 
 def _guarded_popen(args, *rest, env=None, **kwargs):
     """subprocess.Popen, with Prefect's ``python -m uvicorn`` wrapped in a lifeline."""
-    from stoker.core import lifeline
+    from stoker.process import lifeline
 
     args = list(args)
     if args[1:3] == ["-m", "uvicorn"]:
         # quiet: the server ends with its starter every time (a Ctrl-C too), which is no news
-        args = [args[0], "-m", "stoker.core.lifeline", "--quiet", lifeline.token(), *args[2:]]
+        args = [args[0], "-m", "stoker.process.lifeline", "--quiet", lifeline.token(), *args[2:]]
     return subprocess.Popen(args, *rest, env=env, **kwargs)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stoker.core.config import RunConfig
+from stoker.config import RunConfig
 from stoker.launch.base import Launcher
 
 

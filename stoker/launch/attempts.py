@@ -10,7 +10,7 @@ import json
 import statistics
 import time
 
-from stoker.core.results import TrainingResult
+from stoker.contracts.results import TrainingResult
 from stoker.launch.base import Launcher
 from stoker.launch.monitor import TrainingMonitor
 from stoker.storage.layout import ATTEMPTS_FILE, run_file_key

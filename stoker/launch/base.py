@@ -1,6 +1,6 @@
 """The launcher interface: start a gang of ranks, stream what they say, stop it, and say
 why it ended. ``torchrun.TorchrunLauncher`` is the first implementation; a Ray launcher
-slots in beside it. Launchers never import torch: ranks speak ``core.events`` records."""
+slots in beside it. Launchers never import torch: ranks speak ``contracts.events`` records."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable
 
-from stoker.core.events import Event, Failure
-from stoker.core.failures import PERMANENT, SHARDS_DAMAGED, TrainingFailed, classify_reported
+from stoker.contracts.events import Event, Failure
+from stoker.failures import PERMANENT, SHARDS_DAMAGED, TrainingFailed, classify_reported
 
 OnLine = Callable[[str], None]
 OnEvent = Callable[[Event], None]
@@ -75,7 +75,7 @@ class Launcher(ABC):
 
 
 def classify_end(result: GangResult) -> TrainingFailed:
-    """Why a gang failed, as an error that says whether retrying can help (core.failures.classify
+    """Why a gang failed, as an error that says whether retrying can help (failures.classify
     judges one exception; this judges a whole launch from its evidence).
 
     Any rank that reported a permanent failure (a bug, a bad config, a shape mismatch, out

@@ -1,12 +1,12 @@
 """One Python module in a process of its own, started and ended as a launcher's gang is
-(``launch.gang``): a gang of one, for an evaluation (``python -m stoker.training.evaluate``) or
+(``launch.gang``): a gang of one, for an evaluation (``python -m stoker.training.evaluation_main``) or
 an export (``python -m stoker.training.export``).
 
 The process runs in a session of its own (a Ctrl-C at the terminal reaches only this side,
 which then kills it), gets SIGTERM from the kernel when the thread that started it dies
-(``core.lifeline.set_parent_death_signal``: `run` starts and waits on one thread), and carries
+(``process.lifeline.set_parent_death_signal``: `run` starts and waits on one thread), and carries
 a gang id and this process's lifeline token (``gang.gang_env``). Its stdout (where it prints its
-``core.events`` lines) and its stderr are collected apart. Its process group, and any process
+``contracts.events`` lines) and its stderr are collected apart. Its process group, and any process
 carrying its gang id, is SIGKILLed on every way out of `wait` that leaves it running: its time
 limit, an exception, KeyboardInterrupt, the exception of a SIGTERM handler (Prefect's cancel).
 `kill` does the same from another thread (a run's stop ends its evaluations).
@@ -22,8 +22,8 @@ import threading
 import uuid
 from dataclasses import dataclass
 
-from stoker.core import lifeline
 from stoker.launch.gang import KILL_WAIT_SECONDS, gang_env, gang_pids
+from stoker.process import lifeline
 
 # a process ended by one of these was stopped by someone who meant it
 _STOP_SIGNALS = {-signal.SIGINT: "SIGINT (Ctrl-C)", -signal.SIGTERM: "SIGTERM"}
@@ -63,7 +63,7 @@ class Outcome:
 
 def outcome(ended: ChildResult, result_type: type, timeout: float, err_words: int = 60) -> Outcome:
     """The outcome of a child started with `Child(...)` that prints `result_type` on success."""
-    from stoker.core import events
+    from stoker.contracts import events
 
     said = [e for e in map(events.decode, ended.out.splitlines()) if e is not None]
     done = [e for e in said if isinstance(e, result_type)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 
-from stoker.core.config import RunConfig
+from stoker.config import RunConfig
 
 NVIDIA_PROC = "/proc/driver/nvidia/gpus"
 

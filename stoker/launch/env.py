@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from stoker.core.config import RunConfig
+from stoker.config import RunConfig
 from stoker.launch.gang import GRACE_SECONDS, RANK_STOP_MARGIN_SECONDS
 from stoker.storage import credentials
 

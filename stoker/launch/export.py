@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import os
 
-from stoker.core import events
-from stoker.core.failures import ExportError
+from stoker.contracts import events
+from stoker.failures import ExportError
 from stoker.launch.child import Child, outcome
 from stoker.launch.env import STORAGE_OPTIONS_ENV, child_env
 from stoker.storage.runs import export_source

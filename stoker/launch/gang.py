@@ -14,7 +14,7 @@ that (``STOKER_STOP_GRACE_SECONDS``).
 The gang also ends when this process dies without stopping it (SIGKILL, the OOM killer): each
 agent gets SIGTERM from the kernel (a parent-death signal: `run` starts, streams and stops on
 one thread, so the forking thread lives exactly as long as the gang should), and every process
-of the gang carries this launcher's token and heartbeat file (``core.lifeline``), which the
+of the gang carries this launcher's token and heartbeat file (``process.lifeline``), which the
 ranks watch.
 """
 
@@ -34,9 +34,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from stoker.core import events, lifeline
+from stoker.contracts import events
 from stoker.launch.base import GangResult, Launcher, OnEvent, OnLine
 from stoker.launch.watchdog import Watchdog
+from stoker.process import lifeline
 
 GRACE_SECONDS = 20.0  # SIGTERM -> SIGKILL; plus KILL_WAIT_SECONDS, inside Prefect's 30 s
 KILL_WAIT_SECONDS = 5.0
@@ -67,7 +68,7 @@ def make_work_dir(prefix: str) -> str:
 
 def gang_env(gang_id: str, heartbeat: str | None = None) -> dict[str, str]:
     """What ties a process to its gang and its launcher (this process): the gang id the kill
-    finds it by, the lifeline token and, when given, the heartbeat file (``core.lifeline``)."""
+    finds it by, the lifeline token and, when given, the heartbeat file (``process.lifeline``)."""
     beat = {lifeline.HEARTBEAT_ENV: heartbeat} if heartbeat else {}
     return {GANG_ENV: gang_id, lifeline.LAUNCHER_ENV: lifeline.token(), **beat}
 

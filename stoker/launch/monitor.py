@@ -7,9 +7,9 @@ from __future__ import annotations
 import statistics
 from typing import Callable
 
-from stoker.core import events
-from stoker.core.gains import changes_since_base, since_base_text
-from stoker.core.results import EvalResult, TrainingResult
+from stoker.arithmetic.gains import changes_since_base, since_base_text
+from stoker.contracts import events
+from stoker.contracts.results import EvalResult, TrainingResult
 
 THROUGHPUT_FIELDS = ("step", "step_seconds", "tokens_per_second", "mfu", "peak_memory_gb", "data_wait_share")
 

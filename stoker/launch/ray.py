@@ -18,8 +18,8 @@ import os
 import shutil
 import sys
 
-from stoker.core.config import LaunchConfig, RunConfig
-from stoker.core.events import Failure, from_dict
+from stoker.config import LaunchConfig, RunConfig
+from stoker.contracts.events import Failure, from_dict
 from stoker.launch.base import GangResult
 from stoker.launch.env import child_env
 from stoker.launch.gang import GangLauncher, ProcessGang, make_work_dir

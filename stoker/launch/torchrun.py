@@ -6,7 +6,7 @@ that raised left ``{log_dir}/node-{i}/*/attempt_*/{local_rank}/error.json`` with
 Failure record in it (training.train's ``@record`` handler); a rank folder without one is a
 rank that ended without raising (a signal, the OOM killer, a crash); an agent that failed
 before its ranks started (a rendezvous time-out) leaves its own error file. Which global rank
-a folder is comes from the rank itself (``core.events.RANK_FILE`` beside its error file): c10d
+a folder is comes from the rank itself (``contracts.events.RANK_FILE`` beside its error file): c10d
 numbers the nodes in its own order (their addresses sorted as strings), not ours.
 
 Where each node's agent runs is a ``NodeSpec``, one per node from ``launch.nodes`` (or given
@@ -27,18 +27,18 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
-from stoker.core.config import LaunchConfig, RunConfig
-from stoker.core.events import ERROR_INFO_KEY, PERMANENT_MARKER_ENV, RANK_FILE, Failure, from_dict
-from stoker.core.failures import PERMANENT, classify_reported
+from stoker.config import LaunchConfig, RunConfig
+from stoker.contracts.events import ERROR_INFO_KEY, PERMANENT_MARKER_ENV, RANK_FILE, Failure, from_dict
+from stoker.failures import PERMANENT, classify_reported
 from stoker.launch.base import GangResult
 from stoker.launch.env import child_env
 from stoker.launch.gang import GangLauncher, ProcessGang, make_work_dir
 
 CPU_THREADS_ENV = "STOKER_CPU_THREADS"  # a CPU rank's torch threads (training.distributed.setup_distributed)
 
-# torchrun's agent, ended without the interpreter's teardown of torch (core.quick_exit: 0.5-1
+# torchrun's agent, ended without the interpreter's teardown of torch (process.quick_exit: 0.5-1
 # CPU-s a node and round)
-AGENT = (sys.executable, "-m", "stoker.core.quick_exit", "torch.distributed.run")
+AGENT = (sys.executable, "-m", "stoker.process.quick_exit", "torch.distributed.run")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -166,7 +166,7 @@ def _cpu_threads(nodes: list[NodeSpec], nproc_per_node: int, env: dict[str, str]
 
 
 def _global_rank(rank_dir: str, launch_order: int) -> int:
-    """The rank's own RANK, as it wrote it at start (see core.events.RANK_FILE); else (a rank
+    """The rank's own RANK, as it wrote it at start (see contracts.events.RANK_FILE); else (a rank
     killed before it wrote it) the launch-order guess, right while c10d keeps that order."""
     try:
         with open(os.path.join(rank_dir, RANK_FILE)) as f:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from stoker.core.events import Event, Step
+from stoker.contracts.events import Event, Step
 
 
 class Watchdog:

@@ -7,9 +7,9 @@ import datetime
 import json
 import re
 
-from stoker.core.config import RunConfig
-from stoker.core.failures import ConfigError
-from stoker.core.gains import changes_since_base, since_base_text
+from stoker.arithmetic.gains import changes_since_base, since_base_text
+from stoker.config import RunConfig
+from stoker.failures import ConfigError
 from stoker.observe.ledger import (
     deployment_ledgers,
     duration,

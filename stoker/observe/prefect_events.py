@@ -37,8 +37,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from stoker.core import events
-from stoker.core.failures import describe
+from stoker.contracts import events
+from stoker.failures import describe
 
 CHECKPOINT_COMMITTED = "stoker.checkpoint.committed"
 RUN_STEP = "stoker.run.step"

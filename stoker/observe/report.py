@@ -8,8 +8,8 @@ import io
 import json
 import statistics
 
-from stoker.core.mixture import Mixture, windows_of
-from stoker.core.results import EvalResult, TrainingResult
+from stoker.arithmetic.mixture import Mixture, windows_of
+from stoker.contracts.results import EvalResult, TrainingResult
 from stoker.observe.ledger import duration, ledger_line, ledger_rows
 from stoker.storage.layout import METRICS_FILE, checkpoints_key, run_file_key
 from stoker.storage.store import Store
@@ -85,7 +85,7 @@ def mix_history(store: Store, run: str) -> dict:
 
 
 def train_windows(store: Store, shards, block_size: int) -> dict[str, int]:
-    """Each source's training windows (core.mixture.windows_of), from its shard manifest."""
+    """Each source's training windows (arithmetic.mixture.windows_of), from its shard manifest."""
     out = {}
     for s in shards.sets:
         manifest = store.read_json(f"{s.key}/manifest.json")
@@ -95,7 +95,7 @@ def train_windows(store: Store, shards, block_size: int) -> dict[str, int]:
 
 def mixture_plan(config, shards, store: Store) -> list[str]:
     """What the mixture will do, before any compute: each schedule segment's exact quotas and
-    K (core.mixture), and per source the epochs it will have given by train.max_steps."""
+    K (arithmetic.mixture), and per source the epochs it will have given by train.max_steps."""
     from stoker.storage.branches import mixture_history
 
     windows = train_windows(store, shards, config.model.block_size)
@@ -319,9 +319,9 @@ Two validation losses, measured differently:
 
 
 def run_plan(config, chosen_micro_batch: int | None = None):
-    """The run's plan (core.plan) on its devices, at the micro-batch the ranks chose for
+    """The run's plan (arithmetic.plan) on its devices, at the micro-batch the ranks chose for
     'auto' when they said; None where no plan can be made (a device stoker does not know)."""
-    from stoker.core import plan as plans
+    from stoker.arithmetic import plan as plans
 
     if getattr(config.model, "init_from", None) and config.model.unresolved():
         return None  # the base's shape not read in here
@@ -477,7 +477,7 @@ def slug(name: str) -> str:
 # ---- gain and forgetting against the base ------------------------------------------------------
 def since_base_rows(changes: dict) -> list[dict]:
     """Per source: its loss and bits per byte at the base (step 0) and at the last evaluation,
-    and their change (core.gains.changes_since_base)."""
+    and their change (arithmetic.gains.changes_since_base)."""
     rows = []
     for name, h in changes.items():
         step, d_loss = h["loss"][-1] if h["loss"] else (0, 0.0)
@@ -570,7 +570,7 @@ def schedule_png(config, title: str, branch_step: int | None) -> bytes:
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    from stoker.core.schedule import curve
+    from stoker.config.schedule import curve
 
     sources = config.data.sources or []
     fig = Figure(figsize=(10 if sources else 6, 3.5), dpi=100)
@@ -608,8 +608,8 @@ def schedule_markdown(config, store: Store, run: str) -> str:
     plot kept in the run folder), with where a branch left its parent."""
     import base64
 
-    from stoker.core.plan import mix_over_steps
-    from stoker.core.schedule import describe
+    from stoker.arithmetic.plan import mix_over_steps
+    from stoker.config.schedule import describe
 
     chain_key = run_file_key(run, "lineage.json")
     branch_step = store.read_json(chain_key).get("step") if store.exists(chain_key) else None
@@ -647,7 +647,7 @@ DEDUP_SAMPLES_FILE = "dedup-removed.jsonl"  # in the run folder: removed documen
 
 
 def dedup_rows(infos) -> list[dict]:
-    """One row per source (stoker.core.results.DedupInfo): documents and bytes in, what was
+    """One row per source (stoker.contracts.results.DedupInfo): documents and bytes in, what was
     removed and why, what is left."""
     return [
         {

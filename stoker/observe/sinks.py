@@ -28,9 +28,9 @@ import tempfile
 import threading
 from typing import Protocol
 
-from stoker.core import events
-from stoker.core.config import RunConfig
-from stoker.core.failures import ConfigError, describe, is_transient
+from stoker.config import RunConfig
+from stoker.contracts import events
+from stoker.failures import ConfigError, describe, is_transient
 from stoker.storage.layout import TENSORBOARD_DIR, run_file_key, run_key
 from stoker.storage.store import Store, join
 

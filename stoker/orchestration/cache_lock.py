@@ -13,7 +13,7 @@ one, read back after writing; ``read_record``, damage reads as expired; ``holder
 ``Renewal``, every ``ttl / 3`` seconds from a thread of its own). What is its own: Prefect's
 LockManager protocol, the holder and hold_timeout of a transaction, waiting for a lock. A lock
 whose holder process is gone is free at once where that can be told (on its host: the
-``core.lifeline`` token it records, as the run lease does), so a rerun on the host of a killed
+``process.lifeline`` token it records, as the run lease does), so a rerun on the host of a killed
 flow process does not wait; elsewhere it expires ``ttl`` seconds after its last renewal.
 """
 
@@ -30,8 +30,8 @@ from typing import Callable
 
 from prefect.locking.protocol import LockManager
 
-from stoker.core import lifeline
 from stoker.orchestration.run_logger import run_logger
+from stoker.process import lifeline
 from stoker.storage.lease import Renewal, claim, encode, holder_gone, read_record
 from stoker.storage.store import Store, join
 
@@ -52,7 +52,7 @@ class LockRecord:
     pid: int
     expires_at: float  # renewed by the holder
     until: float | None = None  # hold_timeout: the lock ends then, renewed or not
-    process: str = ""  # the holding process's core.lifeline token ("" in locks written before it)
+    process: str = ""  # the holding process's process.lifeline token ("" in locks written before it)
 
     def live(self, now: float) -> bool:
         """Held: not expired, not past its hold_timeout, and its holder process not known gone

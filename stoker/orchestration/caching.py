@@ -48,7 +48,7 @@ from prefect.filesystems import WritableFileSystem
 from prefect.serializers import Serializer
 from pydantic import BaseModel, Field
 
-from stoker.core.results import DatasetInfo, EvalResult, ShardInfo, TokenizerInfo
+from stoker.contracts.results import DatasetInfo, EvalResult, ShardInfo, TokenizerInfo
 from stoker.orchestration.cache_lock import StoreLockManager
 from stoker.orchestration.run_logger import run_logger
 from stoker.storage.store import Store, join

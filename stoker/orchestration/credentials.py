@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from stoker.core.config import StorageConfig
-from stoker.core.failures import ConfigError
+from stoker.config import StorageConfig
+from stoker.failures import ConfigError
 from stoker.storage import credentials
 from stoker.storage.credentials import StoreCredentials
 

@@ -29,8 +29,8 @@ import hashlib
 import threading
 from datetime import timedelta
 
-from stoker.core.config import RunConfig
-from stoker.core.failures import StokerError, TrainingFailed, describe, is_transient
+from stoker.config import RunConfig
+from stoker.failures import StokerError, TrainingFailed, describe, is_transient
 from stoker.observe import prefect_events as pe
 from stoker.storage.checkpoints import COMMIT_FILE
 from stoker.storage.store import Store, join
@@ -298,7 +298,7 @@ FAILURE_SENT = "_stoker_run_failed_sent"  # on an exception whose stoker.run.fai
 
 def classified(exc: BaseException) -> tuple[str, bool, str]:
     """(reason, transient, message) of a failure: a launch's own reason (error, lost-rank, hang,
-    timeout...), else the exception's type; transient as core.failures.classify says. A project
+    timeout...), else the exception's type; transient as failures.classify says. A project
     error's message is its own line (the flow run's state message); a bug's, its innermost cause."""
     if isinstance(exc, TrainingFailed):
         return exc.reason, exc.transient, str(exc)

@@ -29,7 +29,7 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from stoker.core.failures import describe
+from stoker.failures import describe
 
 MAX_PENDING = 32  # keys; more than this and the oldest is dropped (never reached by stoker's few)
 RETRY_SECONDS = 5.0

@@ -25,9 +25,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from stoker.core.config import ConfigError, RunConfig
-from stoker.core.config.problems import problem_lines
-from stoker.core.config.run import base_location
+from stoker.config import ConfigError, RunConfig
+from stoker.config.problems import problem_lines
+from stoker.config.run import base_location
 from stoker.families import FAMILIES, UnsupportedArchitecture, family_of_model_type
 from stoker.storage.cache import checked_in_place, host_lock, verified_copy
 from stoker.storage.store import Store, expand_url, join

@@ -17,9 +17,9 @@ import hashlib
 
 from pydantic import ValidationError
 
-from stoker.core.config import ConfigError, RunConfig
-from stoker.core.config.problems import problem_lines
-from stoker.core.mixture import effective_mix
+from stoker.arithmetic.mixture import effective_mix
+from stoker.config import ConfigError, RunConfig
+from stoker.config.problems import problem_lines
 from stoker.storage.checkpoints import COMMIT_FILE, validate_checkpoint
 from stoker.storage.layout import parse_checkpoint_url
 from stoker.storage.store import Store, join

@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from stoker.core.failures import CheckpointInvalid, CheckpointUnavailable, ConfigError
-from stoker.core.schedule import continuation_problem
+from stoker.config.schedule import continuation_problem
+from stoker.failures import CheckpointInvalid, CheckpointUnavailable, ConfigError
 from stoker.storage.cache import checked_in_place, host_lock, verified_copy
 from stoker.storage.layout import METRICS_FILE, checkpoints_key, run_file_key
 from stoker.storage.manifest import Verdict, describe_files, invalid_reason, mark_invalid, read_manifest, verify_files

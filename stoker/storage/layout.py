@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from stoker.core.failures import ConfigError
+from stoker.failures import ConfigError
 from stoker.storage.store import join
 
 RUNS = "runs"

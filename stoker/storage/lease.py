@@ -25,8 +25,8 @@ import uuid
 from dataclasses import asdict, dataclass, fields
 from typing import Callable
 
-from stoker.core import lifeline
-from stoker.core.failures import StokerError
+from stoker.failures import StokerError
+from stoker.process import lifeline
 from stoker.storage.layout import LEASE_FILE, run_file_key
 from stoker.storage.store import Store
 
@@ -54,7 +54,7 @@ class LeaseRecord:
     acquired_at: float
     heartbeat_at: float
     expires_at: float
-    process: str = ""  # the owner process's core.lifeline token ("" in leases written before it)
+    process: str = ""  # the owner process's process.lifeline token ("" in leases written before it)
 
     def describe(self, now: float | None = None) -> str:
         now = time.time() if now is None else now

@@ -8,10 +8,10 @@ import os
 import uuid
 from dataclasses import dataclass
 
-from stoker.core.config import RunConfig
-from stoker.core.failures import CheckpointUnavailable, ConfigError, ExportError
-from stoker.core.results import DataShards
-from stoker.core.schedule import change_problem
+from stoker.config import RunConfig
+from stoker.config.schedule import change_problem
+from stoker.contracts.results import DataShards
+from stoker.failures import CheckpointUnavailable, ConfigError, ExportError
 from stoker.storage.layout import (
     BASE_DIR,
     CONFIG_FILE,
@@ -39,7 +39,7 @@ def store_problem(store: Store) -> str:
     that does not exist yet is probed in the nearest folder that does, where it would be
     made: the probe leaves no folder behind (a config refused for another reason writes
     nothing)."""
-    from stoker.core.failures import describe, is_transient
+    from stoker.failures import describe, is_transient
 
     probe = f".stoker-probe-{uuid.uuid4().hex[:12]}"
     where = Store("file://" + _nearest_folder(store.local_path())) if store.is_local else store

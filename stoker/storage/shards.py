@@ -20,7 +20,7 @@ import json
 import os
 import uuid
 
-from stoker.core.failures import DataError, ShardsDamaged
+from stoker.failures import DataError, ShardsDamaged
 from stoker.storage.cache import checked_in_place, host_lock, verified_copy
 from stoker.storage.manifest import (
     INVALID_MARKER,

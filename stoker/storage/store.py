@@ -298,7 +298,7 @@ class Store:
 def _precondition_failed(err: BaseException) -> bool:
     """An S3 answer 412 (PreconditionFailed) or 409 (ConditionalRequestConflict: a
     concurrent conditional write won), which s3fs turns into a plain OSError."""
-    from stoker.core.failures import error_code, http_status
+    from stoker.failures import error_code, http_status
 
     if error_code(err) in ("PreconditionFailed", "ConditionalRequestConflict"):
         return True

@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from stoker.core.events import (
+from stoker.contracts.events import (
     CheckpointCommitted,
     CheckpointDropped,
     CheckpointFailed,
@@ -45,7 +45,7 @@ from stoker.core.events import (
     Event,
     UploadRetry,
 )
-from stoker.core.failures import RetriesExhausted, StokerError, error_code, http_status, retry
+from stoker.failures import RetriesExhausted, StokerError, error_code, http_status, retry
 from stoker.storage.cache import drop_stamp, host_lock, write_stamp
 from stoker.storage.checkpoints import (
     COMMIT_FILE,

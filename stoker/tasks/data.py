@@ -17,12 +17,12 @@ import tempfile
 
 from prefect import get_run_logger
 
-from stoker.core.config import DataConfig, EvalConfig, RayConfig, StorageConfig, TokenizerConfig
-from stoker.core.config.sections import DEFAULT_SOURCE_NAME
-from stoker.core.failures import DataError
-from stoker.core.results import DatasetInfo, DedupInfo, ShardInfo, TokenizerInfo
+from stoker.config import DataConfig, EvalConfig, RayConfig, StorageConfig, TokenizerConfig
+from stoker.config.sections import DEFAULT_SOURCE_NAME
+from stoker.contracts.results import DatasetInfo, DedupInfo, ShardInfo, TokenizerInfo
 from stoker.data import dedup, prepare
 from stoker.data.sources import resolve_source
+from stoker.failures import DataError
 from stoker.observe.report import DEDUP_SAMPLES_FILE, dedup_line, dedup_rows, vocabulary_note
 from stoker.orchestration.caching import StoreCache, digest, result_shape
 from stoker.storage.datasets import committed_dataset

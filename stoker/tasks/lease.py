@@ -11,7 +11,7 @@ from typing import Callable
 from prefect import get_run_logger
 from prefect.runtime import flow_run
 
-from stoker.core.config import RunConfig
+from stoker.config import RunConfig
 from stoker.storage.lease import RunLease, acquire_lease
 from stoker.storage.store import Store
 from stoker.tasks.policy import stoker_task

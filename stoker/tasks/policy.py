@@ -1,5 +1,5 @@
 """The policy every stoker task shares, on one decorator: retry what can heal, never a user
-mistake. The verdict is core.failures.classify's, the same one the ranks and the launcher use."""
+mistake. The verdict is failures.classify's, the same one the ranks and the launcher use."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from stoker.core.failures import is_transient
+from stoker.failures import is_transient
 
 if TYPE_CHECKING:
     from stoker.orchestration.caching import StoreCache

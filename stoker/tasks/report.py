@@ -9,9 +9,9 @@ import time
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from stoker.core.config import RunConfig
-from stoker.core.gains import changes_since_base, since_base_text
-from stoker.core.results import DataShards, EvalResult, PipelineResult, ResumePoint, TrainingResult
+from stoker.arithmetic.gains import changes_since_base, since_base_text
+from stoker.config import RunConfig
+from stoker.contracts.results import DataShards, EvalResult, PipelineResult, ResumePoint, TrainingResult
 from stoker.observe.ledger import (
     FlowTimes,
     compute_ledger,

@@ -10,13 +10,13 @@ from prefect import get_run_logger
 from prefect.runtime import flow_run, task_run
 
 from stoker import preflight
-from stoker.core import events
-from stoker.core.config import ConfigError, RunConfig
-from stoker.core.results import DataShards, ResumePoint, TrainingResult
-from stoker.core.token_bytes import bits_per_byte_problem
+from stoker.arithmetic.token_bytes import bits_per_byte_problem
+from stoker.config import ConfigError, RunConfig
+from stoker.contracts import events
+from stoker.contracts.results import DataShards, ResumePoint, TrainingResult
 from stoker.launch import make_launcher
 from stoker.launch.attempts import launch_attempt
-from stoker.launch.evaluate import kill_running_evaluations
+from stoker.launch.evaluation_child import kill_running_evaluations
 from stoker.launch.monitor import TrainingMonitor
 from stoker.observe.report import mixture_plan, records_with_the_base, rounded, run_plan
 from stoker.observe.sinks import open_sinks
@@ -30,7 +30,7 @@ from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.layout import TOKENIZER_FILE
 from stoker.storage.runs import pin_run_folder
 from stoker.storage.store import Store, join
-from stoker.tasks.evaluate import evaluate_checkpoint
+from stoker.tasks.evaluation import evaluate_checkpoint
 from stoker.tasks.lease import held_lease, on_lease_lost
 from stoker.tasks.policy import stoker_task
 from stoker.tasks.report import artifact_key

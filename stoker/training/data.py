@@ -1,7 +1,7 @@
 """Reading token shards, and the training windows in the run's order.
 
 No state to save beyond the step: which source and which window of it each position of a
-step's global batch takes is a pure function of (seed, step, position) (core.mixture), and a
+step's global batch takes is a pure function of (seed, step, position) (arithmetic.mixture), and a
 rank's micro-batch is a slice of the global batch by its position (rank, micro-step). So a
 resumed run sees the same batches, at any world size: another split of the same global batch
 over ranks and micro-steps.
@@ -16,8 +16,8 @@ import time
 import numpy as np
 import torch
 
-from stoker.core.failures import DataError
-from stoker.core.mixture import Mixture
+from stoker.arithmetic.mixture import Mixture
+from stoker.failures import DataError
 
 MANIFEST = "manifest.json"
 
@@ -50,7 +50,7 @@ class TokenStream:
 
     def _window_starts(self, block_size: int) -> np.ndarray:
         if self._windows is None or self._windows[0] != block_size:
-            per_part = [max(0, (len(p) - 1) // block_size) for p in self.parts]  # core.mixture.windows_of
+            per_part = [max(0, (len(p) - 1) // block_size) for p in self.parts]  # arithmetic.mixture.windows_of
             self._windows = (block_size, np.cumsum([0] + per_part))
         return self._windows[1]
 
@@ -67,7 +67,7 @@ class TokenStream:
 
 
 class TrainWindows:
-    """The training windows of every source of a run, in the run's order (core.mixture)."""
+    """The training windows of every source of a run, in the run's order (arithmetic.mixture)."""
 
     def __init__(self, streams: list[TokenStream], mixture: Mixture, block_size: int):
         self.streams, self.mixture, self.block_size = streams, mixture, block_size

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from stoker.core.config import RunConfig
+from stoker.config import RunConfig
 
 
 def stop_grace_seconds() -> float:

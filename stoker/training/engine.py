@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from stoker.core.config import RunConfig
-from stoker.core.failures import ConfigError
-from stoker.core.plan import peak_flops_of  # the one table of devices' bf16 peaks
+from stoker.arithmetic.plan import peak_flops_of  # the one table of devices' bf16 peaks
+from stoker.config import RunConfig
+from stoker.failures import ConfigError
 from stoker.families import build_model as build_family_model
 from stoker.families import spec_of
 from stoker.families.layers import checkpoint_blocks, logits_and_loss

@@ -27,11 +27,11 @@ import uuid
 
 import torch
 
-from stoker.core import events
-from stoker.core.failures import ExportError
-from stoker.core.quick_exit import quick_exit
+from stoker.contracts import events
+from stoker.failures import ExportError
 from stoker.families import build_model, spec_of
 from stoker.families.spec import hf_rows
+from stoker.process.quick_exit import quick_exit
 from stoker.storage.branches import lineage_chain
 from stoker.storage.checkpoints import rehydrate
 from stoker.storage.layout import BASE_DIR, TOKENIZER_FILE, run_file_key

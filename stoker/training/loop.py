@@ -24,11 +24,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from stoker.core import events, schedule
-from stoker.core.config import RunConfig
-from stoker.core.config.sections import DEFAULT_SOURCE_NAME
-from stoker.core.failures import CheckpointInvalid
-from stoker.core.token_bytes import BitsPerByteUnsupported, token_byte_counts
+from stoker.arithmetic.token_bytes import BitsPerByteUnsupported, token_byte_counts
+from stoker.config import RunConfig, schedule
+from stoker.config.sections import DEFAULT_SOURCE_NAME
+from stoker.contracts import events
+from stoker.failures import CheckpointInvalid
 from stoker.storage.branches import branch_point, mixture_history
 from stoker.storage.checkpoints import find_latest_valid, mark_invalid, rehydrate
 from stoker.storage.layout import TOKENIZER_FILE
@@ -57,7 +57,7 @@ FAILED_UPLOAD_WAIT_SECONDS = 10.0
 
 
 def lr_multiplier(step: int, cfg: RunConfig) -> float:
-    """train.lr_schedule's multiplier of train.lr at this step (core.schedule)."""
+    """train.lr_schedule's multiplier of train.lr at this step (config.schedule)."""
     return schedule.lr_multiplier(step, cfg.train)
 
 

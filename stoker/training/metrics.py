@@ -11,8 +11,8 @@ from typing import Callable
 
 import torch
 
-from stoker.core import events
-from stoker.core.config import RunConfig
+from stoker.config import RunConfig
+from stoker.contracts import events
 from stoker.storage.layout import METRICS_FILE, run_file_key
 from stoker.storage.store import Store
 from stoker.training.distributed import RankInfo

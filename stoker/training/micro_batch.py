@@ -1,7 +1,7 @@
 """train.micro_batch_size 'auto', settled on the ranks at start-up (Composer's automatic
 micro-batching, planned first).
 
-The plan (``core.plan``) gives the largest micro-batch that divides the rank's share of the
+The plan (``arithmetic.plan``) gives the largest micro-batch that divides the rank's share of the
 global batch and fits the device. On a GPU a probe step confirms it: one forward and backward
 of that many random sequences, without the gradient's collective and without an optimizer
 step; on an out-of-memory error the next smaller divisor is tried. The ranks then agree on the
@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from stoker.core import events
-from stoker.core.config import RunConfig
-from stoker.core.plan import GIB, Hardware, auto_micro_batch, hardware_of, micro_batches, peak_flops_of
+from stoker.arithmetic.plan import GIB, Hardware, auto_micro_batch, hardware_of, micro_batches, peak_flops_of
+from stoker.config import RunConfig
+from stoker.contracts import events
 from stoker.training.engine import Engine, grad_sync
 
 

@@ -20,9 +20,9 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from stoker.core import events
-from stoker.core.config import TrainConfig
-from stoker.core.failures import NonFiniteError
+from stoker.config import TrainConfig
+from stoker.contracts import events
+from stoker.failures import NonFiniteError
 
 FINITE = "finite"  # the commit manifest's `numerics` value for a checked state
 _NEVER = 2**62  # "no bad step yet"; MIN over ranks keeps the earliest real one

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from stoker.core.failures import ConfigError
+from stoker.failures import ConfigError
 from stoker.families import FAMILIES, spec_of
 
 

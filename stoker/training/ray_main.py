@@ -34,8 +34,8 @@ import threading
 import time
 import uuid
 
-from stoker.core import events
-from stoker.core.quick_exit import quick_exit
+from stoker.contracts import events
+from stoker.process.quick_exit import quick_exit
 
 # the rank code (torch) is imported where it runs, in the workers and the driver: the relay
 # actor's process imports this module for the Relay class alone, and would import torch for
@@ -225,7 +225,7 @@ def _cache_dir() -> str:
 
 # ---- the driver ----------------------------------------------------------------------------
 def _connect(address: str | None, cpus: float):
-    from stoker.core import ray_connect
+    from stoker.process import ray_connect
 
     common = dict(log_to_driver=False, namespace="stoker")
     if address is None:  # a local Ray for this launch, on loopback only, stopped when we end

@@ -21,8 +21,8 @@ from typing import Callable, ContextManager
 import torch
 import torch.nn.functional as F
 
-from stoker.core.failures import DataError
-from stoker.core.token_bytes import BitsPerByteUnsupported, token_byte_counts  # noqa: F401 (re-exported)
+from stoker.arithmetic.token_bytes import BitsPerByteUnsupported, token_byte_counts  # noqa: F401 (re-exported)
+from stoker.failures import DataError
 
 EVALSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "evalsets")
 MULTIPLE_CHOICE_FILE = os.path.join(EVALSETS_DIR, "stdlib-continuations.jsonl")
@@ -30,7 +30,7 @@ MULTIPLE_CHOICE_FILE = os.path.join(EVALSETS_DIR, "stdlib-continuations.jsonl")
 MULTIPLE_CHOICE_SHA256 = "e33850159fc7994efe528156517cddea1d82896ce5df05447da74937b90db704"
 
 
-# ---- bits per byte (the bytes of each token id: core.token_bytes) ----------------------------
+# ---- bits per byte (the bytes of each token id: arithmetic.token_bytes) ----------------------------
 @dataclass
 class HeldOut:
     """Sums over the predicted tokens of held-out windows."""

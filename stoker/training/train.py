@@ -2,7 +2,7 @@
 
 Parse, build, train, close. No orchestrator is imported here or below. A failure of any
 kind (``BaseException`` included) is filed through torchelastic's ``@record`` error file with
-stoker's verdict on it (``extraInfo.stoker``, a ``core.events.Failure``), which the launcher
+stoker's verdict on it (``extraInfo.stoker``, a ``contracts.events.Failure``), which the launcher
 reads after the gang ends, and is printed as a Failure event for the live log.
 
 In-place recovery: torchrun restarts the ranks (``launch.max_restarts``) after one dies.
@@ -26,11 +26,12 @@ from functools import partial
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from stoker.core import events, lifeline
-from stoker.core.config import RunConfig
-from stoker.core.failures import RankAborted, is_transient
-from stoker.core.quick_exit import quick_exit
-from stoker.core.results import parse_shards_arg
+from stoker.config import RunConfig
+from stoker.contracts import events
+from stoker.contracts.results import parse_shards_arg
+from stoker.failures import RankAborted, is_transient
+from stoker.process import lifeline
+from stoker.process.quick_exit import quick_exit
 from stoker.storage.branches import branch_point
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.runs import read_config

@@ -14,11 +14,11 @@ import sysconfig
 
 import pytest
 
-from stoker.core.config import DataConfig, EvalConfig, RayConfig, TokenizerConfig, load_config
-from stoker.core.failures import ConfigError
+from stoker.config import DataConfig, EvalConfig, RayConfig, TokenizerConfig, load_config
 from stoker.data import dedup
 from stoker.data.evalitems import VENDORED_SET, _vendored_items
 from stoker.data.prepare import download_dataset, prepare_all
+from stoker.failures import ConfigError
 from stoker.storage.store import Store, join
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")

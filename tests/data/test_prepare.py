@@ -4,9 +4,9 @@ import os
 import numpy as np
 import pytest
 
-from stoker.core.config import DataConfig, TokenizerConfig
-from stoker.core.failures import DataError
+from stoker.config import DataConfig, TokenizerConfig
 from stoker.data import prepare as data_prep
+from stoker.failures import DataError
 from stoker.storage.shards import validate_shard_set
 from stoker.storage.store import Store
 

@@ -18,10 +18,10 @@ import time
 import numpy as np
 import pytest
 
-from stoker.core.config import DataConfig, RayConfig, TokenizerConfig
-from stoker.core.failures import ConfigError, DataError
+from stoker.config import DataConfig, RayConfig, TokenizerConfig
 from stoker.data import prepare as data_prep
 from stoker.data import ray_engine, sharding
+from stoker.failures import ConfigError, DataError
 from stoker.storage.datasets import CORPUS_FILE
 from stoker.storage.shards import validate_shard_set
 from stoker.storage.store import Store, join
@@ -207,7 +207,7 @@ def test_a_store_the_nodes_cannot_reach_is_a_config_error(ray_cluster, tmp_path)
 
 DRIVERS_ON_A_NODE = """
 import json, logging, sys
-from stoker.core.config import RayConfig
+from stoker.config import RayConfig
 from stoker.storage.store import Store
 from tests.data.test_ray_engine import _build, _prepared
 how = None
@@ -286,6 +286,6 @@ def test_an_empty_ray_address_runs_a_local_ray_instance_with_the_same_bytes(tmp_
     manifest, files = _shard_set(store, remote)
     assert manifest["files"] == local_manifest["files"] and files == local_files
     assert len(_ray_nodes(caplog)) == 1
-    # the local Ray's workers ran at nice 0 (core.ray_connect.start_local), and that setting
+    # the local Ray's workers ran at nice 0 (process.ray_connect.start_local), and that setting
     # was for its start only: this process's environment is as it was
     assert os.environ.get("RAY_worker_niceness") == niceness

@@ -7,10 +7,10 @@ import threading
 import numpy as np
 import pytest
 
-from stoker.core.config import DataConfig, TokenizerConfig
-from stoker.core.failures import DataError, is_transient
+from stoker.config import DataConfig, TokenizerConfig
 from stoker.data import prepare as data_prep
 from stoker.data import sharding
+from stoker.failures import DataError, is_transient
 from stoker.storage.shards import materialize, validate_shard_set
 from stoker.storage.store import Store
 from stoker.training.data import TokenStream

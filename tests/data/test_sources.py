@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from stoker.core.config import DataConfig
-from stoker.core.failures import DataError, SourceUnreachable, is_transient
+from stoker.config import DataConfig
 from stoker.data import prepare as data_prep
+from stoker.failures import DataError, SourceUnreachable, is_transient
 from stoker.storage.store import Store
 from tests.conftest import free_port
 
@@ -99,7 +99,7 @@ def test_missing_parquet_column_and_bad_json_name_the_field(store, tmp_path):
 
 
 def test_new_data_fields_are_checked_with_their_fix(tmp_path):
-    from stoker.core.config import ConfigError, RunConfig, load_config, local_resource_problems
+    from stoker.config import ConfigError, RunConfig, load_config, local_resource_problems
 
     with pytest.raises(ConfigError) as err:
         load_config(

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from stoker.core.config import load_config
+from stoker.config import load_config
 from stoker.storage.bases import resolve_base
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.store import Store

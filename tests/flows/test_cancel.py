@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from stoker.core.config import load_config
+from stoker.config import load_config
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.store import Store
 from tests.conftest import (

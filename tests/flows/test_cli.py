@@ -93,8 +93,8 @@ def test_a_project_error_fails_the_flow_run_with_the_same_line_and_no_traceback(
     the exception); download_dataset fails on bad data without retrying."""
     import logging
 
-    from stoker.core.config import load_config
-    from stoker.core.failures import StokerError
+    from stoker.config import load_config
+    from stoker.failures import StokerError
     from stoker.flows.pipeline import train_pipeline
 
     cfg = load_config("tiny-cpu", **{"storage.root": f"file://{tmp_path}/store"})
@@ -250,7 +250,7 @@ def test_a_gpu_recipe_on_a_machine_without_gpus_is_one_line_before_prefect_start
 def test_runs_checkpoints_verify_and_config_list_read_the_store_without_prefect(tmp_path, stoker_main):
     """A store with one run: two committed checkpoints, the newer one with a flipped byte
     (sizes match, so only verify's checksums find it) and one never committed."""
-    from stoker.core.config import load_config
+    from stoker.config import load_config
     from stoker.storage.checkpoints import commit_checkpoint, new_checkpoint_key
     from stoker.storage.layout import CONFIG_FILE, run_file_key
     from stoker.storage.store import Store, join

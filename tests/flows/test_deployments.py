@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from stoker.core.config import RunConfig, load_config
+from stoker.config import RunConfig, load_config
 from stoker.observe import prefect_events as pe
 from stoker.observe.ledger import deployment_ledgers, read_ledgers
 from stoker.orchestration.prefect_events import EVALUATE_AUTOMATION

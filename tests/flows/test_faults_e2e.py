@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from stoker.core.config import load_config
-from stoker.core.failures import TrainingFailed
+from stoker.config import load_config
+from stoker.failures import TrainingFailed
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.store import Store
 from tests.conftest import prepare_shards, tiny_dict

@@ -25,7 +25,7 @@ import json
 import os
 import signal
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from stoker.core.config import load_config
+from stoker.config import load_config
 from stoker.flows.pipeline import train_pipeline
 try:
     train_pipeline(load_config(json.loads(os.environ["KERNEL_CONFIG"])))

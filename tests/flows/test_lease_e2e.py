@@ -46,7 +46,7 @@ def _stop(proc: subprocess.Popen) -> str:
 
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_second_launch_refuses_before_any_work_and_writes_nothing(prefect_server, tmp_path, where, request):
-    from stoker.core.config import load_config
+    from stoker.config import load_config
     from stoker.flows.pipeline import train_pipeline
     from stoker.storage.checkpoints import list_checkpoints
     from stoker.storage.lease import LeaseHeld

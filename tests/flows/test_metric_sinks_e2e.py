@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from stoker.core.config import ConfigError, load_config
+from stoker.config import ConfigError, load_config
 from stoker.storage.store import Store
 from tests.conftest import tiny_dict
 

@@ -13,7 +13,7 @@ import os
 import pytest
 import s3fs
 
-from stoker.core.config import load_config
+from stoker.config import load_config
 from stoker.storage.shards import validate_shard_set
 from stoker.storage.store import Store
 from tests.conftest import ROOT, task_states, tiny_dict

@@ -75,7 +75,7 @@ def test_the_notebooks_settings_evaluate_every_checkpoint_without_a_failure(note
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 
-    from stoker.core.config import load_config
+    from stoker.config import load_config
     from stoker.storage.checkpoints import EVAL_PIN, list_checkpoints
     from stoker.storage.store import Store
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from stoker.core.config import load_config
-from stoker.core.failures import TrainingFailed
+from stoker.config import load_config
+from stoker.failures import TrainingFailed
 from stoker.observe.inspect import list_runs
 from stoker.storage.checkpoints import find_latest_valid
 from stoker.storage.store import Store

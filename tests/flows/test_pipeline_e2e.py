@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from stoker.core.config import ConfigError, load_config
+from stoker.config import ConfigError, load_config
 from stoker.families.gpt2.model import GPT
 from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
 from stoker.storage.store import Store
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_pipeline_trains_resumes_and_hits_the_data_cache(prefect_server, tmp_path):
-    from stoker.flows.evaluate import evaluate_checkpoint_flow
+    from stoker.flows.evaluation_flow import evaluate_checkpoint_flow
     from stoker.flows.pipeline import PipelineResult, train_pipeline
 
     root = "file://" + str(tmp_path / "store")

@@ -146,14 +146,14 @@ def test_an_unreachable_prefect_api_url_is_one_line_before_any_compute(monkeypat
 NOTEBOOK = """
 import json, sys
 from stoker.flows.pipeline import train_pipeline
-from stoker.core.config import load_config
+from stoker.config import load_config
 train_pipeline(load_config(sys.argv[1]))
 """
 
 
 NEXT_FLOW = """
 import sys
-from stoker.flows.evaluate import evaluate_checkpoint_flow
+from stoker.flows.evaluation_flow import evaluate_checkpoint_flow
 print("failed:", evaluate_checkpoint_flow(sys.argv[1], return_state=True).is_failed())
 """
 

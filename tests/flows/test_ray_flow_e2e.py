@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from stoker.core.config import load_config
+from stoker.config import load_config
 from tests.conftest import tiny_dict
 
 pytestmark = pytest.mark.e2e

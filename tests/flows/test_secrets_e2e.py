@@ -9,8 +9,8 @@ import uuid
 
 import pytest
 
-from stoker.core.config import load_config
-from stoker.core.failures import ConfigError
+from stoker.config import load_config
+from stoker.failures import ConfigError
 from tests.conftest import tiny_dict
 
 pytestmark = pytest.mark.e2e

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from stoker.core.config import load_config
+from stoker.config import load_config
 from stoker.launch import make_launcher
 from stoker.launch.env import child_env
 from stoker.launch.torchrun import NodeSpec, TorchrunLauncher

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from stoker.core import lifeline
 from stoker.launch.child import Child
 from stoker.launch.gang import GANG_ENV
+from stoker.process import lifeline
 from tests.conftest import read_proc, wait_for_none
 
 MODULE = """

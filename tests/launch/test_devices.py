@@ -2,7 +2,7 @@
 
 import pytest
 
-from stoker.core.config import load_config
+from stoker.config import load_config
 from stoker.launch.devices import device_problems, visible_gpu_count
 
 
@@ -71,7 +71,7 @@ def test_engine_settings_that_cpu_ranks_cannot_honour_are_found_before_the_launc
     problem at once, with the same words a rank would use; on GPUs they are fine."""
     import torch
 
-    from stoker.core.failures import ConfigError
+    from stoker.failures import ConfigError
     from stoker.training.engine import Engine
 
     fused = load_config("tiny-cpu", **{"engine.fused_optimizer": "on", "engine.compile_tuning": "coordinate-descent"})
@@ -99,7 +99,7 @@ def test_fsdp_with_a_torch_older_than_fsdp2_is_found_before_the_launch_and_by_th
 
     import torch
 
-    from stoker.core.failures import ConfigError
+    from stoker.failures import ConfigError
     from stoker.launch.devices import installed_torch
     from stoker.training.engine import Engine
 

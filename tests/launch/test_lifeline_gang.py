@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from stoker.core.config import load_config
+from stoker.config import load_config
 from stoker.launch import make_launcher
 from stoker.storage.checkpoints import find_latest_valid
 from tests.conftest import ROOT, gang_members, live_processes, prepare_shards, read_proc, tiny_dict, wait_for_none
@@ -20,7 +20,7 @@ from tests.launch.conftest import NETNS_GROUP
 
 LAUNCHER = """
 import sys
-from stoker.core.config import RunConfig
+from stoker.config import RunConfig
 from stoker.launch import make_launcher
 cfg = RunConfig.model_validate_json(open(sys.argv[1]).read())
 launcher = make_launcher(cfg, sys.argv[2], sys.argv[3], None)
@@ -116,8 +116,8 @@ def test_a_launch_interrupted_in_python_removes_its_folder_and_its_gang(tmp_path
 
 
 def test_a_new_launch_removes_the_folders_of_launchers_that_died_without_removing_them(tmp_path, monkeypatch):
-    from stoker.core import lifeline
     from stoker.launch.gang import make_work_dir
+    from stoker.process import lifeline
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR

@@ -1,5 +1,5 @@
-from stoker.core import events
-from stoker.core.results import TrainingResult
+from stoker.contracts import events
+from stoker.contracts.results import TrainingResult
 from stoker.launch.monitor import TrainingMonitor
 
 

@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from stoker.core import events
+from stoker.contracts import events
 from stoker.storage.checkpoints import find_latest_valid, list_checkpoints, validate_checkpoint
 from tests.conftest import assert_bitwise_equal, event_losses
 from tests.launch.conftest import INTERVAL, MAX_STEPS, NETNS_GROUP

@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from stoker.core import events
-from stoker.core.config import load_config
+from stoker.config import load_config
+from stoker.contracts import events
 from stoker.launch import make_launcher
 from stoker.launch.ray import RayLauncher
 from stoker.storage.checkpoints import find_latest_valid, list_checkpoints
@@ -241,7 +241,7 @@ def test_a_local_ray_is_started_when_no_address_is_given(tmp_path):
 import os, sys
 sys.path.insert(0, {ROOT!r})
 from tests.conftest import tiny_dict, prepare_shards
-from stoker.core.config import load_config
+from stoker.config import load_config
 from stoker.launch import make_launcher
 cfg = load_config(tiny_dict("file://{tmp_path}/store", run_name="local-ray",
                             launch={{"launcher": "ray", "num_nodes": 1, "nproc_per_node": 1}}))
@@ -291,7 +291,7 @@ print("NICE", sorted(nice))
 def test_the_ray_launcher_without_ray_is_one_config_error(monkeypatch, tmp_path):
     import importlib.util
 
-    from stoker.core.failures import ConfigError
+    from stoker.failures import ConfigError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
@@ -334,7 +334,7 @@ def test_an_unreachable_cluster_is_said_as_such(tiny_config, tmp_path):
 
 LAUNCHER = """
 import sys
-from stoker.core.config import RunConfig
+from stoker.config import RunConfig
 from stoker.launch import make_launcher
 cfg = RunConfig.model_validate_json(open(sys.argv[1]).read())
 make_launcher(cfg, sys.argv[2], sys.argv[3], None).run(lambda line: print(line, flush=True),

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from stoker.core import events
-from stoker.core.config import load_config
+from stoker.config import load_config
+from stoker.contracts import events
 from stoker.launch import make_launcher
 from stoker.launch.base import GangResult, classify_end
 from stoker.launch.gang import kill_gang, run_gang

@@ -74,7 +74,7 @@ def test_hung_rank_is_killed_with_its_gang_and_the_retry_resumes(tiny_config, tm
 def test_watchdog_arms_after_start_up_fires_on_silence_and_is_off_at_zero():
     # a silent start-up longer than the hang limit, then steps: not a hang (armed late)
     script = (
-        "import time; from stoker.core import events as E; time.sleep(3); "
+        "import time; from stoker.contracts import events as E; time.sleep(3); "
         "print(E.Eval(step=0, val_loss=5.0, val_ppl=148.0).encode(), flush=True); "
         "[print(E.Step(step=s).encode(), flush=True) for s in range(1,6)]"
     )
@@ -83,7 +83,7 @@ def test_watchdog_arms_after_start_up_fires_on_silence_and_is_off_at_zero():
     assert res.reason == "completed" and res.last_step == 5
     # a gang that reports once and then goes silent: a hang; with 0 the watchdog is off
     silent = (
-        "import time; from stoker.core import events as E; "
+        "import time; from stoker.contracts import events as E; "
         "print(E.Eval(step=0, val_loss=5.0, val_ppl=148.0).encode(), flush=True); time.sleep(4)"
     )
     res = run_gang([[sys.executable, "-c", silent]], env, 1, lambda s: None, lambda m: None, timeout=60, hang_timeout=1)
@@ -113,7 +113,7 @@ def test_a_start_up_that_never_reports_is_killed_and_retried():
     err = classify_end(res)
     assert err.transient and err.reason == "startup" and "launch.startup_timeout_seconds" in str(err)
     slow = (
-        "import time; from stoker.core import events as E; time.sleep(2); "
+        "import time; from stoker.contracts import events as E; time.sleep(2); "
         "print(E.Eval(step=0, val_loss=5.0, val_ppl=148.0).encode(), flush=True); "
         "[print(E.Step(step=s).encode(), flush=True) for s in range(1,4)]"
     )

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from stoker.core.config import ConfigError, load_config
+from stoker.config import ConfigError, load_config
 from stoker.launch.attempts import summarize
 from stoker.observe.ledger import (
     CAUSES,

@@ -5,7 +5,7 @@ that is away) can hold up or fail the stream loop."""
 import threading
 import time
 
-from stoker.core import events
+from stoker.contracts import events
 from stoker.observe import prefect_events as pe
 
 

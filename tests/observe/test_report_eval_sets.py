@@ -1,7 +1,7 @@
 """The checkpoint table and the report show each evaluation's bits per byte and
 multiple-choice accuracy next to its validation loss, where they were measured."""
 
-from stoker.core.results import EvalResult, TrainingResult
+from stoker.contracts.results import EvalResult, TrainingResult
 from stoker.observe.report import checkpoint_rows, evaluation_line, rounded
 
 

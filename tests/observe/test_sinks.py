@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from stoker.core import events
-from stoker.core.config import load_config
+from stoker.config import load_config
+from stoker.contracts import events
 from stoker.observe.sinks import RUN_TAG, MetricSinks, open_sinks, scalars
 from stoker.storage.store import Store
 from tests.conftest import tiny_dict
@@ -201,8 +201,8 @@ def test_the_sinks_and_the_export_command_load_no_torch_in_the_orchestrator(tmp_
 
     code = f"""
 import logging, sys
-from stoker.core import events
-from stoker.core.config import load_config
+from stoker.contracts import events
+from stoker.config import load_config
 from stoker.observe.sinks import open_sinks
 from tests.conftest import tiny_dict
 import stoker.cli

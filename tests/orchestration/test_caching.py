@@ -5,8 +5,8 @@ parts: the Prefect test server, a moto S3 endpoint, real evaluation processes.""
 
 import pytest
 
-from stoker.core.config import load_config
-from stoker.core.results import EvalResult, ShardInfo
+from stoker.config import load_config
+from stoker.contracts.results import EvalResult, ShardInfo
 from stoker.storage.store import Store
 from tests.conftest import prepare_shards, task_states, tiny_dict
 
@@ -135,7 +135,7 @@ def test_a_checkpoint_is_evaluated_once_even_by_two_evaluations_at_once_and_a_re
     from concurrent.futures import ThreadPoolExecutor
     from threading import Barrier
 
-    from stoker.flows.evaluate import evaluate_checkpoint_flow
+    from stoker.flows.evaluation_flow import evaluate_checkpoint_flow
     from stoker.storage.checkpoints import COMMIT_FILE, EVAL_PIN, pin_for_evaluation
     from stoker.storage.runs import pin_run_folder
     from stoker.tasks import evaluate

@@ -3,7 +3,7 @@ tests/flows/test_events_e2e.py), and the events section's validation."""
 
 import pytest
 
-from stoker.core.config import ConfigError, load_config
+from stoker.config import ConfigError, load_config
 from stoker.observe import prefect_events as pe
 from stoker.orchestration import prefect_events as tpe
 from tests.conftest import tiny_dict
@@ -179,8 +179,8 @@ def test_a_failed_launch_sends_run_failed_once_not_again_from_the_flow_run(fresh
 
     from prefect import flow, task
 
-    from stoker.core.config import RunConfig
-    from stoker.core.failures import TrainingFailed
+    from stoker.config import RunConfig
+    from stoker.failures import TrainingFailed
     from stoker.storage.store import Store
 
     run = "launch-fails-" + uuid.uuid4().hex[:6]

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from stoker.core.config import ConfigError, build_config
+from stoker.config import ConfigError, build_config
 from stoker.storage.bases import BY_SOURCE, resolve_base
 from stoker.storage.store import Store
 from tests.bases import copy_base, tiny_base
@@ -136,7 +136,7 @@ def test_the_base_is_hashed_once_and_a_changed_base_gets_another_hash(tmp_path, 
 
 
 def test_another_base_under_the_same_run_name_is_refused(tmp_path, base, tmp_path_factory):
-    from stoker.core.results import DataShards, ShardInfo
+    from stoker.contracts.results import DataShards, ShardInfo
     from stoker.storage.runs import pin_run_folder
 
     other = tiny_base(tmp_path_factory, "llama", seed=1)

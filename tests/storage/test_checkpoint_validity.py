@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from stoker.core.failures import CheckpointInvalid, ConfigError
+from stoker.failures import CheckpointInvalid, ConfigError
 from stoker.storage.checkpoints import (
     COMMIT_FILE,
     KEEP_MARKER,
@@ -242,8 +242,8 @@ def test_a_local_checkpoint_is_fully_checked_once_per_host(tmp_path):
 def test_a_run_refuses_other_data_or_another_model_before_launch(tmp_path):
     """Resuming may change the world size, parallelism or micro-batch, never the tensor
     shapes or the data: the run folder refuses both with a clear error before anything runs."""
-    from stoker.core.config import load_config
-    from stoker.core.results import DataShards, ShardInfo
+    from stoker.config import load_config
+    from stoker.contracts.results import DataShards, ShardInfo
     from stoker.storage.runs import pin_run_folder
     from tests.conftest import tiny_dict
 
@@ -330,7 +330,7 @@ def test_retention_spares_a_checkpoint_whose_evaluation_is_pending(store):
 
 
 def test_a_missing_checkpoint_is_a_permanent_error_said_once(store, tmp_path):
-    from stoker.core.failures import CheckpointUnavailable, is_transient
+    from stoker.failures import CheckpointUnavailable, is_transient
 
     keys = [_fake_checkpoint(store, "r", s) for s in (1, 2)]
     store.rm(keys[0])  # deleted (retention) before it was read

@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-from stoker.core import lifeline
-from stoker.core.failures import classify
+from stoker.failures import classify
+from stoker.process import lifeline
 from stoker.storage.lease import LeaseHeld, acquire_lease, lease_key, read_lease
 from stoker.storage.store import Store
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from stoker import preflight
-from stoker.core.config import ConfigError, RunConfig, build_config, load_config
+from stoker.config import ConfigError, RunConfig, build_config, load_config
 from stoker.storage.bases import document_end_note, resolve_base
 from tests.bases import copy_base, tiny_base
 
@@ -117,7 +117,7 @@ def test_a_base_with_a_tokenizer_json_alone_or_no_eos(tmp_path, chat):
 def test_a_vocabulary_that_lacks_bytes_refuses_bits_per_byte_only_where_the_text_holds_them(tmp_path, chat):
     from tokenizers import Tokenizer
 
-    from stoker.core.token_bytes import NEVER_IN_UTF8, bits_per_byte_problem, lacking_bytes, token_byte_counts
+    from stoker.arithmetic.token_bytes import NEVER_IN_UTF8, bits_per_byte_problem, lacking_bytes, token_byte_counts
     from stoker.data.sharding import UNENCODABLE, tokenize_docs
 
     tok = Tokenizer.from_file(os.path.join(chat, "tokenizer.json"))

@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from stoker.core.failures import DataError
+from stoker.failures import DataError
 from stoker.storage.shards import materialize, shard_cache_key
 
 

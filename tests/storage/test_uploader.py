@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from stoker.core import events
+from stoker.contracts import events
 from stoker.storage.checkpoints import COMMIT_FILE, list_checkpoints, validate_checkpoint
 from stoker.storage.store import Store, join
 from stoker.storage.uploader import CheckpointUploader

@@ -2,8 +2,8 @@
 
 import pytest
 
-from stoker.core.config import build_config
-from stoker.core.failures import DataError
+from stoker.config import build_config
+from stoker.failures import DataError
 from tests.conftest import tiny_dict
 
 

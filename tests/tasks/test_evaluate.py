@@ -1,5 +1,5 @@
 """Evaluations of checkpoints that are gone, and evaluations a stop ended: both are final
-(never retried), each said once. Real evaluation processes (python -m stoker.training.evaluate)."""
+(never retried), each said once. Real evaluation processes (python -m stoker.training.evaluation_main)."""
 
 import os
 import signal
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from stoker.core.failures import CheckpointUnavailable, EvaluationStopped, TrainingFailed, is_transient
+from stoker.failures import CheckpointUnavailable, EvaluationStopped, TrainingFailed, is_transient
 
 
 def _run_folder(cfg):
@@ -21,7 +21,7 @@ def _run_folder(cfg):
 
 
 def test_evaluating_a_deleted_checkpoint_fails_once_and_for_good(tiny_config):
-    from stoker.launch.evaluate import run_evaluation
+    from stoker.launch.evaluation_child import run_evaluation
 
     cfg = tiny_config(run_name="gone")
     store, config_url, shards = _run_folder(cfg)
@@ -83,7 +83,7 @@ def _evaluation_in_a_thread(cfg, tmp_path):
 
 
 def test_an_evaluation_killed_by_the_runs_stop_is_not_retried(tiny_config, tmp_path):
-    from stoker.launch.evaluate import kill_running_evaluations
+    from stoker.launch.evaluation_child import kill_running_evaluations
 
     thread, box, _ = _evaluation_in_a_thread(tiny_config(), tmp_path)
     assert kill_running_evaluations() == 1  # what launch_training does on Ctrl-C or a cancel

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from stoker.core.config import load_config
+from stoker.config import load_config
 from stoker.storage.bases import resolve_base
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.runs import pin_run_folder
@@ -160,7 +160,7 @@ def _load_on_rank(rank: int, world: int, init: str, config_json: str, folder: st
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from stoker.core.config import RunConfig
+    from stoker.config import RunConfig
     from stoker.training.base import load_base
     from stoker.training.engine import Engine, build_model
 
@@ -206,7 +206,7 @@ def test_a_gpt2_base_loads_with_transformers_logits(tmp_path_factory, tmp_path):
     'gelu_tanh', the base's longer position table cut to block_size): transformers' logits."""
     from transformers import AutoModelForCausalLM
 
-    from stoker.core.config import build_config
+    from stoker.config import build_config
     from stoker.families import build_model
     from stoker.training.base import load_base
 

@@ -7,8 +7,8 @@ import subprocess
 import sys
 import time
 
-from stoker.core import events
-from stoker.core.config import load_config
+from stoker.config import load_config
+from stoker.contracts import events
 from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
 from tests.conftest import ROOT, prepare_shards, tiny_dict
 from tests.forked_ranks import start_ranks, train_argv
@@ -70,7 +70,7 @@ def test_checkpoints_land_in_s3_with_manifests_and_load_in_a_fresh_process(s3_ro
         [
             sys.executable,
             "-m",
-            "stoker.training.evaluate",
+            "stoker.training.evaluation_main",
             "--config",
             store.url("runs/s3run/config.json"),
             "--checkpoint",

@@ -66,7 +66,7 @@ def alone_in_a_group():
 
 def _build(monkeypatch, backend: CountingBackend, **engine):
     import stoker.training.engine as engine_module
-    from stoker.core.config import load_config
+    from stoker.config import load_config
 
     torch._dynamo.reset()
     monkeypatch.setattr(engine_module, "compile_options", lambda tuning: {"backend": backend})
@@ -135,7 +135,7 @@ def _free_port() -> int:
 def test_the_process_group_gets_the_configured_collective_timeout(monkeypatch):
     """Before: no timeout was given (NCCL's default is 10 minutes, which a slow checkpoint
     download on one host can exceed while the others wait)."""
-    from stoker.core.config import load_config
+    from stoker.config import load_config
     from stoker.training.distributed import setup_distributed
 
     for name, value in {
@@ -157,8 +157,8 @@ def test_the_process_group_gets_the_configured_collective_timeout(monkeypatch):
 
 
 def test_a_too_short_collective_timeout_is_one_clear_error():
-    from stoker.core.config import load_config
-    from stoker.core.failures import ConfigError
+    from stoker.config import load_config
+    from stoker.failures import ConfigError
 
     with pytest.raises(ConfigError, match=r"launch.collective_timeout_seconds.*1800"):
         load_config(tiny_dict("file:///tmp/unused", launch={"collective_timeout_seconds": 5}))
@@ -167,7 +167,7 @@ def test_a_too_short_collective_timeout_is_one_clear_error():
 def test_deterministic_auto_is_on_for_cpu_ranks_and_off_on_cuda():
     """train.deterministic 'auto' (the default): bitwise resume on CPUs, speed on GPUs; true
     and false mean always."""
-    from stoker.core.config import load_config
+    from stoker.config import load_config
     from stoker.training.engine import deterministic_enabled
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
@@ -182,7 +182,7 @@ def test_deterministic_auto_is_on_for_cpu_ranks_and_off_on_cuda():
 def test_fsdp_needs_the_torch_whose_sharded_init_it_uses():
     """FSDP2's init fills each rank's shard with distribute_tensor(src_data_rank=None), which
     torch 2.7 added: torch 2.6 is refused before a launch, naming the field and the fix."""
-    from stoker.core.config import EngineConfig
+    from stoker.config import EngineConfig
 
     fsdp = EngineConfig(parallelism="fsdp")
     (problem,) = fsdp.torch_problems("2.6.0+cu124")

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from stoker.core.config import load_config
+from stoker.config import load_config
 from stoker.families import FAMILIES
 from stoker.storage.store import Store
 from tests.conftest import ROOT, run_ranks, train_losses
@@ -103,7 +103,7 @@ def test_one_gpu_recipe_trains_evaluates_checkpoints_and_resumes_under_nccl(gpu_
         [
             sys.executable,
             "-m",
-            "stoker.training.evaluate",
+            "stoker.training.evaluation_main",
             "--config",
             store.url(f"runs/{cfg.run_name}/config.json"),
             "--checkpoint",

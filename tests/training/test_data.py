@@ -1,7 +1,7 @@
 import numpy as np
 import torch
 
-from stoker.core.mixture import Mixture
+from stoker.arithmetic.mixture import Mixture
 from stoker.training.data import Batches, TokenStream, TrainWindows, eval_offsets, train_batch
 from tests.conftest import prepare_shards
 

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from stoker.core.config import RunConfig, load_config
-from stoker.core.failures import ConfigError
+from stoker.config import RunConfig, load_config
+from stoker.failures import ConfigError
 from stoker.training.engine import Engine, peak_flops
 from tests.conftest import prepare_shards, tiny_dict, train_losses
 from tests.forked_ranks import run_forked

@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness extra (training.harness, launch.harness, `stoker harness`): real
+"""The lm-evaluation-harness extra (training.harness_main, launch.harness_child, `stoker harness`): real
 lm_eval on a checkpoint trained by a real (forked) rank and exported as GPT-2. Its `acc` on
 stoker_mc (the vendored multiple-choice set as an lm-eval task) equals stoker's own scorer's
 summed-log-likelihood accuracy on the same items, item by item; bad names, folders and a
@@ -14,8 +14,8 @@ import torch
 from tokenizers import Tokenizer
 
 from stoker import preflight
-from stoker.core import events
-from stoker.core.harness import OFFLINE_ENV, harness_problems, local_tasks
+from stoker.config.harness_tasks import OFFLINE_ENV, harness_problems, local_tasks
+from stoker.contracts import events
 from stoker.families.gpt2.model import GPT
 from stoker.training.checkpoint import load_checkpoint
 from stoker.training.scoring import ChoiceRows, encode_items, load_multiple_choice, score_choices
@@ -113,7 +113,7 @@ def test_an_unknown_task_name_is_one_error_naming_the_tasks_there_before_any_exp
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: c\ndoc_to_target: a\n"
     )
     said = subprocess.run(
-        [sys.executable, "-m", "stoker.training.harness", store.url(CHECKPOINT), "--tasks", "nope"]
+        [sys.executable, "-m", "stoker.training.harness_main", store.url(CHECKPOINT), "--tasks", "nope"]
         + ["--include", str(mine), "--cache-dir", str(tmp_path / "cache")],
         cwd=ROOT,
         capture_output=True,
@@ -148,7 +148,7 @@ def test_harness_fields_are_checked_by_the_preflight(tiny_config, tmp_path, monk
 
 
 def test_a_bad_harness_limit_names_the_field_and_the_fix(tiny_config):
-    from stoker.core.failures import ConfigError
+    from stoker.failures import ConfigError
 
     with pytest.raises(ConfigError) as err:
         tiny_config(eval={"harness_limit": 0})

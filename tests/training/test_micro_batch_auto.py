@@ -5,7 +5,7 @@ so in one event, and train bitwise the run with that value set by hand."""
 import torch
 import torch.distributed.checkpoint as dcp
 
-from stoker.core import plan as plans
+from stoker.arithmetic import plan as plans
 from stoker.storage.checkpoints import list_checkpoints
 from tests.conftest import prepare_shards, train_losses
 from tests.forked_ranks import run_forked

@@ -32,7 +32,7 @@ def _tensors(path):
 
 def _unbroken(tmp_path_factory):
     """One unbroken mixture run on 2 ranks: 8 steps, checkpoints at 4 and 8."""
-    from stoker.core.config import load_config
+    from stoker.config import load_config
 
     root = "file://" + str(tmp_path_factory.mktemp("mix") / "store")
     cfg = load_config(
@@ -108,7 +108,7 @@ def _val_losses_of(cfg, store, shards, checkpoint_key) -> dict[str, torch.Tensor
 
 
 def _at_another_world_size(cfg, store, shards, records):
-    from stoker.core.config import RunConfig
+    from stoker.config import RunConfig
     from stoker.training.data import TokenStream, TrainWindows, train_batch
 
     streams = {s.name: TokenStream(store.local_path(s.key), "train") for s in shards.sets}

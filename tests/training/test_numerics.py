@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from stoker.core.failures import TrainingFailed
-from stoker.core.results import TrainingResult
+from stoker.contracts.results import TrainingResult
+from stoker.failures import TrainingFailed
 from stoker.launch import make_launcher
 from stoker.launch.attempts import launch_attempt, read_attempts
 from stoker.launch.monitor import TrainingMonitor
@@ -269,8 +269,8 @@ def test_the_guard_adds_no_host_sync_on_non_log_steps(tiny_config, tmp_path, mon
     ],
 )
 def test_a_bad_numerics_policy_is_one_clear_config_error(train, says):
-    from stoker.core.config import load_config
-    from stoker.core.failures import ConfigError
+    from stoker.config import load_config
+    from stoker.failures import ConfigError
     from tests.conftest import tiny_dict
 
     with pytest.raises(ConfigError) as err:

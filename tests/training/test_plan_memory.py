@@ -1,4 +1,4 @@
-"""The plan's memory estimate (stoker.core.plan) against torch's memory tracker
+"""The plan's memory estimate (stoker.arithmetic.plan) against torch's memory tracker
 (torch.distributed._tools.mem_tracker.MemTracker: every tensor the step allocates, by kind)
 for the tiny models on CPU, fp32: two optimizer steps of two accumulated micro-batches. The
 GPU check (torch.cuda.max_memory_allocated, GPT-2 124M and a Llama-1B shape) is
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from stoker.core import plan as plans
-from stoker.core.config import RunConfig
+from stoker.arithmetic import plan as plans
+from stoker.config import RunConfig
 from stoker.training.engine import Engine, build_model, build_optimizer
 
 # the stated error (benchmarks/RESULTS.md#the-plan). The plan errs high: at most 8% above the

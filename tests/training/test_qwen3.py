@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from stoker.core.config import load_config
+from stoker.config import load_config
 from stoker.families import FAMILIES, spec_of
 from stoker.storage.bases import resolve_base
 from stoker.storage.runs import pin_run_folder

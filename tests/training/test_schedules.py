@@ -19,8 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from stoker import preflight
-from stoker.core import schedule
-from stoker.core.config import ConfigError, TrainConfig, load_config
+from stoker.config import ConfigError, TrainConfig, load_config, schedule
 from stoker.storage.checkpoints import COMMIT_FILE, find_latest_valid, list_checkpoints
 from stoker.storage.runs import pin_run_folder
 from stoker.storage.store import join
@@ -259,8 +258,8 @@ def test_a_mixture_branch_goes_on_from_its_parents_data_position():
     very windows a run with that reweighting in its data.schedule draws: the parent's weights up to
     the branch point, its own after (storage.branches.lineage keeps the parent's mixture, a branch
     of a branch included)."""
-    from stoker.core.config import DataConfig
-    from stoker.core.mixture import Mixture
+    from stoker.arithmetic.mixture import Mixture
+    from stoker.config import DataConfig
 
     def data(weights, schedule=()):
         return DataConfig.model_validate(

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stoker.core import events
-from stoker.core.failures import DataError
+from stoker.contracts import events
+from stoker.failures import DataError
 from stoker.families.gpt2.model import GPT
 from stoker.families.layers import padded_vocab
 from stoker.training.checkpoint import load_checkpoint
@@ -81,7 +81,7 @@ def test_evaluation_equals_transformers_gpt2_on_the_exported_checkpoint(trained,
     cfg, store, shards, config_url = trained
     said = _run(
         "-m",
-        "stoker.training.evaluate",
+        "stoker.training.evaluation_main",
         *("--config", config_url, "--checkpoint", CHECKPOINT, "--shards", shards.key),
         *("--max-windows", str(MAX_WINDOWS), "--device", "cpu", "--cache-dir", str(tmp_path / "cache")),
     )

@@ -318,8 +318,8 @@ def test_the_flow_refuses_such_a_tokenizer_before_launch_unless_bpb_is_left_out(
     """write_run_config (the flow's last step before the launch) asks the shards' tokenizer
     when eval.sets holds 'bpb': one ConfigError with the reason, nothing pinned; without 'bpb'
     the run is pinned."""
-    from stoker.core.config import ConfigError, RunConfig
-    from stoker.core.results import DataShards, ShardInfo
+    from stoker.config import ConfigError, RunConfig
+    from stoker.contracts.results import DataShards, ShardInfo
     from stoker.storage.store import Store
     from stoker.tasks.training import write_run_config
 
@@ -343,9 +343,9 @@ def test_a_vocabulary_lacking_bytes_is_counted_and_refused_only_where_the_data_h
     its tokens are counted all the same (lacking_bytes names what it cannot spell), and the flow
     refuses 'bpb' only when the data stage counted such bytes in a source, with the count and
     the first example; a source without them is pinned."""
-    from stoker.core.config import ConfigError, RunConfig
-    from stoker.core.results import DataShards, ShardInfo
-    from stoker.core.token_bytes import lacking_bytes
+    from stoker.arithmetic.token_bytes import lacking_bytes
+    from stoker.config import ConfigError, RunConfig
+    from stoker.contracts.results import DataShards, ShardInfo
     from stoker.storage.store import Store
     from stoker.tasks.training import write_run_config
 

@@ -23,8 +23,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from stoker.core.config import load_config
-from stoker.core.failures import ConfigError
+from stoker.config import load_config
+from stoker.failures import ConfigError
 from stoker.storage.checkpoints import COMMIT_FILE
 from tests.conftest import prepare_shards, tiny_dict, train_losses
 from tests.forked_ranks import run_forked
@@ -268,7 +268,7 @@ def _tp_rank(rank: int, world: int, init: str, config_json: str, base: str, out:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     import stoker.training.engine as engine_module
-    from stoker.core.config import RunConfig
+    from stoker.config import RunConfig
     from stoker.training.base import load_base
     from stoker.training.engine import Engine, build_model
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from stoker.core.config import RunConfig
+from stoker.config import RunConfig
 from stoker.storage.checkpoints import list_checkpoints, validate_checkpoint
 from tests.conftest import prepare_shards, run_ranks, tiny_dict, train_losses
 from tests.forked_ranks import run_forked
@@ -28,7 +28,7 @@ def _tensors(path):
 def unbroken(tmp_path_factory):
     """The module's unbroken runs, one per world size, each made once: 8 steps, checkpoints at
     4 and 8. Returns get(ranks) -> (store, shards, config URL, run name, per-step losses)."""
-    from stoker.core.config import load_config
+    from stoker.config import load_config
 
     made = {}
 

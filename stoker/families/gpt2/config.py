@@ -46,7 +46,7 @@ class GPT2Config(_ModelSection):
         return f"gpt2, {self.n_layer} layers x {self.n_embd}, {self.n_head} heads, block {self.block_size}"
 
     def plan_shape(self, vocab_rows: int) -> dict[str, int]:
-        """What the plan reads of this model (core.plan.Shape), counted from the family's module (model.py):
+        """What the plan reads of this model (arithmetic.plan.Shape), counted from the family's module (model.py):
         each LayerNorm keeps its input (fp32); c_attn's and c_fc's inputs; the qkv output
         (kept by the attention), the attention's output and c_proj's copy of it, c_fc's
         output (kept by GELU) and GELU's output: 13 C in the matmul dtype. Selective

@@ -127,7 +127,7 @@ class LlamaConfig(_ModelSection):
         return value
 
     def plan_shape(self, vocab_rows: int) -> dict[str, int]:
-        """What the plan reads of this model (core.plan.Shape), counted from the family's module (model.py):
+        """What the plan reads of this model (arithmetic.plan.Shape), counted from the family's module (model.py):
         each RMSNorm keeps its input and its normalized value (fp32); the q, k, v (and gate,
         up) inputs, one tensor under fp32 and a cast copy each under bf16; q and k roped, v,
         the attention's output and o_proj's copy of it; gate's output (kept by SiLU), SiLU's

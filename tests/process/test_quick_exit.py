@@ -1,0 +1,61 @@
+"""process.quick_exit: a process ends without the interpreter's teardown, but after what a normal
+exit does that anyone sees: its non-daemon threads finish, its atexit handlers run, its buffered
+stdout reaches the pipe, and its exit code is the one asked for; `python -m
+stoker.process.quick_exit <module>` runs a module as `python -m` would and keeps its exit codes."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from tests.conftest import ROOT
+
+CHILD = textwrap.dedent(
+    """
+    import atexit, sys, threading, time
+    from stoker.process.quick_exit import quick_exit
+
+    def late():
+        time.sleep(0.3)
+        open(sys.argv[1], "w").write("written")
+
+    threading.Thread(target=late).start()  # not a daemon: waited for
+    atexit.register(lambda: print("atexit ran", end=""))
+    print("buffered ", end="")  # no newline, stdout a pipe: still in the buffer
+    quick_exit(3)
+    """
+)
+
+
+def _run(args, tmp_path):
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, str(tmp_path)])},
+    )
+
+
+def test_a_quick_exit_keeps_threads_atexit_output_and_the_code(tmp_path):
+    out = _run(["-c", CHILD, str(tmp_path / "late.txt")], tmp_path)
+    assert out.returncode == 3, out.stderr
+    assert out.stdout == "buffered atexit ran"
+    assert (tmp_path / "late.txt").read_text() == "written"
+
+
+def test_the_runner_keeps_a_modules_exit_codes_and_tracebacks(tmp_path):
+    (tmp_path / "ok_mod.py").write_text("print('ran as', __name__)\n")
+    (tmp_path / "exit_mod.py").write_text("import sys\nsys.exit(4)\n")
+    (tmp_path / "said_mod.py").write_text("import sys\nsys.exit('a reason')\n")
+    (tmp_path / "raise_mod.py").write_text("raise RuntimeError('boom')\n")
+    runner = ["-m", "stoker.process.quick_exit"]
+
+    ok = _run([*runner, "ok_mod", "--flag"], tmp_path)
+    assert (ok.returncode, ok.stdout) == (0, "ran as __main__\n")
+    assert _run([*runner, "exit_mod"], tmp_path).returncode == 4
+    said = _run([*runner, "said_mod"], tmp_path)  # Python's own way: the reason on stderr, 1
+    assert said.returncode == 1 and said.stderr.strip() == "a reason"
+    raised = _run([*runner, "raise_mod"], tmp_path)
+    assert raised.returncode == 1 and "RuntimeError: boom" in raised.stderr and "Traceback" in raised.stderr
