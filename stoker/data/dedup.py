@@ -5,8 +5,10 @@ Two steps per source, each cached in the store by content:
 1. Features (``dedup/features/{key}/``): one pass over the stored corpus, in fixed byte
    partitions (``sharding.partition_ranges``), locally or as Ray tasks (data.engine 'ray'),
    giving per document its exact digest (blake2b of the text after NFC and whitespace
-   normalization), its MinHash signature (datasketch, over word n-grams; only when a source of
-   the mixture asks for 'near') and the evaluation items it shares a long word n-gram with.
+   normalization), its MinHash signature (datasketch's affine32 permutations of a 64-bit
+   polynomial hash of each word n-gram, built from one blake2b hash per word; only when a source
+   of the mixture asks for 'near') and the evaluation items it shares a long word n-gram with
+   (the same n-gram hashes looked up among the items', each hit checked against the words).
    Documents are streamed; only the fixed-size features are kept. The key is the dataset's
    fingerprint and the feature settings: a source is featurized once whatever its mixture.
 2. Decision (``dedup/{key}/``): the sources in their listed order; a document is removed when
@@ -44,7 +46,7 @@ from stoker.storage.datasets import CORPUS_FILE, committed_dataset, content_fing
 from stoker.storage.store import Store, build_lock, join, sha256_file
 
 log = logging.getLogger("stoker.data")
-DEDUP_VERSION = 1  # of the features and the decision rule: a change makes every result anew
+DEDUP_VERSION = 2  # of the features and the decision rule: a change makes every result anew
 NUM_PERM = 128  # MinHash permutations
 MINHASH_SEED = 1
 MINHASH_SCHEME = (
@@ -83,6 +85,78 @@ def shingles(ws: list[str], n: int) -> list[bytes]:
     return [" ".join(ws[i : i + n]).encode("utf-8") for i in range(len(ws) - n + 1)]
 
 
+# ---- n-gram hashes ------------------------------------------------------------------------
+# A word's hash is blake2b's (64 bits), remembered across documents; a run of n words hashes to
+# sum(h[i + j] * P**j) mod 2**64, one prefix sum per document giving every n at once. The
+# MinHash of a document then needs no shingle string and no per-shingle Python call.
+MAX_CACHED_WORDS = 1 << 18  # word hashes remembered per process (~40 MB; then forgotten, all at once)
+_P = np.uint64(0x9E3779B97F4A7C15)  # odd: invertible mod 2**64
+_P_INV = np.uint64(pow(int(_P), -1, 1 << 64))
+_LENGTH_MIX = 0xC2B2AE3D27D4EB4F  # a whole short document is a shingle of its own length
+_WORD_HASHES: dict[str, int] = {}
+_POWERS = (np.ones(1, np.uint64), np.ones(1, np.uint64))  # P**t, P**-t mod 2**64
+
+
+def word_hashes(ws: list[str]) -> np.ndarray:
+    """(len(ws),) uint64: blake2b's 64-bit hash of each word."""
+    cache = _WORD_HASHES
+    try:
+        return np.array([cache[w] for w in ws], dtype=np.uint64)
+    except KeyError:
+        if len(cache) > MAX_CACHED_WORDS:
+            cache.clear()
+        for w in set(ws).difference(cache):
+            cache[w] = int.from_bytes(hashlib.blake2b(w.encode("utf-8"), digest_size=8).digest(), "little")
+        return np.array([cache[w] for w in ws], dtype=np.uint64)
+
+
+def _powers(count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(P**t, P**-t) for t < count, mod 2**64 (kept for the longest document seen)."""
+    global _POWERS
+    if len(_POWERS[0]) < count:
+        size = max(count, 2 * len(_POWERS[0]))
+        up, down = np.full(size, _P, np.uint64), np.full(size, _P_INV, np.uint64)
+        up[0] = down[0] = 1
+        _POWERS = (np.cumprod(up), np.cumprod(down))  # wraps mod 2**64, as meant
+    return _POWERS[0][:count], _POWERS[1][:count]
+
+
+class Grams:
+    """The hashes of one word list's n-grams, for any n, from one prefix sum."""
+
+    def __init__(self, ws: list[str]):
+        self.num_words = len(ws)
+        up, _ = _powers(self.num_words)
+        self.prefix = np.zeros(self.num_words + 1, np.uint64)
+        np.cumsum(word_hashes(ws) * up, out=self.prefix[1:])
+
+    def of(self, n: int) -> np.ndarray:
+        """(num_words - n + 1,) uint64: the hash of the n words from each position (none when
+        there are fewer than n words)."""
+        if n > self.num_words:
+            return np.zeros(0, np.uint64)
+        _, down = _powers(self.num_words - n + 1)
+        return (self.prefix[n:] - self.prefix[: len(self.prefix) - n]) * down
+
+    def shingles(self, n: int) -> np.ndarray:
+        """(S,) uint32: a 32-bit hash of each shingle of `shingles(ws, n)`: the n-grams, or
+        the whole word list when it is shorter."""
+        size = min(n, self.num_words)
+        h = self.of(size) + np.uint64(size * _LENGTH_MIX % (1 << 64))
+        h ^= h >> np.uint64(33)  # MurmurHash3's 64-bit finalizer: the top bits of all words
+        h *= np.uint64(0xFF51AFD7ED558CCD)
+        h ^= h >> np.uint64(33)
+        return (h >> np.uint64(32)).astype(np.uint32)
+
+
+def _sorted_member(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Which of `values` are in the sorted array `keys`."""
+    if not len(keys):
+        return np.zeros(len(values), bool)
+    at = np.minimum(np.searchsorted(keys, values), len(keys) - 1)
+    return keys[at] == values
+
+
 class EvalIndex:
     """The word n-grams of evaluation items, and which items hold each one. An item of fewer
     than n words (and at least MIN_ITEM_WORDS) is matched whole: a short item that a document
@@ -90,30 +164,33 @@ class EvalIndex:
 
     def __init__(self, items: list[EvalItem], n: int):
         self.grams: dict[str, list[str]] = {}
-        lengths = set()
+        hashes: dict[int, list[np.ndarray]] = {}  # n-gram length -> their hashes
         for item in items:
             ws = words(item.text)
             size = min(n, len(ws))
             if size < MIN_ITEM_WORDS:
                 continue
-            lengths.add(size)
+            hashes.setdefault(size, []).append(Grams(ws).of(size))
             for i in range(len(ws) - size + 1):
                 ids = self.grams.setdefault(" ".join(ws[i : i + size]), [])
                 if not ids or ids[-1] != item.id:
                     ids.append(item.id)
-        self.lengths = sorted(lengths)
-        self.starts = {tuple(g.split(" ", 2)[:2]) for g in self.grams}  # a cheap first test
+        self.lengths = sorted(hashes)
+        # a hash that matches is checked against the n-gram itself: no false match by collision
+        self.hashes = {size: np.unique(np.concatenate(hs)) for size, hs in hashes.items()}
 
-    def matches(self, ws: list[str]) -> list[str]:
-        """The items sharing an n-gram with these words, in first-seen order."""
+    def matches(self, ws: list[str], grams: Grams | None = None) -> list[str]:
+        """The items sharing an n-gram with these words, in first-seen order (by position,
+        then n-gram length)."""
+        grams = grams or Grams(ws)
+        hits = []  # (position, length)
+        for size in self.lengths:
+            hits += [(int(i), size) for i in np.flatnonzero(_sorted_member(self.hashes[size], grams.of(size)))]
         found: dict[str, None] = {}
-        for i in range(len(ws) - 1):
-            if (ws[i], ws[i + 1]) in self.starts:
-                for size in self.lengths:
-                    if i + size <= len(ws):
-                        ids = self.grams.get(" ".join(ws[i : i + size]))
-                        if ids:
-                            found.update(dict.fromkeys(ids))
+        for i, size in sorted(hits):
+            ids = self.grams.get(" ".join(ws[i : i + size]))
+            if ids:
+                found.update(dict.fromkeys(ids))
         return list(found)
 
 
@@ -163,12 +240,51 @@ class Features:
         return len(self.sizes)
 
 
-def _signatures(batch: list[list[bytes]]) -> np.ndarray:
-    """datasketch's MinHash of each shingle list: (len(batch), NUM_PERM) uint32."""
-    from datasketch import MinHash
+_PERMUTATIONS: list[np.ndarray] = []
+MINHASH_ROWS = 1 << 13  # shingles permuted at once: (NUM_PERM, MINHASH_ROWS) uint32, 4 MiB
 
-    hashes = MinHash.bulk(batch, num_perm=NUM_PERM, seed=MINHASH_SEED, scheme=MINHASH_SCHEME)
-    return np.stack([m.hashvalues for m in hashes]).astype("<u4")  # values below 2**32
+
+def _permutations() -> tuple[np.ndarray, np.ndarray]:
+    """datasketch's affine32 permutations (a, b), each (NUM_PERM,) uint32, checked once per
+    process to give what its own MinHash gives for the same 32-bit shingle hashes."""
+    if not _PERMUTATIONS:
+        from datasketch import MinHash
+
+        a, b = MinHash(num_perm=NUM_PERM, seed=MINHASH_SEED, scheme=MINHASH_SCHEME).permutations
+        _PERMUTATIONS[:] = [a.astype(np.uint32), b.astype(np.uint32)]
+        probe = np.array([0, 1, 7, 2**32 - 1, 123456789], dtype=np.uint32)
+        m = MinHash(num_perm=NUM_PERM, seed=MINHASH_SEED, scheme=MINHASH_SCHEME, hashfunc=int)
+        m.update_batch(probe.tolist())
+        assert np.array_equal(_signatures([probe]), m.hashvalues.reshape(1, -1)), "datasketch's affine32 changed"
+    return _PERMUTATIONS[0], _PERMUTATIONS[1]
+
+
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 32-bit finalizer, which datasketch's affine32 applies before permuting."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def _signatures(batch: list[np.ndarray]) -> np.ndarray:
+    """MinHash signatures, (len(batch), NUM_PERM) uint32, of documents given by their 32-bit
+    shingle hashes (each non-empty): datasketch's affine32 scheme (its MinHash with these hashes
+    as hashfunc's values), computed for many documents at once in blocks of MINHASH_ROWS."""
+    a, b = _permutations()
+    hv = _fmix32(np.concatenate(batch))
+    starts = np.cumsum([0] + [len(x) for x in batch[:-1]])
+    sigs = np.full((len(batch), NUM_PERM), np.iinfo(np.uint32).max, np.uint32)
+    for r0 in range(0, len(hv), MINHASH_ROWS):
+        r1 = min(r0 + MINHASH_ROWS, len(hv))
+        first = np.searchsorted(starts, r0, side="right") - 1  # the document holding row r0
+        docs = np.arange(first, np.searchsorted(starts, r1, side="left"))
+        cuts = np.maximum(starts[docs], r0) - r0
+        phv = np.multiply.outer(a, hv[r0:r1])  # (NUM_PERM, rows): reduced along contiguous rows
+        phv += b[:, None]  # wraps mod 2**32, as the scheme says
+        sigs[docs] = np.minimum(sigs[docs], np.minimum.reduceat(phv, cuts, axis=1).T)
+    return sigs.astype("<u4")
 
 
 def features_of(docs: Iterator[str], near_ngram: int | None, index: EvalIndex | None) -> Features:
@@ -180,12 +296,13 @@ def features_of(docs: Iterator[str], near_ngram: int | None, index: EvalIndex | 
         if near_ngram is None and index is None:
             continue
         ws = words(doc)
+        grams = Grams(ws)
         if index is not None:
-            found = index.matches(ws)
+            found = index.matches(ws, grams)
             if found:
                 matches[k] = found
         if near_ngram is not None:
-            batch.append(shingles(ws, near_ngram))
+            batch.append(grams.shingles(near_ngram))
             if len(batch) >= MINHASH_BATCH:
                 sigs.append(_signatures(batch))
                 batch = []
