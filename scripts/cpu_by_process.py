@@ -30,7 +30,7 @@ KINDS = [
     (r"stoker\.training\.ray_main", "Ray driver (stoker.training.ray_main)"),
     (r"stoker\.training\.train", "rank (stoker.training.train)"),
     (r"-m tests\.forked_ranks", "forked rank or its zygote (tests.forked_ranks)"),
-    (r"stoker\.training\.evaluate", "evaluation"),
+    (r"stoker\.training\.evaluation_main", "evaluation"),
     (r"prefect\.engine", "Prefect flow-run process"),
     (r"_workspace_supervisor", "Prefect runner's workspace supervisor"),
     (r"prefect server start|uvicorn", "Prefect server"),

@@ -138,7 +138,7 @@ def test_a_checkpoint_is_evaluated_once_even_by_two_evaluations_at_once_and_a_re
     from stoker.flows.evaluation_flow import evaluate_checkpoint_flow
     from stoker.storage.checkpoints import COMMIT_FILE, EVAL_PIN, pin_for_evaluation
     from stoker.storage.runs import pin_run_folder
-    from stoker.tasks import evaluate
+    from stoker.tasks import evaluation as evaluate
 
     cfg = tiny_config(run_name="cached")
     store, shards = prepare_shards(cfg)

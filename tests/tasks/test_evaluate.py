@@ -51,7 +51,7 @@ def _evaluation_in_a_thread(cfg, tmp_path):
     until the stop comes. (A missing config file let it end on its own first once, when a
     loaded machine was slow to send the stop; and a SIGINT sent during its start-up, beside
     three loaded test workers, once did not end it within 60 s: cause not found.)"""
-    from stoker.launch import evaluate
+    from stoker.launch import evaluation_child as evaluate
 
     box = []
     config = tmp_path / "config.json"
