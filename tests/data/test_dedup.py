@@ -84,6 +84,25 @@ def test_the_planted_copies_near_copies_and_evaluation_items_are_what_is_removed
     assert {s["reason"] for s in samples} == {"exact", "near", "contaminated"}
     near = [s for s in samples if s["reason"] == "near"]
     assert all(s["kept_source"] == "domain" and 0.8 <= s["similarity"] < 1 for s in near)
+    # what a person reads of it: the log line, the report's section, `stoker runs`' column
+    from stoker.observe.inspect import removed_summary
+    from stoker.observe.report import dedup_line, dedup_markdown
+    from stoker.storage.layout import run_file_key
+
+    assert (
+        dedup_line(domain).startswith("source 'domain': 47 documents")
+        and "removed 3 exact and 2 near duplicates (data.dedup near), 2 holding evaluation items (stoker_mc:0, stoker_mc:1)"
+        in dedup_line(domain)
+    )
+    section = dedup_markdown([domain, replay], "file:///x/dedup-removed.jsonl")
+    assert (
+        "| domain | near | 47 |" in section
+        and "| 3 | 2 | 2 | 2 | 40 |" in section
+        and "| 2 | 0 | 0 | 0 | 20 |" in section
+    )
+    assert "domain: stoker_mc:0, stoker_mc:1" in section and "file:///x/dedup-removed.jsonl" in section
+    store.write_json(run_file_key("r", "shards.json"), {"dedup": [domain.as_dict(), replay.as_dict()]})
+    assert removed_summary(store, "r") == "exact 5, near 2, eval 2 (2 items)"
 
 
 def test_exact_mode_keeps_near_copies_and_a_high_threshold_keeps_them_too(corpus, tmp_path):
