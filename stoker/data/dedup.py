@@ -39,7 +39,7 @@ import numpy as np
 from stoker.config import DataConfig, EvalConfig, RayConfig
 from stoker.contracts.results import DatasetInfo, DedupInfo
 from stoker.data.evalitems import EvalItem, eval_items, items_fingerprint
-from stoker.data.ray_engine import StoreSpec, _cancel, _node_id, _result, _shutdown, connect
+from stoker.data.ray_engine import StoreSpec, _node_id, _result, ray_tasks
 from stoker.data.sharding import corpus_text, partition_ranges, range_lines
 from stoker.storage.credentials import options_for
 from stoker.storage.datasets import CORPUS_FILE, committed_dataset, content_fingerprint, dataset_key, publish_dataset
@@ -397,12 +397,10 @@ def features_on_ray(store: Store, ray_cfg: RayConfig, corpus_key: str, corpus_si
     engine's cut, so the features and the decisions are the same whatever the engine)."""
     spec = StoreSpec(store.root, options_for(store.root, store.storage_options))
     cpus = ray_cfg.cpus_per_data_task
-    ray, owned = connect(ray_cfg, cpus)
-    refs: list = []
-    try:
+    with ray_tasks(ray_cfg, cpus) as (ray, refs):
         task = ray.remote(features_task).options(num_cpus=cpus, name="stoker-dedup", scheduling_strategy="SPREAD")
         items_ref = ray.put(items)
-        refs = [task.remote(spec, corpus_key, corpus_size, s, e, near_ngram, items_ref, n) for s, e in ranges]
+        refs += [task.remote(spec, corpus_key, corpus_size, s, e, near_ngram, items_ref, n) for s, e in ranges]
         got = [_result(ray, ref, f"computes the dedup features of partition {k}") for k, ref in enumerate(refs)]
         log.info(
             "data.dedup on ray: %d tasks on %d node(s)",
@@ -411,13 +409,6 @@ def features_on_ray(store: Store, ray_cfg: RayConfig, corpus_key: str, corpus_si
             extra={"ray_nodes": sorted({node for _, node in got})},
         )
         return [features for features, _ in got]
-    except BaseException:
-        if refs:
-            _cancel(ray, refs)
-        raise
-    finally:
-        if owned:
-            _shutdown(ray)
 
 
 def _features_key(key: str) -> str:

@@ -20,6 +20,7 @@ Ray is imported inside functions only: ``data`` imports without it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -314,6 +315,24 @@ def _result(ray, ref, what: str) -> dict:
         ) from None
 
 
+@contextlib.contextmanager
+def ray_tasks(ray_cfg: RayConfig, cpus: float):
+    """Ray, connected for a batch of tasks: yields (ray, refs), the caller adding its tasks'
+    refs to `refs`. On any failure, Ctrl-C included, those tasks are cancelled and waited for
+    before the error propagates; a Ray this call started is shut down."""
+    ray, owned = connect(ray_cfg, cpus)
+    refs: list = []
+    try:
+        yield ray, refs
+    except BaseException:
+        if refs:
+            _cancel(ray, refs)
+        raise
+    finally:
+        if owned:
+            _shutdown(ray)
+
+
 def _cancel(ray, refs: list) -> None:
     """Stop every task still running, and wait until they are gone: none may write into the
     staging folder after the caller has removed it."""
@@ -353,9 +372,7 @@ def build_shards_on_ray(
     corpus_size = store.size(corpus_key)
     ranges = partition_ranges(corpus_size, partition_bytes)
     cpus = ray_cfg.cpus_per_data_task
-    ray, owned = connect(ray_cfg, cpus)
-    refs: list = []
-    try:
+    with ray_tasks(ray_cfg, cpus) as (ray, refs):
         # SPREAD: partitions go round the nodes (each reads its own range), not first to the driver's
         tokenize = ray.remote(tokenize_task).options(
             num_cpus=cpus, name="stoker-tokenize", scheduling_strategy="SPREAD"
@@ -417,10 +434,3 @@ def build_shards_on_ray(
             )
         store.rm(join(staging, PARTS))
         return RayBuild(files, nodes, len(refs), cpu_s, unencodable)
-    except BaseException:
-        if refs:
-            _cancel(ray, refs)
-        raise
-    finally:
-        if owned:
-            _shutdown(ray)
