@@ -22,32 +22,22 @@ from stoker.storage.runs import pin_run_folder
 from tests.bases import exported_logits_are_ours, loss_of_documents_alone, short_documents, tiny_base
 from tests.conftest import prepare_shards, tiny_dict, train_losses
 from tests.forked_ranks import run_forked
+from tests.training.test_llama import _SHAPE, _hf_model
 
 transformers = pytest.importorskip("transformers")
 
 
 def _hf_qwen3(tied: bool):
-    """A random Qwen3ForCausalLM, every parameter off its init (the q/k norms' gains not ones)."""
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    """A random Qwen3ForCausalLM (test_llama's helper: every parameter off its init, the q/k
+    norms' gains not ones), test_llama's shape with an explicit head_dim of 32."""
+    config = lambda: transformers.Qwen3Config(  # noqa: E731
+        **_SHAPE,
         head_dim=32,
-        intermediate_size=96,
-        vocab_size=300,
-        max_position_embeddings=64,
         rms_norm_eps=1e-6,
         tie_word_embeddings=tied,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     )
-    cfg._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * (0.2 if p.dim() == 1 else 0.02))
-    return model
+    return _hf_model("qwen3", {"qwen3": config})
 
 
 def _ours_of(hf, vocab: int):
