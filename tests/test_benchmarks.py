@@ -139,6 +139,18 @@ def test_bench_mixture_smoke_run_prints_its_ratio(capsys):
     assert "RATIO three sources / one source" in capsys.readouterr().out
 
 
+def test_bench_data_order_smoke_run_measures_both_sizes_in_fresh_processes(capsys):
+    """benchmarks/bench_data_order.py at a tiny size: the peak RSS of a child at 1e6 and at 1e10
+    windows per source (the computed order: within 1 MB even here), and the speed ratio against
+    the stored permutations it replaced."""
+    from benchmarks import bench_data_order
+
+    result = bench_data_order.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert abs(result["peak_rss_difference_mb"]) <= 1, result
+    assert _figures(r"RATIO computed / stored order, picks per second at 1e6 windows: ([\d.]+)", out)[0] > 0
+
+
 def test_bench_data_smoke_run_counts_the_same_tokens_three_ways(capsys):
     """benchmarks/bench_data.py on a tiny corpus: the data stage, encode_batch_fast and
     Dataset.map count the same tokens (its report asserts it), every ratio printed."""

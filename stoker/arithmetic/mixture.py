@@ -14,10 +14,13 @@ Torch-free, so the flow (the plan it logs, the report) and every rank compute th
   of its share per block; ``Segment.exact`` says which). Inside a block the windows' sources
   are shuffled by a generator seeded with (seed, segment, block).
 - **Which window**: each source's training windows (non-overlapping, ``block_size + 1`` tokens,
-  never across a shard file) are taken in a permutation seeded with (seed, source name, epoch);
-  a source that runs out starts its next epoch in a new permutation. The n-th window drawn
-  from a source is a function of n alone, and n of (step, position): a count of the quotas of
-  the blocks before plus those of the block so far.
+  never across a shard file) are taken in the order of a keyed bijection of [0, windows)
+  (``permutation``: a Feistel network with cycle walking), keyed by (seed, source name, epoch):
+  computed, never stored, so a rank's memory does not grow with a source's windows. A source
+  that runs out starts its next epoch in a new order. The n-th window drawn from a source is a
+  function of n alone, and n of (step, position): a count of the quotas of the blocks before
+  plus those of the block so far. (This order replaced a stored ``numpy`` permutation per
+  source and epoch: the same seed gives other windows than before it.)
 
 A resumed run (any world size, launcher or restart) computes the same windows: nothing here
 depends on anything but the seed, the step, the position and the config.
@@ -32,6 +35,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
+
+from stoker.arithmetic.permutation import Bijection
 
 MAX_BLOCK_STEPS = 1000
 MAX_BLOCK_WINDOWS = 1 << 22  # a block's assignment array stays a few MB
@@ -141,7 +146,7 @@ class Mixture:
         self.global_batch, self.seed = global_batch, seed
         self.segments = segments(self.names, weights, schedule, global_batch)
         self._blocks: OrderedDict = OrderedDict()
-        self._perms: OrderedDict = OrderedDict()
+        self._orders: OrderedDict = OrderedDict()  # a few round keys each, not windows
         self._step: tuple | None = None  # the last step's whole picks
 
     @classmethod
@@ -208,17 +213,16 @@ class Mixture:
         return self.draws_before(steps) / self.windows
 
     # ---- which window ------------------------------------------------------------------
-    def _permutation(self, i: int, epoch: int) -> np.ndarray:
+    def _order(self, i: int, epoch: int) -> Bijection:
+        """Source i's order of its windows in this epoch."""
         key = (i, epoch)
-        got = self._perms.get(key)
+        got = self._orders.get(key)
         if got is None:
-            ss = np.random.SeedSequence([self.seed, _name_seed(self.names[i]), epoch])
-            dtype = np.uint32 if self.windows[i] < 2**32 else np.int64
-            got = self._perms[key] = np.random.Generator(np.random.PCG64(ss)).permutation(self.windows[i]).astype(dtype)
-            if len(self._perms) > 2 * len(self.names) + 2:
-                self._perms.popitem(last=False)
+            got = self._orders[key] = Bijection(int(self.windows[i]), (self.seed, _name_seed(self.names[i]), epoch))
+            if len(self._orders) > 2 * len(self.names) + 2:
+                self._orders.popitem(last=False)
         else:
-            self._perms.move_to_end(key)
+            self._orders.move_to_end(key)
         return got
 
     def picks(self, step: int, start: int = 0, count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -239,13 +243,17 @@ class Mixture:
         sorted_ids = ids[order]
         first = np.searchsorted(sorted_ids, sorted_ids, side="left")
         occurrence[order] = np.arange(len(ids)) - first
-        src = ids
-        n = base[src] + occurrence
+        src = ids.astype(np.int64)
+        draw = base[src] + occurrence  # the draw's number in its source, over all epochs
+        epoch, within = np.divmod(draw, self.windows[src])
         out = np.empty(len(src), dtype=np.int64)
-        for k, (i, draw) in enumerate(zip(src.tolist(), n.tolist())):
-            epoch, within = divmod(draw, int(self.windows[i]))
-            out[k] = int(self._permutation(i, epoch)[within])
-        return src.astype(np.int64), out
+        # one bijection call per (source, epoch) of the step: a step spans few of them
+        for i in np.unique(src).tolist():
+            of_i = np.flatnonzero(src == i)
+            for e in np.unique(epoch[of_i]).tolist():
+                at = of_i[epoch[of_i] == e]
+                out[at] = self._order(i, e)(within[at])
+        return src, out
 
     # ---- limits ------------------------------------------------------------------------
     def last_step_within(self, i: int, max_epochs: float, max_steps: int) -> int:
