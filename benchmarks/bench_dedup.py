@@ -20,7 +20,7 @@ import time
 from datasketch import MinHash
 
 from stoker.config import DataConfig, EvalConfig, TokenizerConfig
-from stoker.data import dedup
+from stoker.data import dedup, minhash
 from stoker.data.prepare import download_dataset, iter_corpus, prepare_all
 from stoker.storage.store import Store
 
@@ -69,9 +69,9 @@ def main() -> None:
     if args.scale == 1:  # the library alone: its MinHash of the same 5-word shingles
         docs = list(iter_corpus(store, ds))
         t0 = time.process_time()
-        for k in range(0, len(docs), dedup.MINHASH_BATCH):
-            batch = [dedup.shingles(dedup.words(d), 5) for d in docs[k : k + dedup.MINHASH_BATCH]]
-            MinHash.bulk(batch, num_perm=dedup.NUM_PERM, seed=dedup.MINHASH_SEED, scheme=dedup.MINHASH_SCHEME)
+        for k in range(0, len(docs), minhash.MINHASH_BATCH):
+            batch = [minhash.shingles(minhash.words(d), 5) for d in docs[k : k + minhash.MINHASH_BATCH]]
+            MinHash.bulk(batch, num_perm=minhash.NUM_PERM, seed=minhash.MINHASH_SEED, scheme=minhash.MINHASH_SCHEME)
         alone = time.process_time() - t0
         out["minhash_alone_docs_per_cpu_s"] = round(len(docs) / alone, 1)
         out["ratio"] = round(alone / stage, 2)

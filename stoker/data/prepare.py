@@ -30,8 +30,10 @@ from stoker.data.sharding import (
     build_shards,
     corpus_text,
     partition_jobs,
+    partition_ranges,
 )
 from stoker.data.sources import resolve_source, with_retries, write_corpus
+from stoker.data.units import ProgressFn, Tracker
 from stoker.failures import DataError
 from stoker.storage.datasets import (
     CORPUS_FILE,
@@ -312,6 +314,7 @@ def tokenize_and_shard(
     store: Store,
     partition_bytes: int = PARTITION_BYTES,
     ray: RayConfig | None = None,
+    on_progress: ProgressFn | None = None,
 ) -> ShardInfo:
     """Tokenize the corpus once into flat little-endian token files, manifest last.
 
@@ -336,7 +339,7 @@ def tokenize_and_shard(
         inputs = {"dataset_fingerprint": dataset.fingerprint, "tokenizer_sha256": tokenizer.sha256, "params": params}
         staging = staging_key(cache_key)
         try:
-            manifest = _build(dataset, tokenizer, cfg, store, staging, dtype, partition_bytes, ray)
+            manifest = _build(dataset, tokenizer, cfg, store, staging, dtype, partition_bytes, ray, on_progress)
         except BaseException:
             store.rm(staging)  # nothing half-written survives a failure
             raise
@@ -434,16 +437,29 @@ def _build(
     dtype: np.dtype,
     partition_bytes: int,
     ray: RayConfig | None = None,
+    on_progress: ProgressFn | None = None,
 ) -> dict:
     """Build the shard set into `staging`; return its manifest (without key and inputs)."""
     with tempfile.TemporaryDirectory(prefix="stoker-shards-") as tmp:
         found: dict = {}
         if cfg.engine == "ray":
             by_split, files = _build_on_ray(
-                dataset, tokenizer, cfg, store, staging, dtype, partition_bytes, ray or RayConfig(), tmp, found
+                dataset,
+                tokenizer,
+                cfg,
+                store,
+                staging,
+                dtype,
+                partition_bytes,
+                ray or RayConfig(),
+                tmp,
+                found,
+                on_progress,
             )
         else:
-            by_split, files = _build_here(dataset, tokenizer, cfg, store, staging, dtype, partition_bytes, tmp, found)
+            by_split, files = _build_here(
+                dataset, tokenizer, cfg, store, staging, dtype, partition_bytes, tmp, found, on_progress
+            )
     lost, example = found.get(UNENCODABLE) or [0, ""]
     bins = {s: sorted(n for n in by_split[s] if n.endswith(".bin")) for s in SPLITS}
     return {
@@ -479,6 +495,7 @@ def _build_here(
     partition_bytes: int,
     tmp: str,
     found: dict,
+    on_progress: ProgressFn | None = None,
 ) -> tuple[dict, dict]:
     """The local engine: cfg.num_workers processes on this host. Returns the shard files by
     split and every file's manifest entry (tokenizer.json included)."""
@@ -509,7 +526,8 @@ def _build_here(
         dtype=dtype.str,
         val_fraction=cfg.val_fraction,
     )
-    by_split = build_shards(jobs, build, cfg.shard_tokens, cfg.resolved_workers(), tmp, on_close, found)
+    tracker = Tracker("tokenize", len(jobs), on_progress)
+    by_split = build_shards(jobs, build, cfg.shard_tokens, cfg.resolved_workers(), tmp, on_close, found, tracker)
     _every_split_filled(by_split, dataset)
     files = {TOKENIZER_FILE: {"size": os.path.getsize(local_tok), "sha256": sha256_file(local_tok)}}
     on_close(TOKENIZER_FILE, local_tok)
@@ -529,6 +547,7 @@ def _build_on_ray(
     ray: RayConfig,
     tmp: str,
     found: dict,
+    on_progress: ProgressFn | None = None,
 ) -> tuple[dict, dict]:
     """The Ray engine (stoker/data/ray_engine.py): Ray tasks read the corpus from the store and write
     the shard files to staging; this host writes only tokenizer.json there."""
@@ -548,6 +567,11 @@ def _build_on_ray(
         cfg.val_fraction,
         cfg.shard_tokens,
         partition_bytes,
+        Tracker(
+            "tokenize",
+            len(partition_ranges(store.size(join(dataset.key, CORPUS_FILE)), partition_bytes)),
+            on_progress,
+        ),
     )
     log.info(
         "data.engine ray: %d tasks on %d node(s), %.1f task CPU-s",

@@ -95,7 +95,7 @@ class RayBuild:
 _TOKENIZERS: dict[tuple[str, str], Any] = {}
 
 
-def _node_id() -> str:
+def node_id() -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id()
@@ -151,7 +151,7 @@ def tokenize_task(
     except FileNotFoundError:
         raise ConfigError(
             [
-                f"storage.root: a Ray node ({_node_id()[:12]}) finds no {store.url(corpus_key)}, which the "
+                f"storage.root: a Ray node ({node_id()[:12]}) finds no {store.url(corpus_key)}, which the "
                 "flow's host reads; with data.engine 'ray' every node must reach storage.root: use an "
                 "object store (s3://...) or a folder mounted at the same path on every node."
             ]
@@ -160,7 +160,7 @@ def tokenize_task(
         if counts[split][0]:
             store.write_bytes(piece_key(staging, index, split), binf.getvalue())  # one PUT: whole or absent
     ends = {s: np.frombuffer(files[s][1].getvalue(), dtype="<u8") for s in SPLITS}
-    return {"counts": counts, "ends": ends, "node": _node_id(), "cpu_s": time.process_time() - cpu0}
+    return {"counts": counts, "ends": ends, "node": node_id(), "cpu_s": time.process_time() - cpu0}
 
 
 def assemble_task(
@@ -196,7 +196,7 @@ def assemble_task(
         "bin_sha256": digest.hexdigest(),
         "idx_size": len(idx_bytes),
         "idx_sha256": hashlib.sha256(idx_bytes).hexdigest(),
-        "node": _node_id(),
+        "node": node_id(),
         "cpu_s": time.process_time() - cpu0,
     }
 
@@ -286,7 +286,7 @@ def _shutdown(ray) -> None:
         log.warning("ray.shutdown() failed: %s: %s", type(err).__name__, err)
 
 
-def _result(ray, ref, what: str) -> dict:
+def result_of(ray, ref, what: str) -> dict:
     """ray.get, with a task's error raised as the local engine would raise it."""
     try:
         return ray.get(ref)
@@ -362,12 +362,13 @@ def build_shards_on_ray(
     val_fraction: float,
     shard_tokens: int,
     partition_bytes: int,
+    tracker=None,
 ) -> RayBuild:
     """Tokenize the stored corpus into shard files under `staging` with Ray tasks (see the
     module docstring); returns their manifest entries by split (as sharding.build_shards does)
     and where the work ran. On any failure, Ctrl-C included, the tasks are cancelled and waited
     for before the error propagates, and a connection made here is closed; the caller removes
-    staging."""
+    staging. `tracker` (stoker.data.units.Tracker) sees each partition tokenized."""
     spec = StoreSpec(store.root, options_for(store.root, store.storage_options))
     corpus_size = store.size(corpus_key)
     ranges = partition_ranges(corpus_size, partition_bytes)
@@ -407,10 +408,12 @@ def build_shards_on_ray(
 
         unencodable = [0, ""]
         for k, ref in enumerate(parts):  # in partition order, as the local engine appends them
-            got = _result(ray, ref, f"tokenizes partition {k}")
+            got = result_of(ray, ref, f"tokenizes partition {k}")
             unencodable = merge_unencodable(unencodable, got["counts"].get(UNENCODABLE))
             nodes.add(got["node"])
             cpu_s += got["cpu_s"]
+            if tracker is not None:  # stoker.data.units.Tracker: documents tokenized so far
+                tracker.step(sum(got["counts"][s][1] for s in SPLITS), got["node"])
             for split in SPLITS:
                 for plan in planners[split].add(piece_key(staging, k, split), got["ends"][split]):
                     submit(plan)
@@ -419,7 +422,7 @@ def build_shards_on_ray(
         files: dict[str, dict[str, dict]] = {s: {} for s in SPLITS}
         for plan, ref in zip(plans, refs[len(parts) :]):
             name = shard_name(plan.split, plan.index, "bin")
-            got = _result(ray, ref, f"assembles {name}")
+            got = result_of(ray, ref, f"assembles {name}")
             nodes.add(got["node"])
             cpu_s += got["cpu_s"]
             if (got["bin_size"], got["idx_size"]) != (plan.tokens * dtype.itemsize, plan.docs * 8):

@@ -487,10 +487,12 @@ def build_shards(
     work_dir: str,
     on_close: Callable[[str, str], None] = lambda name, path: None,
     found: dict | None = None,
+    tracker=None,
 ) -> dict[str, dict[str, dict]]:
     """Tokenize every partition and assemble the shard files into `folder`; returns
     {split: {file name: manifest entry}}. `on_close(name, path)` sees each finished file;
-    `found` (when given) gets UNENCODABLE: [bytes, first example] over every partition."""
+    `found` (when given) gets UNENCODABLE: [bytes, first example] over every partition;
+    `tracker` (stoker.data.units.Tracker) sees each partition tokenized."""
     dtype = np.dtype(jobs[0].dtype)
     n = max(1, min(num_workers, len(jobs)))
     writers = {s: _ShardAssembler(folder, s, dtype, shard_tokens, on_close) for s in SPLITS}
@@ -498,7 +500,10 @@ def build_shards(
     unencodable = [0, ""]
     try:
         for job in jobs:  # in partition order, whatever finishes first
-            unencodable = merge_unencodable(unencodable, runner.wait(job).get(UNENCODABLE))
+            counts = runner.wait(job)
+            unencodable = merge_unencodable(unencodable, counts.get(UNENCODABLE))
+            if tracker is not None:
+                tracker.step(sum(counts[s][1] for s in SPLITS))
             for split in SPLITS:
                 bin_path, idx_path = job.paths(split)
                 writers[split].add(bin_path, idx_path)

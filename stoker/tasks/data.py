@@ -25,6 +25,7 @@ from stoker.data.sources import resolve_source
 from stoker.failures import DataError
 from stoker.observe.report import DEDUP_SAMPLES_FILE, dedup_line, dedup_rows, vocabulary_note
 from stoker.orchestration.caching import StoreCache, digest, result_shape
+from stoker.orchestration.progress import StageProgress
 from stoker.storage.datasets import committed_dataset
 from stoker.storage.layout import run_file_key
 from stoker.storage.shards import validate_shard_set
@@ -125,7 +126,7 @@ def dedup_and_decontaminate(
 
     store = Store.of(storage)
     sources = [(name, cfg) for name, _, cfg in data.source_configs()]
-    out = dedup.dedup_sources(datasets, sources, store, evaluation, ray)
+    out = dedup.dedup_sources(datasets, sources, store, evaluation, ray, on_progress=StageProgress(run))
     logger = get_run_logger()
     samples = []
     for _, info in out:
@@ -184,7 +185,8 @@ def tokenize_and_shard(
     """Tokenize once into shards keyed by content; a valid shard set is reused as is.
     data.num_workers worker processes share the work, or with data.engine 'ray' Ray tasks on
     the cluster of `ray`; the bytes depend on neither."""
-    info = prepare.tokenize_and_shard(dataset, tokenizer, data, Store.of(storage), ray=ray)
+    progress = StageProgress(f"{name}-{dataset.fingerprint[:8]}")
+    info = prepare.tokenize_and_shard(dataset, tokenizer, data, Store.of(storage), ray=ray, on_progress=progress)
     if data.engine == "ray":
         where = f"Ray tasks on {ray.address}" if ray and ray.address else "Ray tasks on a local Ray instance"
     else:

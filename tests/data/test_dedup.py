@@ -12,10 +12,11 @@ import random
 import shutil
 import sysconfig
 
+import numpy as np
 import pytest
 
 from stoker.config import DataConfig, EvalConfig, RayConfig, TokenizerConfig, load_config
-from stoker.data import dedup
+from stoker.data import dedup, dedup_units
 from stoker.data.evalitems import VENDORED_SET, _vendored_items
 from stoker.data.prepare import download_dataset, prepare_all
 from stoker.failures import ConfigError
@@ -119,10 +120,10 @@ def test_a_rerun_is_a_cache_hit_and_an_added_source_is_deduplicated_against_the_
     data = _data(corpus, dedup="near")
     one = _dedup(store, data.model_copy(update={"sources": data.sources[:1]}))
     assert not one[0][1].cache_hit
-    computed = []
-    real = dedup._compute_features
+    computed = []  # the partitions whose features are computed (not read from the store)
+    real = dedup_units._features
     monkeypatch.setattr(
-        dedup, "_compute_features", lambda store, ds, *a: computed.append(ds.fingerprint) or real(store, ds, *a)
+        dedup_units, "_features", lambda store, folder, *a: computed.append(folder) or real(store, folder, *a)
     )
     both = _dedup(store, data)
     assert both[0][1].cache_hit and both[0][0].fingerprint == one[0][0].fingerprint  # read, not redone
@@ -217,3 +218,102 @@ def test_two_ray_nodes_remove_the_same_documents_and_give_the_same_shard_bytes(r
         files.update({f"{s.name}/{n}": store.read_bytes(join(s.key, n)) for n in manifest["files"]})
     assert [(d.num_exact, d.num_near, d.num_contaminated) for d in shards.dedup] == [(3, 2, 2), (2, 0, 0)]
     assert files == local_files
+
+
+# ---- the units' decision against a brute-force reading of the rule ---------------------------------
+def _reference(sources: list[tuple[list[str], dict]], threshold: float, items) -> list[list[str]]:
+    """Today's rule read literally, every pair compared: a document is removed when it holds an
+    evaluation item (its source decontaminating), else when an earlier kept document has its
+    digest (dedup exact or near), else when an earlier kept one shares a band of its MinHash
+    signature (datasketch's MinHashLSH banding at the threshold) and reaches the threshold."""
+    from stoker.data import minhash
+
+    num_bands, rows = minhash.bands(threshold)
+    index = minhash.EvalIndex(items, 13)
+    kept, reasons = [], []  # kept: (digest, signature)
+    for docs, cfg in sources:
+        feats = minhash.features_of(iter(docs), 5, index if cfg["decontaminate"] else None)
+        out = []
+        for k in range(len(docs)):
+            digest, sig = feats.digests[k].tobytes(), feats.signatures[k]
+            if k in feats.matches:
+                out.append("contaminated")
+            elif cfg["dedup"] != "none" and any(d == digest for d, _ in kept):
+                out.append("exact")
+            elif cfg["dedup"] == "near" and any(
+                minhash.share_a_band(s[None], sig[None], num_bands, rows)[0] and float(np.mean(s == sig)) >= threshold
+                for _, s in kept
+            ):
+                out.append("near")
+            else:
+                out.append("kept")
+                kept.append((digest, sig))
+        reasons.append(out)
+    return reasons
+
+
+def test_the_units_decide_as_every_pair_compared_across_partitions_buckets_and_mixed_settings(tmp_path, monkeypatch):
+    """Chains of near copies (each a few words from a common original, so a copy may match a
+    removed one only), exact copies with other whitespace, evaluation items, three sources with
+    mixed settings, cut into many partitions and buckets: the units remove exactly what the
+    literal rule removes, for the same reasons (the removed documents' numbers compared)."""
+    rng = random.Random(5)
+    vocab = VOCAB[:400]
+    base = [" ".join(rng.choice(vocab) for _ in range(rng.randint(20, 120))) for _ in range(60)]
+    items = _vendored_items()[:3]
+
+    def doc() -> str:
+        r, d = rng.random(), rng.choice(base)
+        if r < 0.4:
+            ws = d.split()
+            for i in rng.sample(range(len(ws)), min(len(ws), rng.randint(1, 12))):
+                ws[i] = rng.choice(vocab)
+            d = " ".join(ws)
+        elif r < 0.47:
+            d = "x " + rng.choice(items).text
+        elif r < 0.6:
+            d = " ".join(rng.choice(vocab) for _ in range(60))
+        return "  " + d.replace(" ", "\n", 2) if rng.random() < 0.2 else d
+
+    settings = [
+        {"dedup": "near", "decontaminate": True},
+        {"dedup": "exact", "decontaminate": False},
+        {"dedup": "near", "decontaminate": True},
+    ]
+    texts = [[doc() for _ in range(150)] for _ in settings]
+    sources = []
+    for k, (docs, st) in enumerate(zip(texts, settings)):
+        (tmp_path / f"s{k}").mkdir()
+        (tmp_path / f"s{k}" / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+        cfg = DataConfig(source=str(tmp_path / f"s{k}"), near_dup_threshold=0.7, near_dup_ngram=5, **st)
+        sources.append((f"s{k}", cfg))
+    monkeypatch.setattr(dedup, "PARTITION_BYTES", 4000)  # ~6 partitions a source
+    monkeypatch.setattr(dedup_units, "BUCKET_DOCS", 40)  # 16 buckets
+    store = Store(f"file://{tmp_path}/store")
+    datasets = [download_dataset(cfg, store) for _, cfg in sources]
+    got = dedup.dedup_sources(datasets, sources, store, EvalConfig())
+    want = _reference(list(zip(texts, settings)), 0.7, items)
+    for (_, info), reasons in zip(got, want):
+        removed = np.load(store.local_path(join(info.key, dedup_units.REMOVED_DOCS)))["removed"].tolist()
+        assert removed == [k for k, r in enumerate(reasons) if r != "kept"]
+        assert (info.num_exact, info.num_near, info.num_contaminated) == tuple(
+            reasons.count(r) for r in ("exact", "near", "contaminated")
+        )
+    assert sum(info.num_near for _, info in got) > 10 and sum(info.num_exact for _, info in got) > 10
+
+
+def test_worker_processes_over_many_partitions_decide_as_one_process(corpus, tmp_path, monkeypatch):
+    """The planted corpus cut into >= 4 partitions a source, its units run by 2 worker processes
+    (a stage of any size, as at scale): the same removals, samples and kept datasets as the
+    units run in this process; a rerun reads every decision."""
+    here = _dedup(Store(f"file://{tmp_path}/a"), _data(corpus, dedup="near"))
+    monkeypatch.setattr(dedup, "PARTITION_BYTES", 20_000)
+    monkeypatch.setattr(dedup, "IN_PROCESS_BYTES", 0)
+    store = Store(f"file://{tmp_path}/b")
+    there = _dedup(store, _data(corpus, dedup="near", num_workers=2))
+    assert len(store.walk_files("dedup/features")) >= 4 * 2 * 4  # >= 4 partitions a source, 4 files each
+    assert [(d, i.as_dict() | {"key": 0}) for d, i in there] == [(d, i.as_dict() | {"key": 0}) for d, i in here]
+    assert [dedup.removed_samples(store, i) for _, i in there] == [
+        dedup.removed_samples(Store(f"file://{tmp_path}/a"), i) for _, i in here
+    ]
+    assert all(i.cache_hit for _, i in _dedup(store, _data(corpus, dedup="near", num_workers=2)))

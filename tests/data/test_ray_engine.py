@@ -180,7 +180,7 @@ def test_an_interrupted_build_cancels_its_tasks_disconnects_and_leaves_nothing(
 ):
     root, options, store, cfg, ds, tk = cluster_bucket
     results = []
-    real = ray_engine._result
+    real = ray_engine.result_of
 
     def interrupted_after_the_first(ray, ref, what):
         results.append(real(ray, ref, what))
@@ -188,7 +188,7 @@ def test_an_interrupted_build_cancels_its_tasks_disconnects_and_leaves_nothing(
             raise KeyboardInterrupt
         return results[-1]
 
-    monkeypatch.setattr(ray_engine, "_result", interrupted_after_the_first)
+    monkeypatch.setattr(ray_engine, "result_of", interrupted_after_the_first)
     with pytest.raises(KeyboardInterrupt):
         _build(store, ds, tk, cfg, "ray", RayConfig(address=ray_cluster.cluster.client_address))
     time.sleep(2)  # a task still running would have written by now

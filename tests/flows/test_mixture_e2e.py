@@ -69,6 +69,16 @@ def test_a_mixture_flows_through_heals_a_damaged_set_and_grows_a_source(prefect_
     ]
     expect = [*per_source, "train_tokenizer", "dedup_and_decontaminate"]
     assert task_states(first, expect) == dict.fromkeys(expect, "Completed")
+    # each data stage's progress as it went: a progress artifact per stage, at 100% when done
+    with get_client(sync_client=True) as client:
+        progress = {
+            a.key: a
+            for a in client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="-")))
+            if a.type == "progress"
+        }
+    stages = ["mixed-dedup-features", "mixed-dedup-buckets", "mixed-dedup-decision", "mixed-dedup-publish"]
+    assert set(stages) <= set(progress) and any(k.startswith("docs-") and k.endswith("-tokenize") for k in progress)
+    assert all(progress[k].data == 100.0 and "units" in progress[k].description for k in stages), progress
     shards = {s.name: s for s in first.result().sets}
 
     # a byte flipped in the store's copy of the web source's shards: only the ranks read it

@@ -1,0 +1,551 @@
+"""The units of data.dedup and data.decontaminate (stoker.data.units runs them, locally or as
+Ray tasks): datatrove's stage design over stoker's partitions, so that no process holds the
+corpus's features and the flow process holds nothing per document.
+
+1. ``features_unit``, one per partition of a source's stored corpus (its byte ranges at
+   PARTITION_BYTES): the partition's documents streamed once into their exact digests, MinHash
+   signatures and evaluation matches (stoker.data.minhash), written to the partition's folder:
+   ``exact.bin`` (a record per document: its digest, sorted), ``sigs.bin``, ``bands-BxR.bin``
+   (a record per band of each signature: the band's hash, the whole signature's hash, sorted),
+   each with the offsets of its SLOTS slots of keys, and ``meta.json`` last (the counts and the
+   documents holding evaluation items). Cached per partition: an added source, or a rerun,
+   computes only the partitions it lacks.
+2. ``bucket_unit``, one per bucket (a range of slots; the bucket count grows with the corpus):
+   the records of its keys from every partition of every source, sorted; documents with equal
+   digests grouped (exact), documents sharing a band hash become candidate pairs, collapsed
+   first to one document per identical signature, and every candidate is verified on the two
+   signatures (estimated Jaccard >= data.near_dup_threshold, a band really equal). Its output is
+   the duplicate relations only: memory bounded by the bucket's records.
+3. ``decide_unit``, once: today's rule over those relations, in source and document order: a
+   document is removed when it holds an evaluation item, else when an earlier kept document has
+   its digest ('exact' and 'near'), else when an earlier kept document is a verified near
+   duplicate ('near'). Only documents that take part in a relation are visited; the state is
+   per group of duplicates (its first kept member), never per document of the corpus.
+4. ``publish_unit``, one per decided source: its kept documents streamed into a dataset of
+   their own (content fingerprint, as any download), the removed sample, the removed
+   documents' numbers and result.json last.
+
+A document's key is ``source << 52 | partition << 28 | document in partition``: their order is
+the corpus's order, so which copy survives is a pure function of content and source order,
+whatever the engine, the worker count or the bucket count.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+from collections import defaultdict
+
+import numpy as np
+
+from stoker.data.evalitems import EvalItem
+from stoker.data.minhash import NUM_PERM, EvalIndex, band_keys, features_of, row_hash, share_a_band
+from stoker.data.sharding import corpus_text, range_lines
+from stoker.storage.datasets import CORPUS_FILE, committed_dataset, content_fingerprint, dataset_key, publish_dataset
+from stoker.storage.store import Store, build_lock, join, sha256_file
+
+SLOT_BITS = 10
+SLOTS = 1 << SLOT_BITS  # of each partition's sorted records, by the keys' top bits
+BUCKET_DOCS = 1 << 18  # documents of the corpus per bucket: ~50 MB of a bucket's records
+EXACT = np.dtype([("key", "<u8"), ("lo", "<u8"), ("doc", "<u4")])  # a digest's 16 bytes
+BAND = np.dtype([("key", "<u8"), ("sig", "<u8"), ("doc", "<u4")])  # a band's and the signature's hash
+SOURCE_SHIFT, PART_SHIFT = 52, 28
+META = "meta.json"
+SAMPLE_PAIRS = 20  # removed documents kept, with the copy they matched, per reason and source
+EXCERPT_CHARS = 600
+RESULT_FILE = "result.json"
+REMOVED_FILE = "removed.jsonl"
+REMOVED_DOCS = "removed.npy"
+REASONS = ("contaminated", "exact", "near")
+
+
+# ---- keys and small files ---------------------------------------------------------------------
+def doc_keys(source: int, part: int, docs: np.ndarray) -> np.ndarray:
+    if part >= 1 << (SOURCE_SHIFT - PART_SHIFT) or source >= 1 << (64 - SOURCE_SHIFT):
+        raise ValueError(f"partition {part} of source {source}: more than the document keys can number")
+    return (np.uint64(source) << np.uint64(SOURCE_SHIFT)) | (np.uint64(part) << np.uint64(PART_SHIFT)) | docs
+
+
+def split_key(key: int) -> tuple[int, int, int]:
+    """(source, partition, document in partition) of a document key."""
+    return (
+        key >> SOURCE_SHIFT,
+        (key >> PART_SHIFT) & ((1 << (SOURCE_SHIFT - PART_SHIFT)) - 1),
+        key & ((1 << PART_SHIFT) - 1),
+    )
+
+
+def _read_npy(store: Store, key: str) -> np.ndarray:
+    return np.load(io.BytesIO(store.read_bytes(key)), allow_pickle=False)
+
+
+def _write_npz(store: Store, key: str, **arrays) -> None:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    store.write_bytes(key, buf.getvalue())  # atomic: present means whole
+
+
+def _json_or_none(store: Store, key: str) -> dict | None:
+    try:
+        return store.read_json(key)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _slots(keys: np.ndarray) -> np.ndarray:
+    """(SLOTS + 1,) int64: where each slot of the sorted `keys` begins."""
+    top = keys >> np.uint64(64 - SLOT_BITS)
+    return np.searchsorted(top, np.arange(SLOTS + 1, dtype=np.uint64), side="left").astype(np.int64)
+
+
+_ITEMS: dict = {}
+
+
+def items_key(items_print: str) -> str:
+    return join("dedup", "items", f"{items_print}.json")
+
+
+def put_items(store: Store, items: list[EvalItem], items_print: str) -> str:
+    """The evaluation items, once in the store, for every unit to read."""
+    key = items_key(items_print)
+    if not store.exists(key):
+        store.write_json(key, [[it.id, it.text] for it in items])
+    return key
+
+
+def _eval_index(store: Store, key: str, n: int) -> EvalIndex:
+    if (key, n) not in _ITEMS:  # one per process: workers reuse it across partitions
+        _ITEMS.clear()
+        _ITEMS[(key, n)] = EvalIndex([EvalItem(i, t) for i, t in store.read_json(key)], n)
+    return _ITEMS[(key, n)]
+
+
+# ---- 1. features of one partition -------------------------------------------------------------
+def features_unit(
+    store: Store,
+    *,
+    folder: str,
+    corpus: str,
+    size: int,
+    start: int,
+    end: int,
+    near_ngram: int | None,
+    items: str | None,
+    n: int,
+    bands: list[int] | None,
+) -> dict:
+    """One partition's features into `folder` (see the module doc); cached."""
+    meta = _json_or_none(store, join(folder, META))
+    cached = meta is not None
+    if meta is None:
+        meta = _features(store, folder, corpus, size, start, end, near_ngram, items, n)
+    if bands and not store.exists(join(folder, f"bands-{bands[0]}x{bands[1]}.done")):
+        cached = False
+        _bands(store, folder, meta, *bands)
+    return {"docs": meta["num_docs"], "bytes": meta["num_bytes"], "cached": cached}
+
+
+def _clean(meta: dict) -> np.ndarray:
+    """The partition's documents that hold no evaluation item (the ones that can be kept)."""
+    clean = np.ones(meta["num_docs"], bool)
+    clean[[int(k) for k in meta["matches"]]] = False
+    return np.flatnonzero(clean).astype("<u4")
+
+
+def _features(store, folder, corpus, size, start, end, near_ngram, items, n) -> dict:
+    def read(offset: int, count: int) -> bytes:
+        return store.read_range(corpus, offset, min(count, size - offset)) if offset < size else b""
+
+    index = _eval_index(store, items, n) if items else None
+    docs = (corpus_text(line, offset) for offset, line in range_lines(read, start, end))
+    feats = features_of(docs, near_ngram, index)
+    meta = {
+        "num_docs": len(feats),
+        "num_bytes": int(feats.sizes.sum()),
+        "matches": {str(k): v for k, v in feats.matches.items()},
+        "near": near_ngram is not None,
+    }
+    ids = _clean(meta)
+    digests = feats.digests[ids]
+    rec = np.empty(len(ids), EXACT)
+    rec["key"] = np.ascontiguousarray(digests[:, :8]).view(">u8").ravel()
+    rec["lo"] = np.ascontiguousarray(digests[:, 8:]).view(">u8").ravel()
+    rec["doc"] = ids
+    rec = rec[np.lexsort((rec["doc"], rec["lo"], rec["key"]))]
+    store.write_bytes(join(folder, "exact.bin"), rec.tobytes())
+    _write_npz(store, join(folder, "exact.slots.npz"), slots=_slots(rec["key"]))
+    if feats.signatures is not None:
+        store.write_bytes(join(folder, "sigs.bin"), feats.signatures.astype("<u4").tobytes())
+    store.write_json(join(folder, META), meta)  # last: the partition's features are committed
+    return meta
+
+
+def _signature_rows(store: Store, folder: str, rows: np.ndarray) -> np.ndarray:
+    """(len(rows), NUM_PERM) uint32: the signatures of these (sorted) documents of a partition,
+    read in ranges (neighbours read together)."""
+    out = np.empty((len(rows), NUM_PERM), "<u4")
+    width = NUM_PERM * 4
+    k = 0
+    while k < len(rows):
+        j = k
+        while j + 1 < len(rows) and rows[j + 1] - rows[j] <= 16:
+            j += 1
+        raw = store.read_range(join(folder, "sigs.bin"), int(rows[k]) * width, int(rows[j] - rows[k] + 1) * width)
+        block = np.frombuffer(raw, "<u4").reshape(-1, NUM_PERM)
+        out[k : j + 1] = block[rows[k : j + 1] - rows[k]]
+        k = j + 1
+    return out
+
+
+def _bands(store: Store, folder: str, meta: dict, num_bands: int, rows: int) -> None:
+    ids = _clean(meta)
+    sigs = np.frombuffer(store.read_bytes(join(folder, "sigs.bin")), "<u4").reshape(-1, NUM_PERM)[ids]
+    keys = band_keys(sigs, num_bands, rows)  # (M, bands)
+    rec = np.empty(keys.size, BAND)
+    rec["key"] = keys.ravel()
+    rec["sig"] = np.repeat(row_hash(sigs), num_bands)
+    rec["doc"] = np.repeat(ids, num_bands)
+    rec = rec[np.lexsort((rec["doc"], rec["key"]))]
+    name = f"bands-{num_bands}x{rows}"
+    store.write_bytes(join(folder, f"{name}.bin"), rec.tobytes())
+    _write_npz(store, join(folder, f"{name}.slots.npz"), slots=_slots(rec["key"]))
+    store.write_bytes(join(folder, f"{name}.done"), b"")  # last: the bands are committed
+
+
+# ---- 2. one bucket of keys ------------------------------------------------------------------
+def _records(store: Store, parts: list, name: str, dtype: np.dtype, s0: int, s1: int):
+    """(records, document keys) of slots [s0, s1) of every partition's `name` file."""
+    recs, keys = [], []
+    for source, part, folder in parts:
+        with np.load(io.BytesIO(store.read_bytes(join(folder, f"{name}.slots.npz")))) as z:
+            slots = z["slots"]
+        a, b = int(slots[s0]), int(slots[s1])
+        if b > a:
+            raw = store.read_range(join(folder, f"{name}.bin"), a * dtype.itemsize, (b - a) * dtype.itemsize)
+            r = np.frombuffer(raw, dtype)
+            recs.append(r)
+            keys.append(doc_keys(source, part, r["doc"].astype(np.uint64)))
+    if not recs:
+        return np.zeros(0, dtype), np.zeros(0, np.uint64)
+    return np.concatenate(recs), np.concatenate(keys)
+
+
+def _exact_groups(rec: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(member, first) of every document whose digest an earlier document has."""
+    order = np.lexsort((g, rec["lo"], rec["key"]))
+    key, lo, g = rec["key"][order], rec["lo"][order], g[order]
+    new = np.ones(len(g), bool)
+    new[1:] = (key[1:] != key[:-1]) | (lo[1:] != lo[:-1])
+    head = g[new][np.cumsum(new) - 1]
+    return g[~new], head[~new]
+
+
+def _band_runs(rec: np.ndarray, g: np.ndarray):
+    """Documents sharing a band hash: (member, first) of each document whose whole signature an
+    earlier one of the run has, and the candidate pairs (a < b) among the rest."""
+    order = np.lexsort((g, rec["key"]))
+    key, sig, g = rec["key"][order], rec["sig"][order], g[order]
+    new = np.ones(len(g), bool)
+    new[1:] = key[1:] != key[:-1]
+    run = np.cumsum(new) - 1
+    big = (np.bincount(run) >= 2)[run] if len(run) else np.zeros(0, bool)
+    members, firsts, cand_a, cand_b = [], [], [], []
+    at = np.flatnonzero(big)  # the rows of runs of two or more, run after run
+    sel_g, sel_sig, sel_run = g[at].tolist(), sig[at].tolist(), run[at].tolist()
+    k = 0
+    while k < len(sel_g):
+        j = k
+        while j < len(sel_g) and sel_run[j] == sel_run[k]:
+            j += 1
+        first: dict[int, int] = {}
+        reps = []
+        for gg, ss in zip(sel_g[k:j], sel_sig[k:j]):
+            if ss in first:
+                members.append(gg)
+                firsts.append(first[ss])
+            else:
+                first[ss] = gg
+                reps.append(gg)
+        for x in range(len(reps) - 1):
+            cand_a += [reps[x]] * (len(reps) - x - 1)
+            cand_b += reps[x + 1 :]
+        k = j
+    u64 = lambda xs: np.asarray(xs, dtype=np.uint64)  # noqa: E731
+    return u64(members), u64(firsts), u64(cand_a), u64(cand_b)
+
+
+def _verify(store, folders, cand_a, cand_b, num_bands, rows, threshold):
+    """The candidate pairs that are near duplicates: estimated Jaccard similarity (equal
+    signature values of NUM_PERM) >= threshold, and a band of the two signatures equal.
+    Returns (a, b, equal values)."""
+    if not len(cand_a):
+        return cand_a, cand_b, np.zeros(0, np.uint16)
+    pairs = np.unique(np.stack([cand_a, cand_b], 1), axis=0)
+    a, b = pairs[:, 0], pairs[:, 1]
+    need = np.unique(pairs)
+    sigs = np.empty((len(need), NUM_PERM), "<u4")
+    part_of = need >> np.uint64(PART_SHIFT)  # (source, partition)
+    for sp in np.unique(part_of):
+        at = np.flatnonzero(part_of == sp)
+        docs = (need[at] & np.uint64((1 << PART_SHIFT) - 1)).astype(np.int64)
+        sigs[at] = _signature_rows(store, folders[int(sp)], docs)
+    sa, sb = sigs[np.searchsorted(need, a)], sigs[np.searchsorted(need, b)]
+    count = (sa == sb).sum(axis=1)
+    ok = (count / NUM_PERM >= threshold) & share_a_band(sa, sb, num_bands, rows)
+    return a[ok], b[ok], count[ok].astype(np.uint16)
+
+
+def bucket_unit(
+    store: Store,
+    *,
+    out: str,
+    parts: list,
+    bucket: int,
+    num_buckets: int,
+    bands: list[int] | None,
+    threshold: float,
+) -> dict:
+    """The duplicate relations of one bucket of keys (see the module doc); cached."""
+    key = join(out, f"b-{bucket:05d}.npz")
+    if store.exists(key):
+        return {"docs": 0, "cached": True}
+    s0, s1 = bucket * SLOTS // num_buckets, (bucket + 1) * SLOTS // num_buckets
+    rec, g = _records(store, parts, "exact", EXACT, s0, s1)
+    exact_member, exact_head = _exact_groups(rec, g)
+    empty = np.zeros(0, np.uint64)
+    sig_member, sig_first, edge_a, edge_b, count = empty, empty, empty, empty, np.zeros(0, np.uint16)
+    if bands:
+        rec_b, g_b = _records(store, parts, f"bands-{bands[0]}x{bands[1]}", BAND, s0, s1)
+        sig_member, sig_first, cand_a, cand_b = _band_runs(rec_b, g_b)
+        if len(sig_member):
+            sig_member, at = np.unique(sig_member, return_index=True)  # the same pair in every band
+            sig_first = sig_first[at]
+        folders = {(s << (SOURCE_SHIFT - PART_SHIFT)) | p: f for s, p, f in parts}
+        edge_a, edge_b, count = _verify(store, folders, cand_a, cand_b, bands[0], bands[1], threshold)
+    _write_npz(
+        store,
+        key,
+        exact_member=exact_member,
+        exact_head=exact_head,
+        sig_member=sig_member,
+        sig_first=sig_first,
+        edge_a=edge_a,
+        edge_b=edge_b,
+        edge_count=count,
+    )
+    return {"docs": int(len(g)), "cached": False, "exact": int(len(exact_member)), "pairs": int(len(edge_a))}
+
+
+# ---- 3. the decision ------------------------------------------------------------------------
+def _relations(store: Store, buckets: str, num_buckets: int):
+    exact_head, sig_first, adj = {}, {}, defaultdict(list)
+    for b in range(num_buckets):
+        with np.load(io.BytesIO(store.read_bytes(join(buckets, f"b-{b:05d}.npz")))) as z:
+            exact_head.update(zip(z["exact_member"].tolist(), z["exact_head"].tolist()))
+            sig_first.update(zip(z["sig_member"].tolist(), z["sig_first"].tolist()))
+            for a, c, n in zip(z["edge_a"].tolist(), z["edge_b"].tolist(), z["edge_count"].tolist()):
+                adj[a].append((c, n))
+                adj[c].append((a, n))
+    return exact_head, sig_first, adj
+
+
+def _greedy(settings: list[dict], contaminated: dict, exact_head: dict, sig_first: dict, adj: dict):
+    """(doc key, reason, kept key, equal signature values) of every removed document, in order."""
+    heads, firsts = set(exact_head.values()), set(sig_first.values())
+    visit = sorted(set(exact_head) | heads | set(sig_first) | firsts | set(adj) | set(contaminated))
+    kept_exact: dict[int, int] = {}  # digest group -> its first kept document
+    kept_sig: dict[int, int] = {}  # group of one signature -> its first kept document
+    removed = []
+    for d in visit:
+        cfg = settings[d >> SOURCE_SHIFT]
+        if d in contaminated:
+            removed.append((d, "contaminated", None, None))
+            continue
+        eg = exact_head.get(d, d if d in heads else None)
+        if cfg["dedup"] != "none" and eg is not None and eg in kept_exact:
+            removed.append((d, "exact", kept_exact[eg], NUM_PERM))
+            continue
+        g = sig_first.get(d, d)
+        if cfg["dedup"] == "near":
+            best = (kept_sig[g], NUM_PERM) if g in kept_sig else None
+            for h, n in adj.get(g, ()):
+                k = kept_sig.get(h)
+                if k is not None and (best is None or k < best[0]):
+                    best = (k, n)
+            if best is not None:
+                removed.append((d, "near", best[0], best[1]))
+                continue
+        if eg is not None:
+            kept_exact.setdefault(eg, d)
+        kept_sig.setdefault(g, d)
+    return removed
+
+
+def _texts(store: Store, sources: list[dict], wanted: set[int]) -> dict[int, str]:
+    """The texts of some documents (by key), each partition holding one read once."""
+    by_part: dict[tuple[int, int], set[int]] = defaultdict(set)
+    for key in wanted:
+        s, p, d = split_key(key)
+        by_part[(s, p)].add(d)
+    out = {}
+    for (s, p), docs in by_part.items():
+        src = sources[s]
+        start, end = src["parts"][p][1], src["parts"][p][2]
+        size = src["size"]
+
+        def read(offset: int, count: int, corpus=src["corpus"], size=size) -> bytes:
+            return store.read_range(corpus, offset, min(count, size - offset)) if offset < size else b""
+
+        for d, (offset, line) in enumerate(range_lines(read, start, end)):
+            if d in docs:
+                out[int(doc_keys(s, p, np.uint64(d)))] = corpus_text(line, offset)
+    return out
+
+
+def decide_unit(
+    store: Store, *, out: str, buckets: str, num_buckets: int, sources: list[dict], threshold: float, items: str | None
+) -> dict:
+    """Today's decision over the buckets' relations (see the module doc); per source, its
+    removed documents and their sample, into `out`; cached."""
+    summary = _json_or_none(store, join(out, "decision.json"))
+    if summary is not None:
+        return summary | {"cached": True}
+    exact_head, sig_first, adj = _relations(store, buckets, num_buckets)
+    contaminated: dict[int, list[str]] = {}
+    for s, src in enumerate(sources):
+        if src["settings"]["decontaminate"]:
+            for p, (folder, *_rest) in enumerate(src["parts"]):
+                for d, found in store.read_json(join(folder, META))["matches"].items():
+                    contaminated[int(doc_keys(s, p, np.uint64(int(d))))] = found
+    removed = _greedy([src["settings"] for src in sources], contaminated, exact_head, sig_first, adj)
+    item_text = {i: t for i, t in store.read_json(items)} if items else {}
+    per_source: dict[int, list] = defaultdict(list)
+    for r in removed:
+        per_source[r[0] >> SOURCE_SHIFT].append(r)
+    for s in range(len(sources)):
+        _write_source(store, out, s, sources, per_source.get(s, []), contaminated, threshold, item_text)
+    summary = {"docs": sum(src["num_docs"] for src in sources), "visited": len(removed)}
+    store.write_json(join(out, "decision.json"), summary)
+    return summary | {"cached": False}
+
+
+def _write_source(store, out, s, sources, removed, contaminated, threshold, item_text) -> None:
+    """Source s's removed documents (numbers in the source), counts and sample."""
+    bases = [np.cumsum([0] + [p[3] for p in src["parts"]]).tolist() for src in sources]
+
+    def number(key: int) -> tuple[int, int]:
+        src, p, d = split_key(key)
+        return src, bases[src][p] + d
+
+    picked = []
+    for reason in ("exact", "near", "contaminated"):
+        picked += [r for r in removed if r[1] == reason][:SAMPLE_PAIRS]
+    texts = _texts(store, sources, {r[0] for r in picked} | {r[2] for r in picked if r[2] is not None})
+    samples = []
+    for d, reason, kept, n in picked:
+        row = {"reason": reason, "source": sources[s]["name"], "doc": number(d)[1], "text": texts[d][:EXCERPT_CHARS]}
+        if kept is not None:
+            j, k = number(kept)
+            row.update(
+                kept_source=sources[j]["name"],
+                kept_doc=k,
+                kept_text=texts[kept][:EXCERPT_CHARS],
+                similarity=round(n / NUM_PERM, 4),
+            )
+        else:
+            ids = contaminated[d]
+            row.update(items=ids, item_text=item_text.get(ids[0], "")[:EXCERPT_CHARS])
+        samples.append(row)
+    counts = {reason: sum(r[1] == reason for r in removed) for reason in REASONS}
+    items: dict[str, int] = {}
+    for d, reason, _, _ in removed:
+        for item in contaminated.get(d, ()) if reason == "contaminated" else ():
+            items[item] = items.get(item, 0) + 1
+    docs = np.asarray(sorted(number(r[0])[1] for r in removed), dtype=np.int64)
+    _write_npz(store, join(out, f"source-{s:03d}.npz"), removed=docs)
+    store.write_json(
+        join(out, f"source-{s:03d}.json"),
+        {"counts": counts, "items": dict(sorted(items.items())), "samples": samples, "threshold": threshold},
+    )
+
+
+# ---- 4. a decided source's kept documents -----------------------------------------------------
+def publish_unit(
+    store: Store,
+    *,
+    decision: str,
+    index: int,
+    result: str,
+    dataset: dict,
+    settings: dict,
+    num_bytes_in: int,
+) -> dict:
+    """Source `index`'s kept documents published as a dataset, its removed sample and numbers,
+    and result.json last (the commit marker of its decision)."""
+    done = _json_or_none(store, join(result, RESULT_FILE))
+    if done is not None:
+        return done | {"docs": 0}
+    with np.load(io.BytesIO(store.read_bytes(join(decision, f"source-{index:03d}.npz")))) as z:
+        removed = z["removed"]
+    told = store.read_json(join(decision, f"source-{index:03d}.json"))
+    fingerprint, num_docs, num_bytes = _publish_kept(store, dataset, removed, result)
+    store.write_bytes(
+        join(result, REMOVED_FILE),
+        "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in told["samples"]).encode(),
+    )
+    _write_npz(store, join(result, REMOVED_DOCS), removed=removed)
+    counts = told["counts"]
+    out = {
+        "settings": settings,
+        "input_fingerprint": dataset["fingerprint"],
+        "output_fingerprint": fingerprint,
+        "num_docs_in": dataset["num_docs"],
+        "num_bytes_in": num_bytes_in,
+        "num_exact": counts["exact"],
+        "num_near": counts["near"],
+        "num_contaminated": counts["contaminated"],
+        "num_docs_out": num_docs,
+        "num_bytes_out": num_bytes,
+        "items": told["items"],
+    }
+    store.write_json(join(result, RESULT_FILE), out)
+    return out | {"docs": dataset["num_docs"]}
+
+
+def _publish_kept(store: Store, dataset: dict, removed: np.ndarray, key: str) -> tuple[str, int, int]:
+    """(fingerprint, documents, bytes) of the kept documents, published as a dataset (the
+    source's own when nothing was removed), streamed: nothing held per document."""
+    if not len(removed):
+        return dataset["fingerprint"], dataset["num_docs"], dataset["num_bytes"]
+    with tempfile.TemporaryDirectory(prefix="stoker-dedup-") as tmp:
+        local = os.path.join(tmp, CORPUS_FILE)
+        num_docs = num_bytes = 0
+        nxt, at = (int(removed[0]), 0)
+        with store.open(join(dataset["key"], CORPUS_FILE), "rb") as src, open(local, "wb") as out:
+            offset = 0
+            for k, line in enumerate(src):
+                if k == nxt:
+                    at += 1
+                    nxt = int(removed[at]) if at < len(removed) else -1
+                else:
+                    out.write(line if line.endswith(b"\n") else line + b"\n")
+                    num_docs += 1
+                    num_bytes += len(corpus_text(line, offset).encode("utf-8"))
+                offset += len(line)
+        digest = sha256_file(local)
+        fingerprint = content_fingerprint(digest)
+        with build_lock(store, dataset_key(fingerprint)):
+            if committed_dataset(store, fingerprint) is None:
+                info = {
+                    "source": f"dedup of {dataset['fingerprint']}",
+                    "fingerprint": fingerprint,
+                    "derived_from": dataset["fingerprint"],
+                    "dedup_key": key,
+                    "num_docs": num_docs,
+                    "num_bytes": num_bytes,
+                    "files": {CORPUS_FILE: {"size": os.path.getsize(local), "sha256": digest}},
+                }
+                publish_dataset(store, fingerprint, local, info)
+    return fingerprint, num_docs, num_bytes

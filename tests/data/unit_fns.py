@@ -1,0 +1,25 @@
+"""Units for tests/data/test_units.py: importable by the worker processes (python -m
+stoker.data.units runs in the repository root)."""
+
+from __future__ import annotations
+
+import os
+
+from stoker.failures import DataError
+
+
+def square(store, *, k: int, out: str, die_once: bool = False) -> dict:
+    """k * k into the store at `out`; counts its runs in `out`.runs. With die_once, the first
+    run's worker process dies midway (a lost worker, as a node lost or killed would be)."""
+    runs = store.read_json(out + ".runs") if store.exists(out + ".runs") else 0
+    store.write_json(out + ".runs", runs + 1)
+    if die_once and runs == 0:
+        os._exit(9)
+    if store.exists(out):
+        return {"docs": 0, "cached": True, "value": store.read_json(out)}
+    store.write_json(out, k * k)
+    return {"docs": 1, "cached": False, "value": k * k}
+
+
+def bad_data(store, *, k: int) -> dict:
+    raise DataError(f"data.source: document {k} is not text; fix the source.")
