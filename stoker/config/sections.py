@@ -299,11 +299,22 @@ class DataConfig(_Section):
     )
     num_workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
         "auto",
-        description="Tokenizer worker processes, or 'auto': tokenize in this process with the "
-        "tokenizer's own threads on up to 2 cores (processes cost more than they give there), "
-        "else one single-threaded process per core. Each worker owns fixed slices of the "
-        "corpus, so the shard files are byte-identical whatever this is.",
+        description="Worker processes of the data stage's units (tokenization, dedup), or 'auto': "
+        "tokenize in this process with the tokenizer's own threads on up to 2 cores (processes "
+        "cost more than they give there) and run the dedup units in one worker process, else one "
+        "single-threaded process per core. Each unit owns fixed slices of the corpus, so the shard "
+        "files and the removals are the same whatever this is.",
         json_schema_extra={"fix": "use 'auto', or about the number of CPU cores"},
+    )
+    partition_bytes: int = _field(
+        8 << 20,
+        "Bytes of the stored corpus per unit of work of the data stage (the dedup features of a "
+        "partition, its tokenization): a unit's memory is bounded by it, never by the corpus. Raise "
+        "it for a corpus of hundreds of GB (fewer, larger units, fewer files in the store); the "
+        "shard files and the documents removed do not depend on it.",
+        fix="a whole number of bytes from 4194304 (4 MiB: a document's hard cut, 1 Mi characters, "
+        "fits in one), e.g. 268435456",
+        ge=4 << 20,
     )
 
     dedup: Literal["none", "exact", "near"] = Field(

@@ -37,7 +37,7 @@ from stoker.storage.store import Store, join
 
 log = logging.getLogger("stoker.data")
 DEDUP_VERSION = 3  # of the features, their layout and the decision rule: a change makes every result anew
-PARTITION_BYTES = 8 << 20  # of the corpus per features unit (the same cut on every engine)
+PARTITION_BYTES = None  # data.partition_bytes unless set (tests cut smaller partitions)
 IN_PROCESS_BYTES = 32 << 20  # a smaller stage runs its units in this process (a worker costs more)
 UNITS = "stoker.data.dedup_units"
 
@@ -220,7 +220,9 @@ def _plan(
         spec = _feature_spec(cfg, any_near, items_print)
         size = store.size(join(ds.key, CORPUS_FILE))
         folder = join("dedup", "features", spec.key(ds.fingerprint))
-        plan.append(_Source(name, cfg, ds, folder, size, partition_ranges(size, PARTITION_BYTES)))
+        partition_bytes = PARTITION_BYTES or cfg.partition_bytes  # the same cut on every engine
+        folder = join(folder, f"parts-{partition_bytes}")
+        plan.append(_Source(name, cfg, ds, folder, size, partition_ranges(size, partition_bytes)))
     return plan
 
 

@@ -7,7 +7,7 @@ corpus's features and the flow process holds nothing per document.
    signatures and evaluation matches (stoker.data.minhash), written to the partition's folder:
    ``exact.bin`` (a record per document: its digest, sorted), ``sigs.bin``, ``bands-BxR.bin``
    (a record per band of each signature: the band's hash, the whole signature's hash, sorted),
-   each with the offsets of its SLOTS slots of keys, and ``meta.json`` last (the counts and the
+   each with the offsets of its SLOTS slots of keys (``.slots``, little-endian int64), and ``meta.json`` last (the counts and the
    documents holding evaluation items). Cached per partition: an added source, or a rerun,
    computes only the partitions it lacks.
 2. ``bucket_unit``, one per bucket (a range of slots; the bucket count grows with the corpus):
@@ -175,7 +175,7 @@ def _features(store, folder, corpus, size, start, end, near_ngram, items, n) -> 
     rec["doc"] = ids
     rec = rec[np.lexsort((rec["doc"], rec["lo"], rec["key"]))]
     store.write_bytes(join(folder, "exact.bin"), rec.tobytes())
-    _write_npz(store, join(folder, "exact.slots.npz"), slots=_slots(rec["key"]))
+    store.write_bytes(join(folder, "exact.slots"), _slots(rec["key"]).astype("<i8").tobytes())
     if feats.signatures is not None:
         store.write_bytes(join(folder, "sigs.bin"), feats.signatures.astype("<u4").tobytes())
     store.write_json(join(folder, META), meta)  # last: the partition's features are committed
@@ -210,7 +210,7 @@ def _bands(store: Store, folder: str, meta: dict, num_bands: int, rows: int) -> 
     rec = rec[np.lexsort((rec["doc"], rec["key"]))]
     name = f"bands-{num_bands}x{rows}"
     store.write_bytes(join(folder, f"{name}.bin"), rec.tobytes())
-    _write_npz(store, join(folder, f"{name}.slots.npz"), slots=_slots(rec["key"]))
+    store.write_bytes(join(folder, f"{name}.slots"), _slots(rec["key"]).astype("<i8").tobytes())
     store.write_bytes(join(folder, f"{name}.done"), b"")  # last: the bands are committed
 
 
@@ -219,9 +219,9 @@ def _records(store: Store, parts: list, name: str, dtype: np.dtype, s0: int, s1:
     """(records, document keys) of slots [s0, s1) of every partition's `name` file."""
     recs, keys = [], []
     for source, part, folder in parts:
-        with np.load(io.BytesIO(store.read_bytes(join(folder, f"{name}.slots.npz")))) as z:
-            slots = z["slots"]
-        a, b = int(slots[s0]), int(slots[s1])
+        # the offsets of the bucket's first and past-last slot: one ranged read of its slots
+        offsets = np.frombuffer(store.read_range(join(folder, f"{name}.slots"), s0 * 8, (s1 - s0 + 1) * 8), "<i8")
+        a, b = int(offsets[0]), int(offsets[-1])
         if b > a:
             raw = store.read_range(join(folder, f"{name}.bin"), a * dtype.itemsize, (b - a) * dtype.itemsize)
             r = np.frombuffer(raw, dtype)

@@ -23,7 +23,6 @@ from stoker.config import DataConfig, EvalConfig, RayConfig, TokenizerConfig
 from stoker.contracts.results import DatasetInfo, DataShards, ShardInfo, TokenizerInfo
 from stoker.data.dedup import dedup_sources
 from stoker.data.sharding import (
-    PARTITION_BYTES,
     SPLITS,
     UNENCODABLE,
     available_cores,
@@ -312,7 +311,7 @@ def tokenize_and_shard(
     tokenizer: TokenizerInfo,
     cfg: DataConfig,
     store: Store,
-    partition_bytes: int = PARTITION_BYTES,
+    partition_bytes: int | None = None,
     ray: RayConfig | None = None,
     on_progress: ProgressFn | None = None,
 ) -> ShardInfo:
@@ -325,6 +324,7 @@ def tokenize_and_shard(
     `ray` (default: a local Ray instance). The key and the bytes do not depend on the
     engine, cfg.num_workers or partition_bytes."""
     dtype = token_dtype(cfg.token_dtype, tokenizer.vocab_size)  # before any work
+    partition_bytes = partition_bytes or cfg.partition_bytes
     params = shard_params(cfg, tokenizer)
     cache_key = shard_key_of(dataset, tokenizer, cfg)
     existing = validate_shard_set(store, cache_key)  # cheap: the bytes are hashed where they land

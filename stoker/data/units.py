@@ -119,7 +119,7 @@ def run_units(
     if not units:
         return []
     if engine == "ray":
-        return run_units_on_ray(units, store, ray, done)
+        return run_units_on_ray(stage, units, store, ray, done)
     if in_process:
         out = []
         for unit in units:
@@ -254,7 +254,7 @@ def unit_task(spec, fn: str, args: dict) -> tuple[dict, str]:
     return call(fn, spec.open(), args), ray_engine.node_id()
 
 
-def run_units_on_ray(units: list, store: Store, ray_cfg: RayConfig | None, done) -> list[dict]:
+def run_units_on_ray(stage: str, units: list, store: Store, ray_cfg: RayConfig | None, done) -> list[dict]:
     """Every unit as a Ray task, spread over the cluster; results in the order of `units`,
     `done(result, node)` called as each finishes. A task lost with its worker or node runs
     again (Ray's max_retries); an error is raised as the local engine raises it."""
@@ -268,13 +268,21 @@ def run_units_on_ray(units: list, store: Store, ray_cfg: RayConfig | None, done)
         refs += [task.remote(spec, u.fn, u.args) for u in units]
         where = {ref: k for k, ref in enumerate(refs)}
         results: list = [None] * len(units)
-        pending = list(refs)
+        pending, nodes = list(refs), set()
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             for ref in ready:
                 k = where[ref]
                 results[k], node = ray_engine.result_of(ray, ref, units[k].label)
+                nodes.add(node)
                 done(results[k], node)
+        log.info(
+            "data.engine ray: %d unit(s) of %s on %d node(s)",
+            len(units),
+            stage,
+            len(nodes),
+            extra={"ray_nodes": sorted(nodes), "ray_stage": stage},
+        )
         return results
 
 

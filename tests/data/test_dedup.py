@@ -157,6 +157,8 @@ def test_decontamination_finds_the_items_of_the_vendored_set_in_their_source_fil
         ({"decontaminate_ngram": 4}, "data.decontaminate_ngram"),
         ({"near_dup_ngram": 3}, "data.near_dup_ngram"),
         ({"dedup": "fuzzy"}, "data.dedup"),
+        ({"partition_bytes": 0}, "data.partition_bytes"),
+        ({"partition_bytes": 1 << 20}, "data.partition_bytes"),  # below a document's hard cut
     ],
 )
 def test_a_bad_dedup_setting_is_one_line_naming_the_field(data, field):
@@ -205,8 +207,9 @@ def test_a_local_ray_instance_removes_the_same_documents_and_gives_the_same_shar
 
 @pytest.mark.e2e
 @needs_ray
-def test_two_ray_nodes_remove_the_same_documents_and_give_the_same_shard_bytes(ray_cluster, corpus, tmp_path):
+def test_two_ray_nodes_remove_the_same_documents_and_give_the_same_shard_bytes(ray_cluster, corpus, tmp_path, caplog):
     local, local_files = _shards(Store(f"file://{tmp_path}/a"), _data(corpus, dedup="near"))
+    caplog.set_level("INFO", logger="stoker.data")
     root, options = ray_cluster.bucket()
     ray = RayConfig(address=ray_cluster.cluster.client_address)
     data = _data(corpus, dedup="near", engine="ray")
@@ -218,6 +221,9 @@ def test_two_ray_nodes_remove_the_same_documents_and_give_the_same_shard_bytes(r
         files.update({f"{s.name}/{n}": store.read_bytes(join(s.key, n)) for n in manifest["files"]})
     assert [(d.num_exact, d.num_near, d.num_contaminated) for d in shards.dedup] == [(3, 2, 2), (2, 0, 0)]
     assert files == local_files
+    # the dedup units ran on both nodes (each stage's tasks spread over the cluster)
+    nodes = {n for r in caplog.records if getattr(r, "ray_stage", "").startswith("dedup") for n in r.ray_nodes}
+    assert len(nodes) == 2, [(r.ray_stage, r.ray_nodes) for r in caplog.records if hasattr(r, "ray_stage")]
 
 
 # ---- the units' decision against a brute-force reading of the rule ---------------------------------
