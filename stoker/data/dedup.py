@@ -31,7 +31,7 @@ from stoker.data.dedup_units import REMOVED_FILE, RESULT_FILE
 from stoker.data.evalitems import EvalItem, eval_items, items_fingerprint
 from stoker.data.minhash import MINHASH_SCHEME, MINHASH_SEED, NUM_PERM, bands
 from stoker.data.sharding import partition_ranges
-from stoker.data.units import ProgressFn, Unit, run_units
+from stoker.data.units import ProgressFn, Unit, engine_session, run_units
 from stoker.storage.datasets import CORPUS_FILE, committed_dataset, dataset_key
 from stoker.storage.store import Store, join
 
@@ -204,7 +204,8 @@ def dedup_sources(
     todo = [d is None for d in done]
     if any(todo):
         plan = _plan(store, datasets, sources, items_print)
-        _decide(store, plan, keys, todo, items, items_print, ray, on_progress)
+        with engine_session(plan[0].cfg.engine, ray):  # data.engine 'ray': one connection for the stages
+            _decide(store, plan, keys, todo, items, items_print, ray, on_progress)
         done = [d if d is not None else _committed_result(store, key) for d, key in zip(done, keys)]
         if any(d is None for d in done):
             raise OSError("data.dedup: a source's decision was not in the store after it was made; run again")

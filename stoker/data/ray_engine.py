@@ -277,7 +277,7 @@ def connect(cfg: RayConfig, cpus_per_task: float) -> tuple[Any, bool]:
     return ray, True
 
 
-def _shutdown(ray) -> None:
+def shutdown(ray) -> None:
     """Disconnect (a local instance: stop it); a broken connection must not hide the build's
     own outcome."""
     try:
@@ -330,7 +330,7 @@ def ray_tasks(ray_cfg: RayConfig, cpus: float):
         raise
     finally:
         if owned:
-            _shutdown(ray)
+            shutdown(ray)
 
 
 def _cancel(ray, refs: list) -> None:

@@ -20,6 +20,7 @@ at once. ``on_progress`` sees every finished unit (units done of total, document
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
@@ -246,6 +247,22 @@ class _Pool:
                 todo.appendleft(k)
                 idle.append(self._start())
         return results
+
+
+@contextlib.contextmanager
+def engine_session(engine: str, ray_cfg: RayConfig | None):
+    """One Ray connection for the stages inside (data.engine 'ray'): a local instance is
+    started once, not once per stage, and stopped at the end. Nothing for the local engine."""
+    if engine != "ray":
+        yield
+        return
+    ray_cfg = ray_cfg or RayConfig()
+    ray, owned = ray_engine.connect(ray_cfg, ray_cfg.cpus_per_data_task)
+    try:
+        yield
+    finally:
+        if owned:
+            ray_engine.shutdown(ray)
 
 
 # ---- units of the data stage (stoker.data.units) as Ray tasks -------------------------------
