@@ -523,9 +523,14 @@ def _publish_kept(store: Store, dataset: dict, removed: np.ndarray, key: str) ->
         local = os.path.join(tmp, CORPUS_FILE)
         num_docs = num_bytes = 0
         nxt, at = (int(removed[0]), 0)
-        with store.open(join(dataset["key"], CORPUS_FILE), "rb") as src, open(local, "wb") as out:
-            offset = 0
-            for k, line in enumerate(src):
+        corpus = join(dataset["key"], CORPUS_FILE)
+        size = store.size(corpus)
+
+        def read(offset: int, count: int) -> bytes:  # large ranged reads (a file's readline is slow on S3)
+            return store.read_range(corpus, offset, min(count, size - offset)) if offset < size else b""
+
+        with open(local, "wb") as out:
+            for k, (offset, line) in enumerate(range_lines(read, 0, size)):
                 if k == nxt:
                     at += 1
                     nxt = int(removed[at]) if at < len(removed) else -1
@@ -533,7 +538,6 @@ def _publish_kept(store: Store, dataset: dict, removed: np.ndarray, key: str) ->
                     out.write(line if line.endswith(b"\n") else line + b"\n")
                     num_docs += 1
                     num_bytes += len(corpus_text(line, offset).encode("utf-8"))
-                offset += len(line)
         digest = sha256_file(local)
         fingerprint = content_fingerprint(digest)
         with build_lock(store, dataset_key(fingerprint)):
