@@ -24,7 +24,6 @@ import glob
 import json
 import os
 import resource
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -205,19 +204,9 @@ CHILDREN = {"prepare": child_prepare, "stage": child_stage, "rerun": child_rerun
 
 
 def _run_child(kind: str, *args: str) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_data", "--child", kind, *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark child {kind} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from benchmarks._child import run_child
+
+    return run_child("benchmarks.bench_data", [kind, *args], kind)
 
 
 def _line(label: str, value: float, goal: str, met: bool, unit: str = "") -> None:

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 import zlib
@@ -101,20 +99,10 @@ def child(kind: str, windows: int, batch: int, start: int, steps: int) -> dict:
 
 
 def _run_child(kind: str, windows: int, batch: int, start: int, steps: int) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    args = ["--child", kind, str(windows), "--batch", str(batch), "--start-step", str(start), "--steps", str(steps)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_data_order", *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark child {kind} {windows} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from benchmarks._child import run_child
+
+    args = [kind, str(windows), "--batch", str(batch), "--start-step", str(start), "--steps", str(steps)]
+    return run_child("benchmarks.bench_data_order", args, f"{kind} {windows}")
 
 
 def run(batch: int, start: int, steps: int, rounds: int) -> dict:

@@ -160,23 +160,9 @@ CHILDREN = {"tokenizer": child_tokenizer, "prepare": child_prepare, "build": chi
 
 
 def _run_child(kind: str, *args: str) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
-        RAY_USAGE_STATS_ENABLED="0",
-    )
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_ray_data", "--child", kind, *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark child {kind} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from benchmarks._child import run_child
+
+    return run_child("benchmarks.bench_ray_data", [kind, *args], kind, RAY_USAGE_STATS_ENABLED="0")
 
 
 # ---- the cluster's CPU ---------------------------------------------------------------------

@@ -15,7 +15,6 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,19 +49,9 @@ def child(root: str, options: str, corpus: str, engine: str, address: str) -> di
 
 
 def _run_child(*args: str) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root, RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_ray_dedup", "--child", *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode:
-        raise RuntimeError(f"benchmark child failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from benchmarks._child import run_child
+
+    return run_child("benchmarks.bench_ray_dedup", list(args), args[3], RAY_USAGE_STATS_ENABLED="0")
 
 
 def main(argv: list[str] | None = None) -> dict | None:
