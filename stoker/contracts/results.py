@@ -17,6 +17,7 @@ class DatasetInfo:
     num_bytes: int
     cache_hit: bool
     num_skipped_files: int = 0  # files left out as not UTF-8 (data.on_decode_error='skip')
+    capped_at: int = 0  # data.max_bytes, when the source held more and was cut there
 
 
 @dataclass

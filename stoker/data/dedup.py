@@ -85,6 +85,7 @@ def _info(name: str, key: str, dataset: DatasetInfo, result: dict, cache_hit: bo
         result["num_bytes_out"],
         dataset.cache_hit,
         dataset.num_skipped_files,
+        dataset.capped_at,
     )
     info = DedupInfo(
         name=name,

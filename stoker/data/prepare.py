@@ -63,7 +63,13 @@ TRAIN_BATCH_DOCS = 1000
 # ---- download ------------------------------------------------------------------------
 def _dataset_info(info: dict, key: str, cache_hit: bool) -> DatasetInfo:
     return DatasetInfo(
-        info["fingerprint"], key, info["num_docs"], info["num_bytes"], cache_hit, info.get("num_skipped_files", 0)
+        info["fingerprint"],
+        key,
+        info["num_docs"],
+        info["num_bytes"],
+        cache_hit,
+        info.get("num_skipped_files", 0),
+        info.get("capped_at", 0),
     )
 
 
@@ -110,6 +116,7 @@ def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
                         "num_docs": stats.num_docs,
                         "num_bytes": stats.num_bytes,
                         "num_skipped_files": len(stats.skipped),
+                        "capped_at": cfg.max_bytes if stats.capped else 0,
                         "skipped_files": stats.skipped[:100],
                         "files": {CORPUS_FILE: {"size": os.path.getsize(corpus), "sha256": digest}},
                     }

@@ -460,6 +460,7 @@ class CorpusStats:
     num_docs: int = 0
     num_bytes: int = 0
     skipped: list[str] = field(default_factory=list)
+    capped: bool = False  # the source held more than cfg.max_bytes: cut there
 
 
 def write_corpus(source: Source, cfg: DataConfig, out_path: str) -> CorpusStats:
@@ -477,6 +478,7 @@ def write_corpus(source: Source, cfg: DataConfig, out_path: str) -> CorpusStats:
                     size = len(doc.encode("utf-8"))
                     if cfg.max_bytes and stats.num_bytes + size > cfg.max_bytes and stats.num_bytes > 0:
                         docs.close()
+                        stats.capped = True
                         return stats
                     out.write(json.dumps({"text": doc}, ensure_ascii=False).encode("utf-8") + b"\n")
                     stats.num_docs += 1

@@ -103,6 +103,13 @@ def download_dataset(data: DataConfig, storage: StorageConfig, name: str = DEFAU
         info.num_bytes / 1e6,
         "already in the store, nothing stored" if info.cache_hit else "downloaded and stored",
     )
+    if info.capped_at:  # a user's corpus cut silently at the built-in corpus's cap is a surprise
+        logger.warning(
+            "data.max_bytes: the source holds more than %d bytes and was cut there (%d documents "
+            "taken); set data.max_bytes to 0 to take all of it",
+            info.capped_at,
+            info.num_docs,
+        )
     if info.num_skipped_files:
         logger.warning(
             "%d source file(s) skipped as not UTF-8 text (data.on_decode_error='skip')", info.num_skipped_files

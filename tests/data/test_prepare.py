@@ -204,3 +204,19 @@ def test_shards_that_would_not_fit_on_the_disk_are_refused_before_tokenizing(sma
         if f.endswith(".bin")
     )
     assert built > 1.5e6  # what the estimate was about: it would not have fit
+
+
+def test_a_source_cut_at_max_bytes_says_so_and_one_taken_whole_does_not(store, tmp_path):
+    """data.max_bytes (3 MB by default, for the built-in corpus) cuts a user's folder too: the
+    dataset says where (its info and DatasetInfo.capped_at, which the download task logs as a
+    warning naming the field and the fix); nothing cut: 0."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.jsonl").write_text(
+        "".join(json.dumps({"text": f"doc {i} " * 100}) + "\n" for i in range(20))
+    )
+    cut = data_prep.download_dataset(DataConfig(source=str(tmp_path / "src"), max_bytes=5000), store)
+    whole = data_prep.download_dataset(DataConfig(source=str(tmp_path / "src"), max_bytes=0), store)
+    assert cut.capped_at == 5000 and 0 < cut.num_docs < 20
+    assert whole.capped_at == 0 and whole.num_docs == 20
+    again = data_prep.download_dataset(DataConfig(source=str(tmp_path / "src"), max_bytes=5000), store)
+    assert again.cache_hit and again.capped_at == 5000  # a cache hit says it too
