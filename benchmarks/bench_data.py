@@ -128,7 +128,7 @@ def child_stage(work: str, corpus: str, tokenizer: str, name: str) -> dict:
         "stage_wall_s": total_wall,
         "rerun_wall_s": rerun,
         "rerun_hits": all(hits),
-        "corpus_key": f"{ds.key}/corpus.jsonl",
+        "corpus_file": _corpus_copy(store, ds, work),
         "store": store.root,
         **rss,
     }
@@ -161,6 +161,17 @@ def child_rerun(work: str, corpus: str, tokenizer: str, name: str) -> dict:
     tk = data_prep.train_tokenizer(ds, TokenizerConfig(path=tokenizer, vocab_size=VOCAB), store)
     shards = data_prep.tokenize_and_shard(ds, tk, data, store)
     return {"wall_s": time.perf_counter() - start, "hit": ds.cache_hit and shards.cache_hit}
+
+
+def _corpus_copy(store, ds, work: str) -> str:
+    """The dataset's parts, concatenated into one local file for the baselines (not measured)."""
+    from stoker.storage.datasets import dataset_parts
+
+    path = os.path.join(tempfile.mkdtemp(dir=work), "corpus.jsonl")
+    with open(path, "wb") as out:
+        for part in dataset_parts(store, ds.fingerprint):
+            out.write(store.read_bytes(part.key))
+    return path
 
 
 def _load_docs(corpus_jsonl: str) -> list[str]:
@@ -276,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
         for rep in range(repeats):  # interleaved, best of each: this machine is shared and noisy
             runs["ours"].append(_run_child("stage", work, large, tokenizer, f"10x-{rep}"))
             first = runs["ours"][0]
-            corpus_jsonl = os.path.join(first["store"].removeprefix("file://"), first["corpus_key"])
+            corpus_jsonl = first["corpus_file"]
             runs["raw"].append(_run_child("raw", work, corpus_jsonl, tokenizer))
             runs["map"].append(_run_child("map", work, corpus_jsonl, tokenizer))
         fresh = _run_child("rerun", work, large, tokenizer, "10x-0")

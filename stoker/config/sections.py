@@ -308,10 +308,12 @@ class DataConfig(_Section):
     )
     partition_bytes: int = _field(
         8 << 20,
-        "Bytes of the stored corpus per unit of work of the data stage (the dedup features of a "
-        "partition, its tokenization): a unit's memory is bounded by it, never by the corpus. Raise "
-        "it for a corpus of hundreds of GB (fewer, larger units, fewer files in the store); the "
-        "shard files and the documents removed do not depend on it.",
+        "Bytes of a source's stored parts (a part closes here, or at the end of a source file once it "
+        "holds a quarter of this: a folder's files stay parts of their own) and of the data stage's "
+        "units of work over them (the dedup features of a partition, its tokenization): a unit's "
+        "memory is bounded by it, never by the corpus. Raise it for a corpus of hundreds of GB "
+        "(fewer, larger units, fewer files in the store); the dataset's fingerprint, the shard "
+        "files and the documents removed do not depend on it.",
         fix="a whole number of bytes from 4194304 (4 MiB: a document's hard cut, 1 Mi characters, "
         "fits in one), e.g. 268435456",
         ge=4 << 20,

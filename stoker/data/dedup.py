@@ -13,7 +13,8 @@ published as a dataset of their own (content fingerprint, as any download), whic
 tokenizer and the shards then use; nothing removed: the source's own dataset. The key holds
 the fingerprints and settings of this source and every one before it: a rerun is a hit, and a
 source added at the end costs its own features and the buckets, never the earlier sources'
-features (cached per partition: ``dedup/features/{key}/p-NNNNN/``).
+features, and a grown source only its new parts' (cached per byte range of a stored part, by the
+part's content: ``dedup/features/{settings}/{part sha256}/{start}-{end}/``).
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from stoker.data import dedup_units
 from stoker.data.dedup_units import REMOVED_FILE, RESULT_FILE
 from stoker.data.evalitems import EvalItem, eval_items, items_fingerprint
 from stoker.data.minhash import MINHASH_SCHEME, MINHASH_SEED, NUM_PERM, bands
-from stoker.data.sharding import partition_ranges
+from stoker.data.sharding import part_ranges
 from stoker.data.units import ProgressFn, Unit, engine_session, run_units
-from stoker.storage.datasets import CORPUS_FILE, committed_dataset, dataset_key
+from stoker.storage.datasets import Part, committed_dataset, dataset_key, dataset_parts
 from stoker.storage.store import Store, join
 
 log = logging.getLogger("stoker.data")
@@ -51,12 +52,11 @@ class FeatureSpec:
     decontaminate_ngram: int | None
     items_fingerprint: str | None
 
-    def key(self, dataset_fingerprint: str) -> str:
+    def key(self) -> str:
         import datasketch
 
         what = [
             DEDUP_VERSION,
-            dataset_fingerprint,
             [self.near_ngram, NUM_PERM, MINHASH_SEED, MINHASH_SCHEME, datasketch.__version__]
             if self.near_ngram
             else None,
@@ -165,21 +165,28 @@ def _digest(what) -> str:
 
 @dataclass
 class _Source:
-    """What the units need of one source: its partitions and where their features go."""
+    """What the units need of one source: its partitions (byte ranges of its stored parts)
+    and where their features go."""
 
     name: str
     cfg: DataConfig
     dataset: DatasetInfo
-    features: str  # dedup/features/{key}
-    size: int  # of its stored corpus
-    ranges: list[tuple[int, int]]
+    features: str  # dedup/features/{settings}
+    parts: list[Part]
+    ranges: list[tuple[int, int, int]]  # (part, start, end)
 
     @property
-    def corpus(self) -> str:
-        return join(self.dataset.key, CORPUS_FILE)
+    def size(self) -> int:
+        return sum(p.size for p in self.parts)
 
     def folder(self, p: int) -> str:
-        return join(self.features, f"p-{p:05d}")
+        part, start, end = self.ranges[p]
+        return join(self.features, self.parts[part].sha256, f"{start}-{end}")
+
+    def where(self, p: int) -> dict:
+        """The partition's bytes: a stored part's key and size and a byte range of it."""
+        part, start, end = self.ranges[p]
+        return dict(corpus=self.parts[part].key, size=self.parts[part].size, start=start, end=end)
 
 
 def dedup_sources(
@@ -220,11 +227,10 @@ def _plan(
     plan = []
     for (name, cfg), ds in zip(sources, datasets):
         spec = _feature_spec(cfg, any_near, items_print)
-        size = store.size(join(ds.key, CORPUS_FILE))
-        folder = join("dedup", "features", spec.key(ds.fingerprint))
+        parts = dataset_parts(store, ds.fingerprint)
+        folder = join("dedup", "features", spec.key())
         partition_bytes = PARTITION_BYTES or cfg.partition_bytes  # the same cut on every engine
-        folder = join(folder, f"parts-{partition_bytes}")
-        plan.append(_Source(name, cfg, ds, folder, size, partition_ranges(size, partition_bytes)))
+        plan.append(_Source(name, cfg, ds, folder, parts, part_ranges([p.size for p in parts], partition_bytes)))
     return plan
 
 
@@ -246,13 +252,13 @@ def _decide(store, plan: list[_Source], keys, todo, items, items_print, ray, on_
     units = []
     for s in plan:
         spec = _feature_spec(s.cfg, any_near, items_print)
-        for p, (start, end) in enumerate(s.ranges):
+        for p in range(len(s.ranges)):
             folder = s.folder(p)
             if store.exists(join(folder, dedup_units.META)) and (
                 not band or store.exists(join(folder, f"bands-{band[0]}x{band[1]}.done"))
             ):
                 continue
-            args = dict(folder=folder, corpus=s.corpus, size=s.size, start=start, end=end, bands=band)
+            args = dict(folder=folder, **s.where(p), bands=band)
             args.update(
                 near_ngram=spec.near_ngram,
                 items=items_key if spec.decontaminate_ngram else None,
@@ -264,7 +270,7 @@ def _decide(store, plan: list[_Source], keys, todo, items, items_print, ray, on_
     parts = [[i, p, s.folder(p)] for i, s in enumerate(plan) for p in range(len(s.ranges))]
     num_docs = sum(s.dataset.num_docs for s in plan)
     nb = min(dedup_units.SLOTS, 1 << max(0, math.ceil(num_docs / dedup_units.BUCKET_DOCS) - 1).bit_length())
-    scope = _digest([DEDUP_VERSION, [s.features for s in plan], [len(s.ranges) for s in plan], band, threshold, nb])
+    scope = _digest([DEDUP_VERSION, [[s.folder(p) for p in range(len(s.ranges))] for s in plan], band, threshold, nb])
     buckets = join("dedup", "buckets", scope)
     units = [
         Unit(
@@ -282,9 +288,7 @@ def _decide(store, plan: list[_Source], keys, todo, items, items_print, ray, on_
         {
             "name": s.name,
             "settings": {"dedup": s.cfg.dedup, "decontaminate": bool(s.cfg.decontaminate)},
-            "parts": [[s.folder(p), a, z, m["num_docs"]] for p, ((a, z), m) in enumerate(zip(s.ranges, ms))],
-            "corpus": s.corpus,
-            "size": s.size,
+            "parts": [[s.folder(p), s.where(p), m["num_docs"]] for p, m in enumerate(ms)],
             "num_docs": s.dataset.num_docs,
         }
         for s, ms in zip(plan, metas)
@@ -306,7 +310,9 @@ def _decide(store, plan: list[_Source], keys, todo, items, items_print, ray, on_
                     "key": ds.key,
                     "num_docs": ds.num_docs,
                     "num_bytes": ds.num_bytes,
+                    "parts": [p.entry() for p in s.parts],
                 },
+                partition_bytes=PARTITION_BYTES or s.cfg.partition_bytes,
                 settings=settings_of(s.cfg),
                 num_bytes_in=sum(m["num_bytes"] for m in metas[i]),
             )

@@ -2,14 +2,14 @@
 Ray tasks): datatrove's stage design over stoker's partitions, so that no process holds the
 corpus's features and the flow process holds nothing per document.
 
-1. ``features_unit``, one per partition of a source's stored corpus (its byte ranges at
-   PARTITION_BYTES): the partition's documents streamed once into their exact digests, MinHash
+1. ``features_unit``, one per partition of a source (a byte range of one of its stored parts,
+   at data.partition_bytes): the partition's documents streamed once into their exact digests, MinHash
    signatures and evaluation matches (stoker.data.minhash), written to the partition's folder:
    ``exact.bin`` (a record per document: its digest, sorted), ``sigs.bin``, ``bands-BxR.bin``
    (a record per band of each signature: the band's hash, the whole signature's hash, sorted),
    each with the offsets of its SLOTS slots of keys (``.slots``, little-endian int64), and ``meta.json`` last (the counts and the
-   documents holding evaluation items). Cached per partition: an added source, or a rerun,
-   computes only the partitions it lacks.
+   documents holding evaluation items). Cached per partition, by the part's content: an added
+   source, a grown one, or a rerun, computes only the partitions it lacks.
 2. ``bucket_unit``, one per bucket (a range of slots; the bucket count grows with the corpus):
    the records of its keys from every partition of every source, sorted; documents with equal
    digests grouped (exact), documents sharing a band hash become candidate pairs, collapsed
@@ -22,7 +22,7 @@ corpus's features and the flow process holds nothing per document.
    duplicate ('near'). Only documents that take part in a relation are visited; the state is
    per group of duplicates (its first kept member), never per document of the corpus.
 4. ``publish_unit``, one per decided source: its kept documents streamed into a dataset of
-   their own (content fingerprint, as any download), the removed sample, the removed
+   their own (content fingerprint, as any download; a part per part of the source), the removed sample, the removed
    documents' numbers and result.json last.
 
 A document's key is ``source << 52 | partition << 28 | document in partition``: their order is
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import tempfile
 from collections import defaultdict
 
@@ -43,8 +42,15 @@ import numpy as np
 from stoker.data.evalitems import EvalItem
 from stoker.data.minhash import NUM_PERM, EvalIndex, band_keys, features_of, row_hash, share_a_band
 from stoker.data.sharding import corpus_text, range_lines
-from stoker.storage.datasets import CORPUS_FILE, committed_dataset, content_fingerprint, dataset_key, publish_dataset
-from stoker.storage.store import Store, build_lock, join, sha256_file
+from stoker.storage.datasets import (
+    Part,
+    PartWriter,
+    committed_dataset,
+    content_fingerprint,
+    dataset_key,
+    publish_dataset,
+)
+from stoker.storage.store import Store, build_lock, join
 
 SLOT_BITS = 10
 SLOTS = 1 << SLOT_BITS  # of each partition's sorted records, by the keys' top bits
@@ -391,14 +397,13 @@ def _texts(store: Store, sources: list[dict], wanted: set[int]) -> dict[int, str
         by_part[(s, p)].add(d)
     out = {}
     for (s, p), docs in by_part.items():
-        src = sources[s]
-        start, end = src["parts"][p][1], src["parts"][p][2]
-        size = src["size"]
+        where = sources[s]["parts"][p][1]
+        corpus, size = where["corpus"], where["size"]
 
-        def read(offset: int, count: int, corpus=src["corpus"], size=size) -> bytes:
+        def read(offset: int, count: int, corpus=corpus, size=size) -> bytes:
             return store.read_range(corpus, offset, min(count, size - offset)) if offset < size else b""
 
-        for d, (offset, line) in enumerate(range_lines(read, start, end)):
+        for d, (offset, line) in enumerate(range_lines(read, where["start"], where["end"])):
             if d in docs:
                 out[int(doc_keys(s, p, np.uint64(d)))] = corpus_text(line, offset)
     return out
@@ -433,7 +438,7 @@ def decide_unit(
 
 def _write_source(store, out, s, sources, removed, contaminated, threshold, item_text) -> None:
     """Source s's removed documents (numbers in the source), counts and sample."""
-    bases = [np.cumsum([0] + [p[3] for p in src["parts"]]).tolist() for src in sources]
+    bases = [np.cumsum([0] + [p[2] for p in src["parts"]]).tolist() for src in sources]
 
     def number(key: int) -> tuple[int, int]:
         src, p, d = split_key(key)
@@ -481,6 +486,7 @@ def publish_unit(
     dataset: dict,
     settings: dict,
     num_bytes_in: int,
+    partition_bytes: int,
 ) -> dict:
     """Source `index`'s kept documents published as a dataset, its removed sample and numbers,
     and result.json last (the commit marker of its decision)."""
@@ -490,7 +496,7 @@ def publish_unit(
     with np.load(io.BytesIO(store.read_bytes(join(decision, f"source-{index:03d}.npz")))) as z:
         removed = z["removed"]
     told = store.read_json(join(decision, f"source-{index:03d}.json"))
-    fingerprint, num_docs, num_bytes = _publish_kept(store, dataset, removed, result)
+    fingerprint, num_docs, num_bytes = _publish_kept(store, dataset, removed, result, partition_bytes)
     store.write_bytes(
         join(result, REMOVED_FILE),
         "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in told["samples"]).encode(),
@@ -514,42 +520,46 @@ def publish_unit(
     return out | {"docs": dataset["num_docs"]}
 
 
-def _publish_kept(store: Store, dataset: dict, removed: np.ndarray, key: str) -> tuple[str, int, int]:
+def _publish_kept(
+    store: Store, dataset: dict, removed: np.ndarray, key: str, partition_bytes: int
+) -> tuple[str, int, int]:
     """(fingerprint, documents, bytes) of the kept documents, published as a dataset (the
-    source's own when nothing was removed), streamed: nothing held per document."""
+    source's own when nothing was removed), streamed part by part: nothing held per document.
+    Its parts follow the source's (a part that lost nothing is the source's own, stored once)."""
     if not len(removed):
         return dataset["fingerprint"], dataset["num_docs"], dataset["num_bytes"]
+    parts = [Part(p["key"], p["size"], p["sha256"], p["num_docs"]) for p in dataset["parts"]]
     with tempfile.TemporaryDirectory(prefix="stoker-dedup-") as tmp:
-        local = os.path.join(tmp, CORPUS_FILE)
+        writer = PartWriter(store, tmp, max(partition_bytes, max(p.size for p in parts) + 1))
         num_docs = num_bytes = 0
-        nxt, at = (int(removed[0]), 0)
-        corpus = join(dataset["key"], CORPUS_FILE)
-        size = store.size(corpus)
+        nxt, at, k = int(removed[0]), 0, 0
+        for part in parts:
 
-        def read(offset: int, count: int) -> bytes:  # large ranged reads (a file's readline is slow on S3)
-            return store.read_range(corpus, offset, min(count, size - offset)) if offset < size else b""
+            def read(offset: int, count: int, part=part) -> bytes:  # large ranged reads (readline is slow on S3)
+                return store.read_range(part.key, offset, min(count, part.size - offset)) if offset < part.size else b""
 
-        with open(local, "wb") as out:
-            for k, (offset, line) in enumerate(range_lines(read, 0, size)):
+            for offset, line in range_lines(read, 0, part.size):
                 if k == nxt:
                     at += 1
                     nxt = int(removed[at]) if at < len(removed) else -1
                 else:
-                    out.write(line if line.endswith(b"\n") else line + b"\n")
+                    writer.add(line if line.endswith(b"\n") else line + b"\n")
                     num_docs += 1
                     num_bytes += len(corpus_text(line, offset).encode("utf-8"))
-        digest = sha256_file(local)
+                k += 1
+            writer.cut()
+        kept, digest = writer.close()
         fingerprint = content_fingerprint(digest)
         with build_lock(store, dataset_key(fingerprint)):
             if committed_dataset(store, fingerprint) is None:
                 info = {
                     "source": f"dedup of {dataset['fingerprint']}",
                     "fingerprint": fingerprint,
+                    "sha256": digest,
                     "derived_from": dataset["fingerprint"],
                     "dedup_key": key,
                     "num_docs": num_docs,
                     "num_bytes": num_bytes,
-                    "files": {CORPUS_FILE: {"size": os.path.getsize(local), "sha256": digest}},
                 }
-                publish_dataset(store, fingerprint, local, info)
+                publish_dataset(store, fingerprint, kept, info)
     return fingerprint, num_docs, num_bytes

@@ -28,18 +28,20 @@ from stoker.data.sharding import (
     available_cores,
     build_shards,
     corpus_text,
+    part_ranges,
     partition_jobs,
-    partition_ranges,
 )
 from stoker.data.sources import resolve_source, with_retries, write_corpus
 from stoker.data.units import ProgressFn, Tracker
 from stoker.failures import DataError
 from stoker.storage.datasets import (
-    CORPUS_FILE,
+    PartWriter,
     committed_dataset,
     content_fingerprint,
     dataset_key,
     dataset_of_source,
+    dataset_parts,
+    iter_part_lines,
     link_source,
     publish_dataset,
 )
@@ -58,6 +60,7 @@ from stoker.storage.store import Store, build_lock, fetch_url, join, sha256_file
 
 log = logging.getLogger("stoker.data")
 TRAIN_BATCH_DOCS = 1000
+PARTITION_BYTES = None  # of a stored part: data.partition_bytes unless set (tests cut smaller parts)
 
 
 # ---- download ------------------------------------------------------------------------
@@ -74,14 +77,17 @@ def _dataset_info(info: dict, key: str, cache_hit: bool) -> DatasetInfo:
 
 
 def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
-    """Copy the source into {root}/datasets/{fingerprint}/corpus.jsonl (info.json last).
+    """Read the source into the store's partitions, then publish it as
+    {root}/datasets/{fingerprint}/info.json (stoker.storage.datasets).
 
     The source's fingerprint comes first, from content hashes (local files), ETag/VersionId
     + size (object stores, HTTP) or the resolved revision (Hugging Face); when that source
     gave a committed dataset before, nothing is downloaded. Otherwise its documents are
-    normalized into one JSON-lines corpus whose sha256 is the dataset's fingerprint: the same
-    documents in another file format land on the same dataset (stored once) and so on the
-    same tokenizer and shards. Failures leave nothing in the store."""
+    normalized into JSON-lines parts of about data.partition_bytes, each stored by its
+    content as soon as it is made (this host's disk holds one), and the sha256 of their bytes
+    in order is the dataset's fingerprint: the same documents in another file format land on
+    the same dataset (stored once) and so on the same tokenizer and shards; a grown source
+    stores only its new parts. A failure publishes nothing."""
     with tempfile.TemporaryDirectory(prefix="stoker-download-") as work:
         source = resolve_source(cfg, work)
         known = dataset_of_source(store, source.fingerprint)
@@ -92,8 +98,15 @@ def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
             known = dataset_of_source(store, source.fingerprint)
             if known is not None:
                 return _dataset_info(known[1], dataset_key(known[0]), cache_hit=True)
-            corpus = os.path.join(work, CORPUS_FILE)
-            stats = write_corpus(source, cfg, corpus)
+            parts_dir = os.path.join(work, "parts")
+            os.makedirs(parts_dir)
+            writer = PartWriter(store, parts_dir, PARTITION_BYTES or cfg.partition_bytes)
+            try:
+                stats = write_corpus(source, cfg, writer)
+            except BaseException:
+                writer.discard()  # nothing half-written: the parts stored so far go
+                raise
+            parts, digest = writer.close()
             if stats.num_docs == 0:
                 skipped = f" ({len(stats.skipped)} file(s) skipped as not UTF-8)" if stats.skipped else ""
                 raise DataError(
@@ -101,7 +114,6 @@ def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
                 )
             if stats.skipped:
                 log.warning("%d file(s) of %s skipped as not UTF-8 text", len(stats.skipped), cfg.source)
-            digest = sha256_file(corpus)
             fingerprint = content_fingerprint(digest)
             key = dataset_key(fingerprint)
             with build_lock(store, key):
@@ -111,6 +123,7 @@ def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
                     info = {
                         "source": cfg.source,
                         "fingerprint": fingerprint,
+                        "sha256": digest,
                         "source_fingerprint": source.fingerprint,
                         "fingerprint_inputs": source.fingerprint_inputs,
                         "num_docs": stats.num_docs,
@@ -118,9 +131,9 @@ def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
                         "num_skipped_files": len(stats.skipped),
                         "capped_at": cfg.max_bytes if stats.capped else 0,
                         "skipped_files": stats.skipped[:100],
-                        "files": {CORPUS_FILE: {"size": os.path.getsize(corpus), "sha256": digest}},
+                        "partition_bytes": PARTITION_BYTES or cfg.partition_bytes,
                     }
-                    publish_dataset(store, fingerprint, corpus, info)
+                    publish_dataset(store, fingerprint, parts, info)
                 else:
                     log.info(
                         "%s holds the same documents as dataset %s (from %s): stored once",
@@ -133,11 +146,9 @@ def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
 
 
 def iter_corpus(store: Store, dataset: DatasetInfo) -> Iterator[str]:
-    with store.open(join(dataset.key, CORPUS_FILE), "rb") as f:
-        offset = 0
-        for line in f:
-            yield corpus_text(line, offset)
-            offset += len(line)
+    """The dataset's documents, in order (its parts one after another)."""
+    for offset, line in iter_part_lines(store, dataset_parts(store, dataset.fingerprint)):
+        yield corpus_text(line, offset)
 
 
 def _corpus_batches(store: Store, dataset: DatasetInfo) -> Iterator[list[str]]:
@@ -413,7 +424,7 @@ def _check_disk_space(
             needs.append((tmp, available_cores() * shard_tokens * dtype.itemsize, *to_tmp))
     else:
         token_bytes = _token_bytes(dataset, store, tokenizer_path, dtype)
-        corpus_bytes = 0 if store.is_local else store.size(join(dataset.key, CORPUS_FILE))
+        corpus_bytes = 0 if store.is_local else sum(p.size for p in dataset_parts(store, dataset.fingerprint))
         needs = [(tmp, token_bytes + corpus_bytes, *to_tmp)]
         if store.is_local:
             needs.append((store.local_path(), token_bytes, *to_root))
@@ -511,23 +522,25 @@ def _build_here(
     local_tok = os.path.join(build, TOKENIZER_FILE)
     store.get_file(tokenizer.key, local_tok)
     _check_disk_space(dataset, store, local_tok, dtype, cfg.shard_tokens, tmp)
+    parts = dataset_parts(store, dataset.fingerprint)
     if store.is_local:
-        corpus = store.local_path(join(dataset.key, CORPUS_FILE))
-    else:
-        corpus = os.path.join(tmp, CORPUS_FILE)
-        store.get_file(join(dataset.key, CORPUS_FILE), corpus)
+        corpus = [store.local_path(p.key) for p in parts]
+    else:  # the parts, copied here for the workers
+        corpus = [os.path.join(tmp, "corpus", f"{k:05d}.jsonl") for k in range(len(parts))]
+        for p, local in zip(parts, corpus):
+            store.get_file(p.key, local)
 
     def on_close(name: str, path: str) -> None:
         if not store.is_local:  # upload each finished file, so local disk holds one
             store.put_file(path, join(staging, name))
             os.remove(path)
 
-    parts = os.path.join(tmp, "parts")
-    os.makedirs(parts)
+    pieces = os.path.join(tmp, "parts")
+    os.makedirs(pieces)
     jobs = partition_jobs(
         corpus,
         partition_bytes,
-        parts,
+        pieces,
         tokenizer=local_tok,
         eot_id=tokenizer.eot_id,
         dtype=dtype.str,
@@ -563,10 +576,11 @@ def _build_on_ray(
     local_tok = os.path.join(tmp, TOKENIZER_FILE)
     store.get_file(tokenizer.key, local_tok)
     _check_disk_space(dataset, store, local_tok, dtype, cfg.shard_tokens, tmp, ray)
+    parts = dataset_parts(store, dataset.fingerprint)
     built = build_shards_on_ray(
         store,
         ray,
-        join(dataset.key, CORPUS_FILE),
+        [(p.key, p.size) for p in parts],
         tokenizer.key,
         staging,
         tokenizer.eot_id,
@@ -576,7 +590,7 @@ def _build_on_ray(
         partition_bytes,
         Tracker(
             "tokenize",
-            len(partition_ranges(store.size(join(dataset.key, CORPUS_FILE)), partition_bytes)),
+            len(part_ranges([p.size for p in parts], partition_bytes)),
             on_progress,
         ),
     )

@@ -1,7 +1,7 @@
 """data.engine 'ray': the corpus's fixed partitions tokenized by Ray tasks across a cluster.
 
-Phase 1: one task per partition (the byte ranges of ``sharding.partition_ranges``) reads its
-range of the stored corpus (ranged reads), tokenizes it with ``sharding.tokenize_docs`` and
+Phase 1: one task per partition (the byte ranges of the dataset's stored parts,
+``sharding.part_ranges``) reads its range (ranged reads), tokenizes it with ``sharding.tokenize_docs`` and
 writes one piece per split to ``{staging}/parts/``; it returns the pieces' document ends.
 Phase 2: the driver cuts the shard files where ``sharding.shard_cuts`` says (the local
 engine's cut points), and one task per shard file concatenates its runs of pieces into
@@ -40,7 +40,7 @@ from stoker.data.sharding import (
     available_cores,
     corpus_text,
     merge_unencodable,
-    partition_ranges,
+    part_ranges,
     range_lines,
     shard_cuts,
     shard_entries,
@@ -354,7 +354,7 @@ def _cancel(ray, refs: list) -> None:
 def build_shards_on_ray(
     store: Store,
     ray_cfg: RayConfig,
-    corpus_key: str,
+    corpus: list[tuple[str, int]],
     tokenizer_key: str,
     staging: str,
     eot_id: int,
@@ -364,14 +364,13 @@ def build_shards_on_ray(
     partition_bytes: int,
     tracker=None,
 ) -> RayBuild:
-    """Tokenize the stored corpus into shard files under `staging` with Ray tasks (see the
+    """Tokenize the stored corpus (its parts' keys and sizes, in order) into shard files under `staging` with Ray tasks (see the
     module docstring); returns their manifest entries by split (as sharding.build_shards does)
     and where the work ran. On any failure, Ctrl-C included, the tasks are cancelled and waited
     for before the error propagates, and a connection made here is closed; the caller removes
     staging. `tracker` (stoker.data.units.Tracker) sees each partition tokenized."""
     spec = StoreSpec(store.root, options_for(store.root, store.storage_options))
-    corpus_size = store.size(corpus_key)
-    ranges = partition_ranges(corpus_size, partition_bytes)
+    ranges = part_ranges([size for _, size in corpus], partition_bytes)
     cpus = ray_cfg.cpus_per_data_task
     with ray_tasks(ray_cfg, cpus) as (ray, refs):
         # SPREAD: partitions go round the nodes (each reads its own range), not first to the driver's
@@ -382,8 +381,8 @@ def build_shards_on_ray(
         parts = [
             tokenize.remote(
                 spec,
-                corpus_key,
-                corpus_size,
+                corpus[i][0],
+                corpus[i][1],
                 k,
                 start,
                 end,
@@ -394,7 +393,7 @@ def build_shards_on_ray(
                 staging,
                 cpus,
             )
-            for k, (start, end) in enumerate(ranges)
+            for k, (i, start, end) in enumerate(ranges)
         ]
         refs += parts
         planners = {s: _ShardPlanner(s, shard_tokens) for s in SPLITS}

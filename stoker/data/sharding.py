@@ -82,15 +82,22 @@ def available_cores() -> int:
 
 
 def partition_ranges(size: int, partition_bytes: int) -> list[tuple[int, int]]:
-    """The fixed byte ranges [start, end) of a corpus of `size` bytes (at least one)."""
+    """The fixed byte ranges [start, end) of a file of `size` bytes (at least one)."""
     return [(s, min(s + partition_bytes, size)) for s in range(0, max(size, 1), partition_bytes)]
 
 
-def partition_jobs(corpus: str, partition_bytes: int, out_dir: str, **common) -> list[PartitionJob]:
-    ranges = partition_ranges(os.path.getsize(corpus), partition_bytes)
+def part_ranges(sizes: list[int], partition_bytes: int) -> list[tuple[int, int, int]]:
+    """(file, start, end) of every partition of a dataset stored as files of these sizes: each
+    file's fixed byte ranges, in order. A stage's units are these, whatever the engine."""
+    return [(i, a, b) for i, size in enumerate(sizes) for a, b in partition_ranges(size, partition_bytes)]
+
+
+def partition_jobs(files: list[str], partition_bytes: int, out_dir: str, **common) -> list[PartitionJob]:
+    """The jobs over local files (a dataset's parts, in order)."""
+    ranges = part_ranges([os.path.getsize(f) for f in files], partition_bytes)
     return [
-        PartitionJob(k, corpus, s, e, out=os.path.join(out_dir, f"p-{k:05d}"), **common)
-        for k, (s, e) in enumerate(ranges)
+        PartitionJob(k, files[i], s, e, out=os.path.join(out_dir, f"p-{k:05d}"), **common)
+        for k, (i, s, e) in enumerate(ranges)
     ]
 
 

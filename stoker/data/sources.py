@@ -37,6 +37,7 @@ from stoker.failures import (
     is_transient,
     retry,
 )
+from stoker.storage.datasets import PartWriter
 from stoker.storage.store import expand_url, fetch_url, sha256_file
 
 log = logging.getLogger("stoker.data")
@@ -463,36 +464,42 @@ class CorpusStats:
     capped: bool = False  # the source held more than cfg.max_bytes: cut there
 
 
-def write_corpus(source: Source, cfg: DataConfig, out_path: str) -> CorpusStats:
-    """Stream the source's documents into one JSON-lines file ({"text": ...} per line), up
-    to cfg.max_bytes. A file that is not UTF-8 fails, or with on_decode_error='skip' is
-    rolled back out of the output and counted."""
+def write_corpus(source: Source, cfg: DataConfig, writer: PartWriter) -> CorpusStats:
+    """Stream the source's documents, normalized ({"text": ...} per line), into the writer's
+    parts, up to cfg.max_bytes. A part closes at data.partition_bytes, and at the end of a
+    source file once it holds a quarter of that: a source already split into files keeps its
+    files as partitions (small ones packed together), so a file added to a folder leaves the
+    other files' parts as they were. A file that is not UTF-8 fails, or with
+    on_decode_error='skip' is rolled back out of the output and counted."""
     stats = CorpusStats()
-    with open(out_path, "wb") as out:
-        for name, docs in iter_source_files(source, cfg):
-            mark = (out.tell(), stats.num_docs, stats.num_bytes)
-            try:
-                for doc in docs:
-                    if not doc.strip():
-                        continue
-                    size = len(doc.encode("utf-8"))
-                    if cfg.max_bytes and stats.num_bytes + size > cfg.max_bytes and stats.num_bytes > 0:
-                        docs.close()
-                        stats.capped = True
-                        return stats
-                    out.write(json.dumps({"text": doc}, ensure_ascii=False).encode("utf-8") + b"\n")
-                    stats.num_docs += 1
-                    stats.num_bytes += size
-            except UnicodeError as err:  # undecodable bytes, or lone surrogates from JSON escapes
-                reason = getattr(err, "reason", str(err))
-                if cfg.on_decode_error == "fail":
-                    raise DataError(
-                        f"data.source: {name} is not UTF-8 text ({reason}); convert or remove "
-                        "it, or set data.on_decode_error='skip' to leave such files out (counted)."
-                    ) from None
-                log.warning("skipping %s: not UTF-8 text (%s)", name, reason)
-                out.seek(mark[0])
-                out.truncate()
-                stats.num_docs, stats.num_bytes = mark[1], mark[2]
-                stats.skipped.append(name)
+    for name, docs in iter_source_files(source, cfg):
+        writer.mark()
+        mark = (stats.num_docs, stats.num_bytes)
+        try:
+            for doc in docs:
+                if not doc.strip():
+                    continue
+                size = len(doc.encode("utf-8"))
+                if cfg.max_bytes and stats.num_bytes + size > cfg.max_bytes and stats.num_bytes > 0:
+                    docs.close()
+                    stats.capped = True
+                    writer.release()
+                    return stats
+                writer.add(json.dumps({"text": doc}, ensure_ascii=False).encode("utf-8") + b"\n")
+                stats.num_docs += 1
+                stats.num_bytes += size
+        except UnicodeError as err:  # undecodable bytes, or lone surrogates from JSON escapes
+            reason = getattr(err, "reason", str(err))
+            if cfg.on_decode_error == "fail":
+                raise DataError(
+                    f"data.source: {name} is not UTF-8 text ({reason}); convert or remove "
+                    "it, or set data.on_decode_error='skip' to leave such files out (counted)."
+                ) from None
+            log.warning("skipping %s: not UTF-8 text (%s)", name, reason)
+            writer.rollback()
+            stats.num_docs, stats.num_bytes = mark
+            stats.skipped.append(name)
+        writer.release()
+        if writer.size >= writer.partition_bytes // 4:
+            writer.cut()
     return stats

@@ -57,7 +57,7 @@ def test_shards_hold_every_token_of_every_document_even_cut_in_pieces(store, mon
         [np.fromfile(os.path.join(folder, n), dtype="<u2") for s in ("train", "val") for n in manifest["splits"][s]]
     )
     tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-    docs = [json.loads(line)["text"] for line in open(store.local_path(f"{ds.key}/corpus.jsonl"), "rb")]
+    docs = list(data_prep.iter_corpus(store, ds))
     ids = [e.ids for e in tok.encode_batch_fast(docs)]
     want = np.bincount(np.concatenate([np.asarray(i + [tk.eot_id]) for i in ids]), minlength=tk.vocab_size)
     assert np.array_equal(np.bincount(stored, minlength=tk.vocab_size), want)  # the same tokens, each as often
@@ -110,6 +110,12 @@ def test_a_shard_set_damaged_in_the_store_is_marked_where_read_and_rebuilt_by_th
     assert materialize(store, first.cache_key, str(tmp_path / "host")) == store.local_path(first.key)
 
 
+def ds_parts(store, ds):
+    from stoker.storage.datasets import dataset_parts
+
+    return dataset_parts(store, ds.fingerprint)
+
+
 def test_jsonl_text_field_and_a_missing_field(store, tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text("\n".join(json.dumps({"body": f"document number {i} " * 20}) for i in range(200)))
@@ -117,7 +123,10 @@ def test_jsonl_text_field_and_a_missing_field(store, tmp_path):
     assert ds.num_docs == 200
     with pytest.raises(DataError, match="data.text_field.*'text'"):
         data_prep.download_dataset(DataConfig(source=str(good)), store)
-    assert sorted(store.listdir("datasets")) == sorted([ds.fingerprint, "by-source"])  # nothing half-written
+    assert set(store.listdir("datasets")) - {"parts"} == {ds.fingerprint, "by-source"}  # nothing half-written
+    assert set(store.walk_files("datasets/parts")) == {
+        p.key.removeprefix("datasets/parts/") for p in ds_parts(store, ds)
+    }
     assert len(store.listdir("datasets/by-source")) == 1  # the good source's link only
 
 
@@ -135,7 +144,8 @@ def test_the_same_documents_in_another_format_are_stored_and_tokenized_once(stor
     assert as_parquet.cache_hit and tok2.sha256 == tok.sha256
     assert second.cache_hit and second.cache_key == first.cache_key  # tokenized once
     links = store.listdir("datasets/by-source")
-    assert len(links) == 2 and sorted(store.listdir("datasets")) == sorted([as_jsonl.fingerprint, "by-source"])
+    assert len(links) == 2 and set(store.listdir("datasets")) == {as_jsonl.fingerprint, "by-source", "parts"}
+    assert len(store.walk_files("datasets/parts")) == len(ds_parts(store, as_jsonl))  # the parts stored once
     again = data_prep.download_dataset(DataConfig(source=str(tmp_path / "c.parquet"), val_fraction=0.1), store)
     assert again.cache_hit and again.fingerprint == as_jsonl.fingerprint
     other = data_prep.download_dataset(DataConfig(source=str(tmp_path / "d.jsonl"), val_fraction=0.1), store)

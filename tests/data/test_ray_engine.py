@@ -22,7 +22,7 @@ from stoker.config import DataConfig, RayConfig, TokenizerConfig
 from stoker.data import prepare as data_prep
 from stoker.data import ray_engine, sharding
 from stoker.failures import ConfigError, DataError
-from stoker.storage.datasets import CORPUS_FILE
+from stoker.storage.datasets import dataset_parts
 from stoker.storage.shards import validate_shard_set
 from stoker.storage.store import Store, join
 
@@ -155,10 +155,12 @@ def test_a_damaged_corpus_fails_both_engines_with_the_same_data_error_and_leaves
 ):
     monkeypatch.setattr(data_prep, "SAMPLE_BYTES", 20_000)  # the disk estimate's sample stops before it
     root, options, store, cfg, ds, tk = cluster_bucket
-    key = join(ds.key, CORPUS_FILE)
+    (part,) = dataset_parts(store, ds.fingerprint)
+    key = part.key
     lines = store.read_bytes(key).splitlines(keepends=True)
     bad = len(lines) * 2 // 3  # a line in a later partition, not the first one
-    lines[bad] = b'{"text": "broken \xff\xfe bytes"}\n'
+    broken = b'{"text": "broken \xff\xfe bytes"}'  # at the line's size: the part is still listed whole
+    lines[bad] = broken + b" " * (len(lines[bad]) - len(broken) - 1) + b"\n"
     store.write_bytes(key, b"".join(lines))
 
     errors = {}

@@ -32,6 +32,15 @@ def prepared(tmp_path_factory):
     return store, ds, tk
 
 
+def _copy_inputs(src_store, store, ds, tk):
+    """A prepared dataset (its info and parts) and tokenizer, copied into another store."""
+    from stoker.storage.datasets import dataset_parts
+
+    parts = [p.key for p in dataset_parts(src_store, ds.fingerprint)]
+    for key in (*parts, f"{ds.key}/info.json", tk.key):
+        store.write_bytes(key, src_store.read_bytes(key))
+
+
 def _files(store, shards):
     folder = store.local_path(shards.key)
     return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
@@ -147,8 +156,7 @@ def test_concurrent_runs_with_the_same_key_both_succeed(backend, tmp_path, reque
         store = Store(root, options)
     else:
         store = Store("file://" + str(tmp_path / "store"))
-    for key in (f"{ds.key}/corpus.jsonl", f"{ds.key}/info.json", tk.key):
-        store.write_bytes(key, src_store.read_bytes(key))
+    _copy_inputs(src_store, store, ds, tk)
     data = DATA.model_copy(update={"num_workers": 1})
     results, errors = [], []
 
@@ -174,8 +182,7 @@ def test_concurrent_runs_with_the_same_key_both_succeed(backend, tmp_path, reque
 def test_dead_build_leftovers_are_cleared_and_a_damaged_set_rebuilt(prepared, tmp_path):
     src_store, ds, tk = prepared
     store = Store("file://" + str(tmp_path / "store"))
-    for key in (f"{ds.key}/corpus.jsonl", f"{ds.key}/info.json", tk.key):
-        store.write_bytes(key, src_store.read_bytes(key))
+    _copy_inputs(src_store, store, ds, tk)
     first = data_prep.tokenize_and_shard(ds, tk, DATA, store)
     store.write_bytes(f"shards/.tmp-{first.cache_key}-deadbeef/train-00000.bin", b"partial")
     path = os.path.join(store.local_path(first.key), "val-00000.idx")
@@ -196,8 +203,7 @@ def test_shards_on_an_object_store_match_the_local_ones(prepared, s3_root):
     src_store, ds, tk = prepared
     root, options = s3_root
     store = Store(root, options)
-    for key in (f"{ds.key}/corpus.jsonl", f"{ds.key}/info.json", tk.key):
-        store.write_bytes(key, src_store.read_bytes(key))
+    _copy_inputs(src_store, store, ds, tk)
     remote = data_prep.tokenize_and_shard(
         ds, tk, DATA.model_copy(update={"num_workers": 2}), store, partition_bytes=100_000
     )
