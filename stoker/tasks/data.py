@@ -78,7 +78,6 @@ def holds_shards(store: Store, info: ShardInfo) -> bool:
 @stoker_task(
     name="download_dataset",
     retries=3,
-    timeout_seconds=3600,
     cache=StoreCache(content_key=dataset_key, holds=holds_dataset),
 )
 def download_dataset(data: DataConfig, storage: StorageConfig, name: str = DEFAULT_SOURCE_NAME) -> DatasetInfo:
@@ -86,7 +85,12 @@ def download_dataset(data: DataConfig, storage: StorageConfig, name: str = DEFAU
 
     Transient network failures are retried inside (with backoff) and then by this task;
     a missing object, a wrong field or undecodable data fails at once (DataError), naming
-    the source of data.sources it is about (`name`)."""
+    the source of data.sources it is about (`name`).
+
+    No task timeout: submitted, the task runs on a worker thread, where Prefect's could not
+    end it (policy.stoker_task). What can block is a read of the source, and each read ends
+    by the client's own connect and read timeouts (the object store's, HTTP's, the Hub's);
+    data.sources.with_retries retries it within its time budget, then this task."""
     try:
         info = prepare.download_dataset(data, Store.of(storage))
     except DataError as err:
@@ -117,7 +121,7 @@ def download_dataset(data: DataConfig, storage: StorageConfig, name: str = DEFAU
     return info
 
 
-@stoker_task(name="dedup_and_decontaminate", retries=2, timeout_seconds=14400)
+@stoker_task(name="dedup_and_decontaminate", retries=2)
 def dedup_and_decontaminate(
     datasets: list[DatasetInfo],
     data: DataConfig,
@@ -128,7 +132,10 @@ def dedup_and_decontaminate(
 ) -> list[tuple[DatasetInfo, DedupInfo]]:
     """data.dedup and data.decontaminate on every source, in the order listed (each source's
     decision is cached in the store by content: a rerun reads it). Per source: one log line, a
-    row of the 'dedup' table artifact; with `run`, the removed sample in its run folder."""
+    row of the 'dedup' table artifact; with `run`, the removed sample in its run folder.
+    No task timeout (policy.stoker_task): the work is units over partitions, each bounded by
+    its input, in worker processes (here, for a small corpus), a lost one run again
+    (data.units); the store calls end by the store client's own timeouts."""
     from prefect.artifacts import create_table_artifact
 
     store = Store.of(storage)
@@ -153,14 +160,16 @@ def dedup_and_decontaminate(
 @stoker_task(
     name="train_tokenizer",
     retries=2,
-    timeout_seconds=3600,
     cache=StoreCache(content_key=tokenizer_key, holds=holds_tokenizer),
 )
 def train_tokenizer(
     datasets: list[DatasetInfo], tokenizer: TokenizerConfig, storage: StorageConfig, run: str | None = None
 ) -> TokenizerInfo:
     """Train a byte-level BPE on the corpus (every source's, for a mixture), or load the given
-    tokenizer.json; a run that trained its own keeps it when its data changes (`run`)."""
+    tokenizer.json; a run that trained its own keeps it when its data changes (`run`).
+    No task timeout (policy.stoker_task): the training is CPU work bounded by the corpus (the
+    merges in native code, which no timeout in this thread interrupts); the reads of the corpus
+    and of a tokenizer.path URL end by the store's and the HTTP client's own timeouts."""
     info = prepare.train_tokenizer(datasets, tokenizer, Store.of(storage), run=run)
     logger = get_run_logger()
     logger.info(
@@ -178,7 +187,6 @@ def train_tokenizer(
 @stoker_task(
     name="tokenize_and_shard",
     retries=2,
-    timeout_seconds=14400,
     cache=StoreCache(content_key=shards_key, holds=holds_shards),
 )
 def tokenize_and_shard(
@@ -191,7 +199,12 @@ def tokenize_and_shard(
 ) -> ShardInfo:
     """Tokenize once into shards keyed by content; a valid shard set is reused as is.
     data.num_workers worker processes share the work, or with data.engine 'ray' Ray tasks on
-    the cluster of `ray`; the bytes depend on neither."""
+    the cluster of `ray`; the bytes depend on neither.
+
+    No task timeout: submitted, the task runs on a worker thread, where Prefect's could not
+    end it (policy.stoker_task). This thread only waits for the units: each is bounded by its
+    partition, runs in a worker process (or a Ray task) and, lost, runs again (data.units);
+    its progress shows as the stage's progress artifact."""
     progress = StageProgress(f"{name}-{dataset.fingerprint[:8]}")
     info = prepare.tokenize_and_shard(dataset, tokenizer, data, Store.of(storage), ray=ray, on_progress=progress)
     if data.engine == "ray":

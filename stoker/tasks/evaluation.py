@@ -84,8 +84,9 @@ def evaluate_checkpoint(config: RunConfig, config_url: str, checkpoint_key: str,
     Cached by the checkpoint's commit-manifest hash (and the eval settings): a checkpoint is
     evaluated once; a second evaluation shows Cached and starts no process, also when it
     started while the first was running (it waits for the first one's lock). Its time limit
-    is run_evaluation's (EVAL_TIMEOUT_SECONDS, the process is killed): a Prefect task timeout could not stop a task submitted to a worker thread, and says so in a
-    warning on every call."""
+    is run_evaluation's (EVAL_TIMEOUT_SECONDS, the process is killed): a Prefect task timeout
+    could not stop a task submitted to a worker thread, as training submits this one
+    (policy.stoker_task)."""
     try:
         result = run_evaluation(config, config_url, checkpoint_key, shard_key)
     except BaseException as exc:  # a retry keeps the pin; a failure for good (or a stop) ends it
@@ -128,12 +129,14 @@ def _finish_evaluation(config: RunConfig, checkpoint_key: str) -> None:
         get_run_logger().info("retention, held off during the evaluation, deleted %s", ", ".join(deleted))
 
 
-@stoker_task(name="checkpoint_inputs", retries=2, timeout_seconds=300)
+@stoker_task(name="checkpoint_inputs", retries=2)
 def checkpoint_inputs(
     checkpoint_uri: str, storage_options: dict, credentials_block: str | None = None
 ) -> tuple[RunConfig, str, str, str]:
     """From a checkpoint URI, the run's config, config URL, checkpoint key and shard key.
-    The store is opened with the credentials of `credentials_block` when one is named."""
+    The store is opened with the credentials of `credentials_block` when one is named.
+    No task timeout (policy.stoker_task): a few small store reads, each ended by the store
+    client's own timeouts, and retried by this task."""
     from stoker.orchestration.credentials import use_credentials_block
 
     use_credentials_block(credentials_block)

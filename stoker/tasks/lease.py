@@ -88,10 +88,12 @@ def release_lease(config: RunConfig) -> None:
             )
 
 
-@stoker_task(name="take_run_lease", retries=3, timeout_seconds=300)
+@stoker_task(name="take_run_lease", retries=3)
 def take_run_lease(config: RunConfig) -> str:
     """One writer per run: take the run's lease before any work, or fail (never retried)
-    naming the launch that holds it and how to take over. Returns the lease's description."""
+    naming the launch that holds it and how to take over. Returns the lease's description.
+    No task timeout (policy.stoker_task): a few store calls, each ended by the store client's
+    own timeouts, and retried by this task."""
     return take_lease(config, get_run_logger()).record.describe()
 
 

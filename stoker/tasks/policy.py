@@ -3,6 +3,7 @@ mistake. The verdict is failures.classify's, the same one the ranks and the laun
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Callable
 
 from prefect import task
@@ -34,8 +35,18 @@ def stoker_task(
     cache: StoreCache | None = None,
 ) -> Callable:
     """Prefect's ``@task`` with the policy every stoker task shares, so each says only what
-    differs (its name, how often it retries, its time limit, its cache): a failure is retried
-    only when transient (`retry_if_transient`), after `BACKOFF` with `JITTER`.
+    differs (its name, how often it retries, its cache): a failure is retried only when
+    transient (`retry_if_transient`), after `BACKOFF` with `JITTER`.
+
+    `timeout_seconds` is refused on a sync function (ValueError where the task is written).
+    Prefect interrupts a sync task at its timeout only on the main thread (a SIGALRM); on a
+    worker thread, where every submitted task runs (and every task of a flow run started off
+    the main thread), the timeout cannot interrupt a blocking call and Prefect logs a WARNING
+    on each run saying so (prefect/task_engine.py, SyncTaskRunEngine.run_context). A task's
+    limit must not depend on the thread it lands on: work that can block gets a deadline that
+    ends it instead, a child process killed at its limit (run_evaluation; the launcher's
+    launch.timeout_seconds) or a call with its own timeout. An async task's timeout (a
+    cancellation at its next ``await``) works on any thread and is passed on.
 
     Without `cache`, results are neither cached nor persisted. With one (orchestration.caching), the
     cache key is the store's content key of the task's output, and a cached record counts only
@@ -52,11 +63,18 @@ def stoker_task(
         retry_condition_fn=retry_if_transient,
         timeout_seconds=timeout_seconds,
     )
-    if cache is None:
-        return task(**policy, cache_policy=NO_CACHE, persist_result=False)
-    from stoker.orchestration.caching import StoreResultSerializer, attach_results
 
     def decorate(fn: Callable):
+        if timeout_seconds is not None and not inspect.iscoroutinefunction(fn):
+            raise ValueError(
+                f"task {name!r}: timeout_seconds on a sync task cannot interrupt it in a worker thread "
+                "(Prefect only warns); drop it and give the blocking work its own deadline (a child "
+                "process killed at its limit, a call with a timeout)"
+            )
+        if cache is None:
+            return task(**policy, cache_policy=NO_CACHE, persist_result=False)(fn)
+        from stoker.orchestration.caching import StoreResultSerializer, attach_results
+
         made = task(
             **policy,
             cache_policy=cache,

@@ -76,11 +76,13 @@ def validate_config(config: RunConfig) -> RunConfig:
     return preflight.check(config, load_credentials=use_store_credentials)
 
 
-@stoker_task(name="write_run_config", retries=3, timeout_seconds=600)
+@stoker_task(name="write_run_config", retries=3)
 def write_run_config(config: RunConfig, shards: DataShards) -> str:
     """Pin config.json, the tokenizer and the shard set in the run folder; return the config
     URL. First, what needs the shards' tokenizer: with 'bpb' in eval.sets, that its tokens can
-    be counted in bytes exactly (a base's tokenizer may not), else one ConfigError before launch."""
+    be counted in bytes exactly (a base's tokenizer may not), else one ConfigError before launch.
+    No task timeout (policy.stoker_task): a few small store writes, each ended by the store
+    client's own timeouts, and retried by this task."""
     store = Store.of(config.storage)
     unencodable = {
         s.name if shards.is_mixture else "": (s.unencodable_bytes, s.unencodable_example) for s in shards.sets
@@ -119,11 +121,12 @@ def _is_base_eval(record: dict) -> bool:
     return record.get("event") == "eval" and record.get("step") == 0
 
 
-@stoker_task(name="find_resume_checkpoint", retries=3, timeout_seconds=3600)
+@stoker_task(name="find_resume_checkpoint", retries=3)
 def find_resume_checkpoint(config: RunConfig) -> ResumePoint:
     """Newest checkpoint of this run and model whose manifest and listing check out (no
     tensor is downloaded here: the full check is the ranks' load); every newer one skipped
-    is reported with its reason."""
+    is reported with its reason. No task timeout (policy.stoker_task): listings and manifest
+    reads, each ended by the store client's own timeouts, and retried by this task."""
     return _resume_point(config)
 
 

@@ -91,6 +91,8 @@ def test_cli_refuses_in_one_line_and_takeover_trains(tmp_path, session_server_en
         assert "Traceback" not in out.stderr
         out = _cli("run", "--recipe", str(recipe), "--takeover", env=session_server_env)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        # no task timeout that Prefect can only warn about (tests/tasks/test_timeouts.py)
+        assert "cannot interrupt blocking operations" not in out.stdout + out.stderr
         deadline = time.monotonic() + 60
         while holder.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
