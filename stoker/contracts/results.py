@@ -18,6 +18,7 @@ class DatasetInfo:
     cache_hit: bool
     num_skipped_files: int = 0  # files left out as not UTF-8 (data.on_decode_error='skip')
     capped_at: int = 0  # data.max_bytes, when the source held more and was cut there
+    num_parts: int = 1  # the stored parts it is read from (stoker.storage.datasets)
 
 
 @dataclass
@@ -84,6 +85,77 @@ class DataShards:
     sets: list[ShardInfo]
     mixture: bool = False  # data.sources (even of one source), not data.source
     dedup: list[DedupInfo] = field(default_factory=list)  # per source: what data.dedup/decontaminate removed
+    downloads: list[DatasetInfo] = field(default_factory=list)  # per source: the dataset downloaded
+
+    STAGE_COLUMNS = ("source", "stage", "docs_in", "MB_in", "docs_out", "MB_out", "tokens_out", "parts", "cached")
+
+    def stage_rows(self) -> list[dict]:
+        """Per source and stage (download, dedup, tokenize), the documents and bytes in and out
+        (every row has every column: None where a stage has no such number)."""
+        rows = []
+        dedup = {d.name: d for d in self.dedup}
+        downloads = dict(zip((s.name for s in self.sets), self.downloads))
+
+        def row(**kw) -> dict:
+            return {c: kw.get(c) for c in self.STAGE_COLUMNS}
+
+        for s in self.sets:
+            d, r = downloads.get(s.name), dedup.get(s.name)
+            if d is not None:
+                rows.append(
+                    row(
+                        source=s.name,
+                        stage="download",
+                        docs_out=d.num_docs,
+                        MB_out=round(d.num_bytes / 1e6, 3),
+                        parts=d.num_parts,
+                        cached=d.cache_hit,
+                    )
+                )
+            if r is not None:
+                rows.append(
+                    row(
+                        source=s.name,
+                        stage=f"dedup {r.dedup}" + (" + decontaminate" if r.decontaminate else ""),
+                        docs_in=r.num_docs_in,
+                        MB_in=round(r.num_bytes_in / 1e6, 3),
+                        docs_out=r.num_docs_out,
+                        MB_out=round(r.num_bytes_out / 1e6, 3),
+                        cached=r.cache_hit,
+                    )
+                )
+            docs_in = r.num_docs_out if r is not None else (d.num_docs if d is not None else None)
+            mb_in = r.num_bytes_out if r is not None else (d.num_bytes if d is not None else None)
+            tokens = s.num_train_tokens + s.num_val_tokens
+            rows.append(
+                row(
+                    source=s.name,
+                    stage="tokenize",
+                    docs_in=docs_in,
+                    MB_in=round(mb_in / 1e6, 3) if mb_in is not None else None,
+                    MB_out=round(tokens * int(s.dtype[-1]) / 1e6, 3),
+                    tokens_out=tokens,
+                    cached=s.cache_hit,
+                )
+            )
+        return rows
+
+    def stage_lines(self) -> list[str]:
+        """One log line per source and stage (stage_rows)."""
+        out = []
+        for r in self.stage_rows():
+            what = []
+            if r["docs_in"] is not None:
+                what.append(f"{r['docs_in']:,} documents ({r['MB_in']:.2f} MB) in")
+            if r["docs_out"] is not None:
+                what.append(f"{r['docs_out']:,} documents ({r['MB_out']:.2f} MB) out")
+            if r["tokens_out"] is not None:
+                what.append(f"{r['tokens_out']:,} tokens ({r['MB_out']:.2f} MB) out")
+            if r["parts"] is not None:
+                what.append(f"in {r['parts']} stored part(s)")
+            cached = " (cached)" if r["cached"] else ""
+            out.append(f"data stage {r['stage']} of source {r['source']!r}: {', '.join(what)}{cached}")
+        return out
 
     @property
     def is_mixture(self) -> bool:
@@ -139,6 +211,7 @@ class DataShards:
             "cache_hit": self.cache_hit,
             "sources": [s.as_dict() for s in self.sets],
             "dedup": [d.as_dict() for d in self.dedup],
+            "stages": self.stage_rows(),
         }
 
 

@@ -86,6 +86,7 @@ def _info(name: str, key: str, dataset: DatasetInfo, result: dict, cache_hit: bo
         dataset.cache_hit,
         dataset.num_skipped_files,
         dataset.capped_at,
+        dataset.num_parts,
     )
     info = DedupInfo(
         name=name,

@@ -73,6 +73,7 @@ def _dataset_info(info: dict, key: str, cache_hit: bool) -> DatasetInfo:
         cache_hit,
         info.get("num_skipped_files", 0),
         info.get("capped_at", 0),
+        len(info.get("parts") or [None]),
     )
 
 
@@ -292,7 +293,7 @@ def prepare_all(
         dataclasses.replace(tokenize_and_shard(ds, tok, cfg, store, ray=ray), name=name)
         for ds, (name, _, cfg) in zip(datasets, sources)
     ]
-    return DataShards(sets, mixture=data.is_mixture(), dedup=[info for _, info in deduped])
+    return DataShards(sets, mixture=data.is_mixture(), dedup=[info for _, info in deduped], downloads=downloaded)
 
 
 # ---- tokenize and shard --------------------------------------------------------------

@@ -15,7 +15,13 @@ from stoker.flows import fails_in_one_line
 from stoker.flows.runs import claim_flow_run, flow_runs_tagged, results_of, tag_flow_run
 from stoker.orchestration.credentials import use_store_credentials
 from stoker.orchestration.prefect_events import flow_run_failed
-from stoker.tasks.data import dedup_and_decontaminate, download_dataset, tokenize_and_shard, train_tokenizer
+from stoker.orchestration.progress import show_data_stages
+from stoker.tasks.data import (
+    dedup_and_decontaminate,
+    download_dataset,
+    tokenize_and_shard,
+    train_tokenizer,
+)
 from stoker.tasks.evaluation import evaluate_checkpoint
 from stoker.tasks.lease import run_lease
 from stoker.tasks.policy import with_run_name
@@ -63,14 +69,17 @@ def prepare_data(
     use_store_credentials(storage)  # a credentials block named in storage, when run on its own
     sources, mixture = data.source_configs(), data.is_mixture()
     downloads = [per_source(download_dataset, name, mixture).submit(cfg, storage, name) for name, _, cfg in sources]
-    deduped = dedup_and_decontaminate(results_of(downloads), data, evaluation, storage, ray, run)
+    downloaded = results_of(downloads)
+    deduped = dedup_and_decontaminate(downloaded, data, evaluation, storage, ray, run)
     datasets = [dataset for dataset, _ in deduped]
     tok = train_tokenizer(datasets, tokenizer, storage, run)
     shards = [
         per_source(tokenize_and_shard, name, mixture).submit(dataset, tok, cfg, storage, ray, name)
         for dataset, (name, _, cfg) in zip(datasets, sources)
     ]
-    return DataShards(results_of(shards), mixture=mixture, dedup=[info for _, info in deduped])
+    out = DataShards(results_of(shards), mixture=mixture, dedup=[info for _, info in deduped], downloads=downloaded)
+    show_data_stages(out, run)
+    return out
 
 
 def per_source(task, name: str, mixture: bool):

@@ -18,7 +18,7 @@ from stoker.observe.ledger import (
     run_ledgers,
     sum_ledgers,
 )
-from stoker.observe.report import mix_history, mix_summary, records_with_the_base
+from stoker.observe.report import mix_history, mix_summary, records_with_the_base, stages_summary
 from stoker.storage.bases import base_summary
 from stoker.storage.branches import LINEAGE_FILE
 from stoker.storage.checkpoints import first_nonfinite_step, list_checkpoints, numerics_problem, validate_checkpoint
@@ -99,6 +99,7 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
             **_ledger_columns(store, run),
             "data": mix_summary(mix_history(store, run)) or None,
             "removed": removed_summary(store, run),
+            "stages": _stages(store, run),
         }
         try:
             cfg = RunConfig.model_validate_json(store.read_bytes(run_file_key(run, CONFIG_FILE)))
@@ -114,6 +115,15 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
             row["parent"] = was.get("parent")
         rows.append(row)
     return as_tree(rows)
+
+
+def _stages(store: Store, run: str) -> str | None:
+    """The data stage per source, in a few words (shards.json's stage rows); None before any."""
+    try:
+        rows = store.read_json(run_file_key(run, SHARDS_FILE)).get("stages") or []
+        return stages_summary(rows)
+    except (FileNotFoundError, ValueError, AttributeError, KeyError, TypeError):
+        return None
 
 
 def removed_summary(store: Store, run: str) -> str | None:

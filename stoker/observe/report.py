@@ -668,6 +668,39 @@ def dedup_rows(infos) -> list[dict]:
     ]
 
 
+def stages_markdown(rows: list[dict]) -> str:
+    """The report's table of the data stage, per source and stage (DataShards.stage_rows)."""
+    if not rows:
+        return ""
+    cols = ("source", "stage", "docs_in", "MB_in", "docs_out", "MB_out", "tokens_out", "parts", "cached")
+
+    def cell(v) -> str:
+        return "" if v is None else (f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))
+
+    head = "| " + " | ".join(c.replace("_", " ") for c in cols) + " |\n|" + "---|" * len(cols) + "\n"
+    body = "".join("| " + " | ".join(cell(r.get(c)) for c in cols) + " |\n" for r in rows)
+    return "\n## Data: per source and stage, documents and bytes in and out\n\n" + head + body
+
+
+def stages_summary(rows: list[dict]) -> str | None:
+    """`stoker runs`' few words per source: 'main: 970 docs in 5 parts > 965 > 210,112 tokens'."""
+    by_source: dict[str, list[dict]] = {}
+    for r in rows or []:
+        by_source.setdefault(r["source"], []).append(r)
+    out = []
+    for name, stages in by_source.items():
+        words = []
+        for r in stages:
+            if r["stage"] == "download":
+                words.append(f"{r['docs_out']:,} docs in {r['parts']} parts")
+            elif r["stage"] == "tokenize":
+                words.append(f"{r['tokens_out']:,} tokens")
+            else:
+                words.append(f"{r['docs_out']:,}")
+        out.append(f"{name}: {' > '.join(words)}")
+    return "; ".join(out) or None
+
+
 def dedup_line(d) -> str:
     """One log line of a source's removals."""
     items = ", ".join(list(d.items)[:8]) + (f" and {len(d.items) - 8} more" if len(d.items) > 8 else "")

@@ -1,5 +1,6 @@
 """The data stage's progress as it goes: a Prefect progress artifact per stage (units done of
-total, documents per second, time left in its description) and a log line now and then.
+total, documents per second, time left in its description) and a log line now and then; and,
+once it is done, what each stage of each source took in and gave out (show_data_stages).
 
     progress = StageProgress("my-run")
     dedup.dedup_sources(..., on_progress=progress)   # stoker.data.units.Progress, per finished unit
@@ -58,3 +59,19 @@ class StageProgress:
         if end or now - self.last_log.get(p.stage, 0.0) >= LOG_EVERY_S:
             self.last_log[p.stage] = now
             run_logger("stoker.data").info(text)
+
+
+def show_data_stages(shards, run: str | None) -> None:
+    """Per source and stage of `shards` (stoker.contracts.results.DataShards) (download, dedup, tokenize), the documents and bytes in and out:
+    a line each in the flow's log and the '{run}-data-stages' table artifact (the run's
+    shards.json keeps the rows, for the report and `stoker runs`). Called in a flow."""
+    from prefect.artifacts import create_table_artifact
+
+    logger = run_logger()
+    for line in shards.stage_lines():
+        logger.info(line)
+    create_table_artifact(
+        shards.stage_rows(),
+        key=f"{re.sub(r'[^a-z0-9-]', '-', (run or 'data').lower())}-data-stages"[:100],
+        description="per source and stage: documents and bytes in and out, stored parts, tokens",
+    )

@@ -47,6 +47,7 @@ from stoker.observe.report import (
     since_base_rows,
     slug,
     source_rows,
+    stages_markdown,
     throughput_summary,
 )
 from stoker.storage.branches import lineage_chain
@@ -140,6 +141,7 @@ def report(
     result.plan = planned.to_dict() if planned is not None else None
     result.micro_batch_size = training.micro_batch_size
     mix += plan_markdown(planned)
+    mix += stages_markdown(shards.stage_rows())  # the data stage, per source and stage
     if shards.dedup:  # what the data stage removed, and the sample of it in the run folder
         mix += dedup_markdown(shards.dedup, store.url(run_file_key(run, DEDUP_SAMPLES_FILE)))
     ledger, deployment_total = flow_run_ledger(config, store, started, evaluation)

@@ -79,7 +79,22 @@ def test_a_mixture_flows_through_heals_a_damaged_set_and_grows_a_source(prefect_
     stages = ["mixed-dedup-features", "mixed-dedup-buckets", "mixed-dedup-decision", "mixed-dedup-publish"]
     assert set(stages) <= set(progress) and any(k.startswith("docs-") and k.endswith("-tokenize") for k in progress)
     assert all(progress[k].data == 100.0 and "units" in progress[k].description for k in stages), progress
+    # and, per source and stage, what went in and out: a table artifact (a log line each too)
+    with get_client(sync_client=True) as client:
+        [table] = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["mixed-data-stages"]))
+        )
+    rows = json.loads(table.data)
+    assert [(r["source"], r["stage"].split()[0]) for r in rows] == [
+        (s, stage) for s in ("docs", "web") for stage in ("download", "dedup", "tokenize")
+    ]
+    by = {(r["source"], r["stage"].split()[0]): r for r in rows}
+    for s in ("docs", "web"):  # each stage takes what the one before gave
+        assert by[(s, "dedup")]["docs_in"] == by[(s, "download")]["docs_out"] > 0 and by[(s, "download")]["parts"] >= 1
+        assert by[(s, "tokenize")]["docs_in"] == by[(s, "dedup")]["docs_out"]
     shards = {s.name: s for s in first.result().sets}
+    for s in ("docs", "web"):
+        assert by[(s, "tokenize")]["tokens_out"] == shards[s].num_train_tokens + shards[s].num_val_tokens
 
     # a byte flipped in the store's copy of the web source's shards: only the ranks read it
     store = Store(root)
@@ -114,11 +129,13 @@ def test_a_mixture_flows_through_heals_a_damaged_set_and_grows_a_source(prefect_
             if a.type == "markdown"
         ][-1:]
     assert "## Data mixture" in report.data and "| web |" in report.data and "K=" in report.data
+    assert "## Data: per source and stage" in report.data and "| web | tokenize |" in report.data
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["runs", "--root", root]) == 0
     [row] = [line for line in out.getvalue().splitlines() if line.startswith("mixed")]
     assert "docs " in row and "web " in row and " val " in row
+    assert "docs: " in row and " parts > " in row and " tokens" in row  # the data stage per source
 
     # a source added to the finished data stage: it alone is downloaded and tokenized, with the
     # run's tokenizer (the other sources' shard sets, hence keys, stay)
