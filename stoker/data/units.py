@@ -14,7 +14,8 @@ holds nothing per document: memory is the unit's, bounded by its input.
 - Ray: one task per unit on the cluster of ``ray`` (data.engine 'ray'), spread over its nodes.
 
 A unit that fails with a transient error (a lost worker or node, an OSError, a 503) runs again,
-up to UNIT_RETRIES times, while the others go on; a DataError (the user's data) fails the stage
+up to UNIT_RETRIES times, while the others go on; so does a local unit that runs past
+UNIT_TIMEOUT_S (its worker is killed: a hung read ends there, whatever blocked it); a DataError (the user's data) fails the stage
 at once. ``on_progress`` sees every finished unit (units done of total, documents so far).
 """
 
@@ -41,6 +42,9 @@ from stoker.storage.store import Store
 
 log = logging.getLogger("stoker.data")
 UNIT_RETRIES = 2
+# a unit's deadline in a worker process: its input is one partition or bucket (seconds to
+# minutes of work), so a unit past this is hung (a read that never returns), not slow
+UNIT_TIMEOUT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,7 @@ class _Worker:
             )
         self.send(spec)
         self.job: int | None = None
+        self.since = 0.0  # when it was given its job
 
     def send(self, msg: dict) -> None:
         self.proc.stdin.write((json.dumps(msg) + "\n").encode())
@@ -220,12 +225,19 @@ class _Pool:
         while left:
             while todo and idle:
                 w = idle.pop()
-                w.job = todo.popleft()
+                w.job, w.since = todo.popleft(), time.monotonic()
                 unit = units[w.job]
                 w.send({"fn": unit.fn, "args": unit.args})
-            for key, _ in self.sel.select():
-                w = key.data
-                k, line = w.job, w.proc.stdout.readline()
+            busy = [w for w in self.workers if w.job is not None]
+            wait = max(0.0, min(w.since for w in busy) + UNIT_TIMEOUT_S - time.monotonic())
+            ready = self.sel.select(timeout=wait)
+            late = [w for w in busy if time.monotonic() - w.since >= UNIT_TIMEOUT_S]
+            for key, w in [(None, w) for w in late] + [(key, key.data) for key, _ in ready if key.data not in late]:
+                k = w.job
+                if key is None:  # past its deadline: the worker goes, the unit runs again
+                    line, timed_out = b"", True
+                else:
+                    line, timed_out = w.proc.stdout.readline(), False
                 msg = json.loads(line) if line else None
                 if msg is not None and "result" in msg:
                     results[k], w.job = msg["result"], None
@@ -238,7 +250,12 @@ class _Pool:
                     raise DataError(err["message"])
                 if err is not None and not err["transient"]:
                     raise RuntimeError(f"{units[k].label}: {err['type']}: {err['message']}")
-                why = f"{err['type']}: {err['message']}" if err else f"its worker exited ({w.tail()[-500:]})"
+                if timed_out:
+                    why = f"it ran past its deadline of {UNIT_TIMEOUT_S:.0f} s (a hung read?)"
+                elif err:
+                    why = f"{err['type']}: {err['message']}"
+                else:
+                    why = f"its worker exited ({w.tail()[-500:]})"
                 attempts[k] += 1
                 if attempts[k] > UNIT_RETRIES:
                     raise ChildProcessError(f"{units[k].label} failed {attempts[k]} times; the last: {why}")

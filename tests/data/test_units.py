@@ -36,3 +36,19 @@ def test_a_units_data_error_is_the_same_one_line_in_a_worker_and_here(tmp_path):
     for in_process in (False, True):
         with pytest.raises(DataError, match=r"^data.source: document 4 is not text; fix the source.$"):
             run_units("bad", bad + _units(2), store, workers=2, in_process=in_process)
+
+
+def test_a_hung_unit_is_killed_at_its_deadline_and_runs_again_then_fails_in_one_line(tmp_path, monkeypatch):
+    from stoker.data import units
+
+    monkeypatch.setattr(units, "UNIT_TIMEOUT_S", 1.5)
+    store = Store(f"file://{tmp_path}/store")
+    once = [Unit("tests.data.unit_fns:square", {"k": 5, "out": "out/5.json", "hang": 1}, "squares 5")] + _units(3)
+    got = run_units("squares", once, store, workers=2)
+    assert [r["value"] for r in got] == [25, 0, 1, 4] and store.read_json("out/5.json.runs") == 2
+    always = [Unit("tests.data.unit_fns:square", {"k": 7, "out": "out/7.json", "hang": 9}, "squares 7")]
+    with pytest.raises(
+        ChildProcessError, match=r"^squares 7 failed 3 times; the last: it ran past its deadline of 2 s"
+    ):
+        run_units("squares", always, store, workers=1)
+    assert store.read_json("out/7.json.runs") == 3

@@ -4,17 +4,21 @@ stoker.data.units runs in the repository root)."""
 from __future__ import annotations
 
 import os
+import time
 
 from stoker.failures import DataError
 
 
-def square(store, *, k: int, out: str, die_once: bool = False) -> dict:
+def square(store, *, k: int, out: str, die_once: bool = False, hang: int = 0) -> dict:
     """k * k into the store at `out`; counts its runs in `out`.runs. With die_once, the first
-    run's worker process dies midway (a lost worker, as a node lost or killed would be)."""
+    run's worker process dies midway (a lost worker, as a node lost or killed would be); its
+    first `hang` runs block for good (a read that never returns)."""
     runs = store.read_json(out + ".runs") if store.exists(out + ".runs") else 0
     store.write_json(out + ".runs", runs + 1)
     if die_once and runs == 0:
         os._exit(9)
+    if runs < hang:
+        time.sleep(3600)
     if store.exists(out):
         return {"docs": 0, "cached": True, "value": store.read_json(out)}
     store.write_json(out, k * k)
