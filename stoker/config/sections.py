@@ -323,8 +323,9 @@ class DataConfig(_Section):
         "exact",
         description="Duplicate documents, removed before tokenization (cached by content): 'exact' "
         "keeps one of the documents equal after Unicode NFC and whitespace normalization; 'near' also "
-        "removes those whose MinHash estimate of word n-gram Jaccard similarity reaches "
-        "near_dup_threshold (datasketch, LSH); 'none' keeps every one. The first copy survives: "
+        "removes those whose MinHash estimate (256 hashes) of word n-gram Jaccard similarity reaches "
+        "near_dup_threshold, banded for recall (a pair 0.05 above it found with probability >= 0.95, "
+        "one 0.15 below kept with >= 0.99; docs/data.md); 'none' keeps every one. The first copy survives: "
         "across a mixture, in the first source listed; within a source, in file order.",
         json_schema_extra={"fix": "use 'none', 'exact' or 'near'"},
     )

@@ -7,7 +7,7 @@ Per source, the decision (``dedup/{key}/``) follows the sources in their listed 
 document is removed when it holds an evaluation item, else when an earlier kept document (of an
 earlier source, or earlier in this source's files) has its digest ('exact' and 'near'), or a
 signature whose estimated Jaccard similarity reaches data.near_dup_threshold and shares a band
-with it ('near', the candidates of datasketch's MinHashLSH at that threshold). So which copy
+with it ('near': bands chosen for recall at that threshold, minhash.bands). So which copy
 survives is a pure function of the content and the source order. The kept documents are
 published as a dataset of their own (content fingerprint, as any download), which the
 tokenizer and the shards then use; nothing removed: the source's own dataset. The key holds
@@ -37,7 +37,7 @@ from stoker.storage.datasets import Part, committed_dataset, dataset_key, datase
 from stoker.storage.store import Store, join
 
 log = logging.getLogger("stoker.data")
-DEDUP_VERSION = 3  # of the features, their layout and the decision rule: a change makes every result anew
+DEDUP_VERSION = 4  # of the features, their layout and the decision rule: a change makes every result anew
 PARTITION_BYTES = None  # data.partition_bytes unless set (tests cut smaller partitions)
 IN_PROCESS_BYTES = 32 << 20  # a smaller stage runs its units in this process (a worker costs more)
 UNITS = "stoker.data.dedup_units"

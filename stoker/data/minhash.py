@@ -17,7 +17,9 @@ import numpy as np
 
 from stoker.data.evalitems import EvalItem
 
-NUM_PERM = 128  # MinHash permutations
+NUM_PERM = 256  # MinHash permutations: the bands use most of them, the verification all
+RECALL_MARGIN = 0.05  # a pair this far above the threshold is a candidate with BAND_RECALL at least
+BAND_RECALL = 0.995
 MINHASH_SEED = 1
 MINHASH_SCHEME = (
     "affine32"  # datasketch 2's 32-bit permutations (its default), named so a new default cannot change them
@@ -269,13 +271,38 @@ def row_hash(values: np.ndarray, tag: int = 0) -> np.ndarray:
     return h
 
 
-def bands(threshold: float) -> tuple[int, int]:
-    """(bands, rows per band) of datasketch's MinHashLSH at this threshold, banded at most at
-    0.9 (datasketch needs 2 bands or more): the candidates are then checked against the
-    threshold itself. Two documents are candidates when one band of their signatures is equal."""
-    from datasketch.lsh import _optimal_param
+def candidate_probability(similarity: float, num_bands: int, rows: int) -> float:
+    """The chance that two documents of this Jaccard similarity share a band: 1 - (1 - s^r)^b."""
+    return 1.0 - (1.0 - similarity**rows) ** num_bands
 
-    return _optimal_param(min(threshold, 0.9), NUM_PERM, 0.5, 0.5)
+
+def bands(threshold: float) -> tuple[int, int]:
+    """(bands, rows per band) for recall at this threshold: the most rows per band (the fewest
+    false candidates) that still make a pair RECALL_MARGIN above the threshold a candidate with
+    probability >= BAND_RECALL, at most NUM_PERM hashes in all. Every candidate is then verified
+    on all NUM_PERM hashes, so the bands favour recall (datatrove bands 14 x 8 for the same
+    reason; datasketch's MinHashLSH balances false positives and negatives: 9 x 13 of 128 at
+    0.8, a candidate at 0.85 with probability 0.69). 0.8 gives 25 x 10 (0.996 at 0.85)."""
+    target = min(threshold + RECALL_MARGIN, (1 + threshold) / 2)  # near 1: halfway to it
+    best = (NUM_PERM // 2, 1)  # at a very low threshold, one hash per band
+    for rows in range(1, NUM_PERM // 2 + 1):
+        if candidate_probability(target, NUM_PERM // rows, rows) >= BAND_RECALL:
+            best = (NUM_PERM // rows, rows)
+    return best
+
+
+def removal_probability(similarity: float, threshold: float) -> float:
+    """The chance that a pair of this Jaccard similarity is found a near duplicate: a candidate
+    of the bands, then NUM_PERM hashes estimating at least the threshold (binomial; the two
+    events taken as independent, which they nearly are). The S-curve of docs/data.md."""
+    from math import ceil, comb
+
+    num_bands, rows = bands(threshold)
+    need = ceil(threshold * NUM_PERM - 1e-9)
+    verified = sum(
+        comb(NUM_PERM, k) * similarity**k * (1 - similarity) ** (NUM_PERM - k) for k in range(need, NUM_PERM + 1)
+    )
+    return candidate_probability(similarity, num_bands, rows) * verified
 
 
 def band_keys(sigs: np.ndarray, num_bands: int, rows: int) -> np.ndarray:
