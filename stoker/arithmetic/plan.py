@@ -40,6 +40,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from stoker.arithmetic.learning_rate import effective_train
+from stoker.arithmetic.learning_rate import origin as lr_origin
 from stoker.config.schedule import describe as describe_schedule
 
 GIB = 1024**3
@@ -269,6 +271,7 @@ class Plan:
     price: float | None = None
     notes: list[str] = field(default_factory=list)
     schedule: str = ""  # the learning rate over the run's steps (config.schedule.describe)
+    lr_origin: str = ""  # where a run from a base takes its train.lr (arithmetic.learning_rate.origin)
     data_mix: str = ""  # a mixture's weights over the run's steps
     branch: str = ""  # where a branch leaves its parent
 
@@ -339,7 +342,12 @@ class Plan:
             out.append(("cost", f"{self.cost:,.2f} ({self.world} x {self.price} an accelerator-hour)"))
         out += [
             (what, value)
-            for what, value in (("learning rate", self.schedule), ("data mix", self.data_mix), ("branch", self.branch))
+            for what, value in (
+                ("learning rate", self.schedule),
+                ("learning rate from", self.lr_origin),
+                ("data mix", self.data_mix),
+                ("branch", self.branch),
+            )
             if value
         ]
         return out
@@ -438,7 +446,8 @@ def plan(
         mfu=mfu,
         max_steps=cfg.train.max_steps,
         price=getattr(getattr(cfg, "cost", None), "per_accelerator_hour", None),
-        schedule=describe_schedule(cfg.train),
+        schedule=describe_schedule(effective_train(cfg)),
+        lr_origin=lr_origin(cfg),
         data_mix=mix_over_steps(cfg),
         branch=f"from {cfg.train.branch_from}" if getattr(cfg.train, "branch_from", None) else "",
     )

@@ -230,6 +230,20 @@ def load_config(source: "RunConfig | dict | str | Path | None" = None, **overrid
     return cfg
 
 
+def _written(section: str, overrides: dict, user_file: dict) -> frozenset:
+    """The fields of `section` the user wrote: the override keys under it (``train.lr=...``, or
+    ``train={"lr": ...}``), and every one of a YAML/JSON file of their own (`user_file`, else {})."""
+    found: set[str] = set()
+    for key, value in overrides.items():
+        parts = key.replace("__", ".").split(".")
+        if parts[0] == section and len(parts) > 1:
+            found.add(parts[1])
+        elif parts == [section] and isinstance(value, dict):
+            found |= set(value)
+    given = user_file.get(section)
+    return frozenset(found | set(given if isinstance(given, dict) else ()))
+
+
 def build_config(source: "RunConfig | dict | str | Path | None" = None, **overrides: Any) -> RunConfig:
     """load_config without the check of the local files once the model holds: for a caller
     that checks them with the rest of this host (``stoker.preflight.problems``), so every
@@ -275,15 +289,14 @@ def build_config(source: "RunConfig | dict | str | Path | None" = None, **overri
         if not parts[-1]:
             raise ConfigError([f"{key!r}: names no field; e.g. train.max_steps=100"])
         node[parts[-1]] = value
-    # the model fields the user wrote as overrides: checked against a base even where they
-    # equal the recipe's (run.recipe_gives_way)
-    explicit = frozenset(
-        parts[1]
-        for parts in (k.replace("__", ".").split(".") for k in overrides)
-        if parts[0] == "model" and len(parts) > 1
-    ) | frozenset(data["model"] if user_file and isinstance(data.get("model"), dict) else ())
+    # the model and train fields the user wrote: checked against a base even where they equal
+    # the recipe's (run.recipe_gives_way), and their learning rate kept (run.base_lr_default)
+    explicit = {section: _written(section, overrides, data if user_file else {}) for section in ("model", "train")}
     try:
-        cfg = RunConfig.model_validate(data, context={"explicit_model_fields": explicit})
+        cfg = RunConfig.model_validate(
+            data,
+            context={"explicit_model_fields": explicit["model"], "explicit_train_fields": explicit["train"]},
+        )
     except ValidationError as err:
         errors = err.errors()
         problems = [problem_line(e, RunConfig) for e in errors] + local_resource_problems(_resources_of(data, errors))

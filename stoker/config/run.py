@@ -52,16 +52,30 @@ BUILTIN_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 @functools.lru_cache(maxsize=None)
-def _builtin_recipe_model(name: str) -> dict | None:
-    """The model section of the built-in recipe `name` (stoker/recipes/NAME.yaml), or None."""
+def _builtin_recipe(name: str) -> dict | None:
+    """The built-in recipe `name` (stoker/recipes/NAME.yaml) as read, or None; shared: never
+    changed by its readers."""
     import yaml
 
     path = BUILTIN_RECIPES / f"{name}.yaml"
     if not name or not path.is_file():
         return None
     data = yaml.safe_load(path.read_text()) or {}
-    model = data.get("model") if isinstance(data, dict) else None
-    return dict(model) if isinstance(model, dict) else {}
+    return data if isinstance(data, dict) else {}
+
+
+def _builtin_recipe_section(name: str, section: str) -> dict | None:
+    """A section of the built-in recipe `name` (a copy; {} where it has none), or None."""
+    data = _builtin_recipe(name)
+    if data is None:
+        return None
+    found = data.get(section)
+    return dict(found) if isinstance(found, dict) else {}
+
+
+def _builtin_recipe_model(name: str) -> dict | None:
+    """The model section of the built-in recipe `name` (stoker/recipes/NAME.yaml), or None."""
+    return _builtin_recipe_section(name, "model")
 
 
 # what a recipe's model section may say that is the run's own choice, never the base's
@@ -86,10 +100,69 @@ def recipe_gives_way(data: Any, explicit: frozenset | set = frozenset()) -> Any:
     recipe = _builtin_recipe_model(data.get("recipe") or "") if isinstance(data.get("recipe"), str) else None
     if not recipe or not model.get("init_from") or model.get("base_sha256"):
         return data
-    if recipe.get("init_from") and base_location(str(recipe["init_from"])) == base_location(str(model["init_from"])):
+    if _written_for(recipe, model["init_from"]):
         return data  # the recipe was written for this base: its fields are checked against it
     kept = {k: v for k, v in model.items() if k in _RUN_CHOICES or k in explicit or k not in recipe or recipe[k] != v}
     return {**data, "model": kept} if len(kept) != len(model) else data
+
+
+def _written_for(recipe_model: dict, init_from: Any) -> bool:
+    """Whether a recipe's model section names the base `init_from` names (its values are made for it)."""
+    own = recipe_model.get("init_from")
+    return bool(own) and base_location(str(own)) == base_location(str(init_from))
+
+
+_NOT_GIVEN = object()
+
+
+def _train_fields_written(data: dict, explicit: frozenset | set) -> set[str]:
+    """The train fields of raw config input (with a base) that are the user's: every one given,
+    except, under a built-in recipe not written for this base, those equal to the recipe's value
+    (or, where the recipe has none, to the field's default: a deployment's parameters carry every
+    field) that the user did not write (`explicit`: the override keys, a recipe file of their own)."""
+    train = data.get("train") or {}
+    name = data.get("recipe")
+    recipe = _builtin_recipe_model(name) if isinstance(name, str) else None
+    if recipe is None or _written_for(recipe, data["model"]["init_from"]):
+        return set(train)
+    theirs = _builtin_recipe_section(name, "train") or {}
+    defaults = {n: f.get_default(call_default_factory=True) for n, f in TrainConfig.model_fields.items()}
+    return {k for k, v in train.items() if k in explicit or v != theirs.get(k, defaults.get(k, _NOT_GIVEN))}
+
+
+def base_lr_default(data: Any, explicit: frozenset | set = frozenset()) -> Any:
+    """`data` (raw config input) with train.lr_from_base decided, for a run from a base not yet
+    read in (model.base_sha256 empty) that has not decided it: false where the config writes
+    train.lr (``_train_fields_written``: a rate the user wrote always wins, and so does the rate of
+    a built-in recipe written for this base); else true, with the continued-pretraining schedule
+    where the config writes none of its own: lr_schedule 'wsd' (a re-warm and hold: trained longer
+    as the same run, or annealed by a branch), decay_steps a fifth of max_steps (Hagele et al.
+    2024: about 20% of the steps matches cosine) and min_lr 0 (a decay to zero). train.lr itself is
+    set when the base's width is known (``arithmetic.learning_rate``, from
+    ``storage.bases.resolve_base``); until then it holds the config's value, which the run's
+    identity leaves out."""
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        return data
+    model, train = data["model"], data.get("train", {})
+    if not isinstance(train, dict) or not model.get("init_from") or model.get("base_sha256"):
+        return data
+    if train.get("lr_from_base") is not None:
+        return data
+    written = _train_fields_written(data, explicit)
+    if "lr" in written:
+        return {**data, "train": {**train, "lr_from_base": False}}
+    try:
+        max_steps, warmup = _read(data, ("train", "max_steps")), _read(data, ("train", "warmup_steps"))
+    except ValidationError:
+        return data  # told as those fields' own problems
+    chosen: dict[str, Any] = {"lr_from_base": True}
+    if "lr_schedule" not in written:
+        chosen["lr_schedule"] = "wsd"
+    if "min_lr" not in written:
+        chosen["min_lr"] = 0.0
+    if "decay_steps" not in written and chosen.get("lr_schedule", train.get("lr_schedule")) == "wsd":
+        chosen["decay_steps"] = max(1, min(max_steps // 5, max_steps - warmup))
+    return {**data, "train": {**train, **chosen}}
 
 
 # ---- rules that span sections --------------------------------------------------------------
@@ -162,6 +235,15 @@ def _schedule_within_the_run(schedule: list, max_steps: int) -> PydanticCustomEr
     return None
 
 
+def _lr_from_a_base(lr_from_base: bool | None, init_from: str | None) -> PydanticCustomError | None:
+    if lr_from_base and not init_from:
+        return _rule(
+            "is true, and the run starts from no base (model.init_from is empty)",
+            "leave it empty, and write train.lr to choose the rate",
+        )
+    return None
+
+
 def _ids_fit_dtype(token_dtype: str, vocab_size: int) -> PydanticCustomError | None:
     if token_dtype == "uint16" and vocab_size > 65536:
         return _rule(
@@ -217,6 +299,7 @@ _CROSS_SECTION_RULES: list[tuple[_Loc, tuple[_Loc, ...], Callable[..., Any]]] = 
         ),
         _tp_splits_the_model,
     ),
+    (("train", "lr_from_base"), (("train", "lr_from_base"), ("model", "init_from")), _lr_from_a_base),
     (("data", "token_dtype"), (("data", "token_dtype"), ("tokenizer", "vocab_size")), _ids_fit_dtype),
     (("data", "schedule"), (("data", "schedule"), ("train", "max_steps")), _schedule_within_the_run),
     (
@@ -344,6 +427,12 @@ class RunConfig(_Section):
                 payload["train"].pop(name, None)
         # fields added since runs were first named: at their old behaviour they name no new run
         payload["train"].pop("branch_sha256", None)  # a branch is named by its URI (runs.pin_run_folder pins its bytes)
+        if payload["train"].get("lr_from_base") and getattr(self.model, "init_from", None):
+            # the rate is the base's (arithmetic.learning_rate, of its width): named by the base's
+            # location, as its architecture is, so a config names one run before and after it is read
+            payload["train"].pop("lr", None)
+        else:
+            payload["train"].pop("lr_from_base", None)
         for name, old in (
             ("lr_schedule", "cosine"),
             ("decay_steps", None),
@@ -382,8 +471,9 @@ class RunConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _recipe_gives_way_to_a_base(cls, data: Any, info: ValidationInfo) -> Any:
-        explicit = (info.context or {}).get("explicit_model_fields", frozenset())
-        return recipe_gives_way(data, explicit)
+        context = info.context or {}
+        data = recipe_gives_way(data, context.get("explicit_model_fields", frozenset()))
+        return base_lr_default(data, context.get("explicit_train_fields", frozenset()))
 
     @model_validator(mode="wrap")
     @classmethod

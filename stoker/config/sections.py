@@ -543,6 +543,18 @@ class TrainConfig(_Section):
         fix="give a number of sequences, e.g. 4, or 'auto'",
     )
     lr: float = _field(3e-3, "Peak learning rate of AdamW.", fix="a typical value is 3e-4", gt=0)
+    lr_from_base: bool | None = Field(
+        None,
+        description="Set by stoker when the config is loaded, for a run from a base (model.init_from). "
+        "true: the config writes no train.lr (a built-in recipe not written for this base gives its rate "
+        "way), so train.lr is the continued-pretraining default, set when the base is read: a tenth of "
+        "the peak a base of its width was pretrained at (min(3e-3, 1.2288 / hidden size), calibrated on "
+        "Llama 3, Qwen and SmolLM2: stoker.arithmetic.learning_rate), and, where the config writes "
+        "none, lr_schedule 'wsd' (a re-warm and hold, trained longer or annealed by a branch), "
+        "decay_steps a fifth of max_steps and min_lr 0. false: train.lr as written. Empty: no base. "
+        "The plan says which, with the number.",
+        json_schema_extra={"fix": "leave it empty: write train.lr to choose the rate"},
+    )
     min_lr: float = _field(
         3e-4, "Learning rate at the end of the decay (cosine, linear, wsd).", fix="e.g. a tenth of lr", ge=0
     )

@@ -7,8 +7,9 @@
   are hashed once, as a dataset's fingerprint is.
 - ``resolve_base``: the config with its model section filled from the base's config.json (a
   field given explicitly that contradicts it is one problem naming both values), the base's
-  tokenizer as the run's tokenizer, and ``model.base_sha256`` set. An architecture no family
-  expresses exactly is refused by name.
+  tokenizer as the run's tokenizer, ``model.base_sha256`` set, and, where the config writes no
+  learning rate (train.lr_from_base), the rate made for the base's width
+  (``arithmetic.learning_rate``). An architecture no family expresses exactly is refused by name.
 - ``materialize_base``: a local folder with the base's bytes, checked on the host that uses
   them (a remote base is fetched into the host cache and hashed as it lands; a local one is
   hashed in place once per host, then trusted while its stamp holds: ``storage.cache``).
@@ -25,6 +26,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from stoker.arithmetic.learning_rate import with_base_lr
 from stoker.config import ConfigError, RunConfig
 from stoker.config.problems import problem_lines
 from stoker.config.run import base_location
@@ -247,8 +249,8 @@ def resolve_base(cfg: RunConfig) -> RunConfig:
     section.update(fields, family=family_name, base_sha256=record["sha256"], init_from=_url(model.init_from))
     data = cfg.model_dump()
     data["model"], data["tokenizer"] = section, tokenizer
-    try:
-        resolved = RunConfig.model_validate(data)
+    try:  # train.lr made for the base's width, where the config writes none (train.lr_from_base)
+        resolved = with_base_lr(RunConfig.model_validate(data))
     except ValidationError as err:  # the filled section broke a rule: told as the config's problems
         raise ConfigError(problem_lines(err, RunConfig)) from None
     keep_record(store, record)
