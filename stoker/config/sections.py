@@ -341,9 +341,11 @@ class DataConfig(_Section):
     )
     decontaminate: bool | None = Field(
         None,
-        description="Remove documents sharing a decontaminate_ngram-word sequence with any item of the "
-        "evaluation sets the run scores (eval.sets 'multiple_choice', eval.harness_tasks); the "
-        "report lists them by item. Empty: true where the run scores such a set, else false; "
+        description="Cut out of the training data each decontaminate_ngram-word sequence it shares with "
+        "an item of the evaluation sets the run scores (eval.sets 'multiple_choice', eval.harness_tasks), "
+        "with 200 characters on each side; the pieces left (200 characters or more) stay as documents, "
+        "and a document cut into more than 10 goes whole (GPT-3's appendix C). The report lists the "
+        "items found, per set. Empty: true where the run scores such a set, else false; "
         "true with no set to check against is refused.",
         json_schema_extra={"fix": "true, false, or leave it empty"},
     )
@@ -353,6 +355,13 @@ class DataConfig(_Section):
         fix="a whole number from 5, e.g. 13",
         ge=5,
         le=64,
+    )
+    decontaminate_max_docs: int = _field(
+        10,
+        "An evaluation item's n-gram found in more documents than this does not count (a common phrase "
+        "or boilerplate, as GPT-3's decontamination had it); counted over every decontaminating source.",
+        fix="a whole number from 1, e.g. 10",
+        ge=1,
     )
 
     engine: Literal["local", "ray"] = Field(

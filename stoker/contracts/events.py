@@ -263,6 +263,10 @@ class Evaluated(Event):
     mc_accuracy: float | None = None  # multiple choice: the highest summed log-likelihood (acc)
     mc_accuracy_norm: float | None = None  # the lowest mean per-token loss (acc_norm)
     num_mc_items: int | None = None
+    # the same on the clean subset: the items data.decontaminate did not find in the training data
+    mc_accuracy_clean: float | None = None
+    mc_accuracy_norm_clean: float | None = None
+    num_mc_items_clean: int | None = None
     # a mixture: per source, {"val_loss", "bits_per_byte", "windows"} of its own validation split
     sources: dict | None = None
 

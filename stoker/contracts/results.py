@@ -42,11 +42,13 @@ class DedupInfo:
     num_bytes_in: int
     num_exact: int  # removed as exact copies of a document kept before (this source or an earlier one)
     num_near: int  # removed as near copies (MinHash estimate >= data.near_dup_threshold)
-    num_contaminated: int  # removed for sharing a long n-gram with an evaluation item
-    num_docs_out: int
+    num_contaminated: int  # removed whole for an evaluation item's n-grams (cut into too many pieces)
+    num_docs_out: int  # a document cut in pieces counts as its pieces
     num_bytes_out: int
-    items: dict[str, int] = field(default_factory=dict)  # evaluation item -> documents removed for it
+    items: dict[str, int] = field(default_factory=dict)  # evaluation item -> documents holding it (removed or cut)
     cache_hit: bool = False
+    num_cut: int = 0  # kept in pieces: each item's n-gram and 200 characters on each side cut out
+    items_checked: dict[str, int] = field(default_factory=dict)  # evaluation set -> its items checked
 
     @property
     def num_removed(self) -> int:
@@ -241,6 +243,9 @@ _EVALUATED = (
     "mc_accuracy",
     "mc_accuracy_norm",
     "num_mc_items",
+    "mc_accuracy_clean",
+    "mc_accuracy_norm_clean",
+    "num_mc_items_clean",
     "sources",
 )
 
@@ -262,6 +267,11 @@ class EvalResult(BaseModel):
         None, description="multiple choice: share picked by the lowest mean per-token loss (acc_norm)"
     )
     num_mc_items: int | None = Field(None, description="multiple-choice items scored")
+    mc_accuracy_clean: float | None = Field(
+        None, description="acc on the clean subset: the items data.decontaminate did not find in the training data"
+    )
+    mc_accuracy_norm_clean: float | None = Field(None, description="acc_norm on the clean subset")
+    num_mc_items_clean: int | None = Field(None, description="multiple-choice items of the clean subset")
     sources: dict | None = Field(
         None,
         description="a mixture (data.sources): per source, val_loss, bits_per_byte and windows of its own "

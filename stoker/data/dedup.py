@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from stoker.config import DataConfig, EvalConfig, RayConfig
@@ -73,6 +74,7 @@ def settings_of(cfg: DataConfig) -> dict:
         "near_dup_ngram": cfg.near_dup_ngram if cfg.dedup == "near" else None,
         "decontaminate": cfg.decontaminate,
         "decontaminate_ngram": cfg.decontaminate_ngram if cfg.decontaminate else None,
+        "decontaminate_max_docs": cfg.decontaminate_max_docs if cfg.decontaminate else None,
     }
 
 
@@ -102,6 +104,8 @@ def _info(name: str, key: str, dataset: DatasetInfo, result: dict, cache_hit: bo
         num_bytes_out=result["num_bytes_out"],
         items=result["items"],
         cache_hit=cache_hit,
+        num_cut=result.get("num_cut", 0),
+        items_checked=result.get("items_checked", {}),
     )
     return out, info
 
@@ -294,8 +298,17 @@ def _decide(store, plan: list[_Source], keys, todo, items, items_print, ray, on_
         }
         for s, ms in zip(plan, metas)
     ]
-    decision = join("dedup", "decisions", _digest([scope, [src["settings"] for src in sources], items_print]))
-    args = dict(out=decision, buckets=buckets, num_buckets=nb, sources=sources, threshold=threshold, items=items_key)
+    max_docs = first.decontaminate_max_docs
+    decision = join("dedup", "decisions", _digest([scope, [src["settings"] for src in sources], items_print, max_docs]))
+    args = dict(
+        out=decision,
+        buckets=buckets,
+        num_buckets=nb,
+        sources=sources,
+        threshold=threshold,
+        items=items_key,
+        max_docs=max_docs,
+    )
     run_units("dedup decision", [Unit(f"{UNITS}:decide_unit", args, "decides which documents train")], store, **run)
 
     units = []
@@ -316,6 +329,7 @@ def _decide(store, plan: list[_Source], keys, todo, items, items_print, ray, on_
                 partition_bytes=PARTITION_BYTES or s.cfg.partition_bytes,
                 settings=settings_of(s.cfg),
                 num_bytes_in=sum(m["num_bytes"] for m in metas[i]),
+                items_checked=dict(Counter(it.id.split(":")[0] for it in items)) if s.cfg.decontaminate else {},
             )
             units.append(Unit(f"{UNITS}:publish_unit", args, f"publishes the kept documents of {s.name!r}"))
     run_units("dedup publish", units, store, **run)

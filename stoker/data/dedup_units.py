@@ -35,12 +35,13 @@ from __future__ import annotations
 import io
 import json
 import tempfile
-from collections import defaultdict
+import unicodedata
+from collections import Counter, defaultdict
 
 import numpy as np
 
 from stoker.data.evalitems import EvalItem
-from stoker.data.minhash import NUM_PERM, EvalIndex, band_keys, features_of, row_hash, share_a_band
+from stoker.data.minhash import NUM_PERM, EvalIndex, band_keys, features_of, pieces, row_hash, share_a_band
 from stoker.data.sharding import corpus_text, range_lines
 from stoker.storage.datasets import (
     Part,
@@ -154,10 +155,10 @@ def features_unit(
 
 
 def _clean(meta: dict) -> np.ndarray:
-    """The partition's documents that hold no evaluation item (the ones that can be kept)."""
-    clean = np.ones(meta["num_docs"], bool)
-    clean[[int(k) for k in meta["matches"]]] = False
-    return np.flatnonzero(clean).astype("<u4")
+    """The partition's documents that take part in deduplication: all of them (one holding an
+    evaluation item may keep its other text, cut in pieces; which n-grams count is known only
+    once every partition's are counted, in the decision)."""
+    return np.arange(meta["num_docs"], dtype="<u4")
 
 
 def _features(store, folder, corpus, size, start, end, near_ngram, items, n) -> dict:
@@ -409,34 +410,80 @@ def _texts(store: Store, sources: list[dict], wanted: set[int]) -> dict[int, str
     return out
 
 
+def _contamination(store: Store, sources: list[dict], max_docs: int):
+    """(removed whole: {doc key: items}, cut: {doc key: (pieces, items)}, the n-grams left out as
+    common [[n-gram, documents]]) of the decontaminating sources: an n-gram an item holds counts
+    where at most `max_docs` documents of them hold it (GPT-3's rule: more are common phrases or
+    boilerplate); each counting match is cut out with its margin (minhash.pieces), and a document
+    cut into too many pieces, or into none long enough, goes whole. Holds the matching
+    documents' spans only."""
+    matched: dict[int, dict] = {}
+    counts: Counter = Counter()
+    for s, src in enumerate(sources):
+        if src["settings"]["decontaminate"]:
+            for p, (folder, *_rest) in enumerate(src["parts"]):
+                for d, m in store.read_json(join(folder, META))["matches"].items():
+                    matched[int(doc_keys(s, p, np.uint64(int(d))))] = m
+                    counts.update({sp[0] for sp in m["spans"] if sp[0] is not None})
+    contaminated, cuts = {}, {}
+    for key, m in matched.items():
+        spans = [sp for sp in m["spans"] if sp[0] is None or counts[sp[0]] <= max_docs]
+        if not spans:
+            continue
+        ids = list(dict.fromkeys(i for sp in spans for i in sp[1]))
+        kept = pieces(m["len"], [(a, b) for _, _, a, b in spans])
+        if kept is None:
+            contaminated[key] = ids
+        else:
+            cuts[key] = (kept, ids)
+    common = sorted(([g, c] for g, c in counts.items() if c > max_docs), key=lambda gc: (-gc[1], gc[0]))
+    return contaminated, cuts, common
+
+
 def decide_unit(
-    store: Store, *, out: str, buckets: str, num_buckets: int, sources: list[dict], threshold: float, items: str | None
+    store: Store,
+    *,
+    out: str,
+    buckets: str,
+    num_buckets: int,
+    sources: list[dict],
+    threshold: float,
+    items: str | None,
+    max_docs: int = 10,
 ) -> dict:
     """Today's decision over the buckets' relations (see the module doc); per source, its
-    removed documents and their sample, into `out`; cached."""
+    removed and cut documents and their sample, into `out`; cached."""
     summary = _json_or_none(store, join(out, "decision.json"))
     if summary is not None:
         return summary | {"cached": True}
     exact_head, sig_first, adj = _relations(store, buckets, num_buckets)
-    contaminated: dict[int, list[str]] = {}
-    for s, src in enumerate(sources):
-        if src["settings"]["decontaminate"]:
-            for p, (folder, *_rest) in enumerate(src["parts"]):
-                for d, found in store.read_json(join(folder, META))["matches"].items():
-                    contaminated[int(doc_keys(s, p, np.uint64(int(d))))] = found
+    contaminated, cuts, common = _contamination(store, sources, max_docs)
     removed = _greedy([src["settings"] for src in sources], contaminated, exact_head, sig_first, adj)
     item_text = {i: t for i, t in store.read_json(items)} if items else {}
     per_source: dict[int, list] = defaultdict(list)
     for r in removed:
         per_source[r[0] >> SOURCE_SHIFT].append(r)
+    gone = {r[0] for r in removed}
     for s in range(len(sources)):
-        _write_source(store, out, s, sources, per_source.get(s, []), contaminated, threshold, item_text)
-    summary = {"docs": sum(src["num_docs"] for src in sources), "visited": len(removed)}
+        mine = {k: v for k, v in cuts.items() if k >> SOURCE_SHIFT == s}
+        _write_source(store, out, s, sources, per_source.get(s, []), contaminated, mine, gone, threshold, item_text)
+    summary = {
+        "docs": sum(src["num_docs"] for src in sources),
+        "visited": len(removed),
+        "common_ngrams": len(common),
+        "common_examples": common[:SAMPLE_PAIRS],
+    }
     store.write_json(join(out, "decision.json"), summary)
     return summary | {"cached": False}
 
 
-def _write_source(store, out, s, sources, removed, contaminated, threshold, item_text) -> None:
+def _excerpt(text: str, a: int, b: int) -> str:
+    """The text around [a, b), EXCERPT_CHARS at most."""
+    pad = max(0, (EXCERPT_CHARS - (b - a)) // 2)
+    return text[max(0, a - pad) : b + pad][:EXCERPT_CHARS]
+
+
+def _write_source(store, out, s, sources, removed, contaminated, cuts, gone, threshold, item_text) -> None:
     """Source s's removed documents (numbers in the source), counts and sample."""
     bases = [np.cumsum([0] + [p[2] for p in src["parts"]]).tolist() for src in sources]
 
@@ -447,7 +494,9 @@ def _write_source(store, out, s, sources, removed, contaminated, threshold, item
     picked = []
     for reason in ("exact", "near", "contaminated"):
         picked += [r for r in removed if r[1] == reason][:SAMPLE_PAIRS]
-    texts = _texts(store, sources, {r[0] for r in picked} | {r[2] for r in picked if r[2] is not None})
+    cut = sorted(k for k in cuts if k not in gone)  # cut, and not removed as a duplicate
+    shown = cut[:SAMPLE_PAIRS]
+    texts = _texts(store, sources, {r[0] for r in picked} | {r[2] for r in picked if r[2] is not None} | set(shown))
     samples = []
     for d, reason, kept, n in picked:
         row = {"reason": reason, "source": sources[s]["name"], "doc": number(d)[1], "text": texts[d][:EXCERPT_CHARS]}
@@ -463,16 +512,40 @@ def _write_source(store, out, s, sources, removed, contaminated, threshold, item
             ids = contaminated[d]
             row.update(items=ids, item_text=item_text.get(ids[0], "")[:EXCERPT_CHARS])
         samples.append(row)
+    for d in shown:  # what was cut out of a document kept in pieces: the text between them
+        text, kept = unicodedata.normalize("NFC", texts[d]), cuts[d][0]
+        gaps = [(b, c) for (_, b), (c, _) in zip([(0, 0)] + kept, kept + [(len(text), len(text))]) if c > b]
+        a, b = gaps[0] if gaps else (0, 0)
+        ids = cuts[d][1]
+        samples.append(
+            {
+                "reason": "cut",
+                "source": sources[s]["name"],
+                "doc": number(d)[1],
+                "text": _excerpt(text, a, b),
+                "pieces": len(kept),
+                "items": ids,
+                "item_text": item_text.get(ids[0], "")[:EXCERPT_CHARS],
+            }
+        )
     counts = {reason: sum(r[1] == reason for r in removed) for reason in REASONS}
-    items: dict[str, int] = {}
-    for d, reason, _, _ in removed:
-        for item in contaminated.get(d, ()) if reason == "contaminated" else ():
+    counts["cut"] = len(cut)
+    items: dict[str, int] = {}  # documents holding each item: removed whole or cut
+    holding = [ids for d, ids in contaminated.items() if d >> SOURCE_SHIFT == s] + [v[1] for v in cuts.values()]
+    for ids in holding:
+        for item in ids:
             items[item] = items.get(item, 0) + 1
     docs = np.asarray(sorted(number(r[0])[1] for r in removed), dtype=np.int64)
     _write_npz(store, join(out, f"source-{s:03d}.npz"), removed=docs)
     store.write_json(
         join(out, f"source-{s:03d}.json"),
-        {"counts": counts, "items": dict(sorted(items.items())), "samples": samples, "threshold": threshold},
+        {
+            "counts": counts,
+            "items": dict(sorted(items.items())),
+            "samples": samples,
+            "threshold": threshold,
+            "cuts": {str(number(d)[1]): cuts[d][0] for d in cut},
+        },
     )
 
 
@@ -487,6 +560,7 @@ def publish_unit(
     settings: dict,
     num_bytes_in: int,
     partition_bytes: int,
+    items_checked: dict | None = None,
 ) -> dict:
     """Source `index`'s kept documents published as a dataset, its removed sample and numbers,
     and result.json last (the commit marker of its decision)."""
@@ -496,7 +570,8 @@ def publish_unit(
     with np.load(io.BytesIO(store.read_bytes(join(decision, f"source-{index:03d}.npz")))) as z:
         removed = z["removed"]
     told = store.read_json(join(decision, f"source-{index:03d}.json"))
-    fingerprint, num_docs, num_bytes = _publish_kept(store, dataset, removed, result, partition_bytes)
+    cuts = {int(k): v for k, v in told.get("cuts", {}).items()}
+    fingerprint, num_docs, num_bytes = _publish_kept(store, dataset, removed, result, partition_bytes, cuts)
     store.write_bytes(
         join(result, REMOVED_FILE),
         "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in told["samples"]).encode(),
@@ -512,27 +587,32 @@ def publish_unit(
         "num_exact": counts["exact"],
         "num_near": counts["near"],
         "num_contaminated": counts["contaminated"],
+        "num_cut": counts.get("cut", 0),
         "num_docs_out": num_docs,
         "num_bytes_out": num_bytes,
         "items": told["items"],
+        "items_checked": items_checked or {},
     }
     store.write_json(join(result, RESULT_FILE), out)
     return out | {"docs": dataset["num_docs"]}
 
 
 def _publish_kept(
-    store: Store, dataset: dict, removed: np.ndarray, key: str, partition_bytes: int
+    store: Store, dataset: dict, removed: np.ndarray, key: str, partition_bytes: int, cuts: dict | None = None
 ) -> tuple[str, int, int]:
     """(fingerprint, documents, bytes) of the kept documents, published as a dataset (the
-    source's own when nothing was removed), streamed part by part: nothing held per document.
-    Its parts follow the source's (a part that lost nothing is the source's own, stored once)."""
-    if not len(removed):
+    source's own when nothing was removed or cut), streamed part by part: nothing held per
+    document. A document cut for decontamination becomes its pieces, each a document of its
+    own (of its NFC text). Its parts follow the source's (a part that lost nothing is the
+    source's own, stored once)."""
+    cuts = cuts or {}
+    if not len(removed) and not cuts:
         return dataset["fingerprint"], dataset["num_docs"], dataset["num_bytes"]
     parts = [Part(p["key"], p["size"], p["sha256"], p["num_docs"]) for p in dataset["parts"]]
     with tempfile.TemporaryDirectory(prefix="stoker-dedup-") as tmp:
         writer = PartWriter(store, tmp, max(partition_bytes, max(p.size for p in parts) + 1))
         num_docs = num_bytes = 0
-        nxt, at, k = int(removed[0]), 0, 0
+        nxt, at, k = (int(removed[0]) if len(removed) else -1), 0, 0
         for part in parts:
 
             def read(offset: int, count: int, part=part) -> bytes:  # large ranged reads (readline is slow on S3)
@@ -542,6 +622,12 @@ def _publish_kept(
                 if k == nxt:
                     at += 1
                     nxt = int(removed[at]) if at < len(removed) else -1
+                elif k in cuts:
+                    text = unicodedata.normalize("NFC", corpus_text(line, offset))
+                    for a, b in cuts[k]:
+                        writer.add(json.dumps({"text": text[a:b]}, ensure_ascii=False).encode("utf-8") + b"\n")
+                        num_docs += 1
+                        num_bytes += len(text[a:b].encode("utf-8"))
                 else:
                     writer.add(line if line.endswith(b"\n") else line + b"\n")
                     num_docs += 1

@@ -146,19 +146,68 @@ class EvalIndex:
         # a hash that matches is checked against the n-gram itself: no false match by collision
         self.hashes = {size: np.unique(np.concatenate(hs)) for size, hs in hashes.items()}
 
-    def matches(self, ws: list[str], grams: Grams | None = None) -> list[str]:
-        """The items sharing an n-gram with these words, in first-seen order (by position,
-        then n-gram length)."""
-        grams = grams or Grams(ws)
+    def _hits(self, ws: list[str], grams: Grams) -> list[tuple[int, int, str, list[str]]]:
+        """(position, length, n-gram, items) of every n-gram of the words an item holds."""
         hits = []  # (position, length)
         for size in self.lengths:
             hits += [(int(i), size) for i in np.flatnonzero(_sorted_member(self.hashes[size], grams.of(size)))]
-        found: dict[str, None] = {}
+        out = []
         for i, size in sorted(hits):
-            ids = self.grams.get(" ".join(ws[i : i + size]))
+            gram = " ".join(ws[i : i + size])
+            ids = self.grams.get(gram)
             if ids:
-                found.update(dict.fromkeys(ids))
+                out.append((i, size, gram, ids))
+        return out
+
+    def matches(self, ws: list[str], grams: Grams | None = None) -> list[str]:
+        """The items sharing an n-gram with these words, in first-seen order (by position,
+        then n-gram length)."""
+        found: dict[str, None] = {}
+        for _, _, _, ids in self._hits(ws, grams or Grams(ws)):
+            found.update(dict.fromkeys(ids))
         return list(found)
+
+    def spans(self, text: str) -> tuple[int, list[list]]:
+        """(length of the NFC text, [n-gram, items, start, end] per n-gram occurrence an item
+        holds): where in the NFC text the matches lie, in characters. Words are found in the
+        NFC text and lower-cased one by one; where that reads other words than `words` (a
+        letter whose lower case is two characters), the whole text is one span."""
+        nfc = unicodedata.normalize("NFC", text)
+        found = list(_WORD.finditer(nfc))
+        ws = [m.group().lower() for m in found]
+        if ws != words(text):
+            return len(nfc), [[None, self.matches(words(text)), 0, len(nfc)]]
+        return len(nfc), [
+            [gram, ids, found[i].start(), found[i + size - 1].end()] for i, size, gram, ids in self._hits(ws, Grams(ws))
+        ]
+
+
+# ---- decontamination by span (GPT-3's appendix C) ---------------------------------------------
+SPAN_MARGIN_CHARS = 200  # removed on each side of a matching n-gram
+MIN_PIECE_CHARS = 200  # a piece shorter than this is dropped
+MAX_PIECES = 10  # a document cut into more pieces than this goes whole
+
+
+def pieces(length: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """The [start, end) character ranges of a text of `length` characters that stay once each
+    span and SPAN_MARGIN_CHARS on each side are cut out, pieces shorter than MIN_PIECE_CHARS
+    dropped; None when the cuts leave more than MAX_PIECES pieces or none (the document goes)."""
+    cuts = sorted((max(0, a - SPAN_MARGIN_CHARS), min(length, b + SPAN_MARGIN_CHARS)) for a, b in spans)
+    merged: list[list[int]] = []
+    for a, b in cuts:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    out, at = [], 0
+    for a, b in merged + [[length, length]]:
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if len(out) > MAX_PIECES:
+        return None
+    kept = [(a, b) for a, b in out if b - a >= MIN_PIECE_CHARS]
+    return kept or None
 
 
 # ---- step 1: features of one corpus ---------------------------------------------------------
@@ -167,7 +216,7 @@ class Features:
     digests: np.ndarray  # (N, 16) uint8
     sizes: np.ndarray  # (N,) int64: UTF-8 bytes of each document
     signatures: np.ndarray | None  # (N, NUM_PERM) uint32, or None
-    matches: dict[int, list[str]]  # document -> evaluation items it holds
+    matches: dict[int, dict]  # document -> {"len": NFC characters, "spans": [[n-gram, items, start, end]]}
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -230,10 +279,9 @@ def features_of(docs: Iterator[str], near_ngram: int | None, index: EvalIndex | 
             continue
         ws = words(doc)
         grams = Grams(ws)
-        if index is not None:
-            found = index.matches(ws, grams)
-            if found:
-                matches[k] = found
+        if index is not None and index.matches(ws, grams):  # the spans of the few that match
+            length, spans = index.spans(doc)
+            matches[k] = {"len": length, "spans": spans}
         if near_ngram is not None:
             batch.append(grams.shingles(near_ngram))
             if len(batch) >= MINHASH_BATCH:

@@ -135,9 +135,15 @@ def removed_summary(store: Store, run: str) -> str | None:
         return None
     if not dedup:
         return None
-    exact, near, eval_docs = (sum(d.get(k, 0) for d in dedup) for k in ("num_exact", "num_near", "num_contaminated"))
-    items = len({item for d in dedup for item in d.get("items", {})})
-    return f"exact {exact}, near {near}, eval {eval_docs} ({items} items)"
+    exact, near, eval_docs, cut = (
+        sum(d.get(k, 0) for d in dedup) for k in ("num_exact", "num_near", "num_contaminated", "num_cut")
+    )
+    found: dict[str, set] = {}
+    for d in dedup:
+        for item in d.get("items", {}):
+            found.setdefault(item.split(":")[0], set()).add(item)
+    sets = ", ".join(f"{name} {len(ids)}" for name, ids in sorted(found.items()))
+    return f"exact {exact}, near {near}, eval {eval_docs} removed {cut} cut (items found: {sets or 'none'})"
 
 
 def as_tree(rows: list[dict]) -> list[dict]:

@@ -452,6 +452,11 @@ def evaluation_line(e: EvalResult) -> str:
             f", multiple choice {100 * e.mc_accuracy_norm:.1f}% (acc_norm; acc {100 * (e.mc_accuracy or 0):.1f}%, "
             f"{e.num_mc_items} items, chance 25%)"
         )
+        if e.mc_accuracy_norm_clean is not None:
+            line += (
+                f"; on the {e.num_mc_items_clean} items not found in the training data "
+                f"{100 * e.mc_accuracy_norm_clean:.1f}% (acc {100 * (e.mc_accuracy_clean or 0):.1f}%)"
+            )
     return line
 
 
@@ -659,6 +664,7 @@ def dedup_rows(infos) -> list[dict]:
             "exact_dups": d.num_exact,
             "near_dups": d.num_near,
             "contaminated": d.num_contaminated,
+            "cut": getattr(d, "num_cut", 0),
             "docs_out": d.num_docs_out,
             "MB_out": round(d.num_bytes_out / 1e6, 3),
             "items_matched": len(d.items),
@@ -706,27 +712,54 @@ def dedup_line(d) -> str:
     items = ", ".join(list(d.items)[:8]) + (f" and {len(d.items) - 8} more" if len(d.items) > 8 else "")
     return (
         f"source {d.name!r}: {d.num_docs_in} documents ({d.num_bytes_in / 1e6:.2f} MB) in; removed "
-        f"{d.num_exact} exact and {d.num_near} near duplicates (data.dedup {d.dedup}), {d.num_contaminated} "
-        f"holding evaluation items{f' ({items})' if d.num_contaminated else ''}; {d.num_docs_out} documents "
+        f"{d.num_exact} exact and {d.num_near} near duplicates (data.dedup {d.dedup}); evaluation items "
+        f"found in {d.num_contaminated + d.num_cut} ({d.num_contaminated} removed whole, {d.num_cut} cut in pieces)"
+        f"{f' ({items})' if d.items else ''}; {d.num_docs_out} documents "
         f"({d.num_bytes_out / 1e6:.2f} MB) kept{' (cached)' if d.cache_hit else ''}"
     )
+
+
+def items_by_set(infos) -> dict[str, tuple[list[str], int]]:
+    """Per evaluation set, (the items found in the training data, the items checked), over
+    every source (DedupInfo.items: 'set:number' -> documents)."""
+    out: dict[str, tuple[list[str], int]] = {}
+    totals: dict[str, int] = {}
+    for d in infos:
+        for name, n in (getattr(d, "items_checked", None) or {}).items():
+            totals[name] = max(totals.get(name, 0), n)
+    found: dict[str, set[str]] = {}
+    for d in infos:
+        for item in d.items:
+            found.setdefault(item.split(":")[0], set()).add(item)
+    for name in sorted(found):
+        ids = sorted(found[name], key=lambda i: (len(i), i))
+        out[name] = (ids, totals.get(name, 0))
+    return out
 
 
 def dedup_markdown(infos, samples_url: str | None = None) -> str:
     """The report's section on the data stage's removals (empty without dedup records)."""
     if not infos:
         return ""
-    head = "| source | dedup | docs in | MB in | exact dups | near dups | contaminated | items matched | docs out |\n"
-    head += "|---|---|---|---|---|---|---|---|---|\n"
+    head = "| source | dedup | docs in | MB in | exact dups | near dups | contaminated | cut | items matched | docs out |\n"
+    head += "|---|---|---|---|---|---|---|---|---|---|\n"
     body = "".join(
         f"| {r['source']} | {r['dedup']} | {r['docs_in']} | {r['MB_in']} | {r['exact_dups']} | {r['near_dups']} | "
-        f"{r['contaminated']} | {r['items_matched']} | {r['docs_out']} |\n"
+        f"{r['contaminated']} | {r['cut']} | {r['items_matched']} | {r['docs_out']} |\n"
         for r in dedup_rows(infos)
     )
-    matched = [f"{d.name}: {', '.join(d.items)}" for d in infos if d.items]
     out = "\n## Data: duplicates and evaluation items removed\n\n" + head + body
-    if matched:
-        out += "\nEvaluation items found in the training data (their documents removed): " + "; ".join(matched) + "\n"
+    found = items_by_set(infos)
+    if found:
+        out += (
+            "\nEvaluation items found in the training data (their n-grams cut out, or the document removed where "
+            "cut into more than 10 pieces), per set: "
+            + "; ".join(
+                f"{name}: {len(ids)} of {total or '?'} ({', '.join(ids[:20])}{' ...' if len(ids) > 20 else ''})"
+                for name, (ids, total) in found.items()
+            )
+            + "\n"
+        )
     if samples_url:
         out += f"\nA sample of removed documents beside what they matched: `{samples_url}`\n"
     return out

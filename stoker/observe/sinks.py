@@ -70,6 +70,7 @@ def scalars(event: events.Event) -> dict[str, float]:
             "checkpoint/val_perplexity": event.val_ppl,
             "checkpoint/bits_per_byte": event.bits_per_byte,
             "checkpoint/mc_accuracy": event.mc_accuracy,
+            "checkpoint/mc_accuracy_clean": event.mc_accuracy_clean,
             "checkpoint/mc_accuracy_norm": event.mc_accuracy_norm,
         }
         for name, scores in (event.sources or {}).items():

@@ -26,12 +26,14 @@ from stoker.contracts.results import parse_shards_arg
 from stoker.families import build_model
 from stoker.process.quick_exit import quick_exit
 from stoker.storage.checkpoints import COMMIT_FILE, rehydrate
+from stoker.storage.layout import SHARDS_FILE, run_file_key
 from stoker.storage.shards import TOKENIZER_FILE, materialize, shard_set_name
 from stoker.storage.store import Store, default_cache_dir
 from stoker.training.checkpoint import load_checkpoint
 from stoker.training.data import TokenStream, eval_offsets, get_batch
 from stoker.training.engine import Engine
 from stoker.training.scoring import (
+    MULTIPLE_CHOICE_TASK,
     ChoiceScores,
     HeldOut,
     add_window_scores,
@@ -99,9 +101,12 @@ def evaluate_checkpoint(
             }
             for name, h in scored.items()
         }
-    mc = None
+    mc = clean = None
     if "multiple_choice" in sets:
-        mc = multiple_choice_scores(model, tokenizer, cfg.model.block_size, cfg.eval.multiple_choice_items, engine)
+        mc, ids = multiple_choice_scores(model, tokenizer, cfg.model.block_size, cfg.eval.multiple_choice_items, engine)
+        found = items_found(store, cfg)
+        if found is not None:  # decontaminated: the items not found in the training data apart
+            clean = mc.subset(torch.tensor([f"{MULTIPLE_CHOICE_TASK}:{i}" not in found for i in ids], dtype=torch.bool))
     return events.Evaluated(
         checkpoint=store.url(checkpoint_key),
         step=manifest["step"],
@@ -112,6 +117,9 @@ def evaluate_checkpoint(
         mc_accuracy=mc.accuracy if mc else None,
         mc_accuracy_norm=mc.accuracy_norm if mc else None,
         num_mc_items=len(mc.labels) if mc else None,
+        mc_accuracy_clean=clean.accuracy if clean is not None and len(clean.labels) else None,
+        mc_accuracy_norm_clean=clean.accuracy_norm if clean is not None and len(clean.labels) else None,
+        num_mc_items_clean=len(clean.labels) if clean is not None else None,
         sources=per_source,
     )
 
@@ -146,10 +154,24 @@ def held_out_scores(
 
 def multiple_choice_scores(
     model: torch.nn.Module, tokenizer, block_size: int, num_items: int, engine: Engine
-) -> ChoiceScores:
-    """The vendored multiple-choice set's first num_items items (its sha256 checked), scored."""
-    items = encode_items(tokenizer, load_multiple_choice(limit=num_items), block_size)
-    return score_choices(model, items, engine.device, engine.autocast)
+) -> tuple[ChoiceScores, list[int | None]]:
+    """The vendored multiple-choice set's first num_items items (its sha256 checked), scored,
+    and their numbers in the set."""
+    chosen = load_multiple_choice(limit=num_items)
+    items = encode_items(tokenizer, chosen, block_size)
+    return score_choices(model, items, engine.device, engine.autocast), [c.id for c in chosen]
+
+
+def items_found(store: Store, cfg) -> set[str] | None:
+    """The evaluation items data.decontaminate found in the run's training data (its
+    shards.json), or None where it did not decontaminate (or the record cannot be read)."""
+    try:
+        dedup = store.read_json(run_file_key(cfg.resolved_run_name(), SHARDS_FILE)).get("dedup") or []
+    except (FileNotFoundError, ValueError, AttributeError):
+        return None
+    if not any(d.get("decontaminate") for d in dedup):
+        return None
+    return {item for d in dedup for item in d.get("items") or {}}
 
 
 def default_device() -> torch.device:

@@ -85,12 +85,16 @@ def add_window_scores(
 
 
 # ---- multiple choice --------------------------------------------------------------------------
+MULTIPLE_CHOICE_TASK = "stoker_mc"  # the set's name to data.decontaminate (stoker.data.evalitems.VENDORED_TASK)
+
+
 @dataclass(frozen=True)
 class ChoiceItem:
     context: str
     endings: tuple[str, ...]
     label: int
     source: str = ""
+    id: int | None = None  # its number in the set ("stoker_mc:ID" to data.decontaminate)
 
 
 def load_multiple_choice(
@@ -112,7 +116,11 @@ def load_multiple_choice(
         record = json.loads(line)
         if "meta" in record:
             continue
-        items.append(ChoiceItem(record["context"], tuple(record["endings"]), int(record["label"]), record["source"]))
+        items.append(
+            ChoiceItem(
+                record["context"], tuple(record["endings"]), int(record["label"]), record["source"], record.get("id")
+            )
+        )
         if limit is not None and len(items) == limit:
             break
     return items
@@ -170,6 +178,10 @@ class ChoiceScores:
     @property
     def accuracy_norm(self) -> float:
         return float((self.predictions_norm == self.labels).double().mean())
+
+    def subset(self, keep: torch.Tensor) -> "ChoiceScores":
+        """The scores of the items where `keep` (N,) bool is true (a clean subset)."""
+        return ChoiceScores(self.logprob[keep], self.num_tokens[keep], self.labels[keep])
 
 
 @torch.no_grad()

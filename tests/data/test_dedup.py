@@ -20,6 +20,7 @@ from stoker.data import dedup, dedup_units
 from stoker.data.evalitems import VENDORED_SET, _vendored_items
 from stoker.data.prepare import download_dataset, prepare_all
 from stoker.failures import ConfigError
+from stoker.storage.datasets import dataset_parts
 from stoker.storage.store import Store, join
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
@@ -78,12 +79,24 @@ def _dedup(store, data: DataConfig):
 def test_the_planted_copies_near_copies_and_evaluation_items_are_what_is_removed(corpus, tmp_path):
     store = Store(f"file://{tmp_path}/store")
     domain, replay = (info for _, info in _dedup(store, _data(corpus, dedup="near")))
-    assert (domain.num_exact, domain.num_near, domain.num_contaminated) == (3, 2, 2)
-    assert domain.items == {"stoker_mc:0": 1, "stoker_mc:1": 1}
+    # the items' n-grams and 200 characters each side cut out: the rest of each document stays
+    assert (domain.num_exact, domain.num_near, domain.num_contaminated, domain.num_cut) == (3, 2, 0, 2)
+    assert domain.items == {"stoker_mc:0": 1, "stoker_mc:1": 1} and domain.items_checked == {"stoker_mc": 500}
     assert (replay.num_exact, replay.num_near, replay.num_contaminated) == (2, 0, 0)  # trains once, in domain
-    assert (domain.num_docs_out, replay.num_docs_out) == (40, 20)
+    assert (domain.num_docs_out, replay.num_docs_out) == (44, 20)  # each cut document in 2 pieces
     samples = dedup.removed_samples(store, domain)
-    assert {s["reason"] for s in samples} == {"exact", "near", "contaminated"}
+    assert {s["reason"] for s in samples} == {"exact", "near", "cut"}
+    cut = [s for s in samples if s["reason"] == "cut"]
+    items = {it.id: it.text for it in _vendored_items()[:2]}
+    assert all(
+        s["pieces"] == 2 and " ".join(items[s["items"][0]].split()[:13]) in " ".join(s["text"].split()) for s in cut
+    )
+    kept = [
+        json.loads(line)["text"]
+        for p in dataset_parts(store, [d for d, _ in _dedup(store, _data(corpus, dedup="near"))][0].fingerprint)
+        for line in store.read_bytes(p.key).splitlines()
+    ]
+    assert not any(" ".join(t.split()[:13]) in " ".join(k.split()) for t in items.values() for k in kept)
     near = [s for s in samples if s["reason"] == "near"]
     assert all(s["kept_source"] == "domain" and 0.8 <= s["similarity"] < 1 for s in near)
     # what a person reads of it: the log line, the report's section, `stoker runs`' column
@@ -91,20 +104,19 @@ def test_the_planted_copies_near_copies_and_evaluation_items_are_what_is_removed
     from stoker.observe.report import dedup_line, dedup_markdown
     from stoker.storage.layout import run_file_key
 
-    assert (
-        dedup_line(domain).startswith("source 'domain': 47 documents")
-        and "removed 3 exact and 2 near duplicates (data.dedup near), 2 holding evaluation items (stoker_mc:0, stoker_mc:1)"
-        in dedup_line(domain)
+    assert dedup_line(domain).startswith("source 'domain': 47 documents") and (
+        "removed 3 exact and 2 near duplicates (data.dedup near); evaluation items found in 2 (0 removed whole, "
+        "2 cut in pieces) (stoker_mc:0, stoker_mc:1)" in dedup_line(domain)
     )
     section = dedup_markdown([domain, replay], "file:///x/dedup-removed.jsonl")
     assert (
         "| domain | near | 47 |" in section
-        and "| 3 | 2 | 2 | 2 | 40 |" in section
-        and "| 2 | 0 | 0 | 0 | 20 |" in section
+        and "| 3 | 2 | 0 | 2 | 2 | 44 |" in section
+        and "| 2 | 0 | 0 | 0 | 0 | 20 |" in section
     )
-    assert "domain: stoker_mc:0, stoker_mc:1" in section and "file:///x/dedup-removed.jsonl" in section
+    assert "stoker_mc: 2 of 500 (stoker_mc:0, stoker_mc:1)" in section and "file:///x/dedup-removed.jsonl" in section
     store.write_json(run_file_key("r", "shards.json"), {"dedup": [domain.as_dict(), replay.as_dict()]})
-    assert removed_summary(store, "r") == "exact 5, near 2, eval 2 (2 items)"
+    assert removed_summary(store, "r") == "exact 5, near 2, eval 0 removed 2 cut (items found: stoker_mc 2)"
 
 
 def test_exact_mode_keeps_near_copies_and_a_high_threshold_keeps_them_too(corpus, tmp_path):
@@ -147,7 +159,7 @@ def test_decontamination_finds_the_items_of_the_vendored_set_in_their_source_fil
     cfg = DataConfig(source=str(src), max_bytes=0)
     info = dedup.dedup_sources([download_dataset(cfg, store)], [("main", cfg)], store, EvalConfig())[0][1]
     assert set(f"stoker_mc:{i}" for i in range(500)) - set(info.items) == {"stoker_mc:200"}
-    assert info.num_contaminated > 0 and info.num_docs_out == info.num_docs_in - info.num_contaminated
+    assert info.num_contaminated + info.num_cut > 0 and info.items_checked == {"stoker_mc": 500}
 
 
 @pytest.mark.parametrize(
@@ -220,7 +232,7 @@ def test_two_ray_nodes_remove_the_same_documents_and_give_the_same_shard_bytes(r
     for s in shards.sets:
         manifest = store.read_json(join(s.key, "manifest.json"))
         files.update({f"{s.name}/{n}": store.read_bytes(join(s.key, n)) for n in manifest["files"]})
-    assert [(d.num_exact, d.num_near, d.num_contaminated) for d in shards.dedup] == [(3, 2, 2), (2, 0, 0)]
+    assert [(d.num_exact, d.num_near, d.num_cut) for d in shards.dedup] == [(3, 2, 2), (2, 0, 0)]
     assert files == local_files
     # the dedup units ran on both nodes (each stage's tasks spread over the cluster)
     nodes = {n for r in caplog.records if getattr(r, "ray_stage", "").startswith("dedup") for n in r.ray_nodes}
@@ -228,22 +240,29 @@ def test_two_ray_nodes_remove_the_same_documents_and_give_the_same_shard_bytes(r
 
 
 # ---- the units' decision against a brute-force reading of the rule ---------------------------------
-def _reference(sources: list[tuple[list[str], dict]], threshold: float, items) -> list[list[str]]:
-    """Today's rule read literally, every pair compared: a document is removed when it holds an
-    evaluation item (its source decontaminating), else when an earlier kept document has its
+def _reference(sources: list[tuple[list[str], dict]], threshold: float, items, max_docs: int = 10) -> list[list[str]]:
+    """The rule read literally, every pair compared: a document of a decontaminating source
+    whose counting matches (an item's n-gram held by at most `max_docs` documents of those
+    sources) leave no piece, or more than 10, is removed ('contaminated'); else it is cut but
+    deduplicated as any ('cut' when kept); else removed when an earlier kept document has its
     digest (dedup exact or near), else when an earlier kept one shares a band of its MinHash
-    signature (datasketch's MinHashLSH banding at the threshold) and reaches the threshold."""
+    signature and reaches the threshold."""
+    from collections import Counter
+
     from stoker.data import minhash
 
     num_bands, rows = minhash.bands(threshold)
     index = minhash.EvalIndex(items, 13)
+    feats = [minhash.features_of(iter(docs), 5, index if cfg["decontaminate"] else None) for docs, cfg in sources]
+    counts = Counter(g for f in feats for m in f.matches.values() for g in {sp[0] for sp in m["spans"] if sp[0]})
     kept, reasons = [], []  # kept: (digest, signature)
-    for docs, cfg in sources:
-        feats = minhash.features_of(iter(docs), 5, index if cfg["decontaminate"] else None)
+    for (docs, cfg), f in zip(sources, feats):
         out = []
         for k in range(len(docs)):
-            digest, sig = feats.digests[k].tobytes(), feats.signatures[k]
-            if k in feats.matches:
+            digest, sig = f.digests[k].tobytes(), f.signatures[k]
+            m = f.matches.get(k, {"len": 0, "spans": []})
+            spans = [(a, b) for g, _, a, b in m["spans"] if g is None or counts[g] <= max_docs]
+            if spans and minhash.pieces(m["len"], spans) is None:
                 out.append("contaminated")
             elif cfg["dedup"] != "none" and any(d == digest for d, _ in kept):
                 out.append("exact")
@@ -253,7 +272,7 @@ def _reference(sources: list[tuple[list[str], dict]], threshold: float, items) -
             ):
                 out.append("near")
             else:
-                out.append("kept")
+                out.append("cut" if spans else "kept")
                 kept.append((digest, sig))
         reasons.append(out)
     return reasons
@@ -276,8 +295,11 @@ def test_the_units_decide_as_every_pair_compared_across_partitions_buckets_and_m
             for i in rng.sample(range(len(ws)), min(len(ws), rng.randint(1, 12))):
                 ws[i] = rng.choice(vocab)
             d = " ".join(ws)
-        elif r < 0.47:
-            d = "x " + rng.choice(items).text
+        elif r < 0.44:  # the first item, in more than 10 documents: its n-grams are common, none counts
+            d = "x " + items[0].text
+        elif r < 0.47:  # another, amid enough text to keep pieces (or too little: removed whole)
+            d = " ".join(rng.choice(vocab) for _ in range(rng.choice([20, 120])))
+            d += " " + rng.choice(items[1:]).text + " " + " ".join(rng.choice(vocab) for _ in range(len(d.split())))
         elif r < 0.6:
             d = " ".join(rng.choice(vocab) for _ in range(60))
         return "  " + d.replace(" ", "\n", 2) if rng.random() < 0.2 else d
@@ -302,11 +324,13 @@ def test_the_units_decide_as_every_pair_compared_across_partitions_buckets_and_m
     want = _reference(list(zip(texts, settings)), 0.7, items)
     for (_, info), reasons in zip(got, want):
         removed = np.load(store.local_path(join(info.key, dedup_units.REMOVED_DOCS)))["removed"].tolist()
-        assert removed == [k for k, r in enumerate(reasons) if r != "kept"]
-        assert (info.num_exact, info.num_near, info.num_contaminated) == tuple(
-            reasons.count(r) for r in ("exact", "near", "contaminated")
+        assert removed == [k for k, r in enumerate(reasons) if r not in ("kept", "cut")]
+        assert (info.num_exact, info.num_near, info.num_contaminated, info.num_cut) == tuple(
+            reasons.count(r) for r in ("exact", "near", "contaminated", "cut")
         )
     assert sum(info.num_near for _, info in got) > 10 and sum(info.num_exact for _, info in got) > 10
+    assert sum(info.num_cut for _, info in got) > 0 and sum(info.num_contaminated for _, info in got) > 0
+    assert not any(items[0].id in info.items for _, info in got)  # common: found in too many documents
 
 
 def test_worker_processes_over_many_partitions_decide_as_one_process(corpus, tmp_path, monkeypatch):

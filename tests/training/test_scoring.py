@@ -79,6 +79,14 @@ def test_evaluation_equals_transformers_gpt2_on_the_exported_checkpoint(trained,
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
     cfg, store, shards, config_url = trained
+    # as if data.decontaminate had found items 3 and 7 in the training data (300 KB of it holds
+    # none of the first 40): the evaluation scores the other 38 apart, as the clean subset
+    pinned = f"runs/{cfg.resolved_run_name()}/shards.json"
+    record = store.read_json(pinned)
+    assert record["dedup"][0]["decontaminate"] and not record["dedup"][0]["items"]
+    store.write_json(
+        pinned, {**record, "dedup": [{**record["dedup"][0], "items": {"stoker_mc:3": 1, "stoker_mc:7": 2}}]}
+    )
     said = _run(
         "-m",
         "stoker.training.evaluation_main",
@@ -126,6 +134,12 @@ def test_evaluation_equals_transformers_gpt2_on_the_exported_checkpoint(trained,
     assert torch.equal(ours.predictions_norm, (theirs / lengths).argmax(1))
     assert evaluated.mc_accuracy == pytest.approx(ours.accuracy, abs=1e-12)
     assert evaluated.mc_accuracy_norm == pytest.approx(ours.accuracy_norm, abs=1e-12)
+    # and on the clean subset: the items data.decontaminate did not find in the training data
+    store.write_json(pinned, record)
+    clean = torch.tensor([it.id not in (3, 7) for it in items])
+    assert evaluated.num_mc_items_clean == int(clean.sum()) == NUM_ITEMS - 2
+    assert evaluated.mc_accuracy_clean == pytest.approx(ours.subset(clean).accuracy, abs=1e-12)
+    assert evaluated.mc_accuracy_norm_clean == pytest.approx(ours.subset(clean).accuracy_norm, abs=1e-12)
     print(
         f"loss {evaluated.val_loss:.4f}, {evaluated.bits_per_byte:.4f} bits per byte, "
         f"acc {ours.accuracy:.3f}, acc_norm {ours.accuracy_norm:.3f} ({NUM_ITEMS} items)"
