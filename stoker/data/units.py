@@ -136,6 +136,12 @@ def run_units(
         return pool.run(units, done)
 
 
+def one_line(text: str, limit: int = 500) -> str:
+    """An error's text on one line (a store client's message may hold newlines), cut at `limit`."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
 def _here(unit: Unit, store: Store) -> dict:
     for attempt in range(UNIT_RETRIES + 1):
         try:
@@ -143,9 +149,12 @@ def _here(unit: Unit, store: Store) -> dict:
         except DataError:
             raise
         except Exception as err:
-            if attempt == UNIT_RETRIES or not (isinstance(err, OSError) or is_transient(err)):
+            if not (isinstance(err, OSError) or is_transient(err)):
                 raise
-            log.warning("%s failed (%s: %s); it runs again", unit.label, type(err).__name__, err)
+            why = f"{type(err).__name__}: {one_line(err)}"
+            if attempt == UNIT_RETRIES:
+                raise ChildProcessError(f"{unit.label} failed {attempt + 1} times; the last: {why}") from err
+            log.warning("%s failed (%s); it runs again", unit.label, why)
     raise AssertionError("unreachable")
 
 
@@ -253,9 +262,9 @@ class _Pool:
                 if timed_out:
                     why = f"it ran past its deadline of {UNIT_TIMEOUT_S:.0f} s (a hung read?)"
                 elif err:
-                    why = f"{err['type']}: {err['message']}"
+                    why = f"{err['type']}: {one_line(err['message'])}"
                 else:
-                    why = f"its worker exited ({w.tail()[-500:]})"
+                    why = f"its worker exited ({one_line(w.tail()[-500:])})"
                 attempts[k] += 1
                 if attempts[k] > UNIT_RETRIES:
                     raise ChildProcessError(f"{units[k].label} failed {attempts[k]} times; the last: {why}")

@@ -52,3 +52,15 @@ def test_a_hung_unit_is_killed_at_its_deadline_and_runs_again_then_fails_in_one_
     ):
         run_units("squares", always, store, workers=1)
     assert store.read_json("out/7.json.runs") == 3
+
+
+def test_a_store_unreachable_mid_stage_is_retried_then_one_line(tmp_path):
+    store = Store(f"file://{tmp_path}/store")
+    down = [Unit("tests.data.unit_fns:store_down", {"out": "runs.json"}, "computes the features of 'web' part 3")]
+    for in_process in (False, True):
+        store.rm("runs.json")
+        with pytest.raises(OSError) as err:
+            run_units("features", down, store, workers=1, in_process=in_process)
+        assert store.read_json("runs.json") == 3  # retried twice, then given up
+        assert "\n" not in str(err.value) and "computes the features of 'web' part 3" in str(err.value), err.value
+        assert "Connection refused" in str(err.value)

@@ -27,3 +27,10 @@ def square(store, *, k: int, out: str, die_once: bool = False, hang: int = 0) ->
 
 def bad_data(store, *, k: int) -> dict:
     raise DataError(f"data.source: document {k} is not text; fix the source.")
+
+
+def store_down(store, *, out: str) -> dict:
+    """A unit whose store cannot be reached: counts its runs, then fails as s3fs does."""
+    runs = store.read_json(out) if store.exists(out) else 0
+    store.write_json(out, runs + 1)
+    raise OSError(f"[Errno 111] Connection refused: http://127.0.0.1:9/bucket/{out}\n(while reading a part)")
