@@ -9,7 +9,10 @@ many of them.
 ``quick_exit`` does what a normal exit does that anyone can see, in the same order, then ends
 the process at once:
 
-1. it waits for the non-daemon threads (an uploader finishing a checkpoint, say);
+1. it waits for the non-daemon threads (an uploader finishing a checkpoint, say), for
+   ``join_timeout`` seconds in all where one is given (the module runner below gives
+   AGENT_JOIN_S: a torchrun agent whose ranks are gone has nothing worth waiting for, and a
+   thread of it blocked on a dead peer kept it alive for minutes, its parent killed);
 2. it runs the ``atexit`` handlers (``logging.shutdown``, ``weakref.finalize`` objects, Ray's and
    torch's own);
 3. it flushes ``sys.stdout`` and ``sys.stderr``.
@@ -31,16 +34,24 @@ import os
 import runpy
 import sys
 import threading
+import time
 from typing import NoReturn
 
+AGENT_JOIN_S = 5.0  # what `python -m stoker.process.quick_exit MODULE` waits for its threads, in all
 
-def quick_exit(code: int | None = 0) -> NoReturn:
-    """Exit with `code` (None: 0) after the non-daemon threads, the atexit handlers and a flush
-    of stdout and stderr, skipping the interpreter's teardown."""
+
+def quick_exit(code: int | None = 0, join_timeout: float | None = None) -> NoReturn:
+    """Exit with `code` (None: 0) after the non-daemon threads (for `join_timeout` seconds in
+    all, when given: the ones still alive then are named on stderr and left), the atexit
+    handlers and a flush of stdout and stderr, skipping the interpreter's teardown."""
     main = threading.main_thread()
+    deadline = None if join_timeout is None else time.monotonic() + join_timeout
     for thread in threading.enumerate():
         if thread is not main and not thread.daemon and thread.is_alive():
-            thread.join()
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    left = [t.name for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
+    if left:
+        print(f"quick_exit: left {len(left)} thread(s) still running after {join_timeout} s: {left}", file=sys.stderr)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -60,8 +71,8 @@ def main(argv: list[str]) -> NoReturn:
     except SystemExit as stop:
         if stop.code is not None and not isinstance(stop.code, int):
             raise
-        quick_exit(stop.code)
-    quick_exit(0)
+        quick_exit(stop.code, join_timeout=AGENT_JOIN_S)
+    quick_exit(0, join_timeout=AGENT_JOIN_S)
 
 
 if __name__ == "__main__":

@@ -59,3 +59,24 @@ def test_the_runner_keeps_a_modules_exit_codes_and_tracebacks(tmp_path):
     assert said.returncode == 1 and said.stderr.strip() == "a reason"
     raised = _run([*runner, "raise_mod"], tmp_path)
     assert raised.returncode == 1 and "RuntimeError: boom" in raised.stderr and "Traceback" in raised.stderr
+
+
+def test_the_runner_ends_within_its_deadline_with_a_thread_that_never_ends_on_a_busy_host(tmp_path):
+    """A torchrun agent's way out: a non-daemon thread blocked for good (on a dead peer, say)
+    kept `python -m stoker.process.quick_exit torch.distributed.run` alive for minutes after its
+    ranks and its parent were gone. The runner waits AGENT_JOIN_S for it, in all, names it on
+    stderr and ends, with both cores held busy beside it, each time (without the deadline the
+    run hangs and _run's timeout fails the test)."""
+    (tmp_path / "stuck_mod.py").write_text(
+        "import threading\nthreading.Thread(target=threading.Event().wait, name='stuck-peer').start()\n"
+    )
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        for _ in range(2):
+            out = _run(["-m", "stoker.process.quick_exit", "stuck_mod"], tmp_path)
+            assert out.returncode == 0 and "left 1 thread(s) still running" in out.stderr, out.stderr
+            assert "stuck-peer" in out.stderr
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
