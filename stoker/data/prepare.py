@@ -316,6 +316,7 @@ def shard_params(cfg: DataConfig, tokenizer: TokenizerInfo) -> dict:
         "shard_tokens": cfg.shard_tokens,
         "dtype": token_dtype(cfg.token_dtype, tokenizer.vocab_size).str,
         "eot_id": tokenizer.eot_id,
+        "special_tokens_as_text": True,  # text that spells a special token stays text (tokenize_docs)
     }
 
 

@@ -215,7 +215,7 @@ def tokenize_docs(
     files: dict[str, tuple[BinaryIO, BinaryIO]],
 ) -> dict[str, list[int]]:
     """Tokenize documents into `files` ({split: (tokens, document ends)}): every document's ids
-    then eot_id, in `dtype`, cut in pieces of PIECE_TOKENS, each piece to the split is_val
+    (special tokens spelled in its text encoded as text) then eot_id, in `dtype`, cut in pieces of PIECE_TOKENS, each piece to the split is_val
     picks (so val_fraction holds by tokens); a piece ends an entry; the ends are cumulative
     little-endian uint64. The one place both engines turn text into shard bytes. Returns
     {split: [num_tokens, num_docs]}, and under UNENCODABLE [bytes, first example] of the text
@@ -224,6 +224,9 @@ def tokenize_docs(
     counts: dict = {s: [0, 0] for s in SPLITS}
     counts[UNENCODABLE] = [0, ""]
     table = _lacking_table(tok)
+    # a user's text that spells a special token ('<|endoftext|>' in a file about tokenizers) is
+    # text: only the eot_id appended here ends a document, for document attention and the loss
+    tok.encode_special_tokens = True
     batch: list[str] = []
     size = 0
 

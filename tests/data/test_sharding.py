@@ -270,3 +270,26 @@ def test_pieces_of_a_document_follow_the_fraction_and_one_piece_keeps_its_hash_s
             assert abs(sum(flags) - 1000 * f) <= 1  # any run of pieces: within one piece
             u = sharding._doc_offset(doc)
             assert flags[0] == (u < f)
+
+
+def test_text_that_spells_a_special_token_stays_text(tmp_path):
+    """A document about tokenizers that writes '<|endoftext|>' is one document: the only end
+    of text ids in the shards are the ones stoker put after each document (document attention
+    would split it at a literal one)."""
+    store = Store("file://" + str(tmp_path / "store"))
+    src = tmp_path / "docs.jsonl"
+    docs = [f"doc {i}: the separator is written <|endoftext|> in the vocabulary file. " * 3 for i in range(60)]
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    data = DataConfig(source=str(src), val_fraction=0.1, num_workers=1)
+    ds = data_prep.download_dataset(data, store)
+    tk = data_prep.train_tokenizer(ds, TokenizerConfig(vocab_size=400), store)
+    shards = data_prep.tokenize_and_shard(ds, tk, data, store)
+    manifest = store.read_json(f"{shards.key}/manifest.json")
+    stored = np.concatenate(
+        [
+            np.frombuffer(store.read_bytes(f"{shards.key}/{n}"), "<u2")
+            for s in ("train", "val")
+            for n in manifest["splits"][s]
+        ]
+    )
+    assert int((stored == tk.eot_id).sum()) == len(docs)  # one per document, none from its text
