@@ -26,7 +26,10 @@ def _kept_ops() -> frozenset:
         "_scaled_dot_product_cudnn_attention",
         "_scaled_dot_product_attention_math",
     )
-    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+    kept = {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
+    if hasattr(torch.ops.higher_order, "flex_attention"):  # document attention's fused kernel (torchtitan keeps it)
+        kept.add(torch.ops.higher_order.flex_attention)
+    return frozenset(kept)
 
 
 _KEPT = _kept_ops()
@@ -161,14 +164,12 @@ class DocumentMask:
         self.block = None
         self.dense = None
         if (idx.is_cuda and FUSED_ON_CUDA) if fused is None else fused:
-            from torch.nn.attention.flex_attention import create_block_mask
-
             doc = self.doc
 
             def same_document_causal(b, h, q, kv):
                 return (q >= kv) & (doc[b, q] == doc[b, kv])
 
-            self.block = create_block_mask(same_document_causal, B, None, T, T, device=idx.device)
+            self.block = block_mask_builder(idx.is_cuda)(same_document_causal, B, None, T, T, device=idx.device)
         else:
             self.dense = self.dense_mask()
 
@@ -177,6 +178,27 @@ class DocumentMask:
         T = self.doc.shape[1]
         causal = torch.ones(T, T, dtype=torch.bool, device=self.doc.device).tril()
         return (causal & (self.doc[:, :, None] == self.doc[:, None, :]))[:, None]
+
+
+_BUILDER = None
+
+
+def block_mask_builder(on_cuda: bool = True):
+    """flex attention's create_block_mask, compiled once per process on CUDA (torchtitan's
+    way), so that the mask is built block by block wherever the forward runs (FSDP2 compiles the
+    blocks, not the root's forward where the mask is made): eager, create_block_mask first
+    evaluates the mask function over a dense (B, H, T, T) grid, B x T^2 bytes and more (2.6 GB
+    at B=4, T=8k on the CPU, 204 MB compiled; `python -m benchmarks.bench_block_mask`). The
+    CPU's check of this path (fused=True there) builds it eagerly: compiling it on the CPU costs
+    ~45 s of C++ compilation per process, for sizes where the dense grid is small."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    global _BUILDER
+    if not on_cuda:
+        return create_block_mask
+    if _BUILDER is None:
+        _BUILDER = torch.compile(create_block_mask)
+    return _BUILDER
 
 
 _FLEX = None

@@ -382,9 +382,13 @@ def test_fsdp2_compiled_blocks_checkpoint_inside_on_cuda():
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_document_attention_on_cuda_runs_the_fused_kernel_as_the_exact_path(family):
     """model.attention 'document' on CUDA: FSDP2 on one GPU under NCCL, each block compiled,
-    bf16 autocast, the flex-attention BlockMask built once per micro-batch: the loss and the
-    gradients of the exact path (the dense mask, the same model), close at bf16's rounding; and
-    a window of one document gives causal attention's loss."""
+    the flex-attention BlockMask built once per micro-batch by the compiled builder. The
+    separators sit at other columns in every row (a mask that ignored the batch index fails),
+    and the weights are drawn wide (std 0.2), so that each token's logits depend on what it
+    sees: the fp32 logits equal the exact path's (the dense mask, the same weights) within
+    2e-3, while causal attention's differ from them by far more (the control: a wrong mask
+    fails). In bf16 the loss and the gradients agree at bf16's rounding; a window of one
+    document gives causal attention's loss."""
     import torch.distributed as dist
 
     from stoker.families import layers
@@ -398,20 +402,31 @@ def test_document_attention_on_cuda_runs_the_fused_kernel_as_the_exact_path(fami
     try:
         g = torch.Generator(dev).manual_seed(0)
         x = torch.randint(4, 8192, (4, 512), device=dev, generator=g)
-        x[:, torch.randint(0, 512, (24,), device=dev, generator=g)] = sep  # documents of ~20 tokens
+        for row in range(x.shape[0]):  # other columns in every row: documents of ~20 tokens
+            x[row, torch.randint(0, 512, (24,), device=dev, generator=g)] = sep
         model_section = {"n_layer": 2, "n_head": 8, "n_embd": 256, "block_size": 512, "attention": "document"}
         if "n_kv_head" in FAMILIES[family].model_fields:  # the RoPE families: GQA, an explicit head_dim
             model_section.update(family=family, n_kv_head=2, intermediate_size=704, head_dim=48)
         cfg = load_config(
             tiny_dict("file:///tmp/unused", model=model_section, engine={"parallelism": "fsdp", "compile": "on"})
         )
-        out = {}
+        out, logits = {}, {}
         for fused in (True, False):
             torch._dynamo.reset()
             layers.FUSED_ON_CUDA = fused
             try:
                 raw, model = build_model(cfg, 8192, Engine.resolve(cfg, dev), world_size=1)
                 raw.document_end_id = sep
+                torch.manual_seed(1)
+                with torch.no_grad():  # the same wide weights for both paths
+                    for p in [p for p in raw.parameters() if p.dim() > 1]:
+                        p.normal_(0.0, 0.2)
+                with torch.no_grad():
+                    logits[fused] = model(x)[0].float()
+                    if not fused:
+                        raw.cfg.attention = "causal"
+                        logits["causal"] = model(x)[0].float()
+                        raw.cfg.attention = "document"
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     _, loss = model(x, x)
                 loss.backward()
@@ -432,5 +447,8 @@ def test_document_attention_on_cuda_runs_the_fused_kernel_as_the_exact_path(fami
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
+    torch.testing.assert_close(logits[True], logits[False], rtol=2e-3, atol=2e-3)
+    wrong = (logits["causal"] - logits[False]).abs().max().item()
+    assert wrong > 0.1, wrong  # the control: the tolerance above tells a wrong mask apart
     assert out[True][0] == pytest.approx(out[False][0], rel=1e-2), out
     assert (out[True][1] - out[False][1]).norm() <= 5e-2 * out[False][1].norm()

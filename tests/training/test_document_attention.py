@@ -113,3 +113,19 @@ def test_document_attention_without_a_separator_id_is_refused():
     cfg = GPT2Config(n_layer=1, n_head=2, n_embd=32, block_size=32, attention="document")
     with pytest.raises(ValueError, match="document_end_id"):
         GPT(cfg, VOCAB, seed=1)(packed())
+
+
+def test_the_cuda_mask_is_built_by_a_compiled_builder_and_flex_attention_is_kept_by_selective_checkpointing():
+    """On CUDA the BlockMask is built by create_block_mask compiled once per process (eager, it
+    first evaluates a dense (B, H, T, T) grid: benchmarks/bench_block_mask measures both), and
+    selective activation checkpointing keeps flex attention's output as it keeps SDPA's."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from stoker.families import layers
+
+    built = layers.block_mask_builder(on_cuda=True)
+    assert built is layers.block_mask_builder(on_cuda=True)  # once per process
+    assert getattr(built, "_torchdynamo_orig_callable", None) is create_block_mask  # torch.compile's
+    assert layers.block_mask_builder(on_cuda=False) is create_block_mask  # the CPU's exact check: eager
+    assert torch.ops.higher_order.flex_attention in layers._KEPT
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in layers._KEPT
