@@ -16,6 +16,9 @@ before any work. It gathers:
 - the credentials block named in ``storage.credentials_block``, when a loader is given (it
   needs a Prefect server: the flow's task passes one, the CLI does when a server is up);
 - whether the store root can be written (a probe object, written and removed);
+- a run the config's name goes on (its config.json in the store): a schedule change it cannot
+  take, one that would stretch a cosine run or leave it no checkpoint to go on from (so that it
+  would start over: ``storage.runs.schedule_change_problem``), refused before anything is written;
 - whether the MLflow tracking URI can be used (its experiment found or created);
 - the base model of ``model.init_from``: there, complete, of an architecture a family expresses
   exactly, not contradicted by an explicit field (``storage.bases.resolve_base``; ``check``
@@ -44,7 +47,7 @@ from stoker.launch.devices import device_problems
 from stoker.observe.sinks import sink_problems
 from stoker.storage.bases import resolve_base
 from stoker.storage.branches import resolve_branch
-from stoker.storage.runs import store_problem
+from stoker.storage.runs import schedule_change_problem, store_problem
 from stoker.storage.store import Store
 
 # loads the credentials block a StorageConfig names and puts them in use in this process
@@ -83,8 +86,11 @@ def _checked(config: RunConfig, load_credentials: LoadCredentials | None) -> tup
     if _valid(config.eval):  # lm-eval installed, its folders there, its task names known
         found += harness_problems(config.eval.harness_tasks, config.eval.harness_include)
     unreachable: list[Exception] = []
+    probed = False  # the store opened and written: the run folder there can be read
     if _valid(config.storage) and _credentials_in_use(config.storage, load_credentials, found):
-        found += _store_problems(config.storage, unreachable)
+        store_found = _store_problems(config.storage, unreachable)
+        found += store_found
+        probed = not store_found and not unreachable
     if _valid(config.metrics) and not missing_sink_packages(config.metrics):
         found += _unreachable_as(lambda: sink_problems(config), unreachable)
     resolved = config
@@ -104,6 +110,9 @@ def _checked(config: RunConfig, load_credentials: LoadCredentials | None) -> tup
             resolved = resolve_branch(resolved)
         except ConfigError as err:
             found += list(err.problems)
+    if probed and not found and not unreachable:  # the run it goes on: a schedule change that would start it over
+        store = Store.of(resolved.storage)
+        found += _unreachable_as(lambda: [p for p in [schedule_change_problem(store, resolved)] if p], unreachable)
     if not found and not unreachable:  # the memory plan, on the model's shape (a base's, read in)
         found += _unreachable_as(lambda: plan_problems(resolved), unreachable)
     if unreachable and not found:

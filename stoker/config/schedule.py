@@ -78,6 +78,22 @@ def stable_until(train: Any) -> int:
     return train.warmup_steps
 
 
+def decay_start(train: Any) -> int | None:
+    """The step a 'wsd' run's decay begins after (its last stable step): a checkpoint is committed
+    there, where a run trained longer goes on from without replaying steps; None for the others."""
+    if getattr(train, "lr_schedule", "cosine") != "wsd":
+        return None
+    return stable_until(train)
+
+
+def may_go_on_from(saved: dict | None, step: int, train: Any) -> bool:
+    """Whether a checkpoint at `step`, trained under the schedule `saved` (its signature), lies in
+    the stable part of `train`'s schedule and may be gone on from under it: the newest such one is
+    where a 'wsd' or 'constant' run trained longer (or given another decay) goes on from, so
+    retention keeps it."""
+    return step <= stable_until(train) and not continuation_problem(saved, step, train)
+
+
 def _hash(train: Any, fields: tuple[str, ...]) -> str:
     values = {f: getattr(train, f, None) for f in fields}
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]

@@ -576,7 +576,8 @@ class TrainConfig(_Section):
         "at max_steps), 'linear' (likewise, in a line), 'wsd' (warmup-stable-decay: lr until the "
         "last decay_steps steps, then decay_shape down to min_lr at the last step) or 'constant' "
         "(lr). A 'wsd' or 'constant' run's past does not depend on its end: given a larger "
-        "max_steps under the same name it goes on from its newest checkpoint before its decay.",
+        "max_steps under the same name it goes on from its newest checkpoint before its decay (retention "
+        "keeps it; a change that leaves none to go on from is refused).",
         json_schema_extra={"fix": "use 'cosine', 'wsd', 'constant' or 'linear'"},
     )
     decay_steps: int | None = _field(
@@ -701,7 +702,11 @@ class TrainConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    interval_steps: int = _field(100, "Steps between checkpoints (the last step always saves).", ge=1)
+    interval_steps: int = _field(
+        100,
+        "Steps between checkpoints (the last step always saves, and so does the step where a 'wsd' decay begins).",
+        ge=1,
+    )
     keep_latest_k: int = _field(
         2,
         "Committed checkpoints to keep; at least 2, as the newest may still be uploading.",

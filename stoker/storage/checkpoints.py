@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from stoker.config.schedule import continuation_problem
+from stoker.config.schedule import EXTENSIBLE, continuation_problem, may_go_on_from
 from stoker.failures import CheckpointInvalid, CheckpointUnavailable, ConfigError
 from stoker.storage.cache import checked_in_place, host_lock, verified_copy
 from stoker.storage.layout import METRICS_FILE, checkpoints_key, run_file_key
@@ -238,14 +238,20 @@ def is_pinned(store: Store, key: str, pin_seconds: float = DEFAULT_PIN_SECONDS) 
 
 
 def finish_evaluation(
-    store: Store, run_name: str, key: str, keep_latest_k: int, pin_seconds: float = DEFAULT_PIN_SECONDS
+    store: Store,
+    run_name: str,
+    key: str,
+    keep_latest_k: int,
+    pin_seconds: float = DEFAULT_PIN_SECONDS,
+    train: Any = None,
 ) -> list[str]:
     """After the evaluation of a checkpoint (done, or failed for good): remove its pin and,
-    when it had one, apply the retention it held off. Returns the deleted keys."""
+    when it had one, apply the retention it held off (`train`: prune_checkpoints'). Returns
+    the deleted keys."""
     if not store.exists(join(key, EVAL_PIN), refresh=True):
         return []
     store.rm(join(key, EVAL_PIN))
-    return prune_checkpoints(store, run_name, keep_latest_k, pin_seconds)
+    return prune_checkpoints(store, run_name, keep_latest_k, pin_seconds, train=train)
 
 
 def prune_checkpoints(
@@ -253,24 +259,30 @@ def prune_checkpoints(
     run_name: str,
     keep_latest_k: int,
     pin_seconds: float = DEFAULT_PIN_SECONDS,
-    keep_until: int | None = None,
+    train: Any = None,
 ) -> list[str]:
     """Delete committed checkpoints beyond the newest K, and every uncommitted or invalid
     folder older than the newest committed one (abandoned: receipts without a commit, a
     crashed attempt's partial files, an empty folder), sparing folders marked to keep and
     those whose evaluation is pending (pinned less than pin_seconds ago; they go at a later
-    pruning, once their evaluation removed the pin), and, given keep_until, the newest committed
-    checkpoint at or before that step. Uploads commit in order, so nothing older than a
-    committed checkpoint is still in flight. Returns the deleted keys."""
+    pruning, once their evaluation removed the pin), and, given `train` (the train section in
+    force) of a 'wsd' or 'constant' schedule, its newest stable checkpoint: the newest committed
+    one before its decay that it may go on from (schedule.may_go_on_from), where the run trained
+    longer goes on from, whatever K newer ones a decay left. Uploads commit in order, so nothing
+    older than a committed checkpoint is still in flight. Returns the deleted keys."""
     assert keep_latest_k >= 2, "keep at least two: the newest may still be uploading"
     refs = list_checkpoints(store, run_name)
-    committed = [r for r in refs if validate_checkpoint(store, r.key)]
+    verdicts = {r.key: validate_checkpoint(store, r.key) for r in refs}
+    committed = [r for r in refs if verdicts[r.key]]
     if not committed:
         return []
     keep = {r.key for r in committed[:keep_latest_k]}
-    before = next((r for r in committed if keep_until is not None and r.step <= keep_until), None)
-    if before is not None:  # the newest before a decay: where a run trained longer goes on from
-        keep.add(before.key)
+    if train is not None and getattr(train, "lr_schedule", None) in EXTENSIBLE:
+        stable = next(
+            (r for r in committed if may_go_on_from(verdicts[r.key].manifest.get("schedule"), r.step, train)), None
+        )
+        if stable is not None:  # where a run trained longer goes on from
+            keep.add(stable.key)
     newest = (committed[0].step, committed[0].attempt)
     oldest_kept = committed[min(keep_latest_k, len(committed)) - 1]
     deleted = []

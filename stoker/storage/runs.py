@@ -8,8 +8,7 @@ import os
 import uuid
 from dataclasses import dataclass
 
-from stoker.config import RunConfig
-from stoker.config.schedule import change_problem
+from stoker.config import RunConfig, schedule
 from stoker.contracts.results import DataShards
 from stoker.failures import CheckpointUnavailable, ConfigError, ExportError
 from stoker.storage.layout import (
@@ -89,7 +88,7 @@ def pin_run_folder(store: Store, config: RunConfig, shards: DataShards) -> str:
                     "(model or tokenizer.vocab_size changed); choose a new run_name."
                 ]
             )
-        problem = change_problem(old.train, config.train, run)  # never a stretched schedule
+        problem = schedule_change_problem(store, config, old)  # never a stretched schedule, never a restart
         if problem:
             raise ConfigError([problem])
         pinned = run_file_key(run, SHARDS_FILE)
@@ -103,6 +102,52 @@ def pin_run_folder(store: Store, config: RunConfig, shards: DataShards) -> str:
     if getattr(config.model, "init_from", None):  # what an export needs of the base, kept with the run
         pin_base_files(store, run, config.model.init_from, config.storage.storage_options)
     return store.url(key)
+
+
+def schedule_change_problem(store: Store, config: RunConfig, old: RunConfig | None = None) -> str:
+    """'' when the run `config` names may train under its schedule: a new run, the schedule it
+    was trained under, or a 'wsd'/'constant' one of the same stable part (trained longer, or
+    another decay) with a committed checkpoint to go on from (one before the new decay, inside the
+    stable part it was trained under: find_latest_valid); else the one line refusing it, naming
+    the fields and the fixes (schedule.change_problem's, or: no checkpoint to go on from, which
+    would start the run over). `old`: the run's config.json, read here when not given. Reads
+    config.json and the checkpoints' manifests; writes nothing (the preflight asks it before any
+    work, pin_run_folder again before config.json is rewritten)."""
+    from stoker.storage.checkpoints import find_latest_valid, identity_problem, list_checkpoints, validate_checkpoint
+
+    run = config.resolved_run_name()
+    if old is None:
+        key = run_file_key(run, CONFIG_FILE)
+        if not store.exists(key):
+            return ""
+        old = RunConfig.model_validate_json(store.read_bytes(key))
+    problem = schedule.change_problem(old.train, config.train, run)
+    if problem or schedule.signature(old.train)["hash"] == schedule.signature(config.train)["hash"]:
+        return problem
+    expected = {"run_name": run, "model_hash": config.model_hash()}
+    if find_latest_valid(store, run, expected, config.train).checkpoint is not None:
+        return ""  # it goes on from there
+    trained = []  # (step, the schedule it was trained under) of each committed checkpoint of the run
+    for ref in list_checkpoints(store, run):
+        verdict = validate_checkpoint(store, ref.key)
+        if verdict and not identity_problem(verdict.manifest, expected):
+            trained.append((ref.step, verdict.manifest.get("schedule") or {}))
+    if not trained:
+        return ""  # nothing trained yet: nothing to start over from
+    changed = [f for f in schedule.END_FIELDS if getattr(old.train, f, None) != getattr(config.train, f, None)]
+    settings = ", ".join(f"{f}={getattr(config.train, f)!r}" for f in changed)
+    wsd, start = config.train.lr_schedule == "wsd", schedule.stable_until(config.train)
+    stable = [step for step, saved in trained if step <= int(saved.get("stable_until", step))]
+    fix = "branch from one of its checkpoints under a new run name (train.branch_from, or stoker run --branch-from URI)"
+    if stable:  # past the new start (else it would have been found): a start there or later finds it
+        what = "start its decay" if wsd else "end it"
+        fix = f"{what} at step {max(stable)} or later (its newest checkpoint before a decay), or {fix}"
+    steps = ", ".join(str(step) for step, _ in trained)
+    return (
+        f"train.{changed[0]}: run {run!r} {'decays from' if wsd else 'ends at'} step {start} under this config "
+        f"({settings}), and no checkpoint it kept (steps {steps}) lies at or before that step outside a decay, "
+        f"so it would start over: {fix}"
+    )
 
 
 def _same_data_per_source(run: str, before: dict, shards: DataShards) -> dict[str, str]:

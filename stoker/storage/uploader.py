@@ -35,7 +35,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from stoker.contracts.events import (
     CheckpointCommitted,
@@ -135,12 +135,13 @@ class CheckpointUploader:
         cache_dir: str | None = None,
         pin_evaluations: bool = False,
         pin_seconds: float = DEFAULT_PIN_SECONDS,
-        keep_until: int | None = None,
+        train: Any = None,
     ):
-        """keep_until: retention also keeps the newest committed checkpoint at or before this
-        step (the last before a decay, where a run trained longer goes on from)."""
+        """train: the train section in force; of a 'wsd' or 'constant' schedule, retention also
+        keeps its newest stable checkpoint (the newest before its decay that it may go on from,
+        where a run trained longer goes on from: prune_checkpoints)."""
         assert max_pending_uploads >= 1
-        self.keep_until = keep_until
+        self.train = train
         self.store, self.run_name, self.rank, self.world_size = store, run_name, rank, world_size
         self.staging_root, self.keep_latest_k = staging_root, keep_latest_k
         self.upload_timeout, self.commit_timeout = upload_timeout, commit_timeout
@@ -551,7 +552,7 @@ class CheckpointUploader:
         try:  # the checkpoint is committed whatever happens here; the next commit prunes again
             retry(
                 lambda: prune_checkpoints(
-                    self.store, self.run_name, self.keep_latest_k, self.pin_seconds, keep_until=self.keep_until
+                    self.store, self.run_name, self.keep_latest_k, self.pin_seconds, train=self.train
                 ),
                 what="retention",
                 budget_seconds=max(0.0, deadline - time.monotonic()),

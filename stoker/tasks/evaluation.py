@@ -117,6 +117,7 @@ def _finish_evaluation(config: RunConfig, checkpoint_key: str) -> None:
             checkpoint_key,
             config.checkpoint.keep_latest_k,
             config.checkpoint.evaluation_pin_seconds,
+            train=config.train,  # the newest stable checkpoint stays, as the ranks' retention keeps it
         )
     except Exception as err:  # the evaluation's own outcome matters more than the cleanup
         get_run_logger().warning(

@@ -102,6 +102,7 @@ class Trainer:
         # a function of (seed, rank) and is saved and restored with each checkpoint
         seed_rank_rngs(cfg.train.seed, ranks.rank, 0, ranks.device)
         self.step, self.tokens_seen = 0, 0
+        self.step_lr = 0.0  # the learning rate the last step used (train_step)
         self.last_saved_step = -1
         self.metrics = MetricsLog(store, self.run_name, ranks.rank)
         # train.micro_batch_size 'auto' settled, the model built (a probe step on a GPU)
@@ -123,7 +124,7 @@ class Trainer:
             staging_root=os.path.join(cache_dir, "staging"),
             keep_latest_k=c.keep_latest_k,
             # a run that may be trained longer keeps its newest checkpoint before its decay
-            keep_until=schedule.stable_until(cfg.train) if cfg.train.lr_schedule in schedule.EXTENSIBLE else None,
+            train=cfg.train,
             upload_timeout=c.upload_timeout_seconds,
             commit_timeout=c.commit_timeout_seconds,
             async_enabled=c.async_enabled,
@@ -323,6 +324,8 @@ class Trainer:
         # without clipping, a non-finite gradient shows in the next step's loss, and the
         # weights are checked before every save
         self.skipped_last = self.numerics.check_step(self.step + 1, total, grad_norm)
+        # the rate this step uses (logged as its own): scheduler.step() below sets the next step's
+        self.step_lr = self.optimizer.param_groups[0]["lr"]
         if not self.skipped_last:
             self.optimizer.step()
         self.scheduler.step()
@@ -440,6 +443,7 @@ class Trainer:
             val, sources, bpbs = self.evaluate()
             self._log_eval(0, val, sources, time.perf_counter() - t_eval, bpbs)
         last_val = None
+        decay_start = schedule.decay_start(cfg.train)
         self.throughput.restart(self.step)
         if self.step < end < cfg.train.max_steps:
             name, limit = self.stops_for
@@ -465,7 +469,7 @@ class Trainer:
                     events.Train(
                         step=s,
                         loss=mean,
-                        lr=self.scheduler.get_last_lr()[0],
+                        lr=float(self.step_lr),
                         tokens_seen=self.tokens_seen,
                         sources=self.windows.seen(s) if self.mixture else None,
                         **self.throughput.since_mark(s),
@@ -480,7 +484,8 @@ class Trainer:
                 self._log_eval(s, last_val, sources, seconds, bpbs)
                 # throughput is of training: the evaluation's time is left out of the interval
                 self.throughput.leave_out(seconds)
-            if s % cfg.checkpoint.interval_steps == 0 or s == end:
+            # every interval, at the end, and where a 'wsd' decay begins (a run trained longer goes on from it)
+            if s % cfg.checkpoint.interval_steps == 0 or s == end or s == decay_start:
                 t_save = time.perf_counter()
                 self.save()
                 self.throughput.checkpoint(time.perf_counter() - t_save)  # the ledger's checkpoint stall

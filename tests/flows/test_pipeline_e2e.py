@@ -20,8 +20,9 @@ def test_pipeline_trains_resumes_and_hits_the_data_cache(prefect_server, tmp_pat
     from stoker.flows.pipeline import PipelineResult, train_pipeline
 
     root = "file://" + str(tmp_path / "store")
-    # warmup-stable-decay: the decay over the last 2 steps, so that the run can be trained longer
-    wsd = {"lr_schedule": "wsd", "decay_steps": 2}
+    # warmup-stable-decay: the decay over the last 4 steps (from step 4, where a checkpoint is taken
+    # anyway: one where a decay begins adds none), so that the run can be trained longer
+    wsd = {"lr_schedule": "wsd", "decay_steps": 4}
     cfg = load_config(tiny_dict(root, run_name="e2e", eval={"per_checkpoint_enabled": True}, train=wsd))
     first = train_pipeline(cfg)
     assert isinstance(first, PipelineResult)

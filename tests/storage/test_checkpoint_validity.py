@@ -2,6 +2,7 @@ import os
 
 import pytest
 
+from stoker.config import TrainConfig, schedule
 from stoker.failures import CheckpointInvalid, ConfigError
 from stoker.storage.checkpoints import (
     COMMIT_FILE,
@@ -327,6 +328,58 @@ def test_retention_spares_a_checkpoint_whose_evaluation_is_pending(store):
     store.write_json(join(old, EVAL_PIN), {"at": time.time() - 100})
     assert prune_checkpoints(store, "r", keep_latest_k=2, pin_seconds=50) == [old]
     assert finish_evaluation(store, "r", keys[2], keep_latest_k=2) == []  # never pinned: no-op
+
+
+def _trained(store, run, step, train):
+    """A committed checkpoint at `step` of a run trained under `train`'s schedule (its signature
+    in the manifest, as the ranks write it)."""
+    key = _fake_checkpoint(store, run, step, commit=False)
+    commit_checkpoint(store, key, {"step": step, "world_size": 2, "schedule": schedule.signature(train)})
+    return key
+
+
+def _wsd(max_steps, decay_steps):
+    return TrainConfig(
+        max_steps=max_steps, warmup_steps=2, lr_schedule="wsd", decay_steps=decay_steps, lr=1e-2, min_lr=1e-3
+    )
+
+
+@pytest.mark.parametrize("schedule_known", [True, False], ids=["the schedule in force", "control: newest K alone"])
+def test_retention_keeps_the_stable_checkpoint_the_newest_k_are_not(tmp_path, schedule_known):
+    """Two kept, a checkpoint every 2 steps, a decay from step 11: the newest two (20, 18) are
+    inside the decay, and the answer of a run trained longer is step 10, the newest before it.
+    The ranks' retention keeps it, and so does the one an evaluation held off (finish_evaluation,
+    which once pruned to the newest K alone). The control (no schedule: K alone) loses it, so the
+    assertion can fail."""
+    from stoker.storage.checkpoints import finish_evaluation, pin_for_evaluation
+
+    store, train = Store("file://" + str(tmp_path)), _wsd(20, 9)
+    assert schedule.stable_until(train) == 11
+    keys = {step: _trained(store, "r", step, train) for step in range(2, 21, 2)}
+    pin_for_evaluation(store, keys[2])  # step 2's evaluation is pending: retention spares it for now
+    given = train if schedule_known else None
+    prune_checkpoints(store, "r", keep_latest_k=2, train=given)
+    finish_evaluation(store, "r", keys[2], keep_latest_k=2, train=given)  # its evaluation done: pruned again
+    kept = [r.step for r in list_checkpoints(store, "r")]
+    assert kept == ([20, 18, 10] if schedule_known else [20, 18])
+    longer = _wsd(40, 9)  # trained longer: it goes on from step 10, or from nothing
+    choice = find_latest_valid(store, "r", train=longer)
+    assert (choice.checkpoint.step if choice.checkpoint else None) == (10 if schedule_known else None)
+
+
+def test_retention_during_an_extension_keeps_what_the_schedule_in_force_goes_on_from(tmp_path):
+    """A run decayed from step 16 (checkpoints 16, 19, 20) trained longer (a decay from step 30)
+    goes on from 16 and commits 17: its newest checkpoint before its decay is 17, not the old 20
+    (inside the old decay, never gone on from), though 20 is the newest at or before step 30.
+    Keeping by step alone kept 20 and deleted 17 and 16: a crash then would start the run over."""
+    store, old, longer = Store("file://" + str(tmp_path)), _wsd(20, 4), _wsd(40, 10)
+    for step in (16, 19, 20):
+        _trained(store, "r", step, old)
+    _trained(store, "r", 17, longer)
+    assert not schedule.may_go_on_from(schedule.signature(old), 20, longer)  # though 20 <= 30
+    prune_checkpoints(store, "r", keep_latest_k=2, train=longer)
+    assert [r.step for r in list_checkpoints(store, "r")] == [20, 19, 17]
+    assert find_latest_valid(store, "r", train=longer).checkpoint.step == 17
 
 
 def test_a_missing_checkpoint_is_a_permanent_error_said_once(store, tmp_path):

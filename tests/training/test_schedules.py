@@ -2,11 +2,13 @@
 run trained longer without starting over, and a branch from any committed checkpoint
 (train.branch_from), with real forked gloo ranks.
 
-One module run (`parent`: a 'wsd' run of 12 steps on 2 ranks, decay over the last 2, a checkpoint
-every 2 steps) serves the tests: the same config cut at 8 steps and then trained to 12, killed on
-the way, ends bitwise equal to it; branches leave it at step 6 (one with its own schedule, as it
-would have gone on, on 2 ranks: bitwise the parent; one that decays now, on 1 rank) and never
-write it."""
+One module run (`parent`: a 'wsd' run of 12 steps on 2 ranks, decay over the last 3, a checkpoint
+every 2 steps and one where the decay begins, step 9) serves the tests: the learning rate it logged
+at each step is the one that step used; the same config cut at 8 steps (its decay from step 5) keeps
+step 5 beside the newest two, refuses a decay from step 3 (nothing there to go on from) writing
+nothing, and trained to 12 goes on from step 5, killed on the way, and ends bitwise equal to it;
+branches leave it at step 6 (one with its own schedule, as it would have gone on, on 2 ranks:
+bitwise the parent; one that decays now, on 1 rank) and never write it."""
 
 import hashlib
 import json
@@ -26,7 +28,8 @@ from stoker.storage.store import join
 from tests.conftest import prepare_shards, tiny_dict, train_losses
 from tests.forked_ranks import run_forked, start_ranks, train_argv
 
-WSD = {"lr_schedule": "wsd", "decay_steps": 2, "warmup_steps": 2, "lr": 1e-2, "min_lr": 1e-3}
+# a decay of 3 steps: it begins off the checkpoint interval (step 9 of 12, step 5 of 8)
+WSD = {"lr_schedule": "wsd", "decay_steps": 3, "warmup_steps": 2, "lr": 1e-2, "min_lr": 1e-3}
 
 
 def _cfg(root, run, keep=2, **train):
@@ -71,8 +74,24 @@ def parent(tmp_path_factory):
     cfg = _cfg(root, "parent", keep=8, max_steps=12, **WSD)  # every checkpoint kept: branch points
     store, shards = prepare_shards(cfg)
     records = run_forked(pin_run_folder(store, cfg, shards), shards.key, nproc=2)
-    assert [c.step for c in list_checkpoints(store, "parent")] == [12, 10, 8, 6, 4, 2]
+    # every 2 steps, and step 9: where its decay begins
+    assert [c.step for c in list_checkpoints(store, "parent")] == [12, 10, 9, 8, 6, 4, 2]
     return cfg, store, shards, records, root
+
+
+def test_the_learning_rate_logged_at_each_step_is_the_one_that_step_used(parent):
+    """Step s (1-based) is optimizer step s - 1: it logs lr x lr_multiplier(s - 1), the value the
+    plan and the report draw at s (schedule.curve). Logged after scheduler.step(), as it once was,
+    step 1's warm-up value was never shown and the decay's came a step early (7e-3, 4e-3, 1e-3 at
+    the last three steps logged as 4e-3, 1e-3, 1e-3)."""
+    cfg, _, _, records, _ = parent
+    logged = {r["step"]: r["lr"] for r in records if r["event"] == "train"}
+    assert sorted(logged) == list(range(1, 13))
+    drawn = dict(schedule.curve(cfg.train))
+    for step, lr in logged.items():
+        assert lr == cfg.train.lr * schedule.lr_multiplier(step - 1, cfg.train) == drawn[step], step
+    assert logged[1] == pytest.approx(1e-2 / 3)  # the first warm-up value: 1 / (warmup_steps + 1)
+    assert [logged[s] for s in (9, 10, 11, 12)] == pytest.approx([1e-2, 7e-3, 4e-3, 1e-3])
 
 
 def test_each_schedule_at_chosen_steps():
@@ -135,19 +154,81 @@ def shards_in(cfg, shards, store):
     return shards
 
 
+def test_a_decay_moved_before_every_kept_checkpoint_is_refused_and_config_json_kept(tmp_path):
+    """The run of issue 53: 20 steps of 'wsd', its decay over the last 4 (from step 16), two kept,
+    a checkpoint every 5 steps and one where the decay began: 20 and 16 are kept. Given
+    decay_steps 10 (a decay from step 10) none lies before the decay: it once went on from nothing
+    (step 0, or the base) with warnings only, config.json rewritten. Now the preflight and the run
+    folder refuse it in one line and config.json stays as it was; a decay from step 18, or a run
+    trained to 30, goes on from step 16, and config.json is rewritten then. Fake checkpoints with
+    the ranks' manifest fields: nothing trains."""
+    from stoker.contracts.results import DataShards, ShardInfo
+    from stoker.storage.checkpoints import commit_checkpoint, new_checkpoint_key, prune_checkpoints
+    from stoker.storage.store import Store
+
+    root = f"file://{tmp_path}/store"
+    store = Store(root)
+    store.write_bytes("shards/k/tokenizer.json", b"{}")
+    shards = DataShards([ShardInfo("k", "shards/k", store.url("shards/k"), 1, 1, 384, "uint16", True)])
+
+    def run(**train):
+        return _cfg(root, "issue", **{**WSD, "max_steps": 20, "decay_steps": 4, **train})
+
+    trained = run()
+    pin_run_folder(store, trained, shards)
+    for step in (5, 10, 15, 16, 20):
+        key = new_checkpoint_key(store, "issue", step)
+        store.write_bytes(join(key, ".metadata"), b"meta")
+        meta = {"run_name": "issue", "model_hash": trained.model_hash(), "schedule": schedule.signature(trained.train)}
+        commit_checkpoint(store, key, {"step": step, "world_size": 2, **meta})
+    prune_checkpoints(store, "issue", keep_latest_k=2, train=trained.train)
+    assert [c.step for c in list_checkpoints(store, "issue")] == [20, 16]
+    pinned = store.read_bytes("runs/issue/config.json")
+    earlier = run(decay_steps=10)
+    for refuse in (lambda: preflight.check(earlier), lambda: pin_run_folder(store, earlier, shards)):
+        with pytest.raises(ConfigError) as err:
+            refuse()
+        [line] = err.value.problems
+        assert line == (
+            "train.decay_steps: run 'issue' decays from step 10 under this config (decay_steps=10), and no "
+            "checkpoint it kept (steps 20, 16) lies at or before that step outside a decay, so it would start "
+            "over: start its decay at step 16 or later (its newest checkpoint before a decay), or branch from "
+            "one of its checkpoints under a new run name (train.branch_from, or stoker run --branch-from URI)"
+        )
+        assert store.read_bytes("runs/issue/config.json") == pinned
+    for later in (run(decay_steps=2), run(max_steps=30)):
+        assert preflight.problems(later) == []
+        pin_run_folder(store, later, shards)
+        assert store.read_bytes("runs/issue/config.json") == later.to_json().encode()
+        expected = {"run_name": "issue", "model_hash": later.model_hash()}
+        assert find_latest_valid(store, "issue", expected, later.train).checkpoint.step == 16
+
+
 def test_a_wsd_run_trained_longer_goes_on_from_before_its_decay_bitwise_even_killed(parent):
     cfg, store, shards, records, root = parent
-    short = _cfg(root, "longer", max_steps=8, **WSD)  # stable until step 6, decays to 8
+    short = _cfg(root, "longer", max_steps=8, **WSD)  # stable until step 5, decays to 8
     url = pin_run_folder(store, short, shards)
     run_forked(url, shards.key, nproc=2)
-    assert [c.step for c in list_checkpoints(store, "longer")] == [8, 6]  # the one before the decay kept
+    # the newest two are inside the decay; step 5, committed where it began, is kept beside them
+    assert [c.step for c in list_checkpoints(store, "longer")] == [8, 6, 5]
+    # a decay from step 3: no checkpoint to go on from, so it is refused in one line, writing nothing
+    before = _bytes_of(store, "longer")
+    earlier = _cfg(root, "longer", max_steps=8, **{**WSD, "decay_steps": 5})
+    for refuse in (lambda: preflight.check(earlier), lambda: pin_run_folder(store, earlier, shards)):
+        with pytest.raises(ConfigError) as err:
+            refuse()
+        [line] = err.value.problems
+        assert line.startswith("train.decay_steps: run 'longer' decays from step 3 under this config (decay_steps=5)")
+        assert "(steps 8, 6, 5)" in line and "start its decay at step 5 or later" in line and "--branch-from" in line
+    assert _bytes_of(store, "longer") == before
     longer = _cfg(root, "longer", max_steps=12, **WSD)
     assert longer.resolved_run_name() == "longer"
     url = pin_run_folder(store, longer, shards)
     choice = find_latest_valid(store, "longer", {"run_name": "longer", "model_hash": longer.model_hash()}, longer.train)
-    assert choice.checkpoint.step == 6  # the step-8 checkpoint is inside the short run's decay
-    [(skipped, why)] = choice.skipped
-    assert skipped.step == 8 and "a checkpoint inside a decay is kept and evaluated, never gone on from" in why
+    assert choice.checkpoint.step == 5  # steps 8 and 6 are inside the short run's decay
+    assert [ref.step for ref, _ in choice.skipped] == [8, 6]
+    why = choice.skipped[0][1]
+    assert "a checkpoint inside a decay is kept and evaluated, never gone on from" in why
     killed = start_ranks(
         train_argv(url, shards.key, choice.checkpoint.key), 2, env={"STOKER_FAULT": "kill:rank=1:step=10"}
     )
@@ -159,9 +240,9 @@ def test_a_wsd_run_trained_longer_goes_on_from_before_its_decay_bitwise_even_kil
         killed.remove()
     again = run_forked(url, shards.key, env={"TORCHELASTIC_RESTART_COUNT": "1"})  # a restart round: its newest
     [resumed] = [r for r in again if r["event"] == "resumed"]
-    # the extension's own newest (its step 8 may still have been uploading at the kill), never
-    # the short run's step 8, taken inside its decay
-    assert resumed["step"] in (6, 8) and not resumed["checkpoint"].endswith("/step-00000008")
+    # the extension's own newest (its step 9 may still have been uploading at the kill), never
+    # the short run's step 6 or 8, taken inside its decay
+    assert resumed["step"] in (6, 8, 9) and not resumed["checkpoint"].endswith(("/step-00000008", "/step-00000006"))
     assert all(loss == train_losses(records)[s] for s, loss in train_losses(again).items())
     _same(_model_tensors(store, _final(store, "parent").key), _model_tensors(store, _final(store, "longer").key))
 
