@@ -55,6 +55,19 @@ from stoker.storage.store import Store
 LoadCredentials = Callable[[StorageConfig], None]
 
 
+def filter_problems(config: RunConfig) -> list[str]:
+    """data.filters (and each source's) as the data stage would read them: names and parameters."""
+    from stoker.data.filters import make_filters
+
+    found = []
+    for name, _, cfg in config.data.source_configs():
+        try:
+            make_filters(cfg.filters)
+        except ConfigError as err:
+            found += [p if name == "main" else f"{p} (source {name!r})" for p in err.problems]
+    return list(dict.fromkeys(found))
+
+
 def problems(config: RunConfig, load_credentials: LoadCredentials | None = None) -> list[str]:
     """Every problem of `config` on this host, one line each; [] when it may run here.
 
@@ -82,7 +95,7 @@ def _checked(config: RunConfig, load_credentials: LoadCredentials | None) -> tup
         found = []
     except ConfigError as err:
         found = list(err.problems)
-    found += local_resource_problems(config) + device_problems(config)
+    found += local_resource_problems(config) + device_problems(config) + filter_problems(config)
     if _valid(config.eval):  # lm-eval installed, its folders there, its task names known
         found += harness_problems(config.eval.harness_tasks, config.eval.harness_include)
     unreachable: list[Exception] = []

@@ -43,7 +43,7 @@ def _runs(args) -> int:
     rows = inspect.list_runs(_root(args.root))
     rows = [{**r, "run": r.get("tree", r["run"])} for r in rows]  # a branch under its parent
     columns = ["run", "newest_valid_step", "max_steps", "checkpoints", "ended", "goodput", "cost", "model"]
-    optional = ("branch_of", "base", "data", "stages", "removed", "since_base")
+    optional = ("branch_of", "base", "data", "stages", "filtered", "removed", "since_base")
     print(
         _table(rows, columns + [c for c in optional if any(r.get(c) for r in rows)])
         if rows

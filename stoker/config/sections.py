@@ -109,6 +109,7 @@ SOURCE_OPTIONS = (
     "max_bytes",
     "dedup",
     "decontaminate",
+    "filters",
 )
 
 
@@ -184,6 +185,11 @@ class SourceConfig(_Section):
     )
     decontaminate: bool | None = Field(
         None, description="Remove this source's documents that hold evaluation items (default: data.decontaminate)."
+    )
+    filters: list[str | dict[str, Any]] | None = Field(
+        None,
+        description="Quality filters of this source (default: data.filters), e.g. "
+        "['gopher_quality', 'gopher_repetition', 'c4', 'fineweb_quality'] for a web-like replay source.",
     )
     max_epochs: float | None = _field(
         None,
@@ -355,6 +361,16 @@ class DataConfig(_Section):
         fix="a whole number from 5, e.g. 13",
         ge=5,
         le=64,
+    )
+    filters: list[str | dict[str, Any]] = Field(
+        [],
+        description="The published heuristic quality filters, by their published names, run before "
+        "dedup (off: []; per source in data.sources[].filters): 'gopher_quality' and "
+        "'gopher_repetition' (Rae et al. 2021), 'c4' (Raffel et al. 2020; it drops lines, as "
+        "published) and 'fineweb_quality' (Penedo et al. 2024), datatrove's implementations with "
+        "their published parameters; a mapping {name: ..., param: value} changes one. Each filter's "
+        "removals are counted, and a sample kept, in the log, the report and `stoker runs`.",
+        json_schema_extra={"fix": "a list of filter names, e.g. ['gopher_quality', 'c4'], or []"},
     )
     decontaminate_max_docs: int = _field(
         10,

@@ -31,6 +31,25 @@ class TokenizerInfo:
 
 
 @dataclass
+class FilterInfo:
+    """What data.filters removed from one source."""
+
+    name: str  # the source of data.sources ("main": data.source)
+    key: str  # filters/{key}/ in the store: result.json, removed.jsonl (a sample)
+    filters: list[str]
+    num_docs_in: int
+    num_bytes_in: int
+    num_docs_out: int
+    num_bytes_out: int
+    removed: dict[str, int] = field(default_factory=dict)  # filter -> documents it removed
+    num_edited: int = 0  # documents kept with lines dropped (c4)
+    cache_hit: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
 class DedupInfo:
     """What data.dedup and data.decontaminate removed from one source (data.dedup)."""
 
@@ -88,6 +107,7 @@ class DataShards:
     mixture: bool = False  # data.sources (even of one source), not data.source
     dedup: list[DedupInfo] = field(default_factory=list)  # per source: what data.dedup/decontaminate removed
     downloads: list[DatasetInfo] = field(default_factory=list)  # per source: the dataset downloaded
+    filtered: list[FilterInfo] = field(default_factory=list)  # per source with data.filters: what they removed
 
     STAGE_COLUMNS = ("source", "stage", "docs_in", "MB_in", "docs_out", "MB_out", "tokens_out", "parts", "cached")
 
@@ -101,8 +121,9 @@ class DataShards:
         def row(**kw) -> dict:
             return {c: kw.get(c) for c in self.STAGE_COLUMNS}
 
+        filtered = {f.name: f for f in self.filtered}
         for s in self.sets:
-            d, r = downloads.get(s.name), dedup.get(s.name)
+            d, r, f = downloads.get(s.name), dedup.get(s.name), filtered.get(s.name)
             if d is not None:
                 rows.append(
                     row(
@@ -112,6 +133,18 @@ class DataShards:
                         MB_out=round(d.num_bytes / 1e6, 3),
                         parts=d.num_parts,
                         cached=d.cache_hit,
+                    )
+                )
+            if f is not None:
+                rows.append(
+                    row(
+                        source=s.name,
+                        stage="filter " + "+".join(f.filters),
+                        docs_in=f.num_docs_in,
+                        MB_in=round(f.num_bytes_in / 1e6, 3),
+                        docs_out=f.num_docs_out,
+                        MB_out=round(f.num_bytes_out / 1e6, 3),
+                        cached=f.cache_hit,
                     )
                 )
             if r is not None:
@@ -126,8 +159,9 @@ class DataShards:
                         cached=r.cache_hit,
                     )
                 )
-            docs_in = r.num_docs_out if r is not None else (d.num_docs if d is not None else None)
-            mb_in = r.num_bytes_out if r is not None else (d.num_bytes if d is not None else None)
+            before = r or f  # what the tokenizer read: the stage before it
+            docs_in = before.num_docs_out if before is not None else (d.num_docs if d is not None else None)
+            mb_in = before.num_bytes_out if before is not None else (d.num_bytes if d is not None else None)
             tokens = s.num_train_tokens + s.num_val_tokens
             rows.append(
                 row(
@@ -213,6 +247,7 @@ class DataShards:
             "cache_hit": self.cache_hit,
             "sources": [s.as_dict() for s in self.sets],
             "dedup": [d.as_dict() for d in self.dedup],
+            "filtered": [f.as_dict() for f in self.filtered],
             "stages": self.stage_rows(),
         }
 

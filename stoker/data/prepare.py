@@ -22,6 +22,7 @@ import numpy as np
 from stoker.config import DataConfig, EvalConfig, RayConfig, TokenizerConfig
 from stoker.contracts.results import DatasetInfo, DataShards, ShardInfo, TokenizerInfo
 from stoker.data.dedup import dedup_sources
+from stoker.data.filtering import filter_sources
 from stoker.data.sharding import (
     SPLITS,
     UNENCODABLE,
@@ -281,19 +282,28 @@ def prepare_all(
     evaluation: EvalConfig | None = None,
 ) -> DataShards:
     """The whole data stage as plain calls, one source after another (the flow's prepare_data
-    runs the same steps as tasks, the sources concurrently): each source downloaded, its
-    duplicates and evaluation items removed (data.dedup, data.decontaminate; against the sets
+    runs the same steps as tasks, the sources concurrently): each source downloaded, filtered
+    (data.filters), its duplicates and evaluation items removed (data.dedup, data.decontaminate; against the sets
     of `evaluation`), one tokenizer for all of them, each source tokenized into its own shard set."""
     sources = data.source_configs()
     downloaded = [download_dataset(cfg, store) for _, _, cfg in sources]
-    deduped = dedup_sources(downloaded, [(name, cfg) for name, _, cfg in sources], store, evaluation, ray)
+    filtered = filter_sources(downloaded, [(name, cfg) for name, _, cfg in sources], store, ray)
+    deduped = dedup_sources(
+        [ds for ds, _ in filtered], [(name, cfg) for name, _, cfg in sources], store, evaluation, ray
+    )
     datasets = [ds for ds, _ in deduped]
     tok = train_tokenizer(datasets, tokenizer, store, run=run)
     sets = [
         dataclasses.replace(tokenize_and_shard(ds, tok, cfg, store, ray=ray), name=name)
         for ds, (name, _, cfg) in zip(datasets, sources)
     ]
-    return DataShards(sets, mixture=data.is_mixture(), dedup=[info for _, info in deduped], downloads=downloaded)
+    return DataShards(
+        sets,
+        mixture=data.is_mixture(),
+        dedup=[info for _, info in deduped],
+        downloads=downloaded,
+        filtered=[info for _, info in filtered if info is not None],
+    )
 
 
 # ---- tokenize and shard --------------------------------------------------------------

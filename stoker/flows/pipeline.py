@@ -19,6 +19,7 @@ from stoker.orchestration.progress import show_data_stages
 from stoker.tasks.data import (
     dedup_and_decontaminate,
     download_dataset,
+    filter_documents,
     tokenize_and_shard,
     train_tokenizer,
 )
@@ -59,7 +60,7 @@ def prepare_data(
     run: str | None = None,
     evaluation: EvalConfig | None = None,
 ) -> DataShards:
-    """Download each source -> remove duplicates and evaluation items (data.dedup,
+    """Download each source -> the quality filters (data.filters) -> remove duplicates and evaluation items (data.dedup,
     data.decontaminate, against the sets of `evaluation`) -> one tokenizer -> tokenize and shard each source; each task is a
     no-op when its output exists (its task run shows Cached, and its result says cache_hit).
     The sources' downloads run concurrently, then their tokenizations (one task per source).
@@ -70,14 +71,21 @@ def prepare_data(
     sources, mixture = data.source_configs(), data.is_mixture()
     downloads = [per_source(download_dataset, name, mixture).submit(cfg, storage, name) for name, _, cfg in sources]
     downloaded = results_of(downloads)
-    deduped = dedup_and_decontaminate(downloaded, data, evaluation, storage, ray, run)
+    filtered = filter_documents(downloaded, data, storage, ray, run)
+    deduped = dedup_and_decontaminate([ds for ds, _ in filtered], data, evaluation, storage, ray, run)
     datasets = [dataset for dataset, _ in deduped]
     tok = train_tokenizer(datasets, tokenizer, storage, run)
     shards = [
         per_source(tokenize_and_shard, name, mixture).submit(dataset, tok, cfg, storage, ray, name)
         for dataset, (name, _, cfg) in zip(datasets, sources)
     ]
-    out = DataShards(results_of(shards), mixture=mixture, dedup=[info for _, info in deduped], downloads=downloaded)
+    out = DataShards(
+        results_of(shards),
+        mixture=mixture,
+        dedup=[info for _, info in deduped],
+        downloads=downloaded,
+        filtered=[info for _, info in filtered if info is not None],
+    )
     show_data_stages(out, run)
     return out
 

@@ -100,6 +100,7 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
             "data": mix_summary(mix_history(store, run)) or None,
             "removed": removed_summary(store, run),
             "stages": _stages(store, run),
+            "filtered": _filtered(store, run),
         }
         try:
             cfg = RunConfig.model_validate_json(store.read_bytes(run_file_key(run, CONFIG_FILE)))
@@ -115,6 +116,16 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
             row["parent"] = was.get("parent")
         rows.append(row)
     return as_tree(rows)
+
+
+def _filtered(store: Store, run: str) -> str | None:
+    """What data.filters removed, per source and filter: 'web: gopher_quality 12, c4 3'."""
+    try:
+        infos = store.read_json(run_file_key(run, SHARDS_FILE)).get("filtered") or []
+        words = [f"{f['name']}: " + (", ".join(f"{k} {v}" for k, v in f["removed"].items()) or "none") for f in infos]
+    except (FileNotFoundError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+    return "; ".join(words) or None
 
 
 def _stages(store: Store, run: str) -> str | None:

@@ -648,7 +648,8 @@ def records_with_the_base(store: Store, run: str) -> list[dict]:
 
 
 # ---- the data stage: what data.dedup and data.decontaminate removed -------------------------
-DEDUP_SAMPLES_FILE = "dedup-removed.jsonl"  # in the run folder: removed documents beside what they matched
+DEDUP_SAMPLES_FILE = "dedup-removed.jsonl"
+FILTER_SAMPLES_FILE = "filter-removed.jsonl"  # in the run folder: documents data.filters removed, with why  # in the run folder: removed documents beside what they matched
 
 
 def dedup_rows(infos) -> list[dict]:
@@ -672,6 +673,33 @@ def dedup_rows(infos) -> list[dict]:
         }
         for d in infos
     ]
+
+
+def filter_line(f) -> str:
+    """One log line of what data.filters removed from a source (contracts.results.FilterInfo)."""
+    by = ", ".join(f"{name} {n}" for name, n in f.removed.items()) or "none"
+    edited = f", {f.num_edited} edited (lines dropped)" if f.num_edited else ""
+    return (
+        f"source {f.name!r}: filters {', '.join(f.filters)}: {f.num_docs_in} documents "
+        f"({f.num_bytes_in / 1e6:.2f} MB) in; removed {sum(f.removed.values())} ({by}){edited}; "
+        f"{f.num_docs_out} documents ({f.num_bytes_out / 1e6:.2f} MB) kept{' (cached)' if f.cache_hit else ''}"
+    )
+
+
+def filters_markdown(infos, samples_url: str | None = None) -> str:
+    """The report's section on what data.filters removed, per source and filter."""
+    if not infos:
+        return ""
+    head = "| source | filters | docs in | removed | by filter | edited | docs out |\n|---|---|---|---|---|---|---|\n"
+    body = "".join(
+        f"| {f.name} | {', '.join(f.filters)} | {f.num_docs_in} | {sum(f.removed.values())} | "
+        f"{', '.join(f'{k} {v}' for k, v in f.removed.items()) or '-'} | {f.num_edited} | {f.num_docs_out} |\n"
+        for f in infos
+    )
+    out = "\n## Data: quality filters\n\n" + head + body
+    if samples_url:
+        out += f"\nA sample of the removed documents, with why: `{samples_url}`\n"
+    return out
 
 
 def stages_markdown(rows: list[dict]) -> str:

@@ -19,11 +19,18 @@ from prefect import get_run_logger
 
 from stoker.config import DataConfig, EvalConfig, RayConfig, StorageConfig, TokenizerConfig
 from stoker.config.sections import DEFAULT_SOURCE_NAME
-from stoker.contracts.results import DatasetInfo, DedupInfo, ShardInfo, TokenizerInfo
-from stoker.data import dedup, prepare
+from stoker.contracts.results import DatasetInfo, DedupInfo, FilterInfo, ShardInfo, TokenizerInfo
+from stoker.data import dedup, filtering, prepare
 from stoker.data.sources import resolve_source
 from stoker.failures import DataError
-from stoker.observe.report import DEDUP_SAMPLES_FILE, dedup_line, dedup_rows, vocabulary_note
+from stoker.observe.report import (
+    DEDUP_SAMPLES_FILE,
+    FILTER_SAMPLES_FILE,
+    dedup_line,
+    dedup_rows,
+    filter_line,
+    vocabulary_note,
+)
 from stoker.orchestration.caching import StoreCache, digest, result_shape
 from stoker.orchestration.progress import StageProgress
 from stoker.storage.datasets import committed_dataset
@@ -119,6 +126,33 @@ def download_dataset(data: DataConfig, storage: StorageConfig, name: str = DEFAU
             "%d source file(s) skipped as not UTF-8 text (data.on_decode_error='skip')", info.num_skipped_files
         )
     return info
+
+
+@stoker_task(name="filter_documents", retries=2)
+def filter_documents(
+    datasets: list[DatasetInfo],
+    data: DataConfig,
+    storage: StorageConfig,
+    ray: RayConfig | None = None,
+    run: str | None = None,
+) -> list[tuple[DatasetInfo, FilterInfo | None]]:
+    """data.filters on every source that has them (each source's filtering cached in the store
+    by content: a rerun reads it): its filtered dataset and what each filter removed, one log
+    line per source. No task timeout (policy.stoker_task): the work is units over partitions in
+    worker processes, each with its own deadline (data.units)."""
+    store = Store.of(storage)
+    sources = [(name, cfg) for name, _, cfg in data.source_configs()]
+    out = filtering.filter_sources(datasets, sources, store, ray, on_progress=StageProgress(run))
+    logger = get_run_logger()
+    samples = []
+    for _, info in out:
+        if info is not None:
+            logger.info(filter_line(info))
+            samples += filtering.removed_samples(store, info)
+    if run and samples:
+        body = "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
+        store.write_bytes(run_file_key(run, FILTER_SAMPLES_FILE), body.encode("utf-8"))
+    return out
 
 
 @stoker_task(name="dedup_and_decontaminate", retries=2)

@@ -23,11 +23,13 @@ from stoker.observe.ledger import (
 )
 from stoker.observe.report import (
     DEDUP_SAMPLES_FILE,
+    FILTER_SAMPLES_FILE,
     GAINS_PLOT_FILE,
     LOSS_CURVE_FILE,
     MIX_PLOT_FILE,
     checkpoint_rows,
     dedup_markdown,
+    filters_markdown,
     lineage_markdown,
     loss_curve_png,
     mix_history,
@@ -142,6 +144,8 @@ def report(
     result.micro_batch_size = training.micro_batch_size
     mix += plan_markdown(planned)
     mix += stages_markdown(shards.stage_rows())  # the data stage, per source and stage
+    if shards.filtered:  # what the quality filters removed, and a sample of it in the run folder
+        mix += filters_markdown(shards.filtered, store.url(run_file_key(run, FILTER_SAMPLES_FILE)))
     if shards.dedup:  # what the data stage removed, and the sample of it in the run folder
         mix += dedup_markdown(shards.dedup, store.url(run_file_key(run, DEDUP_SAMPLES_FILE)))
     ledger, deployment_total = flow_run_ledger(config, store, started, evaluation)

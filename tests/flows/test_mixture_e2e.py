@@ -67,7 +67,7 @@ def test_a_mixture_flows_through_heals_a_damaged_set_and_grows_a_source(prefect_
         "tokenize_and_shard[docs]",
         "tokenize_and_shard[web]",
     ]
-    expect = [*per_source, "train_tokenizer", "dedup_and_decontaminate"]
+    expect = [*per_source, "train_tokenizer", "filter_documents", "dedup_and_decontaminate"]
     assert task_states(first, expect) == dict.fromkeys(expect, "Completed")
     # each data stage's progress as it went: a progress artifact per stage, at 100% when done
     with get_client(sync_client=True) as client:
