@@ -11,7 +11,7 @@ library with its published defaults, which FILTERS repeats (a test holds the two
 holds our decisions equal to those classes' own). One thing is stoker's: the word splitter.
 datatrove 0.10.1 splits English with spaCy (spacy.blank("en"): no NLTK, no data download), but
 spaCy is no dependency of datatrove's, its import takes ~4 s and imports torch (thinc asks CUDA
-for its devices) in every data worker, and datatrove's spaCy wrapper ran 150-235 documents/s per
+for its devices) in every data worker, and datatrove's spaCy wrapper ran 130-235 documents/s per
 filter where the same filters with the splitter below run 490-3200 (benchmarks/bench_filters.py).
 So stoker passes each filter ``words``/``sentence_spans`` below as its tokenizer (datatrove's own
 hook: `language` takes a WordTokenizer): spaCy's English rules where they move these counts
