@@ -335,10 +335,15 @@ def _decide(store, plan: list[_Source], keys, todo, items, items_print, ray, on_
     run_units("dedup publish", units, store, **run)
 
 
-def removed_samples(store: Store, info: DedupInfo) -> list[dict]:
-    """The sample of removed documents (with what they matched) of one source's decision."""
+def read_samples(store: Store, key: str) -> list[dict]:
+    """The records of a JSON-lines sample in the store ([] when there is none)."""
     try:
-        raw = store.read_bytes(join(info.key, REMOVED_FILE))
+        raw = store.read_bytes(key)
     except FileNotFoundError:
         return []
     return [json.loads(line) for line in raw.decode("utf-8").splitlines() if line]
+
+
+def removed_samples(store: Store, info: DedupInfo) -> list[dict]:
+    """The sample of removed documents (with what they matched) of one source's decision."""
+    return read_samples(store, join(info.key, REMOVED_FILE))

@@ -240,8 +240,6 @@ def _publish(
 
 def removed_samples(store: Store, info: FilterInfo) -> list[dict]:
     """The sample of documents the filters removed from one source, with why."""
-    try:
-        raw = store.read_bytes(join(info.key, REMOVED))
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in raw.decode("utf-8").splitlines() if line]
+    from stoker.data.dedup import read_samples
+
+    return read_samples(store, join(info.key, REMOVED))
