@@ -58,9 +58,9 @@ def test_content_keys_are_the_stores_and_a_record_counts_only_with_its_output(ti
 
 # ---- through Prefect -------------------------------------------------------------------
 DATA_TASKS = ["download_dataset", "train_tokenizer", "tokenize_and_shard"]
-# no Prefect record: it runs each time (its log lines, its artifact, the run's sample of what it
-# removed), its decision read from the store by content (DedupInfo.cache_hit)
-DEDUP = "dedup_and_decontaminate"
+# no Prefect record: they run each time (their log lines, artifacts, the run's samples of what
+# they removed), their decisions read from the store by content (DedupInfo.cache_hit, FilterInfo's)
+UNCACHED = ["filter_documents", "dedup_and_decontaminate"]
 
 
 @pytest.mark.e2e
@@ -73,13 +73,16 @@ def test_data_tasks_show_cached_only_while_the_s3_store_holds_their_output(prefe
 
     first = prepare_data(*args, return_state=True)
     assert not first.result().cache_hit and not any(d.cache_hit for d in first.result().dedup)
-    assert task_states(first, DATA_TASKS + [DEDUP]) == dict.fromkeys(DATA_TASKS + [DEDUP], "Completed")
+    assert task_states(first, DATA_TASKS + UNCACHED) == dict.fromkeys(DATA_TASKS + UNCACHED, "Completed")
     store = Store(root, options)
     records = store.walk_files("prefect-results")  # the records live in the store itself
     assert sorted(name.split("/")[0] for name in records) == sorted(DATA_TASKS)
 
     second = prepare_data(*args, return_state=True)
-    assert task_states(second, DATA_TASKS + [DEDUP]) == {**dict.fromkeys(DATA_TASKS, "Cached"), DEDUP: "Completed"}
+    assert task_states(second, DATA_TASKS + UNCACHED) == {
+        **dict.fromkeys(DATA_TASKS, "Cached"),
+        **dict.fromkeys(UNCACHED, "Completed"),
+    }
     shards = second.result()
     assert shards.cache_hit and shards.cache_key == first.result().cache_key
     assert shards.dedup and all(d.cache_hit for d in shards.dedup)
@@ -95,7 +98,7 @@ def test_data_tasks_show_cached_only_while_the_s3_store_holds_their_output(prefe
         store.rm(folder)
     third = prepare_data(*args, return_state=True)
     # built again, not masked
-    assert task_states(third, DATA_TASKS + [DEDUP]) == dict.fromkeys(DATA_TASKS + [DEDUP], "Completed")
+    assert task_states(third, DATA_TASKS + UNCACHED) == dict.fromkeys(DATA_TASKS + UNCACHED, "Completed")
     assert not third.result().cache_hit
     assert store.exists(f"{third.result().key}/manifest.json")
 
