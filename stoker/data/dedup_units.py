@@ -42,7 +42,7 @@ import numpy as np
 
 from stoker.data.evalitems import EvalItem
 from stoker.data.minhash import NUM_PERM, EvalIndex, band_keys, features_of, pieces, row_hash, share_a_band
-from stoker.data.sharding import corpus_text, range_lines
+from stoker.data.sharding import corpus_text, store_lines
 from stoker.storage.datasets import (
     Part,
     PartWriter,
@@ -162,11 +162,8 @@ def _clean(meta: dict) -> np.ndarray:
 
 
 def _features(store, folder, corpus, size, start, end, near_ngram, items, n) -> dict:
-    def read(offset: int, count: int) -> bytes:
-        return store.read_range(corpus, offset, min(count, size - offset)) if offset < size else b""
-
     index = _eval_index(store, items, n) if items else None
-    docs = (corpus_text(line, offset) for offset, line in range_lines(read, start, end))
+    docs = (corpus_text(line, offset) for offset, line in store_lines(store, corpus, size, start, end))
     feats = features_of(docs, near_ngram, index)
     meta = {
         "num_docs": len(feats),
@@ -399,12 +396,8 @@ def _texts(store: Store, sources: list[dict], wanted: set[int]) -> dict[int, str
     out = {}
     for (s, p), docs in by_part.items():
         where = sources[s]["parts"][p][1]
-        corpus, size = where["corpus"], where["size"]
-
-        def read(offset: int, count: int, corpus=corpus, size=size) -> bytes:
-            return store.read_range(corpus, offset, min(count, size - offset)) if offset < size else b""
-
-        for d, (offset, line) in enumerate(range_lines(read, where["start"], where["end"])):
+        lines = store_lines(store, where["corpus"], where["size"], where["start"], where["end"])
+        for d, (offset, line) in enumerate(lines):
             if d in docs:
                 out[int(doc_keys(s, p, np.uint64(d)))] = corpus_text(line, offset)
     return out
@@ -614,11 +607,7 @@ def _publish_kept(
         num_docs = num_bytes = 0
         nxt, at, k = (int(removed[0]) if len(removed) else -1), 0, 0
         for part in parts:
-
-            def read(offset: int, count: int, part=part) -> bytes:  # large ranged reads (readline is slow on S3)
-                return store.read_range(part.key, offset, min(count, part.size - offset)) if offset < part.size else b""
-
-            for offset, line in range_lines(read, 0, part.size):
+            for offset, line in store_lines(store, part.key, part.size, 0, part.size):
                 if k == nxt:
                     at += 1
                     nxt = int(removed[at]) if at < len(removed) else -1

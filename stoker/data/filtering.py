@@ -22,7 +22,7 @@ from collections import Counter
 
 from stoker.config import DataConfig, RayConfig
 from stoker.contracts.results import DatasetInfo, FilterInfo
-from stoker.data.sharding import corpus_text, part_ranges, range_lines
+from stoker.data.sharding import corpus_text, part_ranges, store_lines
 from stoker.data.units import ProgressFn, Unit, engine_session, run_units
 from stoker.storage.datasets import Part, PartWriter, committed_dataset, dataset_key, dataset_parts, publish_dataset
 from stoker.storage.store import Store, build_lock, join
@@ -51,17 +51,12 @@ def filter_unit(store: Store, *, spec: list, part: dict, start: int, end: int, o
 
     filters = make_filters(spec)
 
-    def read(offset: int, count: int) -> bytes:
-        return (
-            store.read_range(part["key"], offset, min(count, part["size"] - offset)) if offset < part["size"] else b""
-        )
-
     removed: Counter = Counter()
     samples: list[dict] = []
     docs_in = bytes_in = docs_out = bytes_out = edited = 0
     with tempfile.TemporaryDirectory(prefix="stoker-filter-") as tmp:
         writer = PartWriter(store, tmp, part["size"] + 1)  # one part: the range's kept documents
-        for offset, line in range_lines(read, start, end):
+        for offset, line in store_lines(store, part["key"], part["size"], start, end):
             text = corpus_text(line, offset)
             docs_in += 1
             bytes_in += len(text.encode("utf-8"))

@@ -41,10 +41,10 @@ from stoker.data.sharding import (
     corpus_text,
     merge_unencodable,
     part_ranges,
-    range_lines,
     shard_cuts,
     shard_entries,
     shard_name,
+    store_lines,
     tokenize_docs,
 )
 from stoker.failures import ConfigError, DataError, StokerError
@@ -140,13 +140,10 @@ def tokenize_task(
     _set_threads(cpus)
     store = spec.open()
 
-    def read(offset: int, size: int) -> bytes:
-        return store.read_range(corpus_key, offset, min(size, corpus_size - offset)) if offset < corpus_size else b""
-
     files = {s: (io.BytesIO(), io.BytesIO()) for s in SPLITS}
     try:
         tok = _tokenizer(store, tokenizer_key)
-        docs = (corpus_text(line, offset) for offset, line in range_lines(read, start, end))
+        docs = (corpus_text(line, offset) for offset, line in store_lines(store, corpus_key, corpus_size, start, end))
         counts = tokenize_docs(docs, tok, eot_id, np.dtype(dtype), val_fraction, files)
     except FileNotFoundError:
         raise ConfigError(

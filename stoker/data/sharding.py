@@ -148,6 +148,16 @@ def range_lines(
         pos = cut + 1
 
 
+def store_lines(store, key: str, size: int, start: int, end: int, chunk: int = READ_BYTES):
+    """range_lines over an object of `size` bytes in the store, read in ranged reads (an
+    object store's readline is slow): the lines of one partition, whatever the engine."""
+
+    def read(offset: int, count: int) -> bytes:
+        return store.read_range(key, offset, min(count, size - offset)) if offset < size else b""
+
+    return range_lines(read, start, end, chunk)
+
+
 def corpus_text(line: bytes, offset: int) -> str:
     """The text of one corpus line; a damaged line is one DataError, whatever the engine."""
     try:
