@@ -6,6 +6,8 @@ starts from, and what the tests load.
     python scripts/make_tiny_base.py ./tiny-gpt2-base --style gpt2    # GPT-2: Conv1D, gelu_new
     python scripts/make_tiny_base.py ./tiny-chat-base --style chat    # SmolLM2-like, see below
     python scripts/make_tiny_base.py ./tiny-qwen3-base --style qwen3  # Qwen3: q/k norms, see below
+    python scripts/make_tiny_base.py ./tiny-qwen3-moe-base --style qwen3-moe  # Qwen3-MoE: 8 experts
+    python scripts/make_tiny_base.py ./tiny-mixtral-base --style mixtral      # Mixtral: 4 experts
 
 The tokenizer is a byte-level BPE trained on a slice of the Python standard library's sources
 (the built-in corpus), with Llama 3's special tokens: ``<|begin_of_text|>`` added to every
@@ -21,6 +23,11 @@ are grouped-query attention (6/2 heads) with an explicit ``head_dim`` (24, not 9
 no q/k/v bias, an explicit ``head_dim`` (32, with 4 heads over a width of 64), tied embeddings,
 with the chat style's tokenizer (Qwen3's post-trained models end a turn with ``<|im_end|>``,
 have no bos and a byte-level vocabulary).
+``--style qwen3-moe`` is Qwen3-30B-A3B's kind, tiny (the tiny-qwen3-moe-cpu recipe's base): Qwen3's
+attention, 8 experts of 32 a sparse layer, top-2 renormalized (``norm_topk_prob``), layer 1 of 3
+dense (``mlp_only_layers``), untied, the chat tokenizer. ``--style mixtral``: Mixtral's kind, every
+layer 4 experts top-2, Llama's attention, the Llama tokenizer. Both are saved as transformers 5
+saves them, one tensor per expert.
 ``--no-tokenizer-config`` leaves tokenizer_config.json out.
 """
 
@@ -148,6 +155,30 @@ def hf_config(style: str, vocab_rows: int, bos: int, eos: int):
             tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         )
+    if style == "qwen3-moe":  # Qwen3-30B-A3B's kind, tiny: 8 experts top-2 renormalized, a dense layer among them
+        return transformers.Qwen3MoeConfig(
+            **{**common, "bos_token_id": None, "num_hidden_layers": 3, "intermediate_size": 96},
+            head_dim=32,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            router_aux_loss_coef=0.001,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
+    if style == "mixtral":  # Mixtral's kind, tiny: every layer 4 experts top-2, Llama attention, untied
+        return transformers.MixtralConfig(
+            **{**common, "intermediate_size": 32},
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            router_aux_loss_coef=0.02,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
     if style == "qwen2":
         return transformers.Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6)
     return transformers.MistralConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None)
@@ -166,7 +197,7 @@ def make_base(
     import torch
     import transformers
 
-    chat = style in ("chat", "qwen3")  # the chat tokenizer's quirks
+    chat = style in ("chat", "qwen3", "qwen3-moe")  # the chat tokenizer's quirks
     tok = train_chat_tokenizer(vocab_size) if chat else train_tokenizer(vocab_size)
     rows = tok.get_vocab_size() if style == "gpt2" else -(-tok.get_vocab_size() // 64) * 64 + 64
     bos, eos = (None, TURN_END) if chat else (BOS, EOS)
@@ -196,7 +227,7 @@ def make_base(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("folder")
-    p.add_argument("--style", choices=["llama", "qwen2", "mistral", "gpt2", "chat", "qwen3"], default="llama")
+    p.add_argument("--style", choices=["llama", "qwen2", "mistral", "gpt2", "chat", "qwen3", "qwen3-moe", "mixtral"], default="llama")
     p.add_argument("--vocab-size", type=int, default=500, help="the tokenizer's ids")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", default="100KB", help="save_pretrained's shard size")

@@ -194,6 +194,13 @@ class Shape:
     saved_matmul: int  # kept in the matmul dtype: projections' outputs, attention's q, k, v, out
     kept_selective: int  # what selective checkpointing keeps (matmul and attention outputs)
     final_norm_fp32: int  # what the final norm keeps, per token
+    # a mixture of experts (families.moe_section): the parameters a token runs, the experts'
+    # parameters, experts per sparse layer, top-k and the sparse layers; 0 for a dense model
+    active_params: int = 0
+    expert_params: int = 0
+    experts: int = 0
+    top_k: int = 0
+    sparse_layers: int = 0
 
     @property
     def params(self) -> int:
@@ -274,6 +281,9 @@ class Plan:
     lr_origin: str = ""  # where a run from a base takes its train.lr (arithmetic.learning_rate.origin)
     data_mix: str = ""  # a mixture's weights over the run's steps
     branch: str = ""  # where a branch leaves its parent
+    active_params: int = 0  # a mixture's parameters a token runs (0: dense)
+    experts: str = ""  # a mixture's experts, as the plan says them
+    all_to_all: float = 0.0  # a mixture's bytes sent by each device per step (expert parallel)
 
     @property
     def allocated(self) -> float:
@@ -324,6 +334,9 @@ class Plan:
                 f"chunked, {self.cross_entropy_chunk} tokens" if self.cross_entropy_chunk else "standard",
             ),
             ("parameters", f"{self.params / 1e6:,.1f} M"),
+            *([("active parameters", f"{self.active_params / 1e6:,.1f} M a token")] if self.active_params else []),
+            *([("experts", self.experts)] if self.experts else []),
+            *([("all-to-all per step", _gib(self.all_to_all) + " sent by each device")] if self.all_to_all else []),
             ("weights (fp32)", _gib(self.weights)),
             ("FSDP gathered blocks", _gib(self.working)),
             ("gradients (fp32)", _gib(self.grads)),
@@ -366,6 +379,8 @@ class Plan:
             "hardware": self.hardware.name if self.hardware else None,
             "device_memory_gib": round(self.hardware.memory_bytes / GIB, 2) if self.hardware else None,
             "params": self.params,
+            "active_params": self.active_params or self.params,
+            "all_to_all_gib": round(self.all_to_all / GIB, 4),
             **{k: round(getattr(self, k) / GIB, 4) for k in _PARTS},
             "allocated_gib": round(self.allocated / GIB, 4),
             "total_gib": round(self.total / GIB, 4),

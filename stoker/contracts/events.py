@@ -76,6 +76,14 @@ class Train(Event):
     checkpoint_seconds: float | None = None
     # a mixture (data.sources): per source, {"tokens": trained on so far, "epochs": taken}
     sources: dict | None = None
+    # a mixture of experts (families.moe): `loss` is the training loss (language model plus
+    # router_aux_loss_coef x load balancing); these are its language-model part and the
+    # load-balancing loss, averaged over ranks; and the router's load over the interval, per
+    # sparse layer: {"layers": [layer], "busiest": [share], "idlest": [share]} of the top-k
+    # assignments (1 / num_experts each when balanced)
+    lm_loss: float | None = None
+    aux_loss: float | None = None
+    expert_load: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,6 +215,18 @@ class MicroBatchChosen(Event):
     accum: int
     device: str
     device_memory_gib: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdleExperts(Event):
+    """Experts of a sparse layer that the router sent no token for `steps` steps in a row (at
+    least families.moe's IDLE_WARN_STEPS): said once per layer and launch."""
+
+    kind: ClassVar[str] = "idle_experts"
+    step: int
+    layer: int
+    experts: list
+    steps: int
 
 
 @dataclass(frozen=True, kw_only=True)

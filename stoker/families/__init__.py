@@ -34,6 +34,8 @@ NAMES = (
     "gpt2",
     "llama",
     "qwen3",
+    "mixtral",
+    "qwen3_moe",
 )
 
 FAMILIES: dict[str, type[_ModelSection]] = {

@@ -27,6 +27,11 @@ class ModelSpec:
     # the tensor-parallel plan (model, tp mesh), applied in place; None: the family has none
     # (its config's TENSOR_PARALLEL is false)
     parallelize: Callable[[nn.Module, Any], None] | None = None
+    # a mixture's stacked expert weights in transformers 5's fused layout, where a checkpoint
+    # holds it instead of per-expert tensors: ours -> (HF name, part along dim 1, parts)
+    hf_fused: Callable[[Any], dict[str, tuple[str, int, int]]] = lambda cfg: {}
+    # a mixture of experts (families.moe): its forward adds the router's loss in training
+    moe: bool = False
 
     def to_hf(self, cfg: Any, state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
         """Hugging Face tensors (names, layout) from our state dict; the embedding and output
@@ -35,6 +40,9 @@ class ModelSpec:
         out = {}
         for ours, theirs, transpose in self.hf_map(cfg):
             t = state[ours]
+            if isinstance(theirs, tuple):  # a stacked expert weight: one tensor per expert
+                out.update({name: t[e].contiguous() for e, name in enumerate(theirs)})
+                continue
             if is_vocab(ours):  # only our padding is cut: the rows of a base stay
                 t = t[:keep]
             out[theirs] = (t.t() if transpose else t).contiguous()
@@ -45,8 +53,18 @@ class ModelSpec:
         """Our state dict from Hugging Face tensors: the exact inverse of ``to_hf`` (padded
         vocabulary rows come back as zeros; tied tensors are the same tensor)."""
         rows = self.vocab_rows(cfg, vocab_size)
+        fused = self.hf_fused(cfg)
         out = {}
         for ours, theirs, transpose in self.hf_map(cfg):
+            if isinstance(theirs, tuple):  # per-expert tensors stacked, or transformers 5's fused one
+                if theirs[0] in hf:
+                    out[ours] = torch.stack([hf[name] for name in theirs])
+                else:
+                    name, part, parts = fused[ours]
+                    out[ours] = hf[name].chunk(parts, dim=1)[part].contiguous()
+                continue
+            if theirs not in hf and ours in fused:  # the fused layout's name of the tensor
+                theirs = fused[ours][0]
             t = hf[theirs]
             t = (t.t() if transpose else t).contiguous()
             if ours.endswith("wpe.weight"):  # a base's longer position table: the first rows
@@ -56,6 +74,13 @@ class ModelSpec:
             out[ours] = t
         for ours, theirs in self.hf_tied(cfg).items():
             out[ours] = out[next(o for o, h, _ in self.hf_map(cfg) if h == theirs)]
+        return out
+
+    def hf_names(self, cfg: Any) -> list[str]:
+        """Every Hugging Face tensor name the adapter writes (a stacked weight's per expert)."""
+        out = []
+        for _, theirs, _ in self.hf_map(cfg):
+            out += list(theirs) if isinstance(theirs, tuple) else [theirs]
         return out
 
 

@@ -86,6 +86,7 @@ class TrainingMonitor:
             events.NonFinite: self._on_nonfinite,
             events.EpochLimit: self._on_epoch_limit,
             events.MicroBatchChosen: self._on_micro_batch,
+            events.IdleExperts: self._on_idle_experts,
         }
 
     def __call__(self, event: events.Event) -> None:
@@ -149,6 +150,16 @@ class TrainingMonitor:
             e.device_memory_gib,
             how,
             lowered,
+        )
+
+    def _on_idle_experts(self, e: events.IdleExperts) -> None:
+        self.logger.warning(
+            "layer %d: the router sent no token to expert(s) %s for %d steps (to step %d); a collapsed router "
+            "wastes them: raise model.router_aux_loss_coef, or lower train.lr",
+            e.layer,
+            ", ".join(str(x) for x in e.experts),
+            e.steps,
+            e.step,
         )
 
     def _on_epoch_limit(self, e: events.EpochLimit) -> None:

@@ -246,6 +246,8 @@ def resolve_base(cfg: RunConfig) -> RunConfig:
         raise ConfigError(problems)
     # a local folder as an absolute file:// URL: the ranks (another working directory, another
     # host reading a shared file system) find the same files
+    if section.get("router_aux_loss_coef") is not None:  # the run's own choice over the base's
+        fields.pop("router_aux_loss_coef", None)
     section.update(fields, family=family_name, base_sha256=record["sha256"], init_from=_url(model.init_from))
     data = cfg.model_dump()
     data["model"], data["tokenizer"] = section, tokenizer
@@ -258,7 +260,10 @@ def resolve_base(cfg: RunConfig) -> RunConfig:
 
 
 _SHARED = ("init_from", "base_sha256", "block_size", "dropout", "vocab_pad_multiple")
-_OVERRIDDEN = ("vocab_pad_multiple",)  # a base keeps its own rows, whatever the padding
+# fields a config may set against its base's config.json: the padding (a base keeps its own
+# rows whatever it is) and a mixture's router loss coefficient (a training choice; the base's
+# router_aux_loss_coef when left empty)
+_OVERRIDDEN = ("vocab_pad_multiple", "router_aux_loss_coef")
 
 
 def _tokenizer_of(cfg: RunConfig, family: type, hf: dict, vocab_rows: int, problems: list[str]) -> dict:

@@ -77,14 +77,24 @@ def load_base(model: torch.nn.Module, model_cfg, folder: str) -> int:
     spec = spec_of(model_cfg)
     where = weight_files(folder)
     tied = set(spec.hf_tied(model_cfg))
+    fused = spec.hf_fused(model_cfg)
     by_file: dict[str, list[tuple[str, str, bool]]] = {}
+    stacked: list[tuple[str, tuple[str, ...]]] = []
     for ours, theirs, transpose in spec.hf_map(model_cfg):
         if ours in tied:
             continue
+        if isinstance(theirs, tuple):  # a mixture's experts: per-expert tensors, or a fused one
+            present = theirs[0] in where or fused.get(ours, ("",))[0] in where
+            if not present:
+                raise ValueError(f"the base has no tensor {theirs[0]!r} (for {ours}); is it a {spec.family} model?")
+            stacked.append((ours, theirs))
+            continue
+        if theirs not in where and ours in fused:  # transformers 5's own layout's name of it
+            theirs = fused[ours][0]
         if theirs not in where:
             raise ValueError(f"the base has no tensor {theirs!r} (for {ours}); is it a {spec.family} model?")
         by_file.setdefault(where[theirs], []).append((ours, theirs, transpose))
-    written = {ours for entries in by_file.values() for ours, _, _ in entries} | tied
+    written = {ours for entries in by_file.values() for ours, _, _ in entries} | tied | {o for o, _ in stacked}
     missing = [name for name, _ in model.named_parameters() if name not in written]
     if missing:
         raise ValueError(f"the {spec.family} adapter maps no tensor of the base to {', '.join(missing)}")
@@ -98,6 +108,46 @@ def load_base(model: torch.nn.Module, model_cfg, folder: str) -> int:
                     read += _copy_transposed(param, ours, path, theirs)
                 else:
                     read += _read_rows(param, ours, raw, header[theirs], data_start, theirs)
+    headers: dict[str, tuple[dict, int]] = {}
+    for ours, theirs in stacked:
+        read += _read_experts(model.get_parameter(ours), ours, theirs, fused.get(ours), where, headers)
+    return read
+
+
+def _read_experts(param, ours: str, theirs: tuple[str, ...], fused, where: dict, headers: dict) -> int:
+    """This rank's experts of a stacked (E, F, D) weight (dim 0 sharded by FSDP2 or expert
+    parallel): each expert's (F, D) from its own tensor (``experts.{e}.….weight``), or its part
+    of transformers 5's fused (E, parts x F, D) tensor; each one contiguous byte range read
+    into the expert's rows."""
+    start, rows = _rows_of(param)
+    local = param.to_local() if hasattr(param, "to_local") else param
+    per_expert = list(param.shape[1:])
+    read = 0
+    for e in range(start, min(start + rows, param.shape[0])):
+        if theirs[0] in where:
+            name, offset_rows, full = theirs[e], 0, None
+        else:
+            name, part, parts = fused
+            offset_rows, full = e * parts * per_expert[0] + part * per_expert[0], [param.shape[0], parts * per_expert[0]]
+        path = where[name]
+        if path not in headers:
+            headers[path] = safetensors_header(path)
+        header, data_start = headers[path]
+        entry = header[name]
+        shape = list(entry["shape"])
+        expected = per_expert if full is None else full + per_expert[1:]
+        if shape != expected:
+            raise ValueError(f"the base's {name} has shape {shape}, the model's {ours} needs {expected}")
+        dtype = _DTYPES[entry["dtype"]]
+        target = local[e - start]
+        buf = torch.empty(target.shape, dtype=dtype)
+        view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
+        with open(path, "rb") as f:
+            f.seek(data_start + entry["data_offsets"][0] + offset_rows * per_expert[1] * dtype.itemsize)
+            if f.readinto(view) != len(view):
+                raise ValueError(f"the base's file for {name} ends before the tensor does")
+        target.copy_(buf.to(local.dtype))
+        read += len(view)
     return read
 
 

@@ -29,6 +29,8 @@ from stoker.config import RunConfig, schedule
 from stoker.config.sections import DEFAULT_SOURCE_NAME
 from stoker.contracts import events
 from stoker.failures import CheckpointInvalid
+from stoker.families import spec_of
+from stoker.families.moe import RouterLoad
 from stoker.storage.branches import branch_point, mixture_history
 from stoker.storage.checkpoints import find_latest_valid, mark_invalid, rehydrate
 from stoker.storage.layout import TOKENIZER_FILE
@@ -156,8 +158,14 @@ class Trainer:
             device=ranks.device,
             prefetch=self.engine.prefetch,
         )
-        self.flops_per_token = self.raw_model.flops_per_token()
+        self.flops_per_token = self.raw_model.flops_per_token()  # a mixture's: of its active parameters
         self.peak_flops = peak_flops(ranks.device)
+        # a mixture of experts: its loss's language-model and load-balancing parts, the router's load
+        self.router = (
+            RouterLoad(cfg.model.sparse_layers(), cfg.model.num_experts) if spec_of(cfg.model).moe else None
+        )
+        self.moe_losses = torch.zeros(2, dtype=torch.float32, device=ranks.device)
+        self.last_log_step = 0
         self.throughput = Throughput(
             cfg, ranks, self.flops_per_token, self.peak_flops, lambda: self.batches.wait_seconds
         )
@@ -308,6 +316,7 @@ class Trainer:
         accum = cfg.grad_accum_steps
         self.model.train()
         total = torch.zeros((), dtype=torch.float32, device=r.device)
+        parts = torch.zeros(2, dtype=torch.float32, device=r.device)  # a mixture's (lm, load balancing)
         for micro in range(accum):
             x, y = self.batches.get(self.step, micro)
             # gradients are reduced only on the last micro-batch (group: world)
@@ -317,6 +326,8 @@ class Trainer:
                 (loss / accum).backward()
             self.batches.prefetch(self.step, micro)  # while the device runs this micro-batch
             total += loss.detach().float()
+            if self.router is not None and self.raw_model.last_losses is not None:
+                parts += torch.stack(self.raw_model.last_losses).float()
         grad_norm = None
         if cfg.train.grad_clip > 0:  # the global norm, a device tensor (FSDP2: a DTensor)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.train.grad_clip)
@@ -332,7 +343,26 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_seen += cfg.train.global_batch_size * cfg.model.block_size
+        self.moe_losses = parts / accum
         return total / accum
+
+    def _router_at_log_step(self, step: int) -> dict:
+        """A mixture's Train fields at a log step: its loss's two parts and the router's load
+        over the interval (summed over ranks: one more all-reduce of a log step), and the
+        experts idle for IDLE_WARN_STEPS steps (events.IdleExperts). Empty for a dense model."""
+        if self.router is None:
+            return {}
+        load = self.raw_model.take_router_load()
+        parts = self.moe_losses.clone()
+        if self.ranks.is_dist:
+            dist.all_reduce(load)  # group: world; assignments summed over ranks
+            dist.all_reduce(parts)  # group: world
+            parts /= self.ranks.world_size
+        for layer, experts, steps in self.router.step(load, step - self.last_log_step):
+            self.metrics.log(events.IdleExperts(step=step, layer=layer, experts=experts, steps=steps))
+        self.last_log_step = step
+        lm, aux = (float(v) for v in parts)
+        return {"lm_loss": lm, "aux_loss": aux, "expert_load": self.router.shares(load)}
 
     def _stop_early(self) -> None:
         """Asked to stop: checkpoint first when it fits in the grace period, then leave."""
@@ -465,6 +495,7 @@ class Trainer:
             if log_step and not self.skipped_last:  # a skipped step's NaN is told by its NonFinite
                 mean = mean_over_ranks(loss, self.ranks)  # the one host sync of a log step
                 self.numerics.raise_if_bad(s)  # before a NaN loss is logged as if all were well
+                moe = self._router_at_log_step(s)
                 self.metrics.log(
                     events.Train(
                         step=s,
@@ -472,6 +503,7 @@ class Trainer:
                         lr=float(self.step_lr),
                         tokens_seen=self.tokens_seen,
                         sources=self.windows.seen(s) if self.mixture else None,
+                        **moe,
                         **self.throughput.since_mark(s),
                     )
                 )

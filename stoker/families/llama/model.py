@@ -119,7 +119,7 @@ class Llama(nn.Module):
             raise ValueError(f"model.vocab_size {rows} is below the tokenizer's {vocab_size} ids")
         self.embed_tokens = nn.Embedding(rows, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Block(cfg, self.ATTENTION) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(self.block(cfg, i) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, rows, bias=False)
         self.rope = Rotary(_inv_freq(cfg), cfg.block_size)  # no parameters, no state
@@ -128,6 +128,10 @@ class Llama(nn.Module):
         self.output_loss = logits_and_loss
         if seed is not None:
             init_weights(self, seed)
+
+    def block(self, cfg: LlamaConfig, index: int) -> nn.Module:
+        """Block ``index`` of the model: where a family built on this one (mixtral) puts its own."""
+        return Block(cfg, self.ATTENTION)
 
     def _tie(self) -> None:
         # a meta-device build's to_empty (without FSDP2) gives each module a new parameter,
@@ -149,13 +153,22 @@ class Llama(nn.Module):
         return self.cfg.flops_per_token(self.embed_tokens.weight.shape[0])
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        return self.head(self.trunk(idx), targets)
+
+    def trunk(self, idx: torch.Tensor) -> torch.Tensor:
+        """The blocks and the final norm: (B, T) ids -> (B, T, C)."""
         B, T = idx.shape
         cos, sin = self.rope(T)  # 2 x (T, hd), fp32
         mask = attention_mask(self, idx)  # None: causal; once per micro-batch for every block
         x = self.drop(self.embed_tokens(idx))  # (B, T, C)
         for block in self.layers:
             x = block(x, cos, sin) if mask is None else block(x, cos, sin, mask)
-        h = self.norm(x)  # (B, T, C)
+        return self.norm(x)  # (B, T, C)
+
+    def head(self, h: torch.Tensor, targets: torch.Tensor | None):
+        """The output layer: (logits, None) without targets; with them (logits or None, the
+        mean cross-entropy)."""
+        B, T, _ = h.shape
         if targets is not None and self.loss_chunk:  # the full logits never exist
             return None, chunked_cross_entropy(
                 h.view(B * T, -1), self.lm_head.weight, targets.reshape(-1), self.loss_chunk
@@ -165,7 +178,7 @@ class Llama(nn.Module):
         return self.output_loss(h, self.lm_head.weight, targets)
 
 
-_OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight")
+_OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "experts.down_proj")  # a mixture's stacked experts too
 
 
 def _init_value(name: str, shape: torch.Size, n_layer: int, seed: int) -> torch.Tensor:
