@@ -225,6 +225,37 @@ def _tp_splits_the_model(parallelism: str, tp_degree: int, model: Any) -> Pydant
     return None
 
 
+def _ep_fits(
+    ep_degree: int, parallelism: str, model: Any, num_nodes: int, nproc_per_node: int
+) -> PydanticCustomError | None:
+    """Expert parallel splits a mixture's experts over groups of ep_degree ranks of the world."""
+    if ep_degree < 2 or model is None:
+        return None
+    experts = getattr(model, "num_experts", None)
+    if not getattr(type(model), "MOE", False):
+        return _rule(
+            f"is {ep_degree}, and model.family {model.family!r} has no experts to split (a dense model)",
+            "set engine.ep_degree to 1, or start from a mixture-of-experts base (qwen3_moe, mixtral)",
+        )
+    if parallelism != "fsdp":
+        return _rule(
+            f"splits the experts under engine.parallelism 'fsdp' only, not {parallelism!r}",
+            "set engine.parallelism to 'fsdp', or engine.ep_degree to 1",
+        )
+    world = num_nodes * nproc_per_node
+    if world % ep_degree:
+        return _rule(
+            f"does not divide the world size {world} (launch.num_nodes x launch.nproc_per_node)",
+            "use a divisor of the world size, or more ranks",
+        )
+    if experts and experts % ep_degree:
+        return _rule(
+            f"does not divide model.num_experts={experts}: each rank of a group holds num_experts / ep_degree experts",
+            "use a divisor of model.num_experts",
+        )
+    return None
+
+
 def _schedule_within_the_run(schedule: list, max_steps: int) -> PydanticCustomError | None:
     late = [e.at_step for e in schedule if (e.at_step if hasattr(e, "at_step") else e.get("at_step", 0)) >= max_steps]
     if late:
@@ -298,6 +329,17 @@ _CROSS_SECTION_RULES: list[tuple[_Loc, tuple[_Loc, ...], Callable[..., Any]]] = 
             ("model", ""),  # the whole section: its family says which sizes the split divides
         ),
         _tp_splits_the_model,
+    ),
+    (
+        ("engine", "ep_degree"),
+        (
+            ("engine", "ep_degree"),
+            ("engine", "parallelism"),
+            ("model", ""),
+            ("launch", "num_nodes"),
+            ("launch", "nproc_per_node"),
+        ),
+        _ep_fits,
     ),
     (("train", "lr_from_base"), (("train", "lr_from_base"), ("model", "init_from")), _lr_from_a_base),
     (("data", "token_dtype"), (("data", "token_dtype"), ("tokenizer", "vocab_size")), _ids_fit_dtype),

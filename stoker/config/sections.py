@@ -1186,6 +1186,17 @@ class EngineConfig(_Section):
         ge=1,
         validate_default=True,  # 'fsdp+tp' with the default 1 is refused
     )
+    ep_degree: int = _field(
+        1,
+        "Expert parallel (a mixture of experts: the qwen3_moe and mixtral families): each "
+        "sparse layer's experts are split over groups of ep_degree ranks, tokens sent to their "
+        "expert's rank and back by all-to-all, under engine.parallelism 'fsdp' (the experts "
+        "sharded by FSDP2 over world_size / ep_degree ranks, the rest over all). A divisor of "
+        "the world size and of model.num_experts; 1: every rank runs every expert. "
+        "Checkpoints load under any other ep_degree and world size.",
+        fix="e.g. 2, 4 or 8 (a divisor of the world size and of model.num_experts), or 1",
+        ge=1,
+    )
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         "none",
         description="'full': recompute each block in the backward pass (about a third "

@@ -71,6 +71,17 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x (M, K) rows grouped by expert (group g ends at offs[g]) times w[g]^T, w (E, N, K):
     (M, N)."""
@@ -93,12 +104,16 @@ class GroupedExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.grad_scale = 1.0  # expert parallel: 1 / ep_degree (training.parallel.apply_ep)
 
-    @staticmethod
-    def _local(p: torch.Tensor) -> torch.Tensor:
+    def _local(self, p: torch.Tensor) -> torch.Tensor:
         """The experts this rank holds: an expert-parallel DTensor's local shard (FSDP2 has
-        gathered its own dimension by the time the forward runs)."""
-        return p.to_local() if hasattr(p, "to_local") else p
+        gathered its own dimension by the time the forward runs), its gradient scaled by
+        grad_scale."""
+        if not hasattr(p, "to_local"):
+            return p
+        local = p.to_local()
+        return _ScaleGrad.apply(local, self.grad_scale) if self.grad_scale != 1.0 else local
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, D): tokens sorted by expert, counts (E_local,) of them per expert (their sum
@@ -147,7 +162,9 @@ class SparseMoE(nn.Module):
     """A sparse MLP: each token through its top-k experts, their outputs weighted by the
     router's (transformers' SparseMoeBlock, op for op)."""
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool, impl: str = "grouped"):
+    def __init__(
+        self, dim: int, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool, impl: str = "grouped"
+    ):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.gate = TopKRouter(dim, num_experts, top_k, norm_topk_prob)

@@ -6,7 +6,7 @@ says how its config.json spells them (``moe_from_hf``)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -108,7 +108,9 @@ class MoeFields(_ModelSection):
         mlp_saved = 4 * self.intermediate_size
         moe_saved = 4 * k * F + k * C + E
         out["saved_matmul"] = shape["saved_matmul"] + (sparse * (moe_saved - mlp_saved)) // L
-        out["kept_selective"] = shape["kept_selective"] + (sparse * (2 * k * F + k * C - 2 * self.intermediate_size)) // L
+        out["kept_selective"] = (
+            shape["kept_selective"] + (sparse * (2 * k * F + k * C - 2 * self.intermediate_size)) // L
+        )
         out["active_params"] = out["matmul_params"]
         out["expert_params"] = m["expert_params"]
         out["experts"] = E

@@ -45,6 +45,7 @@ class Engine:
     compile_tuning: str = "none"  # or "coordinate-descent", "max-autotune"
     deterministic: bool = False  # train.deterministic, 'auto' settled for the device
     tp: int = 1  # tensor-parallel ranks per replica (engine.parallelism 'fsdp+tp'); 1: none
+    ep: int = 1  # expert-parallel ranks a group (engine.ep_degree, a mixture's experts split); 1: none
 
     @classmethod
     def resolve(cls, cfg: RunConfig, device: torch.device, training: bool = True) -> "Engine":
@@ -86,10 +87,13 @@ class Engine:
             compile_tuning=e.compile_tuning,
             deterministic=deterministic_enabled(cfg, device),
             tp=e.tp_degree if e.parallelism == "fsdp+tp" else 1,
+            ep=e.ep_degree if e.parallelism == "fsdp" else 1,
         )
 
     def describe(self) -> dict:
         tp = {"tp_degree": self.tp} if self.tp > 1 else {}
+        if self.ep > 1:
+            tp["ep_degree"] = self.ep
         return {
             "device": str(self.device),
             "precision": "bf16" if self.bf16 else "fp32",
@@ -151,6 +155,7 @@ def _build_fsdp(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
     with torch.device("meta"):
         raw = spec.build(cfg.model, vocab_size, None)
     raw.loss_chunk = engine.loss_chunk
+    experts_mesh = None
     if engine.tp > 1:
         from stoker.training.parallel import apply_tp, device_mesh_2d
 
@@ -159,6 +164,13 @@ def _build_fsdp(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
         mesh = mesh_2d["dp"]
     else:
         mesh = init_device_mesh(engine.device.type, (world_size,))
+    if engine.ep > 1:  # the experts over (world / ep, ep): split on "ep", FSDP2 over "dp"
+        from stoker.training.parallel import apply_ep
+
+        experts_mesh = init_device_mesh(
+            engine.device.type, (world_size // engine.ep, engine.ep), mesh_dim_names=("dp", "ep")
+        )
+        apply_ep(raw, experts_mesh["ep"])
     checkpoint_blocks(spec.blocks(raw), engine.activation_checkpointing)
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -169,6 +181,11 @@ def _build_fsdp(cfg: RunConfig, vocab_size: int, engine: Engine, world_size: int
     for block in spec.blocks(raw):
         if engine.compile:  # per block, as torchtitan does under FSDP2
             block.compile(**options)
+        if experts_mesh is not None and getattr(block, "sparse", False):
+            # the experts sharded over the ranks that hold the same experts (their gradients
+            # scaled by 1 / ep_degree on the way in: families.moe, since gloo has no PREMUL_SUM
+            # for FSDP2's gradient_divide_factor)
+            fully_shard(block.mlp.experts, mesh=experts_mesh["dp"], mp_policy=mp)
         fully_shard(block, mesh=mesh, mp_policy=mp)
     # else the vocabulary-wide matmul and cross-entropy run eagerly (under tensor parallel
     # always: its vocabulary-parallel loss all-reduces inside an autograd function)

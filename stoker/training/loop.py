@@ -52,7 +52,7 @@ from stoker.training.faults import maybe_inject, settles_before
 from stoker.training.metrics import MetricsLog, Throughput
 from stoker.training.micro_batch import settle as settle_micro_batch
 from stoker.training.numerics import FINITE, NumericsGuard, count_nonfinite_tensors, state_tensors
-from stoker.training.parallel import data_parallel
+from stoker.training.parallel import clip_grad_norm_sharded, data_parallel
 from stoker.training.scoring import HeldOut, add_window_scores, token_nll
 
 FAILED_UPLOAD_WAIT_SECONDS = 10.0
@@ -161,9 +161,7 @@ class Trainer:
         self.flops_per_token = self.raw_model.flops_per_token()  # a mixture's: of its active parameters
         self.peak_flops = peak_flops(ranks.device)
         # a mixture of experts: its loss's language-model and load-balancing parts, the router's load
-        self.router = (
-            RouterLoad(cfg.model.sparse_layers(), cfg.model.num_experts) if spec_of(cfg.model).moe else None
-        )
+        self.router = RouterLoad(cfg.model.sparse_layers(), cfg.model.num_experts) if spec_of(cfg.model).moe else None
         self.moe_losses = torch.zeros(2, dtype=torch.float32, device=ranks.device)
         self.last_log_step = 0
         self.throughput = Throughput(
@@ -330,7 +328,10 @@ class Trainer:
                 parts += torch.stack(self.raw_model.last_losses).float()
         grad_norm = None
         if cfg.train.grad_clip > 0:  # the global norm, a device tensor (FSDP2: a DTensor)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.train.grad_clip)
+            if engine.ep > 1:  # gradients on two meshes, which torch's clip does not take together
+                grad_norm = clip_grad_norm_sharded(list(self.raw_model.parameters()), cfg.train.grad_clip)
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.train.grad_clip)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         # without clipping, a non-finite gradient shows in the next step's loss, and the
         # weights are checked before every save

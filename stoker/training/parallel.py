@@ -129,3 +129,46 @@ def parallel_logits_and_loss(h, weight, targets):
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), offset[0], mesh.get_group()
     )
     return None, loss
+
+
+# ---- expert parallel (engine.ep_degree): a mixture's experts split over groups of ranks --------
+def apply_ep(model: torch.nn.Module, ep_mesh) -> None:
+    """Each sparse layer's stacked expert weights (E, ...) as DTensors sharded on dim 0 over the
+    "ep" mesh (a rank holds E / ep consecutive experts), and its dispatch over that group: the
+    tokens of a rank go to their expert's rank by all-to-all (families.moe). On any device, the
+    meta device included (before fully_shard and the materialization)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for block in model.layers:
+        if not getattr(block, "sparse", False):
+            continue
+        experts = block.mlp.experts
+        for name, p in list(experts.named_parameters(recurse=False)):
+            experts.register_parameter(
+                name, torch.nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None))
+            )
+        block.mlp.ep_group = ep_mesh.get_group()
+        # an expert's gradient is the sum over every rank's tokens routed to it, made on its own
+        # rank; FSDP2 then averages over the world / ep ranks holding it: 1 / ep more gives the
+        # average over the world that every other parameter gets
+        experts.grad_scale = 1.0 / ep_mesh.size()
+
+
+def clip_grad_norm_sharded(params, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ for gradients sharded over several meshes (expert parallel: the experts'
+    over (dp, ep), the rest over the world), none replicated: the global norm is the square root
+    of the sum over ranks of each rank's local sum of squares; every gradient scaled by
+    max_norm / (norm + 1e-6) where that is below 1 (torch's rule)."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    total = torch.zeros((), dtype=torch.float32, device=local[0].device if local else "cpu")
+    for g in local:
+        total += g.detach().float().pow(2).sum()
+    dist.all_reduce(total)  # group: world
+    norm = total.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in local:
+        g.mul_(coef.to(g.dtype))
+    return norm

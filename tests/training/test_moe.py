@@ -47,7 +47,12 @@ def _hf(kind: str, **over):
         model = transformers.Qwen3MoeForCausalLM(cfg)
     else:
         cfg = transformers.MixtralConfig(
-            **_SHAPE, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.05, **over
+            **_SHAPE,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            router_aux_loss_coef=0.05,
+            **over,
         )
         model = transformers.MixtralForCausalLM(cfg)
     with torch.no_grad():

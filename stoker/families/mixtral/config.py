@@ -34,7 +34,8 @@ class MixtralConfig(MoeFields, LlamaConfig):
     TENSOR_PARALLEL: ClassVar[bool] = False  # the experts have no tensor-parallel plan: expert parallel instead
 
     family: Literal["mixtral"] = Field(
-        "mixtral", description="The model family (stoker.families: one folder each); the fields below are this family's."
+        "mixtral",
+        description="The model family (stoker.families: one folder each); the fields below are this family's.",
     )
 
     def describe(self) -> str:
