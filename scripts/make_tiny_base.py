@@ -227,7 +227,11 @@ def make_base(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("folder")
-    p.add_argument("--style", choices=["llama", "qwen2", "mistral", "gpt2", "chat", "qwen3", "qwen3-moe", "mixtral"], default="llama")
+    p.add_argument(
+        "--style",
+        choices=["llama", "qwen2", "mistral", "gpt2", "chat", "qwen3", "qwen3-moe", "mixtral"],
+        default="llama",
+    )
     p.add_argument("--vocab-size", type=int, default=500, help="the tokenizer's ids")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", default="100KB", help="save_pretrained's shard size")

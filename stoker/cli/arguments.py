@@ -43,6 +43,9 @@ def _preflight(args) -> None:
 
         check_checkpoint_uri(args.checkpoint_uri)
         return
+    if args.command == "soup":  # every check of the soup, before any server or process starts
+        soup_plan(args)
+        return
     from stoker.failures import ConfigError, is_transient
 
     try:
@@ -107,3 +110,30 @@ def _overrides(sets: list[str]) -> dict:
                 [f"--set {item!r}: the value is not valid YAML ({why}); quote it, e.g. --set run_name='my-run'"]
             ) from None
     return overrides
+
+
+def soup_weights(text: str | None) -> list[float] | None:
+    """--weights w1,w2,...: floats, or one ConfigError line."""
+    from stoker.failures import ConfigError
+
+    if text is None:
+        return None
+    try:
+        return [float(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise ConfigError([f"--weights: {text!r} is not a comma-separated list of numbers, e.g. 0.5,0.5"]) from None
+
+
+def soup_plan(args):
+    """`stoker soup`'s checks (storage.soups.resolve_soup), torch-free, before anything starts."""
+    from stoker.launch.soup import check_soup
+
+    return check_soup(
+        args.checkpoints,
+        soup_weights(args.weights),
+        args.run_name,
+        root=args.root,
+        last=args.last,
+        steps=args.steps,
+        across_decay=args.across_decay,
+    )

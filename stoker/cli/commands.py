@@ -43,7 +43,7 @@ def _runs(args) -> int:
     rows = inspect.list_runs(_root(args.root))
     rows = [{**r, "run": r.get("tree", r["run"])} for r in rows]  # a branch under its parent
     columns = ["run", "newest_valid_step", "max_steps", "checkpoints", "ended", "goodput", "cost", "model"]
-    optional = ("branch_of", "base", "data", "stages", "filtered", "removed", "since_base")
+    optional = ("branch_of", "soup_of", "base", "data", "stages", "filtered", "removed", "since_base")
     print(
         _table(rows, columns + [c for c in optional if any(r.get(c) for r in rows)])
         if rows
@@ -202,6 +202,46 @@ def _run(args) -> int:
     return 0
 
 
+def _soup(args) -> int:
+    from stoker.cli.arguments import soup_weights
+    from stoker.flows.soup import soup  # the inputs were checked: the preflight
+
+    result = soup(
+        args.checkpoints,
+        soup_weights(args.weights),
+        args.run_name,
+        args.last,
+        args.steps,
+        args.across_decay,
+        root=args.root,
+    )
+    said = "made" if result.computed else "made before (nothing recomputed)"
+    print(f"\nsoup {result.run_name} {said}: {result.checkpoint_uri} (step {result.step})")
+    if result.rows:
+        columns = list(result.rows[0])
+        print(
+            _table(
+                [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in result.rows], columns
+            )
+        )
+    print(f"export it: stoker export {result.checkpoint_uri} ./{result.run_name}-hf")
+    return 0
+
+
+def _soup_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "checkpoints", nargs="+", metavar="URI", help="committed checkpoint URIs, or one RUN with --last/--steps"
+    )
+    p.add_argument("--weights", default=None, help="w1,w2,...: one per checkpoint, summing to 1 (default: uniform)")
+    p.add_argument("--run-name", default=None, help="the soup's run (default: soup-<its identity>)")
+    p.add_argument("--last", type=int, default=None, metavar="K", help="a RUN's newest K committed checkpoints")
+    p.add_argument("--steps", default=None, metavar="A..B", help="a RUN's committed checkpoints with steps in A..B")
+    p.add_argument(
+        "--across-decay", action="store_true", help="allow a RUN's window that spans a decay (refused otherwise)"
+    )
+    _root_argument(p)
+
+
 def _harness(args) -> int:
     """`stoker harness`: no flow run; one process exports the checkpoint and runs lm-eval."""
     from stoker.launch.harness_child import harness_line, latest_checkpoint_uri, run_harness
@@ -336,6 +376,15 @@ COMMANDS: tuple[Command, ...] = (
         "evaluate one checkpoint URI",
         _evaluate,
         lambda p: p.add_argument("checkpoint_uri"),
+        supervised=True,
+        needs_api=True,
+    ),
+    Command(
+        "soup",
+        "average committed checkpoints of one model (runs, branches, or a RUN's own --last K) into a new "
+        "run's first checkpoint; evaluate it beside each input and the base, per source",
+        _soup,
+        _soup_arguments,
         supervised=True,
         needs_api=True,
     ),

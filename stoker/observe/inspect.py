@@ -114,6 +114,10 @@ def list_runs(root: str, options: dict | None = None) -> list[dict]:
             was = store.read_json(lineage_key)
             row["branch_of"] = f"{was.get('parent')} at step {was.get('step')}"
             row["parent"] = was.get("parent")
+            if was.get("soup"):  # drawn under its lead; every input and weight named
+                from stoker.storage.soups import soup_of
+
+                row["branch_of"], row["soup_of"] = None, soup_of(was)
         rows.append(row)
     return as_tree(rows)
 

@@ -560,7 +560,11 @@ def lineage_markdown(chain: list[dict]) -> str:
     if not chain:
         return ""
     lines = "\n".join(
-        f"- `{link['run']}` branched from `{link['parent']}` at step {link['step']}: `{link['checkpoint']}` "
+        f"- `{link['run']}` is a soup of "
+        + ", ".join(f"`{i['run']}` at step {i['step']} x{i['weight']:.4g}" for i in link["soup"]["inputs"])
+        + f" (soup {link['soup']['id'][:16]}...)"
+        if link.get("soup")
+        else f"- `{link['run']}` branched from `{link['parent']}` at step {link['step']}: `{link['checkpoint']}` "
         f"(commit manifest sha256 {str(link.get('sha256'))[:16]}...)"
         for link in chain
     )

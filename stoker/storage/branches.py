@@ -21,32 +21,51 @@ from stoker.arithmetic.mixture import effective_mix
 from stoker.config import ConfigError, RunConfig
 from stoker.config.problems import problem_lines
 from stoker.storage.checkpoints import COMMIT_FILE, validate_checkpoint
-from stoker.storage.layout import parse_checkpoint_url
+from stoker.storage.layout import CheckpointLocation, parse_checkpoint_url
 from stoker.storage.store import Store, join
 
 LINEAGE_FILE = "lineage.json"
 
 
-def _location(cfg: RunConfig):
-    uri = cfg.train.branch_from
+def checkpoint_location(store: Store, uri: str, field: str, verb: str) -> CheckpointLocation:
+    """Where the checkpoint URI `uri` (named by config field or argument `field`) is, under
+    `store`'s root; one ConfigError line otherwise (not a checkpoint URI, another root). `verb`:
+    what the user does with it ("branch from", "soup"), for the fix."""
     try:
         where = parse_checkpoint_url(uri)
     except ConfigError:
         raise ConfigError(
             [
-                f"train.branch_from: {uri!r} is not a checkpoint URI ({{root}}/runs/{{run}}/checkpoints/step-NNNNNNNN); "
+                f"{field}: {uri!r} is not a checkpoint URI ({{root}}/runs/{{run}}/checkpoints/step-NNNNNNNN); "
                 "copy one from `stoker checkpoints RUN`"
             ]
         ) from None
-    root = Store(cfg.storage.root, cfg.storage.storage_options).root
-    if Store(where.root, cfg.storage.storage_options).root != root:
+    if Store(where.root, store.storage_options).root != store.root:
         raise ConfigError(
             [
-                f"train.branch_from: {uri!r} is under another storage root than this run's ({root}); branch from a "
+                f"{field}: {uri!r} is under another storage root than this run's ({store.root}); {verb} a "
                 "checkpoint under storage.root, or set storage.root to the parent's"
             ]
         )
     return where
+
+
+def committed_checkpoint(store: Store, uri: str, field: str, verb: str) -> tuple[CheckpointLocation, dict]:
+    """(location, commit manifest) of the committed, intact checkpoint `uri` under `store`'s root,
+    every byte checked (its sha256s) before any compute; one ConfigError line otherwise (no such
+    checkpoint, not committed, damaged). Shared by branches and soups."""
+    where = checkpoint_location(store, uri, field, verb)
+    if not store.exists(join(where.key, COMMIT_FILE)):
+        reason = "no such checkpoint" if not store.exists(where.key) else "it is not committed (no commit manifest)"
+        raise ConfigError(
+            [
+                f"{field}: {uri!r}: {reason}; {verb} a committed checkpoint that `stoker checkpoints {where.run_name}` lists"
+            ]
+        )
+    verdict = validate_checkpoint(store, where.key, deep=True)  # every byte, before any compute
+    if not verdict:
+        raise ConfigError([f"{field}: {uri!r} is not intact ({verdict.reason}); {verb} another of its checkpoints"])
+    return where, verdict.manifest
 
 
 def resolve_branch(cfg: RunConfig) -> RunConfig:
@@ -55,28 +74,17 @@ def resolve_branch(cfg: RunConfig) -> RunConfig:
     model or tokenizer; a run or decay that does not fit after the branch point)."""
     if not cfg.train.branch_from:
         return cfg
-    where = _location(cfg)
     store = Store(cfg.storage.root, cfg.storage.storage_options)
     uri = cfg.train.branch_from
+    where = checkpoint_location(store, uri, "train.branch_from", "branch from")
     if where.run_name == cfg.resolved_run_name():
         raise ConfigError(
             [
                 f"train.branch_from: {uri!r} is a checkpoint of this run; a branch is a run of its own: give another run_name"
             ]
         )
-    if not store.exists(join(where.key, COMMIT_FILE)):
-        reason = "no such checkpoint" if not store.exists(where.key) else "it is not committed (no commit manifest)"
-        raise ConfigError(
-            [
-                f"train.branch_from: {uri!r}: {reason}; branch from a committed checkpoint that `stoker checkpoints {where.run_name}` lists"
-            ]
-        )
-    verdict = validate_checkpoint(store, where.key, deep=True)  # every byte, before any compute
-    if not verdict:
-        raise ConfigError(
-            [f"train.branch_from: {uri!r} is not intact ({verdict.reason}); branch from another of its checkpoints"]
-        )
-    manifest, problems = verdict.manifest, []
+    where, manifest = committed_checkpoint(store, uri, "train.branch_from", "branch from")
+    problems = []
     if manifest.get("model_hash") != cfg.model_hash():
         problems.append(
             f"train.branch_from: {uri!r} holds another model or tokenizer than this config's (model_hash "

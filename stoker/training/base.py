@@ -128,7 +128,10 @@ def _read_experts(param, ours: str, theirs: tuple[str, ...], fused, where: dict,
             name, offset_rows, full = theirs[e], 0, None
         else:
             name, part, parts = fused
-            offset_rows, full = e * parts * per_expert[0] + part * per_expert[0], [param.shape[0], parts * per_expert[0]]
+            offset_rows, full = (
+                e * parts * per_expert[0] + part * per_expert[0],
+                [param.shape[0], parts * per_expert[0]],
+            )
         path = where[name]
         if path not in headers:
             headers[path] = safetensors_header(path)
