@@ -319,6 +319,22 @@ class HarnessEvaluated(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Souped(Event):
+    """What a soup process (training.soup_main) committed: the soup run's first checkpoint."""
+
+    kind: ClassVar[str] = "souped"
+    checkpoint: str  # its URI
+    key: str  # under the store root
+    step: int
+    soup_id: str
+    num_tensors: int
+    num_averaged: int  # model tensors and AdamW moments; the rest is the lead's
+    largest_tensor_bytes: int
+    bytes_written: int
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class Joined(Event):
     """A torchrun rank's own numbers, once at its start. c10d numbers the nodes in its own
     order, so the launcher learns from this which global rank prints each of its lines."""
@@ -347,12 +363,14 @@ TYPES: dict[str, type[Event]] = {
         BaseLoaded,
         Failure,
         NonFinite,
+        IdleExperts,
         EpochLimit,
         Stopped,
         Done,
         Evaluated,
         Exported,
         HarnessEvaluated,
+        Souped,
     )
 }
 

@@ -1,34 +1,13 @@
-"""The soup process's record (training.soup_main), in the rank records' wire format: a Souped
-event, registered with the other kinds so that ``events.decode`` reads it back."""
+"""What the soup flow returns (SoupResult); the soup process's record is ``events.Souped``."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import ClassVar
 
 from pydantic import BaseModel, Field
 
 from stoker.contracts import events
 from stoker.contracts.results import EvalResult
 
-
-@dataclass(frozen=True, kw_only=True)
-class Souped(events.Event):
-    """What a soup process committed: the soup run's first checkpoint."""
-
-    kind: ClassVar[str] = "souped"
-    checkpoint: str  # its URI
-    key: str  # under the store root
-    step: int
-    soup_id: str
-    num_tensors: int
-    num_averaged: int  # model tensors and AdamW moments; the rest is the lead's
-    largest_tensor_bytes: int
-    bytes_written: int
-    seconds: float
-
-
-events.TYPES.setdefault(Souped.kind, Souped)
+Souped = events.Souped  # the soup process's record, beside the rank records' kinds
 
 
 class SoupResult(BaseModel):

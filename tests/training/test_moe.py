@@ -229,3 +229,17 @@ def test_a_dense_config_json_is_refused_by_the_moe_families_and_a_mixture_by_the
         FAMILIES["qwen3_moe"].from_hf_config(dense)
     with pytest.raises(UnsupportedArchitecture, match="a mixture of experts"):
         FAMILIES["llama"].from_hf_config({**_hf("mixtral").config.to_dict(), "model_type": "mistral"})
+
+
+def test_an_expert_idle_for_many_steps_is_told_once_per_layer_and_the_load_as_shares():
+    from stoker.contracts import events
+    from stoker.families.moe import RouterLoad
+
+    router = RouterLoad([0, 2], 4, warn_steps=10)
+    counts = torch.tensor([[1.0, 0.0, 3.0, 4.0], [2.0, 2.0, 2.0, 2.0]])
+    assert router.step(counts, 5) == []
+    assert router.step(counts, 5) == [(0, [1], 10)]  # expert 1 of layer 0: 10 steps without a token
+    assert router.step(counts, 5) == []  # said once per layer
+    assert router.shares(counts) == {"layers": [0, 2], "busiest": [0.5, 0.25], "idlest": [0.0, 0.25]}
+    said = events.IdleExperts(step=15, layer=0, experts=[1], steps=10)
+    assert events.decode(said.encode()) == said  # the launcher reads it back (and warns)
