@@ -429,9 +429,13 @@ def plan(
     shard = world if sharded else 1
     weights, grads, optimizer = 4 * n / shard, 4 * n / shard, 8 * n / shard
     working = 0.0
+    ep = getattr(e, "ep_degree", 1) if parallelism == "fsdp" and s.experts else 1
+    # under expert parallel a block's experts are gathered over world / ep ranks only: a device
+    # holds E / ep of them whole
+    block = s.block_params - (s.expert_params / s.layers) * (1 - 1 / ep) if ep > 1 else s.block_params
     if sharded:  # a block gathered and the next prefetched, the root kept gathered; grads too
-        gathered = (2 * s.block_params + s.root_params) / tp
-        working = gathered * a + (s.block_params + s.root_params) / tp * 4
+        gathered = (2 * block + s.root_params) / tp
+        working = gathered * a + (block + s.root_params) / tp * 4
     tokens = micro * s.block
     per_token = _block_saved(s, a, bf16)
     acts = s.layers * tokens * per_token[ac] / tp
@@ -465,10 +469,31 @@ def plan(
         lr_origin=lr_origin(cfg),
         data_mix=mix_over_steps(cfg),
         branch=f"from {cfg.train.branch_from}" if getattr(cfg.train, "branch_from", None) else "",
+        active_params=s.active_params,
+        experts=_experts_line(s, ep),
+        # each token's k copies sent to their experts' ranks and back, in the forward and the
+        # backward pass, at every sparse layer: the (ep - 1) / ep of them bound for other ranks
+        all_to_all=(
+            4
+            * (cfg.train.global_batch_size * s.block / world)
+            * s.top_k
+            * s.width
+            * a
+            * s.sparse_layers
+            * (ep - 1)
+            / ep
+        ),
     )
     if cuda:
         p.reserve = CUDA_CONTEXT_GIB * GIB + FRAGMENTATION * p.allocated
     return p
+
+
+def _experts_line(s: Shape, ep: int) -> str:
+    if not s.experts:
+        return ""
+    split = f"; {ep} ranks a group (engine.ep_degree): {s.experts // ep} experts a device" if ep > 1 else ""
+    return f"{s.experts} a sparse layer in {s.sparse_layers} of {s.layers} layers, top-{s.top_k}{split}"
 
 
 def micro_batches(cfg: Any) -> list[int]:

@@ -24,6 +24,7 @@ def test_every_recipe_has_a_plan_and_its_table():
         "llama-3.1-8b",
         "llama-3.1-70b",
         "qwen3-0.6b",
+        "qwen3-30b-a3b",
     ):
         cfg = load_config(name)
         p = plans.plan(cfg, H100)
@@ -40,6 +41,17 @@ def test_every_recipe_has_a_plan_and_its_table():
         assert p.tokens_per_step == cfg.train.global_batch_size * cfg.model.block_size
 
 
+def test_a_mixtures_plan_counts_its_experts_and_the_all_to_all_of_expert_parallel():
+    cfg = load_config("qwen3-30b-a3b")
+    p = plans.plan(cfg, H100)
+    assert p.params == pytest.approx(30.53e9, rel=1e-3)  # Qwen3-30B-A3B's published 30.5B
+    assert p.active_params < p.params / 9 and p.fits
+    assert "16 experts a device" in p.experts and p.all_to_all > 0
+    alone = plans.plan(cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"ep_degree": 1})}), H100)
+    assert alone.all_to_all == 0 and alone.working > p.working  # every expert gathered without EP
+    assert alone.flops_per_token == p.flops_per_token  # the same active parameters a token
+
+
 def test_the_parts_follow_the_parallelism_and_the_checkpointing():
     cfg = load_config("gpt2-124m")
     ddp = plans.plan(cfg, H100, parallelism="ddp")
@@ -53,13 +65,15 @@ def test_the_parts_follow_the_parallelism_and_the_checkpointing():
     assert full.activations < selective.activations < none.activations
     # the FLOPs per token are the model's own (its family's flops_per_token), for every family:
     # the section's count of the parameters against the module's
-    for name in ("gpt2-124m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b"):
+    for name in ("gpt2-124m", "llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b", "qwen3-30b-a3b"):
         recipe = load_config(name)
         with torch.device("meta"):
             model = build_model(recipe.model, recipe.tokenizer.vocab_size, None)
         shape = plans.shape_of(recipe)
         attention = 12 * shape.layers * shape.attention_width * shape.block
-        assert plans.plan(recipe, H100).flops_per_token == 6 * model.num_params() + attention, name
+        # a mixture's FLOPs are of the parameters a token runs (its k experts of each layer's E)
+        counted = model.num_active_params() if hasattr(model, "num_active_params") else model.num_params()
+        assert plans.plan(recipe, H100).flops_per_token == 6 * counted + attention, name
         assert model.flops_per_token() == plans.plan(recipe, H100).flops_per_token, name
         assert shape.params == sum(p.numel() for p in model.parameters()), name
     # the time at the stated MFU, and the cost at the price of an accelerator-hour
