@@ -44,6 +44,8 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   part bench-gpu 470 python3 -m benchmarks.bench_gpu --store "$STOKER_GPU_STORE" --profile \
     --real-variants ddp:none --real-steps 40 --real-warmup 10 --real-timeout 200 --llama-1b
   # document-aware attention (flex attention, a BlockMask) against causal, the same model (goal >= 0.9)
+  # grouped experts at the Qwen3-30B-A3B layer shape, bf16 (issue #52): MFU, and over the loop
+  part bench-moe 60 python3 -m benchmarks.bench_moe --gpu-layer
   part bench-attention 60 python3 -m benchmarks.bench_attention --block 2048 --batch 4 --doc-tokens 512 --steps 10
   part bench-memory 80 python3 -m benchmarks.bench_memory \
     --layers 12 --width 768 --block 1024 --batch 16 --vocab 50304 --chunk 4096

@@ -320,3 +320,14 @@ def test_bench_attention_smoke_run_prints_document_over_causal(capsys):
     out = capsys.readouterr().out
     assert result["smoke"] and set(result["tokens_per_s"]) == {"causal", "document"}
     assert "document attention: " in out and " of causal (SDPA, dense boolean mask, cpu)" in out
+
+
+def test_bench_moe_smoke_run_prints_its_ratios(capsys):
+    """benchmarks/bench_moe.py at a tiny size: the mixture (grouped and loop) and the dense
+    model of the same active parameters all train; the ratios are printed."""
+    from benchmarks import bench_moe
+
+    out = bench_moe.main(["--smoke"])
+    assert out["grouped_over_loop"] > 0 and out["moe_over_dense"] > 0
+    assert abs(out["moe_active_params"] - out["dense_params"]) / out["dense_params"] < 0.01
+    assert "grouped / loop:" in capsys.readouterr().out
