@@ -58,34 +58,13 @@ class TopKRouter(nn.Module):
         return probs, top_w.to(logits.dtype), top_i
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes its gradient contiguous: the grouped matmul's backward
-    refuses an expanded one (a sum's gradient, strides 0)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale: float):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x (M, K) rows grouped by expert (group g ends at offs[g]) times w[g]^T, w (E, N, K):
     (M, N)."""
-    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+    out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    if out.requires_grad:  # the kernel's backward refuses an expanded gradient (a sum's: strides 0)
+        out.register_hook(torch.Tensor.contiguous)
+    return out
 
 
 def grouped_mm_aligned(dim: int, dtype: torch.dtype) -> bool:
@@ -113,7 +92,10 @@ class GroupedExperts(nn.Module):
         if not hasattr(p, "to_local"):
             return p
         local = p.to_local()
-        return _ScaleGrad.apply(local, self.grad_scale) if self.grad_scale != 1.0 else local
+        if self.grad_scale != 1.0 and local.requires_grad:
+            scale = self.grad_scale
+            local.register_hook(lambda grad: grad * scale)
+        return local
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, D): tokens sorted by expert, counts (E_local,) of them per expert (their sum
