@@ -83,6 +83,27 @@ def test_an_explicit_field_that_contradicts_the_base_is_one_problem_naming_both_
     "changes, says",
     [
         ({"num_local_experts": 8}, "a mixture of experts (num_local_experts: 8)"),
+        # mixtures the qwen3_moe and mixtral families do not express: a shared expert, a window
+        (
+            {
+                "model_type": "qwen3_moe",
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 64,
+            },
+            "a shared expert (shared_expert_intermediate_size: 64), which the qwen3_moe family cannot express",
+        ),
+        (
+            {
+                "model_type": "mixtral",
+                "num_local_experts": 4,
+                "sliding_window": 32,
+                "rope_scaling": None,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+            },
+            "sliding window of 32 tokens, shorter than model.block_size 64",
+        ),
         ({"model_type": "gemma2"}, "model_type 'gemma2' is not of a family stoker has"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type 'yarn'"),
