@@ -52,6 +52,7 @@ from stoker.observe.report import (
     stages_markdown,
     throughput_summary,
 )
+from stoker.observe.router import router_markdown
 from stoker.storage.branches import lineage_chain
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.layout import METRICS_FILE, run_file_key, run_key
@@ -136,6 +137,8 @@ def report(
         )
     if getattr(config.model, "init_from", None):  # gain and forgetting against the base
         mix += _since_base_section(store, run, result)
+    if getattr(config.model, "num_experts", None):  # a mixture: the router's load and loss
+        mix += router_markdown(store, run, config.model.num_experts)
     result.lineage = lineage_chain(store, run)
     mix += lineage_markdown(result.lineage)
     mix += schedule_markdown(config, store, run)

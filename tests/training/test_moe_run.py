@@ -79,3 +79,18 @@ def test_a_qwen3_moe_base_trains_on_2_ranks_its_validation_free_of_the_routers_l
         ["Qwen3MoeForCausalLM"],
         8,
     )
+
+
+def test_the_report_shows_the_routers_load_per_sparse_layer_and_its_loss(moe_run):
+    from stoker.observe.router import ROUTER_PLOT_FILE, router_history, router_markdown
+    from stoker.storage.layout import run_file_key
+
+    cfg, store, _, records, _ = moe_run
+    history = router_history(store, "moe")
+    assert history["steps"] == [1, 2, 3, 4] and history["layers"] == [0, 2]
+    last = next(r for r in records if r["event"] == "train" and r["step"] == 4)
+    assert history["busiest"][2][-1] == last["expert_load"]["busiest"][1]
+    assert history["aux_loss"][-1] == last["aux_loss"]
+    md = router_markdown(store, "moe", cfg.model.num_experts)
+    assert "### The router" in md and "- layer 0: busiest expert" in md and "- layer 2: busiest expert" in md
+    assert store.read_bytes(run_file_key("moe", ROUTER_PLOT_FILE))[:4] == b"\x89PNG"
