@@ -7,9 +7,11 @@ a Failure event). It runs in a process of its own (the orchestrator's rooms neve
 
 Each input is read the way every rank reads a checkpoint: ``rehydrate``'s full sha256 check,
 its ``.metadata`` through ``SafeReader`` (nothing is unpickled but DCP's own metadata classes),
-its tensors with ``weights_only`` loading. Memory: one output tensor in fp32 and one input's
-chunk of it at a time (a sharded checkpoint's per-rank chunks are read one by one into place),
-never two models. The output is one DCP file written as it goes, plus ``.metadata``.
+its tensors read straight from their storage records (``weights_only`` torch.load where an
+item is anything else). Memory: one output tensor in fp32, the first input's chunks read into
+it in place, every later input's streamed into it a few MB at a time (``Input.add_weighted``),
+never two models and never two copies of the largest tensor (measured: 1.47 x the largest
+tensor above the process's fixed overhead, ``benchmarks/bench_soup.py``). The output is one DCP file written as it goes, plus ``.metadata``.
 
 The average of a tensor is ``sum_i (w_i * x_i)`` in fp32, accumulated in input order, then cast
 to the stored dtype: model tensors and AdamW's moments (``exp_avg``, ``exp_avg_sq``). Every other
@@ -99,20 +101,106 @@ class Input:
         return md
 
     def chunks(self, key: str) -> Iterator[tuple[ChunkStorageMetadata, torch.Tensor]]:
-        """Each stored chunk of `key` (one per rank that held a shard of it) and its tensor."""
-        for chunk in self.entry(key).chunks:
+        """Each stored chunk of `key` (one per rank that held a shard of it) and its tensor: read
+        straight from the file, no second copy (``_raw_storage``); through torch.load where the
+        item is not one plain storage."""
+        md = self.entry(key)
+        for chunk in md.chunks:
             info = self.meta.storage_data[MetadataIndex(key, chunk.offsets)]
             if getattr(info, "transform_descriptors", None):
                 raise ConfigError([f"checkpoint {self.folder}: {key!r} is stored transformed; not supported"])
             f = self.files.get(info.relative_path)
             if f is None:
                 f = self.files[info.relative_path] = open(os.path.join(self.folder, info.relative_path), "rb")
-            tensor = torch.load(_Slice(f, info.offset, info.length), map_location="cpu", weights_only=True)
+            tensor = _raw_storage(f, info, chunk, md.properties.dtype, None)
+            if tensor is None:
+                tensor = torch.load(_Slice(f, info.offset, info.length), map_location="cpu", weights_only=True)
             yield chunk, tensor
+
+    def add_weighted(self, key: str, acc: torch.Tensor, weight: float, piece: int = 1 << 22) -> None:
+        """acc += weight x this input's `key`, in fp32, each chunk streamed from its file
+        ``piece`` elements at a time into one small buffer (never the whole chunk in memory);
+        through torch.load where a chunk is not one plain storage or its region not contiguous."""
+        md = self.entry(key)
+        dtype = md.properties.dtype
+        buf = None
+        for chunk in md.chunks:
+            info = self.meta.storage_data[MetadataIndex(key, chunk.offsets)]
+            if getattr(info, "transform_descriptors", None):
+                raise ConfigError([f"checkpoint {self.folder}: {key!r} is stored transformed; not supported"])
+            f = self.files.get(info.relative_path)
+            if f is None:
+                f = self.files[info.relative_path] = open(os.path.join(self.folder, info.relative_path), "rb")
+            region = acc[_region(chunk)]
+            record = _raw_record(f, info, chunk, dtype)
+            if record is None or not region.is_contiguous():
+                tensor = torch.load(_Slice(f, info.offset, info.length), map_location="cpu", weights_only=True)
+                region.add_(tensor.float().mul_(weight))
+                continue
+            flat, size = region.view(-1), torch.empty((), dtype=dtype).element_size()
+            if buf is None:
+                buf = torch.empty(min(piece, max(1, flat.numel())), dtype=dtype)
+            for i in range(0, flat.numel(), piece):
+                part = buf[: min(piece, flat.numel() - i)]
+                _read_into(f, record[0] + i * size, part)
+                flat[i : i + len(part)].add_(part.float().mul_(weight))
 
     def close(self) -> None:
         for f in self.files.values():
             f.close()
+
+
+def _raw_record(f, info, chunk: ChunkStorageMetadata, dtype: torch.dtype) -> tuple[int, int] | None:
+    """(absolute offset in the file, bytes) of the chunk's elements: its torch.save archive's one
+    uncompressed storage record (``*/data/0``, exactly the chunk's contiguous elements, as DCP's
+    writer stores a chunk); None where the item is anything else (torch.load reads it)."""
+    import zipfile
+
+    numel = 1
+    for n in chunk.sizes:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    try:
+        with zipfile.ZipFile(_Slice(f, info.offset, info.length)) as z:
+            records = [i for i in z.infolist() if i.filename.endswith("/data/0")]
+            others = [i for i in z.infolist() if "/data/" in i.filename and not i.filename.endswith("/data/0")]
+            if len(records) != 1 or others or records[0].compress_type != zipfile.ZIP_STORED:
+                return None
+            record = records[0]
+            if record.file_size != nbytes:
+                return None
+            f.seek(info.offset + record.header_offset)
+            header = f.read(30)  # the local file header: its name and extra field lengths at 26 and 28
+    except zipfile.BadZipFile:
+        return None
+    names = int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+    return info.offset + record.header_offset + 30 + names, nbytes
+
+
+def _read_into(f, start: int, out: torch.Tensor) -> None:
+    f.seek(start)
+    view = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
+    if f.readinto(view) != len(view):
+        raise ConfigError([f"a checkpoint file ends inside a tensor's item at byte {start}"])
+
+
+def _raw_storage(f, info, chunk: ChunkStorageMetadata, dtype: torch.dtype, into: torch.Tensor | None):
+    """The chunk's tensor read straight from its storage record (``_raw_record``) into ``into``
+    (or a new tensor): no second copy; None where the item is not one plain storage."""
+    record = _raw_record(f, info, chunk, dtype)
+    if record is None:
+        return None
+    numel = record[1] // torch.empty((), dtype=dtype).element_size()
+    out = into.view(-1)[:numel] if into is not None and into.numel() >= numel else torch.empty(numel, dtype=dtype)
+    _read_into(f, record[0], out)
+    return out.view(tuple(chunk.sizes))
+
+
+def _finite(tensor: torch.Tensor, step: int = 1 << 20) -> bool:
+    """No NaN/inf in `tensor`, checked a million elements at a time (torch.isfinite of the whole
+    makes temporaries of its size)."""
+    flat = tensor.reshape(-1)
+    return all(bool(torch.isfinite(flat[i : i + step]).all()) for i in range(0, flat.numel(), step))
 
 
 def _region(chunk: ChunkStorageMetadata) -> tuple[slice, ...]:
@@ -144,10 +232,7 @@ def average_tensor(inputs: list[Input], weights: list[float], key: str) -> torch
             acc = read_whole(source, key, torch.float32)
             acc.mul_(weight)
             continue
-        for chunk, tensor in source.chunks(key):
-            part = tensor.float()  # the loaded chunk itself when fp32: no copy
-            acc[_region(chunk)].add_(part.mul_(weight))
-            del part, tensor
+        source.add_weighted(key, acc, weight)  # streamed: a few MB of it in memory at a time
     return acc
 
 
@@ -170,7 +255,7 @@ def average_folders(folders: list[str], weights: list[float], lead: int, out: st
                 md = inputs[lead].entry(key)
                 if averaged(key):
                     tensor = average_tensor(inputs, weights, key)
-                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    if tensor.is_floating_point() and not _finite(tensor):
                         raise ConfigError([f"the average of {key!r} holds NaN/inf; an input holds non-finite state"])
                     tensor = tensor.to(md.properties.dtype)
                     num_averaged += 1
