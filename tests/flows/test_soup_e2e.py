@@ -17,7 +17,10 @@ WSD = {"lr_schedule": "wsd", "decay_steps": 2, "warmup_steps": 2, "max_steps": 8
 
 
 def _cfg(root, run, **train):
-    sections = tiny_dict(root, run_name=run, checkpoint={"interval_steps": 2, "keep_latest_k": 8})
+    # every checkpoint kept: none dropped by the upload backpressure (two pending by default)
+    sections = tiny_dict(
+        root, run_name=run, checkpoint={"interval_steps": 2, "keep_latest_k": 8, "max_pending_uploads": 8}
+    )
     sections["train"].update({**WSD, **train})
     return load_config(sections)
 

@@ -44,9 +44,9 @@ def _files(store: Store) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = "file://" + str(tmp_path_factory.mktemp("soup") / "store")
-    sections = tiny_dict(
-        root, run_name="p", checkpoint={"interval_steps": 4, "keep_latest_k": 8}, engine={"parallelism": "fsdp"}
-    )
+    # every checkpoint kept: none dropped by the upload backpressure (two pending by default)
+    ckpt = {"interval_steps": 4, "keep_latest_k": 8, "max_pending_uploads": 8}
+    sections = tiny_dict(root, run_name="p", checkpoint=ckpt, engine={"parallelism": "fsdp"})
     sections["train"].update(WSD)
     cfg = load_config(sections)
     store, shards = prepare_shards(cfg)
