@@ -26,11 +26,11 @@ from stoker.data.filtering import filter_sources
 from stoker.data.sharding import (
     SPLITS,
     UNENCODABLE,
+    PartitionJob,
     available_cores,
     build_shards,
     corpus_text,
     part_ranges,
-    partition_jobs,
 )
 from stoker.data.sources import resolve_source, with_retries, write_corpus
 from stoker.data.units import ProgressFn, Tracker
@@ -58,6 +58,7 @@ from stoker.storage.shards import (
     validate_shard_set,
 )
 from stoker.storage.store import Store, build_lock, fetch_url, join, sha256_file
+from stoker.storage.tokenized import cached_counts, commit_counts, piece_cache_key, piece_file
 
 log = logging.getLogger("stoker.data")
 TRAIN_BATCH_DOCS = 1000
@@ -537,10 +538,8 @@ def _build_here(
     parts = dataset_parts(store, dataset.fingerprint)
     if store.is_local:
         corpus = [store.local_path(p.key) for p in parts]
-    else:  # the parts, copied here for the workers
+    else:  # the parts a partition to tokenize reads, copied here for the workers (below)
         corpus = [os.path.join(tmp, "corpus", f"{k:05d}.jsonl") for k in range(len(parts))]
-        for p, local in zip(parts, corpus):
-            store.get_file(p.key, local)
 
     def on_close(name: str, path: str) -> None:
         if not store.is_local:  # upload each finished file, so local disk holds one
@@ -549,17 +548,59 @@ def _build_here(
 
     pieces = os.path.join(tmp, "parts")
     os.makedirs(pieces)
-    jobs = partition_jobs(
-        corpus,
-        partition_bytes,
-        pieces,
-        tokenizer=local_tok,
-        eot_id=tokenizer.eot_id,
-        dtype=dtype.str,
-        val_fraction=cfg.val_fraction,
-    )
+    ranges = part_ranges([p.size for p in parts], partition_bytes)
+    common = dict(tokenizer=local_tok, eot_id=tokenizer.eot_id, dtype=dtype.str, val_fraction=cfg.val_fraction)
+    jobs = [
+        PartitionJob(k, corpus[i], a, b, out=os.path.join(pieces, f"p-{k:05d}"), **common)
+        for k, (i, a, b) in enumerate(ranges)
+    ]
+    # partitions tokenized before (storage.tokenized) are fetched as the shards reach them, not
+    # run; the others are stored as they are made
+    keys = {
+        job.index: piece_cache_key(
+            parts[i].sha256, a, b, tokenizer.sha256, tokenizer.eot_id, dtype.str, cfg.val_fraction
+        )
+        for job, (i, a, b) in zip(jobs, ranges)
+    }
+    cached = {job.index: c for job in jobs if (c := cached_counts(store, keys[job.index])) is not None}
+    if not store.is_local:
+        for i in sorted({ranges[j.index][0] for j in jobs if j.index not in cached}):
+            store.get_file(parts[i].key, corpus[i])
+
+    def fetch(job) -> None:
+        for split in SPLITS:
+            for path, ext in zip(job.paths(split), ("bin", "idx")):
+                store.get_file(piece_file(keys[job.index], split, ext), path)
+
+    def on_tokenized(job, counts: dict) -> None:
+        sizes = {}
+        for split in SPLITS:
+            for path, ext in zip(job.paths(split), ("bin", "idx")):
+                store.put_file(path, piece_file(keys[job.index], split, ext))
+                sizes[f"{split}.{ext}"] = os.path.getsize(path)
+        commit_counts(store, keys[job.index], counts, sizes)
+
+    if cached:
+        log.info(
+            "tokenize: %d of %d partitions tokenized before (storage.tokenized), %d to do",
+            len(cached),
+            len(jobs),
+            len(jobs) - len(cached),
+        )
     tracker = Tracker("tokenize", len(jobs), on_progress)
-    by_split = build_shards(jobs, build, cfg.shard_tokens, cfg.resolved_workers(), tmp, on_close, found, tracker)
+    by_split = build_shards(
+        jobs,
+        build,
+        cfg.shard_tokens,
+        cfg.resolved_workers(),
+        tmp,
+        on_close,
+        found,
+        tracker,
+        cached,
+        on_tokenized,
+        fetch,
+    )
     _every_split_filled(by_split, dataset)
     files = {TOKENIZER_FILE: {"size": os.path.getsize(local_tok), "sha256": sha256_file(local_tok)}}
     on_close(TOKENIZER_FILE, local_tok)
@@ -592,8 +633,9 @@ def _build_on_ray(
     built = build_shards_on_ray(
         store,
         ray,
-        [(p.key, p.size) for p in parts],
+        [(p.key, p.size, p.sha256) for p in parts],
         tokenizer.key,
+        tokenizer.sha256,
         staging,
         tokenizer.eot_id,
         dtype,
@@ -607,10 +649,12 @@ def _build_on_ray(
         ),
     )
     log.info(
-        "data.engine ray: %d tasks on %d node(s), %.1f task CPU-s",
+        "data.engine ray: %d tasks on %d node(s), %.1f task CPU-s; %d of %d partitions tokenized before",
         built.num_tasks,
         len(built.nodes),
         built.task_cpu_s,
+        built.cached,
+        len(part_ranges([p.size for p in parts], partition_bytes)),
         extra={"ray_nodes": sorted(built.nodes), "ray_task_cpu_s": built.task_cpu_s},
     )
     found[UNENCODABLE] = built.unencodable

@@ -51,12 +51,12 @@ from stoker.failures import ConfigError, DataError, StokerError
 from stoker.process import ray_connect
 from stoker.storage.credentials import options_for
 from stoker.storage.store import Store, join
+from stoker.storage.tokenized import cached_counts, commit_counts, piece_cache_key, piece_file
 
 if TYPE_CHECKING:  # the task workers import this module: they need no config models
     from stoker.config import RayConfig
 
 log = logging.getLogger("stoker.data.ray")
-PARTS = "parts"
 LOCAL_OBJECT_STORE_BYTES = 256 << 20  # task results are document ends: small
 CANCEL_WAIT_S = 30
 
@@ -89,6 +89,7 @@ class RayBuild:
     num_tasks: int
     task_cpu_s: float
     unencodable: list = field(default_factory=lambda: [0, ""])  # [bytes, first example] (sharding.UNENCODABLE)
+    cached: int = 0  # partitions tokenized before (storage.tokenized), read back
 
 
 # ---- tasks (run on the cluster's nodes) ---------------------------------------------------
@@ -117,10 +118,6 @@ def _tokenizer(store: Store, key: str):
     return tok
 
 
-def piece_key(staging: str, index: int, split: str) -> str:
-    return join(staging, PARTS, f"p-{index:05d}.{split}.bin")
-
-
 def tokenize_task(
     spec: StoreSpec,
     corpus_key: str,
@@ -132,14 +129,27 @@ def tokenize_task(
     eot_id: int,
     dtype: str,
     val_fraction: float,
-    staging: str,
+    cache_key: str,
     cpus: float,
 ) -> dict:
-    """Phase 1, one partition: its pieces go to the store; returns counts and document ends."""
+    """Phase 1, one partition: its tokens and document ends per split go to the store under
+    `cache_key` (storage.tokenized: a partition tokenized before is read back, not tokenized);
+    returns counts, document ends and the keys of its token files."""
     cpu0 = time.process_time()
     _set_threads(cpus)
     store = spec.open()
-
+    bins = {s: piece_file(cache_key, s, "bin") for s in SPLITS}
+    counts = cached_counts(store, cache_key)
+    if counts is not None:
+        ends = {s: np.frombuffer(store.read_bytes(piece_file(cache_key, s, "idx")), dtype="<u8") for s in SPLITS}
+        return {
+            "counts": counts,
+            "ends": ends,
+            "bins": bins,
+            "cached": True,
+            "node": node_id(),
+            "cpu_s": time.process_time() - cpu0,
+        }
     files = {s: (io.BytesIO(), io.BytesIO()) for s in SPLITS}
     try:
         tok = _tokenizer(store, tokenizer_key)
@@ -153,11 +163,21 @@ def tokenize_task(
                 "object store (s3://...) or a folder mounted at the same path on every node."
             ]
         ) from None
-    for split, (binf, _) in files.items():
-        if counts[split][0]:
-            store.write_bytes(piece_key(staging, index, split), binf.getvalue())  # one PUT: whole or absent
+    sizes = {}
+    for split, (binf, idxf) in files.items():  # each one PUT: whole or absent
+        for ext, buf in (("bin", binf), ("idx", idxf)):
+            store.write_bytes(piece_file(cache_key, split, ext), buf.getvalue())
+            sizes[f"{split}.{ext}"] = len(buf.getvalue())
+    commit_counts(store, cache_key, counts, sizes)  # last: the entry's commit
     ends = {s: np.frombuffer(files[s][1].getvalue(), dtype="<u8") for s in SPLITS}
-    return {"counts": counts, "ends": ends, "node": node_id(), "cpu_s": time.process_time() - cpu0}
+    return {
+        "counts": counts,
+        "ends": ends,
+        "bins": bins,
+        "cached": False,
+        "node": node_id(),
+        "cpu_s": time.process_time() - cpu0,
+    }
 
 
 def assemble_task(
@@ -351,8 +371,9 @@ def _cancel(ray, refs: list) -> None:
 def build_shards_on_ray(
     store: Store,
     ray_cfg: RayConfig,
-    corpus: list[tuple[str, int]],
+    corpus: list[tuple[str, int, str]],
     tokenizer_key: str,
+    tokenizer_sha256: str,
     staging: str,
     eot_id: int,
     dtype: np.dtype,
@@ -361,13 +382,13 @@ def build_shards_on_ray(
     partition_bytes: int,
     tracker=None,
 ) -> RayBuild:
-    """Tokenize the stored corpus (its parts' keys and sizes, in order) into shard files under `staging` with Ray tasks (see the
+    """Tokenize the stored corpus (its parts' keys, sizes and sha256s, in order) into shard files under `staging` with Ray tasks (see the
     module docstring); returns their manifest entries by split (as sharding.build_shards does)
     and where the work ran. On any failure, Ctrl-C included, the tasks are cancelled and waited
     for before the error propagates, and a connection made here is closed; the caller removes
     staging. `tracker` (stoker.data.units.Tracker) sees each partition tokenized."""
     spec = StoreSpec(store.root, options_for(store.root, store.storage_options))
-    ranges = part_ranges([size for _, size in corpus], partition_bytes)
+    ranges = part_ranges([size for _, size, _ in corpus], partition_bytes)
     cpus = ray_cfg.cpus_per_data_task
     with ray_tasks(ray_cfg, cpus) as (ray, refs):
         # SPREAD: partitions go round the nodes (each reads its own range), not first to the driver's
@@ -387,7 +408,7 @@ def build_shards_on_ray(
                 eot_id,
                 dtype.str,
                 val_fraction,
-                staging,
+                piece_cache_key(corpus[i][2], start, end, tokenizer_sha256, eot_id, dtype.str, val_fraction),
                 cpus,
             )
             for k, (i, start, end) in enumerate(ranges)
@@ -402,7 +423,7 @@ def build_shards_on_ray(
                 plans.append(plan)
                 refs.append(assemble.remote(spec, staging, plan.split, plan.index, plan.runs, plan.idx, dtype.itemsize))
 
-        unencodable = [0, ""]
+        unencodable, cached = [0, ""], 0
         for k, ref in enumerate(parts):  # in partition order, as the local engine appends them
             got = result_of(ray, ref, f"tokenizes partition {k}")
             unencodable = merge_unencodable(unencodable, got["counts"].get(UNENCODABLE))
@@ -410,8 +431,9 @@ def build_shards_on_ray(
             cpu_s += got["cpu_s"]
             if tracker is not None:  # stoker.data.units.Tracker: documents tokenized so far
                 tracker.step(sum(got["counts"][s][1] for s in SPLITS), got["node"])
+            cached += got["cached"]
             for split in SPLITS:
-                for plan in planners[split].add(piece_key(staging, k, split), got["ends"][split]):
+                for plan in planners[split].add(got["bins"][split], got["ends"][split]):
                     submit(plan)
         for planner in planners.values():
             submit(planner.close())
@@ -431,5 +453,4 @@ def build_shards_on_ray(
                     plan.split, plan.index, plan.tokens, plan.docs, dtype.itemsize, got["bin_sha256"], got["idx_sha256"]
                 )
             )
-        store.rm(join(staging, PARTS))
-        return RayBuild(files, nodes, len(refs), cpu_s, unencodable)
+        return RayBuild(files, nodes, len(refs), cpu_s, unencodable, cached)

@@ -92,15 +92,6 @@ def part_ranges(sizes: list[int], partition_bytes: int) -> list[tuple[int, int, 
     return [(i, a, b) for i, size in enumerate(sizes) for a, b in partition_ranges(size, partition_bytes)]
 
 
-def partition_jobs(files: list[str], partition_bytes: int, out_dir: str, **common) -> list[PartitionJob]:
-    """The jobs over local files (a dataset's parts, in order)."""
-    ranges = part_ranges([os.path.getsize(f) for f in files], partition_bytes)
-    return [
-        PartitionJob(k, files[i], s, e, out=os.path.join(out_dir, f"p-{k:05d}"), **common)
-        for k, (i, s, e) in enumerate(ranges)
-    ]
-
-
 # ---- one partition (runs in a worker, or in-process) ------------------------------------
 _TOKENIZERS: dict = {}
 
@@ -508,19 +499,34 @@ def build_shards(
     on_close: Callable[[str, str], None] = lambda name, path: None,
     found: dict | None = None,
     tracker=None,
+    cached: dict[int, dict] | None = None,
+    on_tokenized: Callable[[PartitionJob, dict], None] | None = None,
+    fetch: Callable[[PartitionJob], None] | None = None,
 ) -> dict[str, dict[str, dict]]:
     """Tokenize every partition and assemble the shard files into `folder`; returns
     {split: {file name: manifest entry}}. `on_close(name, path)` sees each finished file;
     `found` (when given) gets UNENCODABLE: [bytes, first example] over every partition;
-    `tracker` (stoker.data.units.Tracker) sees each partition tokenized."""
+    `tracker` (stoker.data.units.Tracker) sees each partition tokenized. `cached`: {job index:
+    counts} of the jobs tokenized before (not run), whose files `fetch(job)` puts at their paths
+    when the shards reach them; `on_tokenized(job, counts)` sees each job tokenized here, before
+    its files are assembled."""
     dtype = np.dtype(jobs[0].dtype)
-    n = max(1, min(num_workers, len(jobs)))
+    cached = cached or {}
+    todo = [j for j in jobs if j.index not in cached]
+    n = max(1, min(num_workers, len(todo)))
     writers = {s: _ShardAssembler(folder, s, dtype, shard_tokens, on_close) for s in SPLITS}
-    runner = _InProcess(jobs) if n == 1 else _WorkerGang(jobs, n, work_dir)
+    runner = _InProcess(todo) if n == 1 or not todo else _WorkerGang(todo, n, work_dir)
     unencodable = [0, ""]
     try:
         for job in jobs:  # in partition order, whatever finishes first
-            counts = runner.wait(job)
+            if job.index in cached:
+                counts = cached[job.index]
+                if fetch is not None:
+                    fetch(job)
+            else:
+                counts = runner.wait(job)
+                if on_tokenized is not None:
+                    on_tokenized(job, counts)
             unencodable = merge_unencodable(unencodable, counts.get(UNENCODABLE))
             if tracker is not None:
                 tracker.step(sum(counts[s][1] for s in SPLITS))

@@ -145,3 +145,41 @@ def test_a_file_rolled_back_across_parts_leaves_nothing_of_itself(small_parts, t
     assert ds.num_skipped_files == 1 and len(docs) == 110 and not any("fine line" in d for d in docs)
     assert _stored(store) == {p.key.removeprefix("datasets/parts/") for p in dataset_parts(store, ds.fingerprint)}
     assert len(os.listdir(tmp_path)) == 2  # the source and the store: no local part left behind
+
+
+def test_a_grown_source_tokenizes_only_its_new_partitions_into_the_same_shard_bytes(small_parts, tmp_path, monkeypatch):
+    """Tokenized partitions are cached by content (storage.tokenized): with the same tokenizer
+    (a base's), a grown source tokenizes its new partitions only, and its shards are the bytes a
+    build from nothing gives."""
+    from stoker.data import sharding
+
+    tokenized = []
+    real = sharding.tokenize_partition
+    monkeypatch.setattr(sharding, "tokenize_partition", lambda job: tokenized.append(job.index) or real(job))
+    src = _folder(tmp_path / "src", {"a.jsonl": _records("a", 300), "b.jsonl": _records("b", 300)})
+    data = DataConfig(source=str(src), val_fraction=0.1, shard_tokens=4096, num_workers=1)
+    store = Store(f"file://{tmp_path}/store")
+    first = data_prep.download_dataset(data, store)
+    tk = data_prep.train_tokenizer(first, TokenizerConfig(vocab_size=400), store)
+    data_prep.tokenize_and_shard(first, tk, data, store, partition_bytes=30_000)
+    n_first = len(tokenized)
+    assert n_first >= 4 and len(store.walk_files("tokenized")) == 5 * n_first  # 4 files and counts.json each
+    (src / "c.jsonl").write_text(_records("c", 60))
+    grown = data_prep.download_dataset(data, store)
+    shards = data_prep.tokenize_and_shard(grown, tk, data, store, partition_bytes=30_000)
+    assert len(tokenized) - n_first == 1  # c.jsonl: one part, one partition
+    fresh_store = Store(f"file://{tmp_path}/fresh")  # the same tokenizer, nothing tokenized before
+    fresh_store.put_file(store.local_path(tk.key), tk.key)
+    fresh = data_prep.tokenize_and_shard(
+        data_prep.download_dataset(data, fresh_store), tk, data, fresh_store, partition_bytes=30_000
+    )
+    names = store.read_json(f"{shards.key}/manifest.json")["files"]
+    assert names == fresh_store.read_json(f"{fresh.key}/manifest.json")["files"]
+    assert all(store.read_bytes(f"{shards.key}/{n}") == fresh_store.read_bytes(f"{fresh.key}/{n}") for n in names)
+    # an entry without its commit is no entry: made again
+    entry = sorted({k.rsplit("/", 1)[0] for k in store.walk_files("tokenized")})[0]
+    store.rm(f"tokenized/{entry}/counts.json")
+    store.rm(shards.key)
+    before = len(tokenized)
+    data_prep.tokenize_and_shard(grown, tk, data, store, partition_bytes=30_000)
+    assert len(tokenized) - before == 1
