@@ -29,6 +29,10 @@ os.environ.update(
         "DO_NOT_TRACK": "1",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "PREFECT_LOGGING_LEVEL": "INFO",
+        # every Prefect server of the tests (the harness's, PrefectServer's, a `stoker run`'s
+        # temporary one) stores its events every second, not every 5 s: a test that reads an
+        # event back (stoker_events) waits for that flush
+        "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "1",
         "GLOO_SOCKET_IFNAME": "lo",
         "STOKER_CACHE": os.path.join(_PREFECT_HOME, "cache"),
         # one torch/OpenMP thread where nothing else says (evaluations, in-process tensors): two
@@ -205,8 +209,8 @@ def wait_for(what: str, check, seconds: float, logs=()):
 class PrefectServer:
     """A real `prefect server start` on 127.0.0.1 with a fixed port and home, so it can be
     stopped and started again with its database (the outage a restart or a network cut
-    makes); its scheduler looks for due runs every 2 s. `env`: the environment for processes
-    that talk to it."""
+    makes); its scheduler looks for due runs every 2 s, its proactive triggers are evaluated
+    every second. `env`: the environment for processes that talk to it."""
 
     def __init__(self, home: str):
         self.port = free_port()
@@ -218,6 +222,9 @@ class PrefectServer:
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "DO_NOT_TRACK": "1",
             "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+            # proactive triggers (a stalled-run automation: "no step event within N s") looked at
+            # every second, not every 5 s
+            "PREFECT_SERVER_EVENTS_PROACTIVE_GRANULARITY": "PT1S",
             "PREFECT_SERVER_LOG_RETRYABLE_ERRORS": "true",  # what a 503 was, in server.log
             "PREFECT_API_URL": self.url,
         }
@@ -749,6 +756,16 @@ def http_server(tmp_path):
     server = FlakyHTTPServer(str(folder))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def quick_relaunch(monkeypatch):
+    """The flow's next launch attempt after ~1 s, not launch_training's 5 s retry delay (a
+    fixed wait, with Prefect's jitter of up to half of it either way), for a test that runs
+    train_pipeline in its own process and whose subject is the relaunch, not its delay."""
+    from stoker.tasks import training
+
+    monkeypatch.setattr(training.launch_training, "retry_delay_seconds", 1)
 
 
 @pytest.fixture

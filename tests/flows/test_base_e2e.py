@@ -91,7 +91,7 @@ def _base_loss_one_document_at_a_time(base: str, cfg, shards) -> torch.Tensor:
 
 
 def test_a_base_is_trained_further_through_the_flow_resumed_bitwise_and_exported(
-    prefect_server, tmp_path, tmp_path_factory, monkeypatch
+    prefect_server, tmp_path, tmp_path_factory, monkeypatch, quick_relaunch
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -57,31 +57,67 @@ def prefect_api(tmp_path_factory):
 @pytest.fixture(scope="module")
 def deployed(prefect_api, tmp_path_factory):
     """`stoker deploy` twice on the module's server (the second finds everything by its name),
-    then a process worker on its pool: `env`, `store` (the runs' root), the two deploys'
-    outputs `outs` and the worker's log."""
+    and a process worker on its pool (started once the first deploy made the pool: the
+    worker's start-up runs beside the second deploy): `env`, `store` (the runs' root), the two
+    deploys' outputs `outs` and the worker's log."""
     folder = tmp_path_factory.mktemp("deployed")
     store = folder / "store"
     env = {**prefect_api, "STOKER_ROOT": str(store), "STOKER_CACHE": str(folder / "cache")}
-    outs = [stoker_deploy(env) for _round in (1, 2)]
+    outs = [stoker_deploy(env)]
     worker_log = folder / "worker.log"
     worker = start_worker(env, worker_log)
     try:
+        outs.append(stoker_deploy(env))
         yield SimpleNamespace(env=env, store=store, outs=outs, worker_log=worker_log)
     finally:
         stop_worker(worker)
 
 
 @pytest.fixture(scope="module")
-def adhoc_run(prefect_api, deployed):
+def nightly_schedule(prefect_api, deployed):
+    """The nightly deployment's schedule replaced by one due 20 s from now, with tiny
+    parameters: made before the ad-hoc run starts, so the lead the scheduler needs passes while
+    that run trains (the worker runs the fired run beside it; its launch waits for the
+    accelerator slot). The deploy test waits for it and checks it. The nightly's id."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.schedules import IntervalSchedule
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
+        nightly = client.read_deployment_by_name("train-pipeline/continued-pretraining")
+        client.delete_deployment_schedule(nightly.id, nightly.schedules[0].id)
+        # 20 s ahead: the server's scheduler (a pass every 2 s) must see the schedule before its
+        # first run is due, or that run is an hour later (seen once, with the CI machine loaded)
+        soon = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=20)
+        client.create_deployment_schedules(
+            nightly.id,
+            [(IntervalSchedule(interval=datetime.timedelta(hours=1), anchor_date=soon), True)],
+            # one rank: the schedule and the ledger are the subject, not the gang
+            parameters={
+                "config": tiny_dict(
+                    "file://" + str(deployed.store),
+                    run_name="nightly",
+                    train={"max_steps": 4},
+                    launch={"nproc_per_node": 1},
+                )
+            },
+        )
+    return nightly.id
+
+
+@pytest.fixture(scope="module")
+def adhoc_run(prefect_api, deployed, nightly_schedule):
     """One run of the ad-hoc deployment with tiny parameters, run by the worker to its end (as
     "Custom run" in the UI makes one): checkpoints at steps 4 and 8. Its artifacts, ledger
-    and checkpoint events are read by the deploy test and the evaluate-automation test."""
+    and checkpoint events are read by the deploy test and the evaluate-automation test. (The
+    nightly's schedule is made first: nightly_schedule.)"""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     name = "adhoc-" + uuid.uuid4().hex[:6]
-    params = tiny_dict("file://" + str(deployed.store), run_name=name)
+    # one rank: the deployment, its worker and its checkpoints are the subject, not the gang
+    params = tiny_dict("file://" + str(deployed.store), run_name=name, launch={"nproc_per_node": 1})
     with temporary_settings({PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}):
         flow_run = run_deployment("train-pipeline/train-adhoc", parameters={"config": params}, timeout=0)
         with get_client(sync_client=True) as client:
@@ -92,7 +128,7 @@ def adhoc_run(prefect_api, deployed):
 def test_prefect_yaml_train_parameters_are_the_tiny_cpu_recipe():
     """The deployments' defaults cannot drift from the recipe the README runs."""
     specs = {d["name"]: d for d in yaml.safe_load(open(PREFECT_YAML))["deployments"]}
-    assert set(specs) == {"train-adhoc", "continued-pretraining", "prepare-data", "evaluate-checkpoint"}
+    assert set(specs) == {"train-adhoc", "continued-pretraining", "prepare-data", "evaluate-checkpoint", "soup"}
     recipe = load_config("tiny-cpu").model_dump(mode="json")
     adhoc = RunConfig.model_validate(specs["train-adhoc"]["parameters"]["config"]).model_dump(mode="json")
     assert adhoc == recipe
@@ -105,11 +141,12 @@ def test_prefect_yaml_train_parameters_are_the_tiny_cpu_recipe():
 
 @pytest.mark.e2e
 @pytest.mark.xdist_group("deployments-server")
-def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(prefect_api, deployed, adhoc_run):
+def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(
+    prefect_api, deployed, nightly_schedule, adhoc_run
+):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter
     from prefect.client.schemas.objects import StateType
-    from prefect.client.schemas.schedules import IntervalSchedule
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     for round_, out in enumerate(deployed.outs, 1):  # idempotent: the second round finds the pool and the limit
@@ -125,6 +162,7 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
                 "continued-pretraining",
                 "prepare-data",
                 "evaluate-checkpoint",
+                "soup",
             }
             assert client.read_global_concurrency_limit_by_name("stoker-accelerators").limit == 1
             # the UI's form: every field with its description, choices, bounds
@@ -149,25 +187,10 @@ def test_deploy_then_a_worker_runs_the_adhoc_deployment_and_a_schedule_fires(pre
             assert any(k.startswith(f"{run_name}-checkpoints-") for k in keys), keys
             assert (store / "runs" / run_name / "checkpoints").is_dir()
 
-            # a schedule fires: the nightly deployment, tiny parameters, due in a few seconds
+            # a schedule fires: the nightly deployment, tiny parameters, due 20 s after it was
+            # made (nightly_schedule, before the ad-hoc run)
             nightly = deployments["continued-pretraining"]
-            client.delete_deployment_schedule(nightly.id, nightly.schedules[0].id)
-            # 20 s ahead: the server's scheduler (a pass every 2 s) must see the schedule before its
-            # first run is due, or that run is an hour later (seen once, with the CI machine loaded)
-            soon = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=20)
-            client.create_deployment_schedules(
-                nightly.id,
-                [(IntervalSchedule(interval=datetime.timedelta(hours=1), anchor_date=soon), True)],
-                # one rank: the schedule and the ledger are the subject, not the gang
-                parameters={
-                    "config": tiny_dict(
-                        "file://" + str(store),
-                        run_name="nightly",
-                        train={"max_steps": 4},
-                        launch={"nproc_per_node": 1},
-                    )
-                },
-            )
+            assert nightly.id == nightly_schedule
             fired = wait_for(
                 "the scheduled run to finish",
                 lambda: [
@@ -460,7 +483,7 @@ def test_serve_runs_the_deployments_from_one_process_without_a_worker(prefect_ap
     with temporary_settings({PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}):
         with get_client(sync_client=True) as client:
             before = {d.id for d in client.read_deployments()}
-            assert len(before) == 4 and all(d.work_pool_name for d in client.read_deployments())
+            assert len(before) == 5 and all(d.work_pool_name for d in client.read_deployments())
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         served = start_process([sys.executable, "-m", "stoker.cli", "serve"], env, out)
@@ -469,7 +492,7 @@ def test_serve_runs_the_deployments_from_one_process_without_a_worker(prefect_ap
             with get_client(sync_client=True) as client:
                 deployments = wait_for(
                     "the served deployments",
-                    lambda: (lambda ds: ds if len(ds) == 4 and not {d.id for d in ds} & before else None)(
+                    lambda: (lambda ds: ds if len(ds) == 5 and not {d.id for d in ds} & before else None)(
                         client.read_deployments()
                     ),
                     180,
@@ -480,6 +503,7 @@ def test_serve_runs_the_deployments_from_one_process_without_a_worker(prefect_ap
                     "continued-pretraining",
                     "prepare-data",
                     "evaluate-checkpoint",
+                    "soup",
                 }
                 assert all(d.work_pool_name is None for d in deployments)  # served, not pooled
                 nightly = next(d for d in deployments if d.name == "continued-pretraining")

@@ -38,17 +38,18 @@ def test_a_run_that_stops_stepping_is_marked_stalled_and_running_again_at_its_ne
     env = {
         **server,
         "STOKER_CACHE": str(tmp_path / "cache"),
-        "STOKER_FAULT": "hang:rank=0:step=40",  # the rank sleeps before step 40
+        "STOKER_FAULT": "hang:rank=0:step=20",  # the rank sleeps before step 20
     }
     args = tiny_sets(
         train={"max_steps": 60, "log_interval": 1},
-        checkpoint={"interval_steps": 20},
+        checkpoint={"interval_steps": 10},
         eval={"interval_steps": 100},
-        # waited out after the mark and the take-back (~11 s window, then the server's trigger
-        # passes): 60 s leaves those half a minute more even on a loaded machine
+        # waited out after the mark and the take-back (an 11 s window, then the server's next
+        # proactive pass, every second on the test server: the mark came ~13 s after the last
+        # step): 35 s leaves those 20 s more on a loaded machine
         # one rank: the heartbeats and the server's marks are the subject, not the gang (a hung
         # gang's watchdog kill: tests/launch/test_watchdog.py, the lifeline tests)
-        launch={"hang_timeout_seconds": 60, "max_attempts": 1, "nproc_per_node": 1},
+        launch={"hang_timeout_seconds": 35, "max_attempts": 1, "nproc_per_node": 1},
         events={"step_interval_seconds": 1, "stall_min_seconds": 10, "stall_factor": 2},
     )
     cmd = [sys.executable, "-m", "stoker.cli", "run", *args, "--set", f"run_name={run}"]
@@ -113,10 +114,10 @@ def test_a_run_that_stops_stepping_is_marked_stalled_and_running_again_at_its_ne
             proc.kill()
             proc.wait()
     last_beat = stoker_events(server, pe.RUN_STEP, run)[-1]["payload"]
-    assert last_beat["step"] < 40 and last_beat["step_seconds"] > 0
+    assert last_beat["step"] < 20 and last_beat["step_seconds"] > 0
     # sent as the launch ended; the server stores events in batches
     (gone,) = wait_for("the stalled event", lambda: stoker_events(server, pe.RUN_STALLED, run), 60)
-    assert gone["payload"]["last_step"] == 39
+    assert gone["payload"]["last_step"] == 19
     (failed,) = wait_for("the failed event", lambda: stoker_events(server, pe.RUN_FAILED, run), 60)
     assert failed["payload"]["reason"] == "hang" and failed["payload"]["transient"] is True
     assert os.path.exists(log)

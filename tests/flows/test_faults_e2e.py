@@ -40,7 +40,9 @@ def _cfg(root, name, price=None, **train):
     )
 
 
-def test_killed_rank_is_retried_and_ends_bitwise_like_an_unbroken_run(prefect_server, tmp_path, monkeypatch):
+def test_killed_rank_is_retried_and_ends_bitwise_like_an_unbroken_run(
+    prefect_server, tmp_path, monkeypatch, quick_relaunch
+):
     from stoker.flows.pipeline import train_pipeline
     from stoker.storage.runs import pin_run_folder
     from tests.forked_ranks import run_forked

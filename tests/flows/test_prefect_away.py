@@ -61,14 +61,15 @@ def train_steps_logged(store, run_name) -> int:
     return max(steps, default=0)
 
 
-def slow_run_config(tmp_path, run_name, max_steps, nproc_per_node=2):
-    """A tiny run made long by sleeping before each step (training.faults 'slow')."""
+def slow_run_config(tmp_path, run_name, max_steps, nproc_per_node=2, interval_steps=20):
+    """A tiny run made long by sleeping before each step (training.faults 'slow'), a checkpoint
+    every `interval_steps` (its metrics.jsonl in the store grows at each commit)."""
     store = str(tmp_path / "store")
     cfg = tiny_dict(
         "file://" + store,
         run_name=run_name,
         train={"max_steps": max_steps, "log_interval": 2},
-        checkpoint={"interval_steps": 20},
+        checkpoint={"interval_steps": interval_steps},
         eval={"interval_steps": 1000, "per_checkpoint_enabled": False},
         launch={"hang_timeout_seconds": 60, "timeout_seconds": 900, "nproc_per_node": nproc_per_node},
     )
@@ -162,8 +163,9 @@ print("failed:", evaluate_checkpoint_flow(sys.argv[1], return_state=True).is_fai
 @pytest.mark.xdist_group("prefect-away-server")
 def test_the_flow_run_of_a_killed_python_process_ends_crashed(server, tmp_path):
     run_name = "kernel-" + uuid.uuid4().hex[:6]
-    # one rank: the flow run of the killed process is the subject (its launcher and rank die too)
-    store, cfg = slow_run_config(tmp_path, run_name, max_steps=400, nproc_per_node=1)
+    # one rank: the flow run of the killed process is the subject (its launcher and rank die too);
+    # a checkpoint every 4 steps: training is seen started (metrics.jsonl stored) at step 4, not 20
+    store, cfg = slow_run_config(tmp_path, run_name, max_steps=400, nproc_per_node=1, interval_steps=4)
     log = tmp_path / "kernel.log"
     env = {
         **server.env,

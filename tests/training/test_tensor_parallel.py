@@ -2,7 +2,7 @@
 "tp" of a 2D mesh, torchtitan's Llama plan) on CPU ranks with gloo (forked: tests.forked_ranks).
 
 torchtitan's convergence discipline: the same global batch (8 sequences a step) under every
-mesh, so the same tokens each step, and the losses of 20 steps compared with plain FSDP2 on 2
+mesh, so the same tokens each step, and the losses of 10 steps compared with plain FSDP2 on 2
 ranks (each rank 4 sequences). Under tensor parallel a group of tp_degree ranks reads the same
 micro-batches (the split is over the "dp" coordinate), so fsdp+tp on 2 ranks is 1 replica of
 2 ranks that takes all 8 sequences, and on 4 ranks 2 replicas of 2 ranks, 4 sequences each.
@@ -10,7 +10,7 @@ micro-batches (the split is over the "dp" coordinate), so fsdp+tp on 2 ranks is 
 step's global gradient norm equals one process's.)
 
 One module run set (`runs`) serves the tests: plain FSDP2 on 2 ranks, fsdp+tp on 2 ranks (1x2)
-and on 4 ranks (2x2), each 20 steps with checkpoints at 10 and 20, and the 2x2 run's step-10
+and on 4 ranks (2x2), each 10 steps with checkpoints at 5 and 10, and the 2x2 run's step-5
 checkpoint resumed under plain FSDP2 on 2 ranks.
 """
 
@@ -39,13 +39,15 @@ LLAMA = {
     "intermediate_size": 64,
     "block_size": 32,
 }
-STEPS = 20
+STEPS = 10
+HALF = STEPS // 2  # the checkpoint (and evaluation) interval: the resume point
 # Not bitwise: under tensor parallel the o/down_proj matmuls sum their halves in an
 # all-reduce, the loss sums the vocabulary's halves, and FSDP2's reduce-scatter adds other
 # ranks' gradients: each an fp32 rounding (~1e-7 relative) in another order. Measured on this
-# host over the 20 steps of AdamW at lr 1e-2: at most 1.5e-6 apart on losses near 5 (a few
-# ulps, grown by the updates). 1e-4 absolute is ~70x that and far below what a fault moves
-# (the embedding left without its gradient by a compiled block moved step 2's loss by 0.2).
+# host over 20 steps of AdamW at lr 1e-2 (the runs were 20 steps long then): at most 1.5e-6
+# apart on losses near 5 (a few ulps, grown by the updates; less over 10 steps). 1e-4 absolute
+# is ~70x that and far below what a fault moves (the embedding left without its gradient by a
+# compiled block moved step 2's loss by 0.2).
 TOL = dict(rtol=0.0, atol=1e-4)
 TIMES: dict[str, float] = {}
 
@@ -68,8 +70,8 @@ def _config(root: str, run_name: str, nproc: int, **engine):
             engine=engine,
             launch={"nproc_per_node": nproc},
             train={"max_steps": STEPS, "micro_batch_size": 4},
-            checkpoint={"interval_steps": 10, "keep_latest_k": 4},
-            eval={"interval_steps": 10},
+            checkpoint={"interval_steps": HALF, "keep_latest_k": 4},
+            eval={"interval_steps": HALF},
         )
     )
 
@@ -92,7 +94,7 @@ def runs(tmp_path_factory):
     }
     out["resumed"] = (
         resumed,
-        _run(store, shards, resumed, "resumed", 2, resume="runs/tp-2x2/checkpoints/step-00000010"),
+        _run(store, shards, resumed, "resumed", 2, resume=f"runs/tp-2x2/checkpoints/step-{HALF:08d}"),
     )
     print(f"wall seconds of each run: {TIMES}")
     for name, (_, records) in out.items():
@@ -117,8 +119,8 @@ def _tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def test_fsdp_tp_on_2_and_4_ranks_trains_like_plain_fsdp2(runs):
-    """The same 20 losses as plain FSDP2 with the same global batch, on a 1x2 and a 2x2 mesh;
-    the same validation losses (at 0, 10, 20) on the 2x2 mesh, whose 2 replicas take the
+    """The same 10 losses as plain FSDP2 with the same global batch, on a 1x2 and a 2x2 mesh;
+    the same validation losses (at 0, 5, 10) on the 2x2 mesh, whose 2 replicas take the
     reference's windows (eval.num_batches are a replica's: 1x2 evaluates half as many); the
     checkpoints say the run was tensor parallel."""
     out, store = runs
@@ -128,29 +130,29 @@ def test_fsdp_tp_on_2_and_4_ranks_trains_like_plain_fsdp2(runs):
         cfg, records = out[mesh]
         torch.testing.assert_close(_losses(records), reference, **TOL, msg=lambda m, mesh=mesh: f"{mesh}: {m}")
         val, ref_val = _val_losses(records), _val_losses(out["fsdp"][1])
-        assert sorted(val) == sorted(ref_val) == [0, 10, STEPS]
+        assert sorted(val) == sorted(ref_val) == [0, HALF, STEPS]
         if mesh == "2x2":
             for step in val:
                 assert val[step] == pytest.approx(ref_val[step], abs=TOL["atol"]), (mesh, step)
-        manifest = json.dumps(store.read_json(f"runs/{cfg.run_name}/checkpoints/step-00000010/{COMMIT_FILE}"))
+        manifest = json.dumps(store.read_json(f"runs/{cfg.run_name}/checkpoints/step-{HALF:08d}/{COMMIT_FILE}"))
         assert '"parallelism": "fsdp+tp"' in manifest and '"tp_degree": 2' in manifest, manifest
 
 
 def test_a_2x2_checkpoint_resumes_under_plain_fsdp2_on_2_ranks(runs):
-    """DCP holds the full tensors whatever the mesh: the 2x2 run's step-10 checkpoint has the
+    """DCP holds the full tensors whatever the mesh: the 2x2 run's step-5 checkpoint has the
     plain FSDP2 run's entries and shapes (and values within the tolerance), and resumes under
-    plain FSDP2 on 2 ranks with the unbroken 2x2 run's losses for steps 11-20."""
+    plain FSDP2 on 2 ranks with the unbroken 2x2 run's losses for steps 6-10."""
     out, store = runs
     resumed = train_losses(out["resumed"][1])
-    assert sorted(resumed) == list(range(11, STEPS + 1))
+    assert sorted(resumed) == list(range(HALF + 1, STEPS + 1))
     whole = train_losses(out["2x2"][1])
     torch.testing.assert_close(
         torch.tensor([resumed[s] for s in sorted(resumed)], dtype=torch.float64),
         torch.tensor([whole[s] for s in sorted(resumed)], dtype=torch.float64),
         **TOL,
     )
-    tp = _tensors(store.local_path("runs/tp-2x2/checkpoints/step-00000010"))
-    plain = _tensors(store.local_path("runs/tp-fsdp/checkpoints/step-00000010"))
+    tp = _tensors(store.local_path(f"runs/tp-2x2/checkpoints/step-{HALF:08d}"))
+    plain = _tensors(store.local_path(f"runs/tp-fsdp/checkpoints/step-{HALF:08d}"))
     assert tp.keys() == plain.keys() and any(k.startswith("optim.") for k in tp)
     for k in tp:
         assert tp[k].shape == plain[k].shape, k
