@@ -1,5 +1,5 @@
 """The document mask's build (model.attention 'document', flex attention's BlockMask) compiled
-once, as stoker builds it on CUDA (stoker.families.layers.block_mask_builder), against eager
+once, as stoker builds it on CUDA (stoker.families.attention.block_mask_builder), against eager
 create_block_mask, which first evaluates the mask over a dense (B, H, T, T) grid: peak RSS above
 the process's start and time per build, at T = 2k and 8k, each in a fresh process on the CPU.
 goal: compiled peak <= 0.25 x eager at 8k (no B x T^2 tensor)
@@ -21,7 +21,7 @@ from benchmarks._child import run_child
 def child(mode: str, batch: int, T: int) -> dict:
     import torch
 
-    from stoker.families.layers import block_mask_builder
+    from stoker.families.attention import block_mask_builder
 
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(2, 1000, (batch, T), generator=g)

@@ -23,6 +23,8 @@ before any work. It gathers:
 - the base model of ``model.init_from``: there, complete, of an architecture a family expresses
   exactly, not contradicted by an explicit field (``storage.bases.resolve_base``; ``check``
   returns the config with the base's architecture, tokenizer and content hash filled in);
+- model.attention 'document' on CUDA ranks: a head size or a torch that flex attention's fused
+  kernel cannot take (``flex_attention_problem``);
 - the run's memory plan on its devices (``arithmetic.plan``; launch.accelerator, else this host's
   GPU): a run that cannot fit is refused with the cheapest fix that makes it fit.
 
@@ -36,6 +38,7 @@ before Prefect's server starts.
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 from pydantic import BaseModel, ValidationError
@@ -43,7 +46,7 @@ from pydantic import BaseModel, ValidationError
 from stoker.config import RunConfig, StorageConfig, local_resource_problems, missing_sink_packages
 from stoker.config.harness_tasks import harness_problems
 from stoker.failures import ConfigError, is_transient
-from stoker.launch.devices import device_problems
+from stoker.launch.devices import device_problems, installed_torch
 from stoker.observe.sinks import sink_problems
 from stoker.storage.bases import resolve_base
 from stoker.storage.branches import resolve_branch
@@ -123,6 +126,7 @@ def _checked(config: RunConfig, load_credentials: LoadCredentials | None) -> tup
             resolved = resolve_branch(resolved)
         except ConfigError as err:
             found += list(err.problems)
+    found += attention_problems(resolved)  # the head size flex attention takes, once the shape is known
     if probed and not found and not unreachable:  # the run it goes on: a schedule change that would start it over
         store = Store.of(resolved.storage)
         found += _unreachable_as(lambda: [p for p in [schedule_change_problem(store, resolved)] if p], unreachable)
@@ -153,6 +157,82 @@ def plan_problems(config: RunConfig) -> list[str]:
         return [str(err)]
     config = shaped(config)
     problem = fit_problem(config, hardware)
+    return [problem] if problem else []
+
+
+# torch's flex attention (model.attention 'document' on CUDA), as its sources raise:
+# torch.nn.attention.flex_attention is public from torch 2.5 (2.4 has only a private
+# _flex_attention); torch 2.5 and 2.6 refuse a head size that is not a power of two
+# (nn/attention/flex_attention.py, _validate_embed_dim: "NYI: Currently non power of 2 embedding
+# dimension are not supported"), 2.7 rounds it up inside the kernel (QK_HEAD_DIM_ROUNDED); the
+# Triton lowering refuses heads under 16 wide ("tl.dot does not support embedding size less than
+# 16": _inductor/kernel/flex/flex_attention.py in 2.13); and before 2.11 a query shorter than 128
+# goes to the decoding kernel, whose template reshapes to the unrounded head size and fails to
+# compile for one that is not a power of two (flex_decode.py.jinja, fixed in 2.11).
+FLEX_TORCH = (2, 5)
+FLEX_ANY_HEAD_TORCH = (2, 7)
+FLEX_SHORT_ANY_HEAD_TORCH = (2, 11)
+FLEX_MIN_HEAD = 16
+FLEX_DECODE_BELOW = 128
+
+
+def flex_attention_problem(head_dim: int, torch_version: str, device: str, block_size: int, field: str) -> str | None:
+    """What torch's flex attention cannot take of a run whose document attention it serves
+    (model.attention 'document' on `device` 'cuda'; the CPU's path is exact eager SDPA and takes
+    anything): a torch without it, or a head size (`head_dim`, given by `field`) its kernel
+    refuses; one line naming the field and the fix, else None. torch_version: the ranks' torch
+    (e.g. '2.6.0+cu124'; one that cannot be read is not judged)."""
+    if device != "cuda":
+        return None
+    found = re.match(r"(\d+)\.(\d+)", torch_version)
+    release = (int(found[1]), int(found[2])) if found else None
+    other = "or set model.attention=causal (SDPA's fused causal kernels, attending across documents)"
+    if release is not None and release < FLEX_TORCH:
+        return (
+            f"model.attention: 'document' on CUDA runs torch's flex attention (torch.nn.attention.flex_attention, "
+            f"torch {FLEX_TORCH[0]}.{FLEX_TORCH[1]} or newer) and the ranks have torch {torch_version}; upgrade torch, "
+            f"{other}."
+        )
+    if head_dim < FLEX_MIN_HEAD:
+        return (
+            f"{field}: a head size of {head_dim} is narrower than flex attention's fused kernel takes under "
+            f"model.attention 'document' on CUDA (heads of {FLEX_MIN_HEAD} or more: its Triton matmuls); give heads of "
+            f"{FLEX_MIN_HEAD} or more (a base with them), {other}."
+        )
+    if head_dim & (head_dim - 1) == 0 or release is None:
+        return None
+    if release < FLEX_ANY_HEAD_TORCH:
+        return (
+            f"{field}: a head size of {head_dim} is not a power of two, which the ranks' torch {torch_version} flex "
+            f"attention refuses (model.attention 'document' on CUDA; any size of {FLEX_MIN_HEAD} or more from torch "
+            f"{FLEX_ANY_HEAD_TORCH[0]}.{FLEX_ANY_HEAD_TORCH[1]}); upgrade torch, {other}."
+        )
+    if release < FLEX_SHORT_ANY_HEAD_TORCH and block_size < FLEX_DECODE_BELOW:
+        return (
+            f"{field}: a head size of {head_dim} (not a power of two) with model.block_size {block_size} (under "
+            f"{FLEX_DECODE_BELOW}) sends torch {torch_version}'s flex attention to its decoding kernel, which fails to "
+            f"compile for it (fixed in torch {FLEX_SHORT_ANY_HEAD_TORCH[0]}.{FLEX_SHORT_ANY_HEAD_TORCH[1]}); set "
+            f"model.block_size to {FLEX_DECODE_BELOW} or more, upgrade torch, {other}."
+        )
+    return None
+
+
+def attention_problems(config: RunConfig) -> list[str]:
+    """model.attention 'document' where the ranks run on CUDA (launch.backend 'nccl', or 'auto'
+    with launch.accelerator a GPU or a GPU on this host): what the ranks' torch (this host's,
+    from its metadata) cannot serve of the model's head size (``flex_attention_problem``). Told
+    once the model's shape is known (a base's, read in)."""
+    from stoker.arithmetic.plan import local_gpu_name
+
+    m, lc = config.model, config.launch
+    if getattr(m, "attention", None) != "document" or not _valid(m) or not _valid(lc) or m.unresolved():
+        return []
+    gpu_named = bool(lc.accelerator) and lc.accelerator.lower() != "cpu"
+    on_cuda = lc.backend == "nccl" or (lc.backend == "auto" and (gpu_named or local_gpu_name() is not None))
+    field = "model.head_dim" if getattr(m, "head_dim", None) else "model.n_embd / model.n_head"
+    problem = flex_attention_problem(
+        m.resolved_head_dim, installed_torch(), "cuda" if on_cuda else "cpu", m.block_size, field
+    )
     return [problem] if problem else []
 
 

@@ -14,7 +14,8 @@ A family's folder holds everything that differs between families:
   ``parallelize``).
 
 What the families share is beside them: ``section.py`` (the section base), ``spec.py``,
-``layers.py`` and ``common.py`` (torch). Nothing outside this room names a family
+``attention.py`` (document masks, flex attention, SDPA), ``layers.py`` (activation checkpointing,
+the chunked loss) and ``common.py`` (torch). Nothing outside this room names a family
 (tests/test_architecture.py): the configuration asks ``FAMILIES``, the trainer ``spec_of``.
 This module imports no torch: the flow process reads the configs, only ``spec_of`` loads a
 family's module.

@@ -1,6 +1,7 @@
 """What every family's forward shares: activation checkpointing of a block (full or
 selective), the output layer with its cross-entropy (whole, or a chunk of tokens at a time so
-the (tokens x vocabulary) logits never exist), and the padding of the vocabulary rows."""
+the (tokens x vocabulary) logits never exist), and the padding of the vocabulary rows. The
+attention itself (document masks, flex attention, SDPA) is ``families.attention``."""
 
 from __future__ import annotations
 
@@ -139,106 +140,3 @@ def logits_and_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 
 def padded_vocab(vocab_size: int, multiple: int) -> int:
     return -(-vocab_size // multiple) * multiple
-
-
-# ---- attention in packed windows ---------------------------------------------------------------
-# the fused kernel wherever CUDA runs; False: the exact path there too (what a CUDA test compares)
-FUSED_ON_CUDA = True
-
-
-class DocumentMask:
-    """Document-aware attention over a micro-batch of packed windows (model.attention
-    'document'): a token attends to the earlier tokens of its own document only. A document
-    ends at (and includes) the separator token; the tokens after it begin the next one.
-
-    Made once per forward pass and shared by every block. On CUDA it holds a flex-attention
-    BlockMask (blocks of 128 x 128 positions that are wholly masked are skipped by the fused
-    kernel; no T x T tensor exists); elsewhere the exact (B, 1, T, T) boolean mask of
-    scaled_dot_product_attention."""
-
-    def __init__(self, idx: torch.Tensor, end_id: int, fused: bool | None = None):
-        """fused: the flex-attention BlockMask (default: on CUDA); else the dense mask."""
-        ends = (idx == end_id).to(torch.int32)  # (B, T)
-        self.doc = torch.cumsum(ends, dim=1) - ends  # (B, T): separators before each position
-        B, T = idx.shape
-        self.block = None
-        self.dense = None
-        if (idx.is_cuda and FUSED_ON_CUDA) if fused is None else fused:
-            doc = self.doc
-
-            def same_document_causal(b, h, q, kv):
-                return (q >= kv) & (doc[b, q] == doc[b, kv])
-
-            self.block = block_mask_builder(idx.is_cuda)(same_document_causal, B, None, T, T, device=idx.device)
-        else:
-            self.dense = self.dense_mask()
-
-    def dense_mask(self) -> torch.Tensor:
-        """(B, 1, T, T) bool: True where a query position may attend to a key position."""
-        T = self.doc.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=self.doc.device).tril()
-        return (causal & (self.doc[:, :, None] == self.doc[:, None, :]))[:, None]
-
-
-_BUILDER = None
-
-
-def block_mask_builder(on_cuda: bool = True):
-    """flex attention's create_block_mask, compiled once per process on CUDA (torchtitan's
-    way), so that the mask is built block by block wherever the forward runs (FSDP2 compiles the
-    blocks, not the root's forward where the mask is made): eager, create_block_mask first
-    evaluates the mask function over a dense (B, H, T, T) grid, B x T^2 bytes and more (2.6 GB
-    at B=4, T=8k on the CPU, 204 MB compiled; `python -m benchmarks.bench_block_mask`). The
-    CPU's check of this path (fused=True there) builds it eagerly: compiling it on the CPU costs
-    ~45 s of C++ compilation per process, for sizes where the dense grid is small."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    global _BUILDER
-    if not on_cuda:
-        return create_block_mask
-    if _BUILDER is None:
-        _BUILDER = torch.compile(create_block_mask)
-    return _BUILDER
-
-
-_FLEX = None
-
-
-def _flex_attention(on_cuda: bool):
-    """flex_attention, compiled once on CUDA (the fused kernel; eager flex attention
-    materializes the scores, which is what the CPU's exact check of this path runs)."""
-    global _FLEX
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if not on_cuda:
-        return flex_attention
-    if _FLEX is None:
-        _FLEX = torch.compile(flex_attention, dynamic=False)
-    return _FLEX
-
-
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: "DocumentMask | None", dropout_p: float, enable_gqa: bool
-) -> torch.Tensor:
-    """Causal attention of q (B, nh, T, hd) over k, v (B, nkv, T, hd), within documents when
-    `mask` is given; (B, nh, T, hd). Without a mask: SDPA's causal kernels (today's numerics)."""
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa)
-    if mask.block is not None and dropout_p == 0.0:
-        return _flex_attention(q.is_cuda)(q, k, v, block_mask=mask.block, enable_gqa=enable_gqa)
-    dense = mask.dense if mask.dense is not None else mask.dense_mask()  # attention dropout: the exact path
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, dropout_p=dropout_p, enable_gqa=enable_gqa)
-
-
-def attention_mask(model, idx: torch.Tensor) -> "DocumentMask | None":
-    """The mask a model's forward shares among its blocks: None under model.attention
-    'causal'; a DocumentMask at the model's ``document_end_id`` under 'document'."""
-    if getattr(model.cfg, "attention", "causal") != "document":
-        return None
-    end_id = getattr(model, "document_end_id", None)
-    if end_id is None:
-        raise ValueError(
-            "model.attention 'document' needs the id of the token that ends each document: set the model's "
-            "document_end_id (the shards' eot_id) after building it"
-        )
-    return DocumentMask(idx, end_id)

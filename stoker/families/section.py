@@ -142,6 +142,12 @@ class _ModelSection(_Section):
         """The model in a few words (`stoker runs`, the report)."""
         raise NotImplementedError
 
+    @property
+    def resolved_head_dim(self) -> int:
+        """The width of one attention head: n_embd / n_head (a family with a head_dim field
+        overrides this)."""
+        return self.n_embd // self.n_head
+
     def unresolved(self) -> list[str]:
         """Architecture fields still empty (a base not yet read)."""
         return [name for name in self.FROM_BASE if getattr(self, name) is None]

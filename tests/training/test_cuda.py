@@ -391,7 +391,7 @@ def test_document_attention_on_cuda_runs_the_fused_kernel_as_the_exact_path(fami
     document gives causal attention's loss."""
     import torch.distributed as dist
 
-    from stoker.families import layers
+    from stoker.families import attention
     from stoker.training.engine import Engine, build_model
     from tests.conftest import tiny_dict
 
@@ -413,7 +413,7 @@ def test_document_attention_on_cuda_runs_the_fused_kernel_as_the_exact_path(fami
         out, logits = {}, {}
         for fused in (True, False):
             torch._dynamo.reset()
-            layers.FUSED_ON_CUDA = fused
+            attention.FUSED_ON_CUDA = fused
             try:
                 raw, model = build_model(cfg, 8192, Engine.resolve(cfg, dev), world_size=1)
                 raw.document_end_id = sep
@@ -441,7 +441,7 @@ def test_document_attention_on_cuda_runs_the_fused_kernel_as_the_exact_path(fami
                     raw.cfg.attention = "document"
                 assert masked == pytest.approx(causal, rel=1e-2)
             finally:
-                layers.FUSED_ON_CUDA = True
+                attention.FUSED_ON_CUDA = True
             del model, raw
             torch.cuda.empty_cache()
     finally:

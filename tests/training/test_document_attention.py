@@ -1,4 +1,4 @@
-"""Document-aware attention (model.attention 'document'; families.layers.DocumentMask):
+"""Document-aware attention (model.attention 'document'; families.attention.DocumentMask):
 a token of a packed window attends only to the earlier tokens of its own document, the
 boundaries at the separator token (which ends, and belongs to, its document).
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stoker.families.attention import DocumentMask, attend
 from stoker.families.gpt2.config import GPT2Config
 from stoker.families.gpt2.model import GPT
-from stoker.families.layers import DocumentMask, attend
 from tests.training.test_llama import _SHAPE, STYLES, _from_base, _hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -121,11 +121,40 @@ def test_the_cuda_mask_is_built_by_a_compiled_builder_and_flex_attention_is_kept
     selective activation checkpointing keeps flex attention's output as it keeps SDPA's."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from stoker.families import layers
+    from stoker.families import attention, layers
 
-    built = layers.block_mask_builder(on_cuda=True)
-    assert built is layers.block_mask_builder(on_cuda=True)  # once per process
+    built = attention.block_mask_builder(on_cuda=True)
+    assert built is attention.block_mask_builder(on_cuda=True)  # once per process
     assert getattr(built, "_torchdynamo_orig_callable", None) is create_block_mask  # torch.compile's
-    assert layers.block_mask_builder(on_cuda=False) is create_block_mask  # the CPU's exact check: eager
+    assert attention.block_mask_builder(on_cuda=False) is create_block_mask  # the CPU's exact check: eager
     assert torch.ops.higher_order.flex_attention in layers._KEPT
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in layers._KEPT
+
+
+def test_flex_attention_is_compiled_once_per_process_ahead_of_the_blocks_and_eager_on_the_cpu():
+    """CUDA's flex_attention is one torch.compile of it per process (torchtitan's class
+    attribute), handed to the blocks by the mask, which the model's forward makes before any
+    block runs; inside a compiled region, and on the CPU, the plain function (an enclosing
+    compile lowers it itself; the CPU's path is the exact eager one)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from stoker.families import attention
+
+    compiled = attention.flex_attention_kernel(on_cuda=True)
+    assert compiled is attention.flex_attention_kernel(on_cuda=True)  # one object per process
+    assert getattr(compiled, "_torchdynamo_orig_callable", None) is flex_attention
+    assert attention.flex_attention_kernel(on_cuda=False) is flex_attention
+    mask = DocumentMask(packed(batch=1, length=32), SEP, fused=True)  # the CPU's check of the fused path
+    assert mask.flex is flex_attention
+    assert DocumentMask(packed(batch=1, length=32), SEP, fused=False).flex is None
+
+    seen = []
+
+    @torch.compile(backend="eager")
+    def traced(x):
+        seen.append(attention.flex_attention_kernel(on_cuda=True))
+        seen.append(attention.block_mask_builder(on_cuda=True))
+        return x + 1
+
+    traced(torch.zeros(2))
+    assert seen == [flex_attention, create_block_mask]

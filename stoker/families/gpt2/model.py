@@ -18,15 +18,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from stoker.families.attention import attend, attention_mask
 from stoker.families.common import copy_full_value, seeded_generator
 from stoker.families.gpt2.config import GPT2Config
-from stoker.families.layers import (
-    attend,
-    attention_mask,
-    chunked_cross_entropy,
-    logits_and_loss,
-    padded_vocab,
-)
+from stoker.families.layers import chunked_cross_entropy, logits_and_loss, padded_vocab
 from stoker.families.spec import ModelSpec
 
 

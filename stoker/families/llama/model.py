@@ -6,7 +6,7 @@ The parameters carry transformers' names (less the ``model.`` prefix), so the ad
 plain rename with no transposes, and RoPE uses transformers' rotate_half layout, so the q/k
 projections of a Hugging Face checkpoint load as they are (no permutation). Attention is
 ``scaled_dot_product_attention`` with ``enable_gqa`` (the key/value heads are never repeated in
-memory), within documents under model.attention 'document' (``layers.attend``). The embedding rows are a base's own count (``model.vocab_size``) or the tokenizer's
+memory), within documents under model.attention 'document' (``attention.attend``). The embedding rows are a base's own count (``model.vocab_size``) or the tokenizer's
 padded to ``model.vocab_pad_multiple``. Initial weights are a pure function of the seed and each
 parameter's name, as in the gpt2 family, so a meta-device build sharded by FSDP2 starts from the
 same values as a replicated one.
@@ -19,6 +19,7 @@ import math
 import torch
 import torch.nn as nn
 
+from stoker.families.attention import attend, attention_mask
 from stoker.families.common import (
     RMSNorm,
     Rotary,
@@ -28,13 +29,7 @@ from stoker.families.common import (
     rope_inv_freq,
     seeded_generator,
 )
-from stoker.families.layers import (
-    attend,
-    attention_mask,
-    chunked_cross_entropy,
-    logits_and_loss,
-    padded_vocab,
-)
+from stoker.families.layers import chunked_cross_entropy, logits_and_loss, padded_vocab
 from stoker.families.llama import parallel
 from stoker.families.llama.config import LlamaConfig
 from stoker.families.spec import ModelSpec
