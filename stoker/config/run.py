@@ -469,6 +469,7 @@ class RunConfig(_Section):
                 payload["train"].pop(name, None)
         # fields added since runs were first named: at their old behaviour they name no new run
         payload["train"].pop("branch_sha256", None)  # a branch is named by its URI (runs.pin_run_folder pins its bytes)
+        payload["train"].pop("branch_step", None)  # and its step is the URI's checkpoint's
         if payload["train"].get("lr_from_base") and getattr(self.model, "init_from", None):
             # the rate is the base's (arithmetic.learning_rate, of its width): named by the base's
             # location, as its architecture is, so a config names one run before and after it is read
@@ -481,6 +482,7 @@ class RunConfig(_Section):
             ("decay_shape", "linear"),
             ("warmup_from", 0.0),
             ("branch_from", None),
+            ("rewarm", False),
         ):
             if name in payload["train"] and payload["train"][name] == old:
                 payload["train"].pop(name)

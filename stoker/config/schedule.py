@@ -35,6 +35,16 @@ PREFIX_FIELDS = ("lr_schedule", "lr", "warmup_steps", "warmup_from")
 EXTENSIBLE = ("wsd", "constant")
 # what a 'wsd' or 'constant' run's identity leaves out: its end
 END_FIELDS = ("max_steps", "decay_steps", "decay_shape", "min_lr")
+# a re-warmed branch's (train.rewarm): where its schedule starts; hashed only when it is set, so
+# every schedule written before it keeps its signature
+REWARM_FIELDS = ("rewarm", "branch_step")
+
+
+def origin(train: Any) -> int:
+    """The step a run's own schedule starts at: 0, or a re-warmed branch's branch point."""
+    if getattr(train, "rewarm", False) and getattr(train, "branch_step", None):
+        return int(train.branch_step)
+    return 0
 
 
 def lr_multiplier(step: int, train: Any) -> float:
@@ -44,8 +54,9 @@ def lr_multiplier(step: int, train: Any) -> float:
     cosine and linear to min_lr/lr at max_steps; wsd: 1 until the last decay_steps steps, then
     decay_shape down to min_lr/lr at the last step; constant: 1."""
     t = train
-    if step < t.warmup_steps:
-        return t.warmup_from + (1.0 - t.warmup_from) * (step + 1) / (t.warmup_steps + 1)
+    at = origin(t)  # a re-warmed branch: its warm-up, and a cosine's decay, count from its branch point
+    if step - at < t.warmup_steps:
+        return t.warmup_from + (1.0 - t.warmup_from) * (max(0, step - at) + 1) / (t.warmup_steps + 1)
     floor = t.min_lr / t.lr
     kind = getattr(t, "lr_schedule", "cosine")
     if kind == "constant":
@@ -62,7 +73,7 @@ def lr_multiplier(step: int, train: Any) -> float:
         else:
             left = 1.0 - progress
         return floor + (1.0 - floor) * left
-    progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+    progress = min(1.0, (step - at - t.warmup_steps) / max(1, t.max_steps - at - t.warmup_steps))
     if kind == "linear":
         return floor + (1.0 - floor) * (1.0 - progress)
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -75,7 +86,7 @@ def stable_until(train: Any) -> int:
         return train.max_steps
     if kind == "wsd":
         return train.max_steps - train.decay_steps
-    return train.warmup_steps
+    return origin(train) + train.warmup_steps
 
 
 def decay_start(train: Any) -> int | None:
@@ -95,6 +106,8 @@ def may_go_on_from(saved: dict | None, step: int, train: Any) -> bool:
 
 
 def _hash(train: Any, fields: tuple[str, ...]) -> str:
+    if origin(train):
+        fields = fields + REWARM_FIELDS
     values = {f: getattr(train, f, None) for f in fields}
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -131,8 +144,9 @@ def continuation_problem(saved: dict | None, step: int, train: Any) -> str:
 
 def curve(train: Any, points: int = 200) -> list[tuple[int, float]]:
     """(step, learning rate) over the run, at most `points` of them (the plan, the report)."""
-    every = max(1, train.max_steps // points)
-    steps = sorted({*range(0, train.max_steps, every), train.max_steps - 1})
+    at = origin(train)  # a re-warmed branch: drawn from its branch point (the steps before are its parent's)
+    every = max(1, (train.max_steps - at) // points)
+    steps = sorted({*range(at, train.max_steps, every), train.max_steps - 1})
     return [(s + 1, train.lr * lr_multiplier(s, train)) for s in steps]
 
 
@@ -140,6 +154,8 @@ def describe(train: Any) -> str:
     """The schedule in a line (the plan)."""
     t = train
     warm = f"warm-up {t.warmup_steps} steps from {t.warmup_from * t.lr:.3g} to {t.lr:.3g}"
+    if origin(t):
+        warm = f"re-warmed at the branch point (step {origin(t)}): {warm}"
     kind = getattr(t, "lr_schedule", "cosine")
     if kind == "constant":
         return f"{warm}, then constant {t.lr:.3g} (trained longer as the same run)"

@@ -635,6 +635,23 @@ class TrainConfig(_Section):
         fix="leave it empty: stoker computes it from train.branch_from",
         pattern=r"^[0-9a-f]{64}$",
     )
+    rewarm: bool = _field(
+        False,
+        "A branch (train.branch_from) warms up again from its branch point: train.warmup_steps counted "
+        "from there, from warmup_from x lr up to lr; a 'cosine' or 'linear' schedule then decays over the "
+        "branch's own steps, from the end of that warm-up to min_lr at max_steps ('wsd' keeps its decay "
+        "over the last decay_steps). Off: the branch keeps the whole run's timeline (its warm-up counted "
+        "from step 0, so none after it; a 'cosine' or 'linear' branch takes the curve of steps 0 to "
+        "max_steps at its own steps).",
+        fix="true only with train.branch_from; warmup_steps then counts from the branch point",
+    )
+    branch_step: int | None = _field(
+        None,
+        "Set by stoker from train.branch_from: the step of that checkpoint, where a re-warmed branch's "
+        "schedule starts (train.rewarm). Leave it empty.",
+        fix="leave it empty: stoker reads it from train.branch_from's checkpoint",
+        ge=0,
+    )
     weight_decay: float = _field(0.1, "AdamW weight decay on 2-D weights.", fix="0.1 is typical", ge=0)
     beta1: float = _field(0.9, "AdamW beta1.", fix="0.9 is typical", ge=0, lt=1)
     beta2: float = _field(0.95, "AdamW beta2.", fix="0.95 is typical", ge=0, lt=1)
@@ -715,6 +732,16 @@ class TrainConfig(_Section):
                 f"use at most {max_steps - warmup}, or raise train.max_steps",
             )
         return decay_steps
+
+    @field_validator("rewarm")
+    @classmethod
+    def _rewarm_needs_a_branch(cls, rewarm: bool, info: ValidationInfo) -> bool:
+        if rewarm and not info.data.get("branch_from"):
+            raise _rule(
+                "is true, and this run is no branch: a run warms up from step 0 as it is",
+                "set train.branch_from (or stoker run --branch-from URI), or leave rewarm false",
+            )
+        return rewarm
 
 
 class CheckpointConfig(_Section):

@@ -50,10 +50,14 @@ def checkpoint_location(store: Store, uri: str, field: str, verb: str) -> Checkp
     return where
 
 
-def committed_checkpoint(store: Store, uri: str, field: str, verb: str) -> tuple[CheckpointLocation, dict]:
-    """(location, commit manifest) of the committed, intact checkpoint `uri` under `store`'s root,
-    every byte checked (its sha256s) before any compute; one ConfigError line otherwise (no such
-    checkpoint, not committed, damaged). Shared by branches and soups."""
+def committed_checkpoint(
+    store: Store, uri: str, field: str, verb: str, deep: bool = True
+) -> tuple[CheckpointLocation, dict]:
+    """(location, commit manifest) of the committed, intact checkpoint `uri` under `store`'s root
+    (every file listed there at its recorded size; `deep`: every byte's sha256 too) before any
+    compute; one ConfigError line otherwise (no such checkpoint, not committed, damaged). Shared
+    by branches (not deep: the ranks verify the bytes as they read them, checkpoints.rehydrate)
+    and soups (deep: the soup's process reads them here)."""
     where = checkpoint_location(store, uri, field, verb)
     if not store.exists(join(where.key, COMMIT_FILE)):
         reason = "no such checkpoint" if not store.exists(where.key) else "it is not committed (no commit manifest)"
@@ -62,7 +66,7 @@ def committed_checkpoint(store: Store, uri: str, field: str, verb: str) -> tuple
                 f"{field}: {uri!r}: {reason}; {verb} a committed checkpoint that `stoker checkpoints {where.run_name}` lists"
             ]
         )
-    verdict = validate_checkpoint(store, where.key, deep=True)  # every byte, before any compute
+    verdict = validate_checkpoint(store, where.key, deep=deep)
     if not verdict:
         raise ConfigError([f"{field}: {uri!r} is not intact ({verdict.reason}); {verb} another of its checkpoints"])
     return where, verdict.manifest
@@ -83,7 +87,9 @@ def resolve_branch(cfg: RunConfig) -> RunConfig:
                 f"train.branch_from: {uri!r} is a checkpoint of this run; a branch is a run of its own: give another run_name"
             ]
         )
-    where, manifest = committed_checkpoint(store, uri, "train.branch_from", "branch from")
+    # the manifest's sizes here, not every byte's hash on the flow's host (a 70B model's with its
+    # optimizer state is ~1 TB): the ranks check each sha256 where they read the bytes
+    where, manifest = committed_checkpoint(store, uri, "train.branch_from", "branch from", deep=False)
     problems = []
     if manifest.get("model_hash") != cfg.model_hash():
         problems.append(
@@ -102,6 +108,20 @@ def resolve_branch(cfg: RunConfig) -> RunConfig:
             f"train.decay_steps: {t.decay_steps} is longer than the {t.max_steps - step} steps left after the branch "
             f"point (step {step}, max_steps {t.max_steps}); use at most {t.max_steps - step}, or raise train.max_steps"
         )
+    elif t.rewarm:
+        room = t.max_steps - step - (t.decay_steps if t.lr_schedule == "wsd" else 0)
+        if t.warmup_steps >= room:
+            problems.append(
+                f"train.warmup_steps: {t.warmup_steps} re-warm steps (train.rewarm) leave nothing after them: the "
+                f"branch point is step {step} and {room} steps follow it before "
+                f"{'the decay' if t.lr_schedule == 'wsd' else 'max_steps'}; use fewer than {room}, or raise "
+                "train.max_steps"
+            )
+    if t.branch_step not in (None, step):
+        problems.append(
+            f"train.branch_step: {t.branch_step} is not the branch point's step ({step}); leave it empty: stoker "
+            "reads it from train.branch_from"
+        )
     before = _parent_config(cfg, where.run_name)
     if before is not None:
         problems += _data_position_problems(before, cfg, where.run_name)
@@ -114,6 +134,7 @@ def resolve_branch(cfg: RunConfig) -> RunConfig:
         raise ConfigError(problems)
     data = cfg.model_dump()
     data["train"]["branch_sha256"] = sha256_of(store, where.key)
+    data["train"]["branch_step"] = step
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:

@@ -297,7 +297,7 @@ def _soup_config(lead: RunConfig, name: str, store: Store, options: dict) -> Run
     """The lead's config under the soup's run name and store, no branch point of its own."""
     data = lead.model_dump()
     data["run_name"] = name
-    data["train"].update(branch_from=None, branch_sha256=None)
+    data["train"].update(branch_from=None, branch_sha256=None, branch_step=None, rewarm=False)
     data["storage"].update(root=store.root, storage_options=options)
     try:
         return RunConfig.model_validate(data)

@@ -22,7 +22,8 @@ import torch.distributed.checkpoint as dcp
 
 from stoker import preflight
 from stoker.config import ConfigError, TrainConfig, load_config, schedule
-from stoker.storage.checkpoints import COMMIT_FILE, find_latest_valid, list_checkpoints
+from stoker.failures import CheckpointInvalid
+from stoker.storage.checkpoints import COMMIT_FILE, find_latest_valid, list_checkpoints, rehydrate
 from stoker.storage.runs import pin_run_folder
 from stoker.storage.store import join
 from tests.conftest import prepare_shards, tiny_dict, train_losses
@@ -113,12 +114,38 @@ def test_each_schedule_at_chosen_steps():
     assert schedule.lr_multiplier(99, constant) == 1.0 and schedule.stable_until(constant) == 100
 
 
+def test_what_a_branch_warms_up_and_decays_over():
+    """Without train.rewarm a branch keeps the whole run's timeline (a cosine branch at step 50 takes
+    the curve of steps 0..max_steps there); re-warmed, its warm-up counts from the branch point and
+    a cosine or linear schedule decays over the branch's own steps, 'wsd' keeps its decay at the end."""
+    uri = "file:///s/runs/p/checkpoints/step-00000050"
+    t = TrainConfig(max_steps=100, warmup_steps=10, lr=1.0, min_lr=0.1, branch_from=uri, branch_step=50)
+    whole = [schedule.lr_multiplier(s, t) for s in range(100)]
+    assert whole == [schedule.lr_multiplier(s, t.model_copy(update={"branch_from": None})) for s in range(100)]
+    assert whole[50] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 40 / 90)))  # no warm-up
+    warm = t.model_copy(update={"rewarm": True, "warmup_from": 0.1})
+    m = [schedule.lr_multiplier(s, warm) for s in range(100)]
+    assert m[50] == pytest.approx(0.1 + 0.9 / 11) and m[59] == pytest.approx(0.1 + 0.9 * 10 / 11) and m[60] == 1.0
+    assert m[80] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))  # halfway through 60..100
+    linear = warm.model_copy(update={"lr_schedule": "linear"})
+    assert schedule.lr_multiplier(80, linear) == pytest.approx(0.55)
+    assert schedule.stable_until(warm) == 60 and schedule.curve(warm)[0] == (51, warm.lr * m[50])
+    wsd = warm.model_copy(update={"lr_schedule": "wsd", "decay_steps": 20})
+    assert [schedule.lr_multiplier(s, wsd) for s in (60, 79)] == [1.0, 1.0] and schedule.stable_until(wsd) == 80
+    assert schedule.lr_multiplier(99, wsd) == pytest.approx(0.1)
+    # re-warming is the schedule's: a checkpoint of the re-warmed branch is judged by it
+    assert schedule.signature(warm)["hash"] != schedule.signature(t)["hash"]
+    assert schedule.signature(t) == schedule.signature(t.model_copy(update={"branch_from": None, "branch_step": None}))
+    assert "re-warmed at the branch point (step 50)" in schedule.describe(warm)
+
+
 def test_a_bad_schedule_is_one_line_each(tmp_path):
     for train, says in (
         ({"lr_schedule": "wsd"}, "train.decay_steps: is empty, and lr_schedule 'wsd' decays over the last decay_steps"),
         ({"lr_schedule": "wsd", "decay_steps": 7}, "train.decay_steps: is longer than the 6 steps after the warm-up"),
         ({"warmup_steps": 9}, "train.warmup_steps: must be below max_steps=8"),
         ({"lr_schedule": "step"}, "train.lr_schedule: "),
+        ({"rewarm": True}, "train.rewarm: is true, and this run is no branch"),
     ):
         with pytest.raises(ConfigError) as err:
             load_config(tiny_dict(f"file://{tmp_path}", train={"warmup_steps": 2, **train}))
@@ -289,6 +316,24 @@ def test_a_branch_that_decays_now_on_another_world_size_records_its_lineage(pare
     assert choice.checkpoint.step == 8
 
 
+def test_a_re_warmed_branch_warms_up_from_its_branch_point(parent):
+    """train.rewarm: the branch's first steps after step 6 climb to lr again (1/3, 2/3 of it over
+    warmup_steps 2), then its 'wsd' decay over the last 3 steps is the parent's."""
+    cfg, store, shards, records, root = parent
+    at6 = store.url("runs/parent/checkpoints/step-00000006")
+    branch = preflight.check(_cfg(root, "rewarmed", max_steps=12, branch_from=at6, rewarm=True, **WSD))
+    assert branch.train.branch_step == 6
+    branch = branch.model_copy(update={"launch": branch.launch.model_copy(update={"nproc_per_node": 1})})
+    got = run_forked(pin_run_folder(store, branch, shards), shards.key, nproc=1)
+    logged = {r["step"]: r["lr"] for r in got if r["event"] == "train"}
+    parent_lr = {r["step"]: r["lr"] for r in records if r["event"] == "train"}
+    assert sorted(logged) == list(range(7, 13))
+    assert [logged[s] for s in (7, 8, 9)] == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2])
+    assert [parent_lr[s] for s in (7, 8)] == [1e-2, 1e-2]  # the control: the parent did not warm there
+    assert [logged[s] for s in (10, 11, 12)] == [parent_lr[s] for s in (10, 11, 12)]
+    assert dict(schedule.curve(branch.train))[7] == logged[7]  # what the plan and the report draw
+
+
 def test_a_bad_branch_point_is_one_line_before_any_compute(parent, tmp_path):
     cfg, store, shards, records, root = parent
     at6 = store.url("runs/parent/checkpoints/step-00000006")
@@ -304,6 +349,10 @@ def test_a_bad_branch_point_is_one_line_before_any_compute(parent, tmp_path):
     assert refused(branch_from=at6, max_steps=9, decay_steps=4).startswith(
         "train.decay_steps: 4 is longer than the 3 steps left after the branch point"
     )
+    assert refused(branch_from=at6, max_steps=11, rewarm=True).startswith(
+        "train.warmup_steps: 2 re-warm steps (train.rewarm) leave nothing after them: the branch point is step 6"
+    )
+    assert refused(branch_from=at6, branch_step=4).startswith("train.branch_step: 4 is not the branch point's step (6)")
     assert refused(branch_from=at6, seed=7).startswith("train.seed: 7 is not the parent's (1337); a branch goes on")
     assert refused(branch_from=at6, global_batch_size=16).startswith(
         "train.global_batch_size: 16 is not the parent's (8)"
@@ -328,6 +377,13 @@ def test_a_bad_branch_point_is_one_line_before_any_compute(parent, tmp_path):
             victim = store.local_path(join(key, next(n for n in manifest["files"] if n != ".metadata")))
             data = bytearray(open(victim, "rb").read())
             data[len(data) // 2] ^= 0xFF
+            open(victim, "wb").write(bytes(data))
+            # the preflight reads its manifest (every file at its size), not every byte on the flow's
+            # host; the ranks verify each sha256 as they read the bytes, and refuse it there
+            assert preflight.check(_cfg(root, "bad", **{**WSD, "max_steps": 12, "branch_from": store.url(key)}))
+            with pytest.raises(CheckpointInvalid, match="fails its sha256 checksum"):
+                rehydrate(store, key, str(tmp_path / "cache"))
+            data.append(0)  # a file of another size: refused before any compute
             open(victim, "wb").write(bytes(data))
             assert "is not intact" in refused(branch_from=store.url(key))
         shutil.rmtree(store.local_path(key))
