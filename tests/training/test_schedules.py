@@ -283,7 +283,9 @@ def test_a_branch_with_the_parents_schedule_trains_bitwise_like_it_and_writes_no
         branch.train.branch_sha256
         == hashlib.sha256(store.read_bytes(f"runs/parent/checkpoints/step-00000006/{COMMIT_FILE}")).hexdigest()
     )
-    run_forked(pin_run_folder(store, branch, shards), shards.key, nproc=2)  # no resume named: its branch point
+    got = run_forked(pin_run_folder(store, branch, shards), shards.key, nproc=2)  # no resume named: its branch point
+    # its first step's loss is the parent's at the same world size, to the bit
+    assert train_losses(got)[7] == train_losses(records)[7]
     _same(_model_tensors(store, _final(store, "parent").key), _model_tensors(store, _final(store, "same").key))
     assert _bytes_of(store, "parent") == before
 
@@ -314,6 +316,12 @@ def test_a_branch_that_decays_now_on_another_world_size_records_its_lineage(pare
     assert again.resolved_run_name() == name
     choice = find_latest_valid(store, name, {"run_name": name, "model_hash": again.model_hash()}, again.train)
     assert choice.checkpoint.step == 8
+    # launched again (from where the resume task finds it), it trains nothing and writes no checkpoint
+    folder = sorted(c.key for c in list_checkpoints(store, name))
+    again = again.model_copy(update={"launch": again.launch.model_copy(update={"nproc_per_node": 1})})
+    second = run_forked(pin_run_folder(store, again, shards), shards.key, resume=choice.checkpoint.key, nproc=1)
+    assert not train_losses(second) and sorted(c.key for c in list_checkpoints(store, name)) == folder
+    assert train_losses(got)  # the control: the first launch trained
 
 
 def test_a_re_warmed_branch_warms_up_from_its_branch_point(parent):
