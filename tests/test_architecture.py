@@ -14,9 +14,9 @@ SHARED = (
     "failures",  # stoker/failures.py: one failure taxonomy and one retry helper
     "fields",  # how a config field is declared and a broken rule told
     "families",  # the model families, one folder each, and their registry
-    "config",  # the run configuration: sections, RunConfig, loading, the learning-rate schedule
+    "config",  # the run configuration: sections, RunConfig, loading
     "contracts",  # what the rooms hand each other: the rank records and their wire format, results
-    "arithmetic",  # a run's arithmetic from its config: plan, data order, bytes per token, gains
+    "arithmetic",  # a run's arithmetic from its config: plan, learning-rate schedule, data order, bytes per token, gains
     "process",  # how a stoker process lives, ends and connects: lifeline, quick exit, Ray
 )
 ROOMS = (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stoker.config.sections import DEFAULT_SOURCE_NAME
+from stoker.config.data import DEFAULT_SOURCE_NAME
 
 
 def eval_values(record: Any) -> tuple[dict[str, float], dict[str, float]]:

@@ -42,7 +42,7 @@ from typing import Any
 
 from stoker.arithmetic.learning_rate import effective_train
 from stoker.arithmetic.learning_rate import origin as lr_origin
-from stoker.config.schedule import describe as describe_schedule
+from stoker.arithmetic.schedule import describe as describe_schedule
 
 GIB = 1024**3
 CUDA_CONTEXT_GIB = 1.0  # the CUDA context, cuBLAS/cuDNN workspaces: outside max_memory_allocated
@@ -277,7 +277,7 @@ class Plan:
     max_steps: int = 0
     price: float | None = None
     notes: list[str] = field(default_factory=list)
-    schedule: str = ""  # the learning rate over the run's steps (config.schedule.describe)
+    schedule: str = ""  # the learning rate over the run's steps (arithmetic.schedule.describe)
     lr_origin: str = ""  # where a run from a base takes its train.lr (arithmetic.learning_rate.origin)
     data_mix: str = ""  # a mixture's weights over the run's steps
     branch: str = ""  # where a branch leaves its parent

@@ -16,9 +16,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from stoker.config.data import DataConfig
+from stoker.config.launch import LaunchConfig
+from stoker.config.observe import MetricsConfig
 from stoker.config.problems import field_range, problem_line
 from stoker.config.run import BUILTIN_RECIPES, RunConfig, _overlaps, _read
-from stoker.config.sections import DataConfig, LaunchConfig, MetricsConfig, TokenizerConfig
+from stoker.config.tokenizer import TokenizerConfig
 from stoker.failures import ConfigError
 
 RECIPES_DIR = BUILTIN_RECIPES

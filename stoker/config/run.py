@@ -18,27 +18,19 @@ from typing import Any, Callable
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
+from stoker.config.checkpoint import CheckpointConfig
+from stoker.config.data import DataConfig
+from stoker.config.engine import EngineConfig
+from stoker.config.eval import EvalConfig
+from stoker.config.launch import LaunchConfig, RayConfig
+from stoker.config.observe import CostConfig, EventsConfig, MetricsConfig
 from stoker.config.problems import problem_lines
-from stoker.config.schedule import END_FIELDS, EXTENSIBLE
-from stoker.config.sections import (
-    CheckpointConfig,
-    CostConfig,
-    DataConfig,
-    EngineConfig,
-    EvalConfig,
-    EventsConfig,
-    LaunchConfig,
-    MetricsConfig,
-    RayConfig,
-    StorageConfig,
-    TokenizerConfig,
-    TrainConfig,
-    _field,
-    _rule,
-    _Section,
-)
+from stoker.config.storage import StorageConfig
+from stoker.config.tokenizer import TokenizerConfig
+from stoker.config.train import END_FIELDS, EXTENSIBLE, TrainConfig
 from stoker.failures import ConfigError
 from stoker.families import DEFAULT_FAMILY, FAMILIES, ModelConfig
+from stoker.fields import _field, _rule, _Section
 
 
 def base_location(init_from: str) -> str:
@@ -463,7 +455,7 @@ class RunConfig(_Section):
             },
         )
         # a schedule whose past does not depend on its end (wsd, constant): trained longer, or
-        # with another decay, it is the same run going on (config.schedule)
+        # with another decay, it is the same run going on (config.train, arithmetic.schedule)
         if self.train.lr_schedule in EXTENSIBLE:
             for name in END_FIELDS:
                 payload["train"].pop(name, None)

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from pydantic import BaseModel, Field
 
-from stoker.config.sections import DEFAULT_SOURCE_NAME
+from stoker.config.data import DEFAULT_SOURCE_NAME
 
 
 @dataclass

@@ -579,7 +579,7 @@ def schedule_png(config, title: str, branch_step: int | None) -> bytes:
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    from stoker.config.schedule import curve
+    from stoker.arithmetic.schedule import curve
 
     sources = config.data.sources or []
     fig = Figure(figsize=(10 if sources else 6, 3.5), dpi=100)
@@ -618,7 +618,7 @@ def schedule_markdown(config, store: Store, run: str) -> str:
     import base64
 
     from stoker.arithmetic.plan import mix_over_steps
-    from stoker.config.schedule import describe
+    from stoker.arithmetic.schedule import describe
 
     chain_key = run_file_key(run, "lineage.json")
     branch_step = store.read_json(chain_key).get("step") if store.exists(chain_key) else None

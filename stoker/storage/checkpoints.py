@@ -30,7 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from stoker.config.schedule import EXTENSIBLE, continuation_problem, may_go_on_from
+from stoker.arithmetic.schedule import continuation_problem, may_go_on_from
+from stoker.config.train import EXTENSIBLE
 from stoker.failures import CheckpointInvalid, CheckpointUnavailable, ConfigError
 from stoker.storage.cache import checked_in_place, host_lock, verified_copy
 from stoker.storage.layout import METRICS_FILE, checkpoints_key, run_file_key

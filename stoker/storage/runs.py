@@ -8,7 +8,9 @@ import os
 import uuid
 from dataclasses import dataclass
 
-from stoker.config import RunConfig, schedule
+from stoker.arithmetic import schedule
+from stoker.config import RunConfig
+from stoker.config.train import END_FIELDS
 from stoker.contracts.results import DataShards
 from stoker.failures import CheckpointUnavailable, ConfigError, ExportError
 from stoker.storage.layout import (
@@ -134,7 +136,7 @@ def schedule_change_problem(store: Store, config: RunConfig, old: RunConfig | No
             trained.append((ref.step, verdict.manifest.get("schedule") or {}))
     if not trained:
         return ""  # nothing trained yet: nothing to start over from
-    changed = [f for f in schedule.END_FIELDS if getattr(old.train, f, None) != getattr(config.train, f, None)]
+    changed = [f for f in END_FIELDS if getattr(old.train, f, None) != getattr(config.train, f, None)]
     settings = ", ".join(f"{f}={getattr(config.train, f)!r}" for f in changed)
     wsd, start = config.train.lr_schedule == "wsd", schedule.stable_until(config.train)
     stable = [step for step, saved in trained if step <= int(saved.get("stable_until", step))]

@@ -18,7 +18,7 @@ import tempfile
 from prefect import get_run_logger
 
 from stoker.config import DataConfig, EvalConfig, RayConfig, StorageConfig, TokenizerConfig
-from stoker.config.sections import DEFAULT_SOURCE_NAME
+from stoker.config.data import DEFAULT_SOURCE_NAME
 from stoker.contracts.results import DatasetInfo, DedupInfo, FilterInfo, ShardInfo, TokenizerInfo
 from stoker.data import dedup, filtering, prepare
 from stoker.data.sources import resolve_source

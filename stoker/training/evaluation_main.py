@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from stoker.config.sections import DEFAULT_SOURCE_NAME
+from stoker.config.data import DEFAULT_SOURCE_NAME
 from stoker.contracts import events
 from stoker.contracts.results import parse_shards_arg
 from stoker.families import build_model

@@ -24,9 +24,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from stoker.arithmetic import schedule
 from stoker.arithmetic.token_bytes import BitsPerByteUnsupported, token_byte_counts
-from stoker.config import RunConfig, schedule
-from stoker.config.sections import DEFAULT_SOURCE_NAME
+from stoker.config import RunConfig
+from stoker.config.data import DEFAULT_SOURCE_NAME
 from stoker.contracts import events
 from stoker.failures import CheckpointInvalid
 from stoker.families import spec_of
@@ -59,7 +60,7 @@ FAILED_UPLOAD_WAIT_SECONDS = 10.0
 
 
 def lr_multiplier(step: int, cfg: RunConfig) -> float:
-    """train.lr_schedule's multiplier of train.lr at this step (config.schedule)."""
+    """train.lr_schedule's multiplier of train.lr at this step (arithmetic.schedule)."""
     return schedule.lr_multiplier(step, cfg.train)
 
 

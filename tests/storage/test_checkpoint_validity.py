@@ -2,7 +2,8 @@ import os
 
 import pytest
 
-from stoker.config import TrainConfig, schedule
+from stoker.arithmetic import schedule
+from stoker.config import TrainConfig
 from stoker.failures import CheckpointInvalid, ConfigError
 from stoker.storage.checkpoints import (
     COMMIT_FILE,

@@ -21,7 +21,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from stoker import preflight
-from stoker.config import ConfigError, TrainConfig, load_config, schedule
+from stoker.arithmetic import schedule
+from stoker.config import ConfigError, TrainConfig, load_config
 from stoker.failures import CheckpointInvalid
 from stoker.storage.checkpoints import COMMIT_FILE, find_latest_valid, list_checkpoints, rehydrate
 from stoker.storage.runs import pin_run_folder

@@ -18,26 +18,8 @@ import json
 import math
 from typing import Any
 
-# the fields of the train section the learning rate reads
-SCHEDULE_FIELDS = (
-    "lr_schedule",
-    "lr",
-    "min_lr",
-    "warmup_steps",
-    "warmup_from",
-    "max_steps",
-    "decay_steps",
-    "decay_shape",
-)
-# those the stable part reads
-PREFIX_FIELDS = ("lr_schedule", "lr", "warmup_steps", "warmup_from")
-# a run whose past does not depend on its end: trained longer under the same name
-EXTENSIBLE = ("wsd", "constant")
-# what a 'wsd' or 'constant' run's identity leaves out: its end
-END_FIELDS = ("max_steps", "decay_steps", "decay_shape", "min_lr")
-# a re-warmed branch's (train.rewarm): where its schedule starts; hashed only when it is set, so
-# every schedule written before it keeps its signature
-REWARM_FIELDS = ("rewarm", "branch_step")
+# the names of the train section's fields it reads are the configuration's (stoker.config.train)
+from stoker.config.train import EXTENSIBLE, PREFIX_FIELDS, REWARM_FIELDS, SCHEDULE_FIELDS
 
 
 def origin(train: Any) -> int:
