@@ -40,6 +40,8 @@ from stoker.arithmetic.permutation import Bijection
 
 MAX_BLOCK_STEPS = 1000
 MAX_BLOCK_WINDOWS = 1 << 22  # a block's assignment array stays a few MB
+# the picks computed at once, for the steps ahead (a step's global batch at the least): 64 KB
+CHUNK_POSITIONS = 1 << 12
 _MIX_TAG = 0x6D6978  # "mix": the block shuffles' stream, apart from the windows' permutations
 
 
@@ -147,7 +149,9 @@ class Mixture:
         self.segments = segments(self.names, weights, schedule, global_batch)
         self._blocks: OrderedDict = OrderedDict()
         self._orders: OrderedDict = OrderedDict()  # a few round keys each, not windows
-        self._step: tuple | None = None  # the last step's whole picks
+        # the picks of the steps ahead (first step, sources, windows): a step's micro-batches
+        # read it in turn, and the next steps' come from the same bijection calls
+        self._steps: tuple = (0, np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
 
     @classmethod
     def of_config(
@@ -228,16 +232,24 @@ class Mixture:
     def picks(self, step: int, start: int = 0, count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(source index, window index in that source) of positions [start, start+count) of
         step's global batch."""
-        if self._step is None or self._step[0] != step:  # a step's micro-batches read it in turn
-            self._step = (step, *self._whole_step(step))
-        _, src, windows = self._step
-        end = len(src) if count is None else start + count
-        return src[start:end], windows[start:end]
+        first, src, windows = self._steps
+        if not first <= step < first + len(src) // self.global_batch:  # computed for the steps ahead
+            steps = max(1, CHUNK_POSITIONS // self.global_batch)
+            self._steps = (step, *self._whole_steps(step, steps))
+            first, src, windows = self._steps
+        at = (step - first) * self.global_batch
+        end = self.global_batch if count is None else start + count
+        return src[at + start : at + end], windows[at + start : at + end]
 
-    def _whole_step(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        ids = self.sources_of_step(step)
+    def _whole_steps(self, step: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """The picks of `steps` steps from `step`, position by position, step after step: the
+        same as one step at a time (a step's draws go on from the steps before it), with one
+        bijection call per (source, epoch) for them all; each call costs its passes of numpy
+        arithmetic (cycle walking: up to ~10 on a small batch) whatever its size, so a chunk
+        of steps pays that once."""
+        ids = np.concatenate([self.sources_of_step(s) for s in range(step, step + steps)])
         base = self.draws_before(step)
-        # the n-th window of a source in this step: how many positions before hold that source
+        # the n-th window of a source in these steps: how many positions before hold that source
         order = np.argsort(ids, kind="stable")
         occurrence = np.empty(len(ids), dtype=np.int64)
         sorted_ids = ids[order]
@@ -247,7 +259,7 @@ class Mixture:
         draw = base[src] + occurrence  # the draw's number in its source, over all epochs
         epoch, within = np.divmod(draw, self.windows[src])
         out = np.empty(len(src), dtype=np.int64)
-        # one bijection call per (source, epoch) of the step: a step spans few of them
+        # one bijection call per (source, epoch) of the steps: they span few of them
         for i in np.unique(src).tolist():
             of_i = np.flatnonzero(src == i)
             for e in np.unique(epoch[of_i]).tolist():

@@ -5,6 +5,7 @@ data.sources and data.schedule, each one line before any compute."""
 import numpy as np
 import pytest
 
+from stoker.arithmetic import mixture
 from stoker.arithmetic.mixture import MAX_BLOCK_STEPS, Mixture, quotas
 from stoker.config import ConfigError, build_config, load_config
 from tests.conftest import tiny_dict
@@ -118,3 +119,23 @@ def test_a_mixture_source_takes_the_data_sections_options_unless_it_sets_its_own
     (a, wa, ca), (b, wb, cb) = cfg.data.source_configs()
     assert (a, wa, ca.source, ca.max_bytes, ca.text_field) == ("a", 1.0, "/x", 1000, "body")
     assert (b, cb.max_bytes, cb.sources) == ("b", 0, [])
+
+
+def test_the_picks_of_a_step_are_the_same_whatever_step_was_asked_before():
+    """The picks are computed for the steps ahead (mixture.CHUNK_POSITIONS at a time): read step
+    after step, across a weight change, epochs and chunk ends, each step's picks equal those of a
+    mixture asked that step first (a resume there), whose first chunk starts at it."""
+    windows, schedule = [97, 1000, 131], [(50, {"a": 0.2, "b": 0.2, "c": 0.6})]
+    make = lambda: Mixture(["a", "b", "c"], [0.5, 0.3, 0.2], schedule, 20, 7, windows)  # noqa: E731
+    ahead, chunk = make(), mixture.CHUNK_POSITIONS // 20
+    steps = 2 * chunk + 30
+    for s in range(steps):
+        src, win = ahead.picks(s)
+        if s % 37 and s % chunk not in (0, chunk - 1) and s != 50:
+            continue  # a fresh mixture computes a whole chunk: asked at some steps only
+        alone = make()
+        part = alone.picks(s, 5, 7)  # a micro-batch of it, asked first
+        alone_src, alone_win = alone.picks(s)
+        assert np.array_equal(src, alone_src) and np.array_equal(win, alone_win), s
+        assert np.array_equal(part[1], win[5:12]), s
+    assert ahead.epochs_after(steps).min() > 1  # every source past an epoch

