@@ -64,10 +64,22 @@ def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) every test on the
     session's Ray cluster, and every test marked `ray_instance` (it starts a Ray of its own),
     runs on one worker: one cluster is started, not one per worker, and there is one Ray on
-    the machine at a time (ray.address 'auto' finds a cluster by its processes)."""
+    the machine at a time (ray.address 'auto' finds a cluster by its processes). Every other
+    test that uses a module-scoped fixture (a module's run, built once for its tests) runs on
+    its module's worker, unless it names a group of its own: dealt out test by test, each
+    worker would build the module's run again."""
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ray_instance"):
             item.add_marker(pytest.mark.xdist_group("ray-cluster"))
+        elif not item.get_closest_marker("xdist_group") and _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(f"module:{item.module.__name__}"))
+
+
+def _uses_a_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None or getattr(item, "module", None) is None:
+        return False
+    return any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
 
 
 def pytest_sessionfinish(session, exitstatus):

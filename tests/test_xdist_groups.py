@@ -51,6 +51,14 @@ def test_own_ray_{m}(seen):
 @pytest.mark.parametrize("i", range(4))
 def test_plain_{m}(seen, i):
     time.sleep(0.2)
+
+@pytest.fixture(scope="module")
+def built():
+    return object()
+
+@pytest.mark.parametrize("i", range(3))
+def test_module_run_{m}(built, seen, i):
+    time.sleep(0.2)
 """
 
 
@@ -75,11 +83,14 @@ def test_the_ray_tests_run_on_one_xdist_worker_under_loadgroup(tmp_path):
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     workers = {name: (seen / name).read_text() for name in os.listdir(seen)}
-    assert len(workers) == 16, sorted(workers)
-    ray = {w for name, w in workers.items() if not name.startswith("test_plain")}
+    assert len(workers) == 22, sorted(workers)
+    ray = {w for name, w in workers.items() if name.startswith(("test_on_the_cluster", "test_own_ray"))}
     assert len(ray) == 1, (
         f"the Ray tests ran on workers {sorted(ray)}: pytest-xdist's --dist loadgroup lost the "
         f"xdist_group marks (pytest-xdist#1386, pytest 9.2); install the pinned pytest "
         f"(pip install -e '.[test]')"
     )
     assert len(set(workers.values())) == 2  # and the other tests were dealt to both workers
+    for m in ("a", "b"):  # a module's run is built once: its tests on one worker
+        module = {w for name, w in workers.items() if name.startswith(f"test_module_run_{m}")}
+        assert len(module) == 1, (m, module)
