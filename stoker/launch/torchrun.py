@@ -37,7 +37,9 @@ from stoker.launch.gang import GangLauncher, ProcessGang, make_work_dir
 CPU_THREADS_ENV = "STOKER_CPU_THREADS"  # a CPU rank's torch threads (training.distributed.setup_distributed)
 
 # torchrun's agent, ended without the interpreter's teardown of torch (process.quick_exit: 0.5-1
-# CPU-s a node and round)
+# CPU-s a node and round), however it ends (SIGTERMed, it raises), and watching this launcher as a
+# supervisor (process.lifeline.watch_as_supervisor: the launcher gone, its ranks get their stop
+# time and it ends within seconds of them, whatever torch waits on)
 AGENT = (sys.executable, "-m", "stoker.process.quick_exit", "torch.distributed.run")
 
 

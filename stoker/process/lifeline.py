@@ -23,6 +23,13 @@ Three signals, because no one of them covers every case:
   share for it to reach them; ``srun`` nodes also get the stop through srun, which itself gets
   the parent-death signal.
 
+A supervisor of ranks (torchrun's agent) also watches from inside itself (``watch_as_supervisor``,
+started by the module runner ``process.quick_exit`` when its environment names a launcher): torch's
+agent, once its launcher is gone, is SIGTERMed twice (the parent-death signal, then by its local
+rank 0), each signal raised as an exception wherever its main thread stands (inside its own
+shutdown, the second time); ``end_supervisor`` gives its ranks their stop time, then ends it,
+whatever it waits on.
+
 ``python -m stoker.process.lifeline <token> <module> [args...]`` runs a Python module (``uvicorn``, for
 Prefect's embedded server) that ends when the process named by the token does.
 """
@@ -44,6 +51,8 @@ HEARTBEAT_SECONDS = 2.0
 HEARTBEAT_TIMEOUT_SECONDS = 20.0  # generous: a loaded host may delay the touching thread
 POLL_SECONDS = 1.0
 PR_SET_PDEATHSIG = 1
+RANK_LATE_SECONDS = 5.0  # a rank's own deadline, late on a loaded host (its lifeline polls)
+SUPERVISOR_END_SECONDS = 10  # a supervisor's own way out, once its children are gone
 
 
 def _find_prctl():
@@ -235,6 +244,114 @@ def terminate_self(grace: float, announce: Callable[[], bool] = lambda: True) ->
         os.kill(os.getpid(), signal.SIGKILL)
 
     return on_gone
+
+
+def children(pid: int | None = None) -> list[int]:
+    """The live children of a process (this one by default; Linux /proc, zombies left out)."""
+    pid = os.getpid() if pid is None else pid
+    found = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # from the 3rd field (state) on
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            found.append(int(name))
+    return found
+
+
+def _signal_child(pid: int, sig: int) -> None:
+    """`sig` to a child and, when it leads a process group of its own (a torchrun rank's
+    session), to that group: what the child started goes with it."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def supervisor_grace(env=os.environ) -> float:
+    """How long a supervisor whose launcher is gone gives its children (torchrun's ranks): their
+    stop budget (``STOKER_STOP_GRACE_SECONDS``, training.distributed.stop_grace_seconds) and the
+    15 s more after which a rank SIGKILLs itself (training.train), plus RANK_LATE_SECONDS."""
+    try:
+        stop = float(env.get("STOKER_STOP_GRACE_SECONDS", "15"))
+    except ValueError:
+        stop = 15.0
+    return stop + 15.0 + RANK_LATE_SECONDS
+
+
+def end_supervisor(
+    grace: float, end: int = SUPERVISOR_END_SECONDS, announce: Callable[[], bool] = lambda: True
+) -> Callable[[str], None]:
+    """An `on_gone` for a process that supervises children in sessions of their own (torchrun's
+    agent): its children are sent SIGTERM (a rank stops as on a cancel, with a stop checkpoint)
+    and given `grace` seconds to end, then SIGKILLed, each with its process group (a child that
+    appears meanwhile, a restart round's, at once: it has nothing to save); this process is then
+    given `end` seconds to end its own way (its error file, its handlers) and is ended with
+    ``os._exit`` (or by SIGALRM a second later, where its interpreter's teardown has begun and
+    holds this thread; the process must leave SIGALRM's action the default). Whatever its own code
+    waits on, a monitor loop, a shutdown that a second signal cut short, a thread, the teardown,
+    it is gone `grace + end` seconds after its launcher at the latest, and about `end` seconds
+    after its children. It says why on stderr (from a thread of its own: a pipe no one reads
+    cannot hold it)."""
+
+    def on_gone(reason: str) -> None:
+        try:
+            if announce():
+                threading.Thread(target=_say, args=(f"stoker: stopping: {reason}",), daemon=True).start()
+            first = set(children())
+            for pid in first:
+                _signal_child(pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                now = children()
+                if not now:
+                    break
+                for pid in set(now) - first:
+                    _signal_child(pid, signal.SIGKILL)
+                time.sleep(0.2)
+            for pid in children():
+                _signal_child(pid, signal.SIGKILL)
+            # the kernel's deadline too: once the interpreter's teardown has begun, a thread
+            # that wakes up never runs again (SIGALRM's default action ends the process)
+            signal.alarm(end + 1)
+            time.sleep(end)
+        finally:
+            os._exit(128 + signal.SIGTERM)
+
+    return on_gone
+
+
+def _say(text: str) -> None:
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def watch_as_supervisor(env=os.environ) -> "Lifeline | None":
+    """In a supervisor a stoker launcher started (its environment names the launcher: torchrun's
+    agent, run by ``python -m stoker.process.quick_exit``): a started lifeline that ends it with
+    `end_supervisor` when the launcher, or its parent, is gone. None (nothing watched) elsewhere."""
+    if not env.get(LAUNCHER_ENV) and not env.get(HEARTBEAT_ENV):
+        return None
+    return Lifeline(
+        end_supervisor(supervisor_grace(env)),
+        env.get(LAUNCHER_ENV),
+        env.get(HEARTBEAT_ENV),
+        watch_parent=True,
+    ).start()
 
 
 def main(argv: list[str]) -> None:

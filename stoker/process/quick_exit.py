@@ -22,9 +22,13 @@ object reachable at exit does not run, and a file object still open is not flush
 processes whose own code closes what it writes (every ``stoker`` process started with ``-m``
 does: the store writes whole objects, the ranks report on stdout).
 
-``python -m stoker.process.quick_exit <module> [args...]`` runs a module as ``python -m`` would and
-ends so when the module returns (torchrun's agent: ``torch.distributed.run``); an exception, or a
-``SystemExit`` that is not a number, takes Python's own way out, traceback and all.
+``python -m stoker.process.quick_exit <module> [args...]`` runs a module as ``python -m`` would
+(torchrun's agent: ``torch.distributed.run``) and ends so whether the module returns, exits or
+raises: an exception's traceback, or a ``SystemExit``'s reason, on stderr and exit code 1, as
+Python's own exit would (only a ``KeyboardInterrupt`` takes Python's own way out). From the
+module's end on, a signal it had turned into an exception ends the process at once. Under a stoker
+launcher it is watched as a supervisor (``lifeline.watch_as_supervisor``): the launcher gone, its
+children get their stop time, and then it ends, whatever its own code waits on.
 """
 
 from __future__ import annotations
@@ -32,10 +36,13 @@ from __future__ import annotations
 import atexit
 import os
 import runpy
+import signal
 import sys
 import threading
 import time
 from typing import NoReturn
+
+from stoker.process import lifeline
 
 AGENT_JOIN_S = 5.0  # what `python -m stoker.process.quick_exit MODULE` waits for its threads, in all
 
@@ -63,16 +70,43 @@ def quick_exit(code: int | None = 0, join_timeout: float | None = None) -> NoRet
 
 
 def main(argv: list[str]) -> NoReturn:
-    """`<module> [args...]`: run the module as ``python -m`` would, then ``quick_exit``."""
+    """`<module> [args...]`: run the module as ``python -m`` would, then ``quick_exit``, whether
+    it returns, exits or raises; under a stoker launcher, watched by its lifeline as a supervisor
+    (``lifeline.watch_as_supervisor``: its launcher gone, its children get their stop time, then
+    it ends, whatever it waits on)."""
     module, *args = argv
     sys.argv = [module, *args]
+    lifeline.watch_as_supervisor()
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as stop:
-        if stop.code is not None and not isinstance(stop.code, int):
-            raise
-        quick_exit(stop.code, join_timeout=AGENT_JOIN_S)
-    quick_exit(0, join_timeout=AGENT_JOIN_S)
+        error = None
+    except BaseException as exc:  # each kind is told apart just below
+        error = exc
+    _defaults_for_handled_signals()
+    if error is None:
+        quick_exit(0, join_timeout=AGENT_JOIN_S)
+    if isinstance(error, SystemExit):
+        code = error.code
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)  # as Python's own exit: the reason on stderr, 1
+            code = 1
+        quick_exit(code, join_timeout=AGENT_JOIN_S)
+    if isinstance(error, Exception):
+        # torchrun's agent leaves so when SIGTERMed (a SignalException): Python's own exit then
+        # took 10-17 s on a loaded host, its main thread in the teardown's gc_collect_main
+        sys.excepthook(type(error), error, error.__traceback__)
+        quick_exit(1, join_timeout=AGENT_JOIN_S)
+    raise error  # a KeyboardInterrupt: Python's own way (it ends by SIGINT)
+
+
+def _defaults_for_handled_signals() -> None:
+    """A signal the module turned into an exception (torchrun's agent: SIGTERM, SIGINT, SIGHUP,
+    SIGQUIT raise SignalException) ends the process at once from here on: raised inside
+    ``quick_exit``'s join, it took Python's own way out, past every deadline."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        handler = signal.getsignal(sig)
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(sig, signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -182,3 +182,59 @@ def test_a_child_does_not_inherit_sigint_or_sigterm_ignored():
     assert all(plain & bit for bit in bits.values()), hex(plain)  # what a plain Popen passes on
     assert not started & (bits[signal.SIGINT] | bits[signal.SIGTERM]), hex(started)
     assert started & bits[signal.SIGHUP], hex(started)
+
+
+# a torchrun agent stuck where no signal reaches it, with one rank in a session of its own that
+# stops as on a cancel (a marker, then exit) when SIGTERMed
+STUCK_AGENT = """
+import os, signal, subprocess, sys, threading
+RANK = '''
+import signal, sys, time
+def stop(*_):
+    open(sys.argv[1], "w").write("stopped")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+while True:
+    time.sleep(0.1)
+'''
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+rank = subprocess.Popen([sys.executable, "-c", RANK, sys.argv[1]], start_new_session=True)
+print(rank.pid, flush=True)
+threading.Event().wait()
+"""
+
+
+def test_a_supervisor_whose_launcher_is_gone_stops_its_children_then_ends_whatever_it_waits_on(tmp_path):
+    """The module runner that runs torchrun's agent watches the launcher its environment names:
+    once that is gone, the agent's ranks are SIGTERMed (their stop checkpoint) and the agent
+    ends SUPERVISOR_END_SECONDS after them, here with its main thread blocked for good."""
+    (tmp_path / "stuck_agent.py").write_text(STUCK_AGENT)
+    launcher = subprocess.Popen(["sleep", "60"])
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "stoker.process.quick_exit", "stuck_agent", str(tmp_path / "stopped")],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([ROOT, str(tmp_path)]),
+            lifeline.LAUNCHER_ENV: lifeline.token(launcher.pid),
+        },
+    )
+    rank = int(agent.stdout.readline())
+    try:
+        time.sleep(1.5)
+        assert agent.poll() is None and read_proc(rank) is not None  # both run while the launcher lives
+        launcher.kill()
+        launcher.wait()
+        _, err = agent.communicate(timeout=lifeline.SUPERVISOR_END_SECONDS + 30)
+        assert agent.returncode == 128 + signal.SIGTERM and "stopping: the launcher" in err, err
+        assert _wait_gone(rank, 5) and (tmp_path / "stopped").read_text() == "stopped"
+    finally:
+        agent.kill()
+        launcher.kill()
+        try:
+            os.kill(rank, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,9 +1,11 @@
 """process.quick_exit: a process ends without the interpreter's teardown, but after what a normal
 exit does that anyone sees: its non-daemon threads finish, its atexit handlers run, its buffered
 stdout reaches the pipe, and its exit code is the one asked for; `python -m
-stoker.process.quick_exit <module>` runs a module as `python -m` would and keeps its exit codes."""
+stoker.process.quick_exit <module>` runs a module as `python -m` would, keeps its exit codes and
+ends so however the module ends."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -77,6 +79,48 @@ def test_the_runner_ends_within_its_deadline_with_a_thread_that_never_ends_on_a_
             assert out.returncode == 0 and "left 1 thread(s) still running" in out.stderr, out.stderr
             assert "stuck-peer" in out.stderr
     finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+
+
+SIGNALLED_MOD = """
+import signal, threading, time
+class SignalException(Exception):  # as torchrun's agent turns SIGTERM into an exception
+    pass
+def raise_it(signum, frame):
+    raise SignalException(f"got signal {signum}")
+signal.signal(signal.SIGTERM, raise_it)
+threading.Thread(target=threading.Event().wait, name="stuck-tailer").start()
+print("ready", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_the_runner_ends_when_a_signal_raises_out_of_the_module_past_a_thread_that_never_ends(tmp_path):
+    """torchrun's agent, SIGTERMed (its launcher SIGKILLed), leaves by an exception: the runner
+    once gave that one Python's own exit, which joins every thread without a deadline and tears
+    torch down (10-17 s on a loaded host). It now ends as on a return: the traceback on stderr,
+    exit code 1, the thread left after AGENT_JOIN_S; with both cores held busy beside it."""
+    (tmp_path / "signalled_mod.py").write_text(SIGNALLED_MOD)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "stoker.process.quick_exit", "signalled_mod"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, str(tmp_path)])},
+    )
+    try:
+        assert agent.stdout.readline() == "ready\n"
+        agent.send_signal(signal.SIGTERM)
+        _, err = agent.communicate(timeout=60)  # without the deadline: never
+        assert agent.returncode == 1 and "SignalException: got signal 15" in err and "Traceback" in err, err
+        assert "left 1 thread(s) still running" in err and "stuck-tailer" in err, err
+    finally:
+        agent.kill()
         for p in busy:
             p.kill()
             p.wait()
