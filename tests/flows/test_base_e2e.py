@@ -1,20 +1,28 @@
 """Continued pretraining of an open model through the whole flow, as a team's first try makes
 it: a base with a real chat base's quirks (scripts/make_tiny_base.py --style chat: sharded
 safetensors, a byte-level vocabulary lacking 21 byte values, <|im_end|> as its eos beside
-<|endoftext|>, no bos, many added tokens, GQA 6/2 with an explicit head_dim of 24), a folder
-of legal-sounding text, and the default recipe from the notebook API with nothing of the model
-or the tokenizer set (`load_config("tiny-cpu", **{"model.init_from": ...})`; only the run is
-shortened). 2 gloo ranks under FSDP2, document-aware attention (the base's default), a rank
-killed after the first checkpoint and the retried launch resuming from it bit for bit; the
-step-0 validation loss (the base's own) equal to transformers' loss of the documents scored
-one by one; the gain and forgetting in the result and in `stoker runs`; the final checkpoint
-evaluated with the base's tokenizer; the export's tensors the checkpoint's, one by one, loaded
-by transformers with our logits, and the base's own tokenizer files."""
+<|endoftext|>, no bos, many added tokens, GQA 6/2 with an explicit head_dim of 24) and a folder
+of legal-sounding text.
+
+The literal first try, `stoker run --set model.init_from=BASE --set data.source=DIR` and nothing
+else, runs for real as a `stoker` process and carries what a user reads of it: the rate made for
+the base said before launch, no WARNING, step 0's validation loss (the base's own) equal to
+transformers' loss of the documents scored one by one, the gain since the base in `stoker runs`,
+the export's tensors the checkpoint's, one by one, loaded by transformers with our logits, and the
+base's own tokenizer files.
+
+A shortened run of the same recipe from the notebook API (`load_config("tiny-cpu", **{...})`),
+2 gloo ranks under FSDP2 with document-aware attention (the base's default), has a rank killed
+after the first checkpoint and the retried launch resuming from it bit for bit; the gain and
+forgetting in the result; the final checkpoint evaluated with the base's tokenizer."""
 
 import contextlib
 import io
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -25,6 +33,7 @@ from stoker.storage.bases import resolve_base
 from stoker.storage.checkpoints import list_checkpoints
 from stoker.storage.store import Store
 from tests.bases import (
+    copy_base,
     documents,
     exported_tensors_are_the_checkpoints,
     loss_of_documents_alone,
@@ -32,7 +41,7 @@ from tests.bases import (
     short_documents,
     tiny_base,
 )
-from tests.conftest import prepare_shards
+from tests.conftest import ROOT, prepare_shards
 
 pytestmark = pytest.mark.e2e
 
@@ -84,22 +93,21 @@ def _base_loss_one_document_at_a_time(base: str, cfg, shards) -> torch.Tensor:
     store = Store(cfg.storage.root)
     val = TokenStream(store.local_path(shards.key), "val")
     T = cfg.model.block_size
-    x, y = get_batch(val, T, eval_offsets(val.num_tokens, T, cfg.eval.num_batches * 2 * cfg.launch.world_size))
+    x, y = get_batch(
+        val,
+        T,
+        eval_offsets(val.num_tokens, T, cfg.eval.num_batches * cfg.train.micro_batch_size * cfg.launch.world_size),
+    )
     hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     assert sum(len(documents(row, val.eot_id)) > 1 for row in x) >= 2  # windows that span documents
     return loss_of_documents_alone(hf, x, y, val.eot_id).mean()
 
 
-def test_a_base_is_trained_further_through_the_flow_resumed_bitwise_and_exported(
+def test_a_base_is_trained_further_through_the_flow_and_resumed_bitwise(
     prefect_server, tmp_path, tmp_path_factory, monkeypatch, quick_relaunch
 ):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from stoker.cli import main
-    from stoker.families import build_model
     from stoker.flows.pipeline import train_pipeline
     from stoker.storage.runs import pin_run_folder
-    from stoker.training.checkpoint import load_checkpoint
     from tests.forked_ranks import run_forked
 
     base = str(shutil.copytree(tiny_base(tmp_path_factory, "chat"), tmp_path / "base"))
@@ -129,39 +137,89 @@ def test_a_base_is_trained_further_through_the_flow_resumed_bitwise_and_exported
     assert result.checkpoints[-1]["step"] == 8 and result.checkpoints[-1]["val_loss"] is not None
     assert result.last_val_loss is not None
 
-    # step 0 is the base's own evaluation, with documents masked: transformers on each document alone
+    # gain and forgetting against step 0 (the base's own evaluation), per source, in loss and in
+    # bits per byte of the same windows
     evals = {r["step"]: r for r in records if r["event"] == "eval"}
-    expected = _base_loss_one_document_at_a_time(base, unbroken, shards)
-    torch.testing.assert_close(torch.tensor(evals[0]["val_loss"], dtype=torch.float32), expected)
-    # gain and forgetting against it, per source, in loss and in bits per byte of the same windows
     since = result.since_base["main"]
     assert since["step"] == 8 and since["base_loss"] == round(evals[0]["val_loss"], 4)
     assert since["loss_change"] == round(evals[8]["val_loss"] - evals[0]["val_loss"], 4)
     assert since["bpb_change"] == round(evals[8]["bits_per_byte"] - evals[0]["bits_per_byte"], 4)
 
+
+def test_the_literal_first_try_trains_the_base_at_a_rate_made_for_it_and_exports_it(
+    session_server_env, tmp_path, tmp_path_factory
+):
+    """`stoker run --set model.init_from=BASE --set data.source=DIR` and nothing else, from an
+    empty folder, as a real `stoker` process on the session's server: the default recipe's 500
+    steps at the rate made for the base, said before launch, with no WARNING in what it prints;
+    step 0 is the base's own loss (transformers, each document alone); the gain since the base
+    in `stoker runs`; the final checkpoint exported and loaded by transformers with our logits
+    and the base's own tokenizer files."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stoker.cli import main
+    from stoker.families import build_model
+    from stoker.training.checkpoint import load_checkpoint
+
+    base = copy_base(tiny_base(tmp_path_factory, "chat"), tmp_path / "base")
+    text = short_documents(tmp_path / "text")
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {k: v for k, v in session_server_env.items() if not k.startswith("STOKER_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    argv = ["run", "--set", f"model.init_from={base}", "--set", f"data.source={text}"]
+    done = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", *argv], cwd=work, env=env, capture_output=True, text=True, timeout=1800
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-4000:]
+    assert "WARNING" not in said and "Traceback" not in said
+    # the plan before launch: the default recipe's 500 steps, at a tenth of the base's peak
+    flat = " ".join(said.split())  # a console may wrap a long line
+    assert "plan: learning rate from: the base (no train.lr written): 0.0003 = 0.1 x 0.003, the peak" in flat
+    assert "stable 0.0003 to step 400, then a linear decay to 0 at step 500" in flat
+
+    # the run the folder's defaults name: the same config read here (the store is ./stoker-data)
+    root = "file://" + str(work / "stoker-data")
+    cfg = resolve_base(load_config("tiny-cpu", **{"model.init_from": base, "data.source": text, "storage.root": root}))
+    assert cfg.train.lr == pytest.approx(3e-4) and cfg.train.lr_schedule == "wsd" and cfg.model.attention == "document"
+    run = cfg.resolved_run_name()
+    assert f"run {run}: step 0 -> 500" in flat
+    store, shards = prepare_shards(cfg)  # the shards the run made: a cache hit
+    records = [json.loads(x) for x in store.read_bytes(f"runs/{run}/metrics.jsonl").splitlines()]
+    evals = {r["step"]: r for r in records if r["event"] == "eval"}
+    assert sorted(evals) == [0, 100, 200, 300, 400, 500] and evals[500]["val_loss"] < evals[0]["val_loss"]
+    # step 0 is the base's own evaluation, with documents masked: transformers on each document alone
+    expected = _base_loss_one_document_at_a_time(base, cfg, shards)
+    torch.testing.assert_close(torch.tensor(evals[0]["val_loss"], dtype=torch.float32), expected)
+
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["runs", "--root", root]) == 0
-    [row] = [line for line in out.getvalue().splitlines() if line.startswith("base-killed")]
-    assert "llama, 2 layers x 96" in row and f"(sha256 {unbroken.model.base_sha256[:12]})" in row
-    assert f"main {since['loss_change']:+.2f} nats ({since['bpb_change']:+.3f} bpb) since the base (step 8)" in row
+    [row] = [line for line in out.getvalue().splitlines() if line.startswith(run)]
+    loss_change = round(evals[500]["val_loss"] - evals[0]["val_loss"], 4)
+    bpb_change = round(evals[500]["bits_per_byte"] - evals[0]["bits_per_byte"], 4)
+    assert "llama, 2 layers x 96" in row and f"(sha256 {cfg.model.base_sha256[:12]})" in row
+    assert f"main {loss_change:+.2f} nats ({bpb_change:+.3f} bpb) since the base (step 500)" in row
 
+    final_ckpt = list_checkpoints(store, run)[0]
+    assert final_ckpt.step == 500
     with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["export", result.final_checkpoint_uri, str(tmp_path / "hf")]) == 0
-    final = store.local_path(list_checkpoints(store, "base-killed")[0].key)
-    exported_tensors_are_the_checkpoints(unbroken.model, final, tmp_path / "hf")  # tensor by tensor
+        assert main(["export", store.url(final_ckpt.key), str(tmp_path / "hf")]) == 0
+    final = store.local_path(final_ckpt.key)
+    exported_tensors_are_the_checkpoints(cfg.model, final, tmp_path / "hf")  # tensor by tensor
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
-    ours = build_model(unbroken.model, shards.vocab_size, seed=None)
+    ours = build_model(cfg.model, shards.vocab_size, seed=None)
     load_checkpoint(final, model=ours)
     ids = one_document(
-        ours, unbroken, torch.randint(0, shards.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+        ours, cfg, torch.randint(0, shards.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     )
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits[..., : shards.vocab_size], ours.eval()(ids)[0])
     # the base's own tokenizer files: the same ids as the base's, its eos, no bos
     exported = json.load(open(tmp_path / "hf" / "config.json"))
     assert exported["architectures"] == ["LlamaForCausalLM"] and exported["stoker"]["base_sha256"] == (
-        unbroken.model.base_sha256
+        cfg.model.base_sha256
     )
     assert exported["head_dim"] == 24 and exported["num_key_value_heads"] == 2
     sample = "Filing 7.\nThe court held that each party shall indemnify the other."
