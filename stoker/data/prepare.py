@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import numpy as np
@@ -62,6 +63,7 @@ from stoker.storage.tokenized import cached_counts, commit_counts, piece_cache_k
 
 log = logging.getLogger("stoker.data")
 TRAIN_BATCH_DOCS = 1000
+STORE_THREADS = 16  # probes of the tokenized cache and copies of parts, on a remote store
 PARTITION_BYTES = None  # of a stored part: data.partition_bytes unless set (tests cut smaller parts)
 
 
@@ -562,10 +564,14 @@ def _build_here(
         )
         for job, (i, a, b) in zip(jobs, ranges)
     }
-    cached = {job.index: c for job in jobs if (c := cached_counts(store, keys[job.index])) is not None}
-    if not store.is_local:
-        for i in sorted({ranges[j.index][0] for j in jobs if j.index not in cached}):
-            store.get_file(parts[i].key, corpus[i])
+    # a remote store answers each probe and copy in a round trip or more: they go in parallel
+    threads = 1 if store.is_local else STORE_THREADS
+    with ThreadPoolExecutor(threads) as pool:
+        found_counts = pool.map(lambda job: cached_counts(store, keys[job.index]), jobs)
+        cached = {job.index: c for job, c in zip(jobs, found_counts) if c is not None}
+        if not store.is_local:
+            needed = sorted({ranges[j.index][0] for j in jobs if j.index not in cached})
+            list(pool.map(lambda i: store.get_file(parts[i].key, corpus[i]), needed))
 
     def fetch(job) -> None:
         for split in SPLITS:

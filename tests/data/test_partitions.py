@@ -183,3 +183,43 @@ def test_a_grown_source_tokenizes_only_its_new_partitions_into_the_same_shard_by
     before = len(tokenized)
     data_prep.tokenize_and_shard(grown, tk, data, store, partition_bytes=30_000)
     assert len(tokenized) - before == 1
+
+
+def test_on_an_object_store_a_grown_source_copies_and_tokenizes_only_its_new_partition(
+    small_parts, s3_root, tmp_path, monkeypatch
+):
+    """On S3 (a moto server over HTTP) the cache's probes and the copies of the parts to
+    tokenize run in parallel (prepare.STORE_THREADS): a grown source copies the part of its new
+    partition alone, tokenizes it alone, and its shards are the bytes a local store's give."""
+    from stoker.data import sharding
+
+    tokenized, copied = [], []
+    real = sharding.tokenize_partition
+    monkeypatch.setattr(sharding, "tokenize_partition", lambda job: tokenized.append(job.index) or real(job))
+    root, options = s3_root
+    store = Store(root, options)
+    real_get = store.get_file
+    monkeypatch.setattr(store, "get_file", lambda key, path: copied.append(key) or real_get(key, path))
+    src = _folder(tmp_path / "src", {"a.jsonl": _records("a", 300), "b.jsonl": _records("b", 300)})
+    data = DataConfig(source=str(src), val_fraction=0.1, shard_tokens=4096, num_workers=1)
+    first = data_prep.download_dataset(data, store)
+    tk = data_prep.train_tokenizer(first, TokenizerConfig(vocab_size=400), store)
+    data_prep.tokenize_and_shard(first, tk, data, store, partition_bytes=30_000)
+    (src / "c.jsonl").write_text(_records("c", 60))
+    grown = data_prep.download_dataset(data, store)
+    n_tokenized, parts_before = len(tokenized), [k for k in copied if k.startswith("datasets/parts/")]
+    shards = data_prep.tokenize_and_shard(grown, tk, data, store, partition_bytes=30_000)
+    assert len(tokenized) - n_tokenized == 1  # c.jsonl: one part, one partition
+    parts_now = [k for k in copied if k.startswith("datasets/parts/")][len(parts_before) :]
+    [new_part] = [p.key for p in dataset_parts(store, grown.fingerprint) if p.key not in parts_before]
+    assert parts_now == [new_part]  # the parts of cached partitions are not copied here
+    local = Store(f"file://{tmp_path}/local")
+    with open(tmp_path / "tok.json", "wb") as f:
+        f.write(store.read_bytes(tk.key))
+    local.put_file(str(tmp_path / "tok.json"), tk.key)
+    fresh = data_prep.tokenize_and_shard(
+        data_prep.download_dataset(data, local), tk, data, local, partition_bytes=30_000
+    )
+    names = store.read_json(f"{shards.key}/manifest.json")["files"]
+    assert names == local.read_json(f"{fresh.key}/manifest.json")["files"]
+    assert all(store.read_bytes(f"{shards.key}/{n}") == local.read_bytes(f"{fresh.key}/{n}") for n in names)
