@@ -331,3 +331,18 @@ def test_bench_moe_smoke_run_prints_its_ratios(capsys):
     assert out["grouped_over_loop"] > 0 and out["moe_over_dense"] > 0
     assert abs(out["moe_active_params"] - out["dense_params"]) / out["dense_params"] < 0.01
     assert "grouped / loop:" in capsys.readouterr().out
+
+
+def test_bench_download_smoke_run_reads_ahead_to_the_same_dataset(capsys, monkeypatch):
+    """benchmarks/bench_download.py on a tiny folder: one reader and the read ahead by worker
+    processes make the same fingerprint (asserted by the benchmark), and its ratio is printed."""
+    from benchmarks import bench_download
+    from stoker.data import units
+
+    streamed = []
+    real = units.stream_units
+    monkeypatch.setattr(units, "stream_units", lambda u, *a, **k: streamed.append(len(u)) or real(u, *a, **k))
+    result = bench_download.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert streamed == [4] and result["speedup"] > 0
+    assert _figures(r"ratio one reader / read ahead: ([\d.]+) \(the same fingerprint\)", out)[0] > 0

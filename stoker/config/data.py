@@ -236,8 +236,9 @@ class DataConfig(_Section):
         description="Worker processes of the data stage's units (tokenization, dedup), or 'auto': "
         "tokenize in this process with the tokenizer's own threads on up to 2 cores (processes "
         "cost more than they give there) and run the dedup units in one worker process, else one "
-        "single-threaded process per core. Each unit owns fixed slices of the corpus, so the shard "
-        "files and the removals are the same whatever this is.",
+        "single-threaded process per core; more than one also reads a folder of 64 MiB or more "
+        "ahead of the writer, whole files a process. Each unit owns fixed slices of the corpus, so "
+        "the stored parts, the shard files and the removals are the same whatever this is.",
         json_schema_extra={"fix": "use 'auto', or about the number of CPU cores"},
     )
     partition_bytes: int = _field(

@@ -107,7 +107,7 @@ def download_dataset(cfg: DataConfig, store: Store) -> DatasetInfo:
             os.makedirs(parts_dir)
             writer = PartWriter(store, parts_dir, PARTITION_BYTES or cfg.partition_bytes)
             try:
-                stats = write_corpus(source, cfg, writer)
+                stats = write_corpus(source, cfg, writer, cfg.resolved_workers())
             except BaseException:
                 writer.discard()  # nothing half-written: the parts stored so far go
                 raise

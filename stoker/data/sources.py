@@ -12,8 +12,11 @@ a refused access or a wrong column is a ``DataError`` at once, naming the config
 
 from __future__ import annotations
 
+import array
 import bz2
 import codecs
+import contextlib
+import dataclasses
 import glob
 import gzip
 import hashlib
@@ -23,6 +26,7 @@ import lzma
 import os
 import re
 import sysconfig
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -47,6 +51,8 @@ SOURCE_FORMAT = 2  # bump when the way documents are cut from files changes
 DOC_CHARS = 4000  # plain text is cut at blank lines into documents of about this size
 MAX_DOC_CHARS = 1 << 20  # ... and hard-cut past this, so one huge line stays bounded
 READ_LIMIT = 1 << 20
+READ_AHEAD_BYTES = 64 << 20  # a source of several files and this many bytes is read by processes ahead
+READ_AHEAD_MAX_FILE = 8 << 30  # ... where no file is larger (one file is one unit of that read)
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -427,9 +433,10 @@ def _parquet_documents(f: SourceFile, text_field: str) -> Iterator[str]:
         yield from (v for v in batch.column(0).to_pylist() if v)
 
 
-def _file_documents(source: Source, f: SourceFile, cfg: DataConfig, index: int) -> Iterator[str]:
+def _file_documents(workdir: str, f: SourceFile, cfg: DataConfig, index: int) -> Iterator[str]:
+    """`cfg`: what is read of it is text_field and storage_options."""
     if f.local is None:  # remote: fetched now, deleted once read, so disk stays one file deep
-        f.local = _fetch(f, cfg, os.path.join(source.workdir, f"remote-{index:05d}"))
+        f.local = _fetch(f, cfg, os.path.join(workdir, f"remote-{index:05d}"))
     try:
         if f.fmt == "parquet":
             yield from _parquet_documents(f, cfg.text_field)
@@ -440,19 +447,116 @@ def _file_documents(source: Source, f: SourceFile, cfg: DataConfig, index: int) 
             else:
                 yield from _text_documents(stream)
     finally:
-        if f.name != f.local and f.local.startswith(source.workdir):
+        if f.name != f.local and f.local.startswith(workdir):
             os.remove(f.local)
             f.local = None
 
 
-def iter_source_files(source: Source, cfg: DataConfig) -> Iterator[tuple[str, Iterator[str]]]:
-    """(name, documents) per source file, in a fixed order."""
+def _lines(docs: Iterator[str]) -> Iterator[tuple[bytes, int]]:
+    """A file's non-empty documents as the corpus's lines: (the line, the text's UTF-8 bytes)."""
+    try:
+        for doc in docs:
+            if doc.strip():
+                yield json.dumps({"text": doc}, ensure_ascii=False).encode("utf-8") + b"\n", len(doc.encode("utf-8"))
+    finally:
+        docs.close()
+
+
+def iter_source_files(source: Source, cfg: DataConfig, workers: int = 1) -> Iterator[tuple[str, Iterator]]:
+    """(name, its lines: see _lines) per source file, in a fixed order. A source of several
+    files, with at least READ_AHEAD_BYTES to read, is read by up to `workers` processes of this
+    host, each normalizing whole files ahead of the writer (file_lines); the lines come in the
+    same order, the same bytes."""
     if source.hf is not None:
         cache_dir = os.path.join(source.workdir, "hf-cache")
-        yield source.description, _hf_documents(source.hf, cfg.text_field, cache_dir)
+        yield source.description, _lines(_hf_documents(source.hf, cfg.text_field, cache_dir))
+        return
+    if workers > 1 and len(source.files) > 1 and _read_ahead_pays(source, cfg):
+        yield from _read_ahead(source, cfg, workers)
         return
     for i, f in enumerate(source.files):
-        yield f.name, _file_documents(source, f, cfg, i)
+        yield f.name, _lines(_file_documents(source.workdir, f, cfg, i))
+
+
+def _read_ahead_pays(source: Source, cfg: DataConfig) -> bool:
+    """At least READ_AHEAD_BYTES to read, every file's size known and none past
+    READ_AHEAD_MAX_FILE (a unit of the read ahead is one file, under UNIT_TIMEOUT_S)."""
+    sizes = [
+        os.path.getsize(f.local) if f.local is not None and os.path.exists(f.local) else f.info.get("size")
+        for f in source.files
+    ]
+    if any(size is None for size in sizes) or max(sizes) > READ_AHEAD_MAX_FILE:
+        return False
+    total = sum(sizes)
+    return (min(total, cfg.max_bytes) if cfg.max_bytes else total) >= READ_AHEAD_BYTES
+
+
+def _read_ahead(source: Source, cfg: DataConfig, workers: int) -> Iterator[tuple[str, Iterator]]:
+    from stoker.data.units import Unit, stream_units
+    from stoker.storage.store import Store
+
+    folder = os.path.join(source.workdir, "read-ahead")
+    os.makedirs(folder, exist_ok=True)
+    units = [
+        Unit(
+            "stoker.data.sources:file_lines",
+            {
+                # what a worker reads of the file: the size of a remote one checks its fetch
+                "file": {**dataclasses.asdict(f), "info": {"size": f.info.get("size")}},
+                "index": i,
+                "workdir": source.workdir,
+                "out": os.path.join(folder, f"{i:06d}.jsonl"),
+                "text_field": cfg.text_field,
+                "storage_options": cfg.storage_options,
+            },
+            f"reading {f.name}",
+        )
+        for i, f in enumerate(source.files)
+    ]
+    # the units need no store: a local one of the work folder keeps the workers off the network
+    results = stream_units(units, Store("file://" + folder), workers, ahead=2 * workers)
+    try:
+        for unit, result in zip(units, results):
+            yield unit.args["file"]["name"], _lines_read(result, unit.args["out"])
+    finally:
+        results.close()
+
+
+def _lines_read(result: dict, out: str) -> Iterator[tuple[bytes, int]]:
+    """The lines a worker wrote (file_lines), removed once read; a file that was not UTF-8
+    raises UnicodeError here, as it would have while read in this process."""
+    try:
+        if result.get("not_utf8") is not None:
+            raise UnicodeError(result["not_utf8"])
+        sizes = array.array("q")
+        with open(out + ".sizes", "rb") as f:
+            sizes.frombytes(f.read())
+        with open(out, "rb") as f:
+            for size in sizes:
+                yield f.readline(), size
+    finally:
+        for path in (out, out + ".sizes"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+
+def file_lines(_store, file: dict, index: int, workdir: str, out: str, text_field: str, storage_options: dict) -> dict:
+    """A unit (stoker.data.units): one source file's lines (_lines) written to `out`, each
+    document's text size to `out`.sizes; {"docs": n}, or {"not_utf8": why} for a file that is
+    not UTF-8 (nothing written). A remote file is fetched here, into `workdir`, and deleted once read."""
+    reads = types.SimpleNamespace(text_field=text_field, storage_options=storage_options)
+    sizes = array.array("q")
+    try:
+        with open(out, "wb") as f:
+            for line, size in _lines(_file_documents(workdir, SourceFile(**file), reads, index)):
+                f.write(line)
+                sizes.append(size)
+    except UnicodeError as err:
+        os.remove(out)
+        return {"not_utf8": getattr(err, "reason", str(err)), "docs": 0}
+    with open(out + ".sizes", "wb") as f:
+        f.write(sizes.tobytes())
+    return {"docs": len(sizes)}
 
 
 # ---- the downloaded corpus -------------------------------------------------------------
@@ -464,28 +568,31 @@ class CorpusStats:
     capped: bool = False  # the source held more than cfg.max_bytes: cut there
 
 
-def write_corpus(source: Source, cfg: DataConfig, writer: PartWriter) -> CorpusStats:
+def write_corpus(source: Source, cfg: DataConfig, writer: PartWriter, workers: int = 1) -> CorpusStats:
     """Stream the source's documents, normalized ({"text": ...} per line), into the writer's
     parts, up to cfg.max_bytes. A part closes at data.partition_bytes, and at the end of a
     source file once it holds a quarter of that: a source already split into files keeps its
     files as partitions (small ones packed together), so a file added to a folder leaves the
     other files' parts as they were. A file that is not UTF-8 fails, or with
-    on_decode_error='skip' is rolled back out of the output and counted."""
+    on_decode_error='skip' is rolled back out of the output and counted. `workers`: see
+    iter_source_files (the same bytes however many read)."""
+    with contextlib.closing(iter_source_files(source, cfg, workers)) as files:  # a read ahead's workers end with it
+        return _write_files(files, cfg, writer)
+
+
+def _write_files(files: Iterator[tuple[str, Iterator]], cfg: DataConfig, writer: PartWriter) -> CorpusStats:
     stats = CorpusStats()
-    for name, docs in iter_source_files(source, cfg):
+    for name, lines in files:
         writer.mark()
         mark = (stats.num_docs, stats.num_bytes)
         try:
-            for doc in docs:
-                if not doc.strip():
-                    continue
-                size = len(doc.encode("utf-8"))
+            for line, size in lines:
                 if cfg.max_bytes and stats.num_bytes + size > cfg.max_bytes and stats.num_bytes > 0:
-                    docs.close()
+                    lines.close()
                     stats.capped = True
                     writer.release()
                     return stats
-                writer.add(json.dumps({"text": doc}, ensure_ascii=False).encode("utf-8") + b"\n")
+                writer.add(line)
                 stats.num_docs += 1
                 stats.num_bytes += size
         except UnicodeError as err:  # undecodable bytes, or lone surrogates from JSON escapes

@@ -32,7 +32,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from stoker.config import RayConfig
 from stoker.data import ray_engine
@@ -226,13 +226,24 @@ class _Pool:
         self.workers.remove(w)
 
     def run(self, units: list[Unit], done: Callable[[dict], None]) -> list[dict]:
-        results: list[Any] = [None] * len(units)
+        return list(self.stream(units, done))
+
+    def stream(self, units: list[Unit], done: Callable[[dict], None], ahead: int | None = None) -> Iterator[Any]:
+        """The units' results in their order, each yielded once it and those before it are
+        done; with `ahead`, no unit starts more than `ahead` places past the next to yield
+        (what the units leave on this host's disk stays bounded while the caller reads)."""
+        results: dict[int, Any] = {}
         attempts = [0] * len(units)
-        todo = deque(range(len(units)))
+        todo = deque(range(len(units)))  # ascending: a unit run again goes back to the front
         idle = [self._start() for _ in range(self.n)]
-        left = len(units)
-        while left:
-            while todo and idle:
+        following = 0  # the next result to yield
+        while following < len(units):
+            if following in results:
+                yield results.pop(following)
+                following += 1
+                continue
+            limit = len(units) if ahead is None else following + ahead
+            while todo and idle and todo[0] < limit:
                 w = idle.pop()
                 w.job, w.since = todo.popleft(), time.monotonic()
                 unit = units[w.job]
@@ -250,7 +261,6 @@ class _Pool:
                 msg = json.loads(line) if line else None
                 if msg is not None and "result" in msg:
                     results[k], w.job = msg["result"], None
-                    left -= 1
                     idle.append(w)
                     done(results[k])
                     continue
@@ -272,7 +282,17 @@ class _Pool:
                 self._drop(w)
                 todo.appendleft(k)
                 idle.append(self._start())
-        return results
+
+
+def stream_units(units: list[Unit], store: Store, workers: int, ahead: int) -> Iterator[dict]:
+    """The units' results in order, as they are done, on up to `workers` processes of this
+    host, none more than `ahead` units past the result the caller is reading (see _Pool.stream);
+    the workers end when the caller stops reading."""
+    if not units:
+        return
+    spec = {"root": store.root, "options": store.storage_options}
+    with _Pool(max(1, min(workers, len(units))), spec) as pool:
+        yield from pool.stream(units, lambda result: None, ahead)
 
 
 @contextlib.contextmanager

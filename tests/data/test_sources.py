@@ -248,3 +248,82 @@ def test_hf_dataset_through_load_dataset_on_a_local_folder(store, tmp_path, hf_o
     train.save_to_disk(str(saved))  # load_dataset refuses these folders; load_from_disk reads them
     from_disk = data_prep.download_dataset(cfg.model_copy(update={"source": f"hf:{saved}"}), store)
     assert from_disk.num_docs == 40
+
+
+# ---- a folder read ahead by worker processes -----------------------------------------------
+def _mixed_folder(folder):
+    """Files of every local format, a file that is not UTF-8 and small files packed together."""
+    folder.mkdir()
+    for k in range(6):
+        (folder / f"{k:02d}-part.jsonl").write_text(_records(40 + k, tag=f"f{k}"))
+    (folder / "06-notes.txt").write_text("plain text, first document\n\n" + "more prose here. " * 300)
+    (folder / "07-packed.jsonl.gz").write_bytes(gzip.compress(_records(25, tag="gz").encode()))
+    (folder / "08-broken.jsonl").write_bytes(b'{"text": "caf\xe9 au lait"}\n')
+    (folder / "09-tail.jsonl").write_text(_records(3, tag="tail"))
+    return folder
+
+
+@pytest.mark.parametrize("max_bytes", [0, 12_000], ids=["whole", "capped"])
+def test_a_folder_read_ahead_by_worker_processes_is_the_same_dataset(tmp_path, monkeypatch, max_bytes):
+    """data.num_workers processes normalize whole files ahead of the writer (sources.file_lines
+    through units.stream_units): the same parts, the same fingerprint and counts as one reader,
+    with a file that is not UTF-8 skipped and counted, small files packed, and a cap cut at the
+    same document; the read-ahead's files are gone after."""
+    from stoker.data import sources, units
+    from stoker.storage.datasets import dataset_parts
+
+    monkeypatch.setattr(data_prep, "PARTITION_BYTES", 6_000)
+    monkeypatch.setattr(sources, "READ_AHEAD_BYTES", 0)
+    streamed = []
+    real = units.stream_units
+    monkeypatch.setattr(units, "stream_units", lambda u, *a, **k: streamed.append(len(u)) or real(u, *a, **k))
+    src = _mixed_folder(tmp_path / "src")
+    got = {}
+    for workers in (1, 2):
+        store = Store(f"file://{tmp_path}/store-{workers}")
+        cfg = DataConfig(source=str(src), num_workers=workers, on_decode_error="skip", max_bytes=max_bytes)
+        ds = data_prep.download_dataset(cfg, store)
+        info = store.read_json(f"{ds.key}/info.json")
+        parts = [(p.sha256, p.size, p.num_docs) for p in dataset_parts(store, ds.fingerprint)]
+        got[workers] = (ds.fingerprint, ds.num_docs, parts, info["skipped_files"], info["capped_at"], info["num_bytes"])
+    assert streamed == [10]  # one unit a file, on the second download only
+    assert got[2] == got[1]
+    fingerprint, num_docs, parts, skipped, capped, _ = got[1]
+    assert len(parts) > 2 and skipped == ([str(src / "08-broken.jsonl")] if not max_bytes else [])
+    # the cap lands inside a later file, one the workers read ahead
+    assert (capped == max_bytes) and (40 < num_docs < 120 if max_bytes else num_docs > 250)
+    assert not list(tmp_path.glob("**/read-ahead/*"))
+
+
+def test_a_mistake_in_a_file_read_ahead_is_the_same_one_line_and_nothing_is_stored(tmp_path, monkeypatch):
+    from stoker.data import sources
+
+    monkeypatch.setattr(sources, "READ_AHEAD_BYTES", 0)
+    src = _mixed_folder(tmp_path / "src")
+    (src / "05-part.jsonl").write_text('{"text": "fine"}\nnot json at all\n')
+    store = Store(f"file://{tmp_path}/store")
+    cfg = DataConfig(source=str(src), num_workers=2, on_decode_error="skip")
+    with pytest.raises(DataError, match=r"05-part.jsonl line 2 is not JSON"):
+        data_prep.download_dataset(cfg, store)
+    assert not store.walk_files("datasets")  # the parts stored before it were taken back
+
+
+def test_an_s3_folder_read_ahead_fetches_in_the_workers_and_is_the_same_dataset(s3_root, tmp_path, monkeypatch):
+    """On S3 each worker fetches its own file (its listed size checked) and deletes it once
+    read: the same dataset as one reader's."""
+    import s3fs
+
+    from stoker.data import sources
+
+    monkeypatch.setattr(sources, "READ_AHEAD_BYTES", 0)
+    root, options = s3_root
+    bucket = root.split("/")[2]
+    fs = s3fs.S3FileSystem(**options)
+    for k in range(3):
+        fs.pipe_file(f"{bucket}/src/{k}.jsonl", _records(20 + k, tag=f"s3-{k}").encode())
+    got = []
+    for workers in (1, 2):
+        cfg = DataConfig(source=f"s3://{bucket}/src/", storage_options=options, num_workers=workers)
+        ds = data_prep.download_dataset(cfg, Store(f"file://{tmp_path}/store-{workers}"))
+        got.append((ds.fingerprint, ds.num_docs))
+    assert got[0] == got[1] and got[0][1] == 63
