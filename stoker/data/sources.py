@@ -28,7 +28,7 @@ import re
 import sysconfig
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from stoker.config import BUILTIN_SOURCE, DataConfig
 from stoker.data.synthetic import CONTRACTS_SOURCE, write_contracts
@@ -491,33 +491,47 @@ def _read_ahead_pays(source: Source, cfg: DataConfig) -> bool:
     return (min(total, cfg.max_bytes) if cfg.max_bytes else total) >= READ_AHEAD_BYTES
 
 
+class _FileUnits(Sequence):
+    """The read ahead's units (file_lines), one a source file, each made when it is asked for:
+    nothing more is held per file than the source's own list."""
+
+    def __init__(self, source: Source, cfg: DataConfig, folder: str):
+        self.source, self.cfg, self.folder = source, cfg, folder
+
+    def __len__(self) -> int:
+        return len(self.source.files)
+
+    def out(self, i: int) -> str:
+        return os.path.join(self.folder, f"{i:06d}.jsonl")
+
+    def __getitem__(self, i: int):
+        from stoker.data.units import Unit
+
+        f = self.source.files[i]
+        args = {
+            # what a worker reads of the file: the size of a remote one checks its fetch
+            "file": {**dataclasses.asdict(f), "info": {"size": f.info.get("size")}},
+            "index": i,
+            "workdir": self.source.workdir,
+            "out": self.out(i),
+            "text_field": self.cfg.text_field,
+            "storage_options": self.cfg.storage_options,
+        }
+        return Unit("stoker.data.sources:file_lines", args, f"reading {f.name}")
+
+
 def _read_ahead(source: Source, cfg: DataConfig, workers: int) -> Iterator[tuple[str, Iterator]]:
-    from stoker.data.units import Unit, stream_units
+    from stoker.data.units import stream_units
     from stoker.storage.store import Store
 
     folder = os.path.join(source.workdir, "read-ahead")
     os.makedirs(folder, exist_ok=True)
-    units = [
-        Unit(
-            "stoker.data.sources:file_lines",
-            {
-                # what a worker reads of the file: the size of a remote one checks its fetch
-                "file": {**dataclasses.asdict(f), "info": {"size": f.info.get("size")}},
-                "index": i,
-                "workdir": source.workdir,
-                "out": os.path.join(folder, f"{i:06d}.jsonl"),
-                "text_field": cfg.text_field,
-                "storage_options": cfg.storage_options,
-            },
-            f"reading {f.name}",
-        )
-        for i, f in enumerate(source.files)
-    ]
+    units = _FileUnits(source, cfg, folder)
     # the units need no store: a local one of the work folder keeps the workers off the network
     results = stream_units(units, Store("file://" + folder), workers, ahead=2 * workers)
     try:
-        for unit, result in zip(units, results):
-            yield unit.args["file"]["name"], _lines_read(result, unit.args["out"])
+        for i, result in enumerate(results):
+            yield source.files[i].name, _lines_read(result, units.out(i))
     finally:
         results.close()
 

@@ -32,7 +32,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from stoker.config import RayConfig
 from stoker.data import ray_engine
@@ -228,7 +228,7 @@ class _Pool:
     def run(self, units: list[Unit], done: Callable[[dict], None]) -> list[dict]:
         return list(self.stream(units, done))
 
-    def stream(self, units: list[Unit], done: Callable[[dict], None], ahead: int | None = None) -> Iterator[Any]:
+    def stream(self, units: Sequence[Unit], done: Callable[[dict], None], ahead: int | None = None) -> Iterator[Any]:
         """The units' results in their order, each yielded once it and those before it are
         done; with `ahead`, no unit starts more than `ahead` places past the next to yield
         (what the units leave on this host's disk stays bounded while the caller reads)."""
@@ -284,7 +284,7 @@ class _Pool:
                 idle.append(self._start())
 
 
-def stream_units(units: list[Unit], store: Store, workers: int, ahead: int) -> Iterator[dict]:
+def stream_units(units: Sequence[Unit], store: Store, workers: int, ahead: int) -> Iterator[dict]:
     """The units' results in order, as they are done, on up to `workers` processes of this
     host, none more than `ahead` units past the result the caller is reading (see _Pool.stream);
     the workers end when the caller stops reading."""
