@@ -346,3 +346,6 @@ def test_bench_download_smoke_run_reads_ahead_to_the_same_dataset(capsys, monkey
     out = capsys.readouterr().out
     assert streamed == [4] and result["speedup"] > 0
     assert _figures(r"ratio one reader / read ahead: ([\d.]+) \(the same fingerprint\)", out)[0] > 0
+    peaks = bench_download.memory(3, 2)  # the 1x and 10x peaks, one reader and read ahead
+    assert sorted(peaks) == ["30x1", "30x2", "3x1", "3x2"] and all(v > 0 for v in peaks.values())
+    assert len(_figures(r"ratio 10x / 1x ([\d.]+)", capsys.readouterr().out)) == 2
